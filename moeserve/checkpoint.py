@@ -1,0 +1,152 @@
+"""Read and write HF safetensors checkpoints lazily (mmap), one tensor at a time.
+
+Opening a checkpoint reads only the headers, so a model larger than RAM can be opened and its
+tensors streamed to wherever they live. Expert weights come in two spellings and both are read:
+  per-expert (classic HF):  ...experts.{j}.w1/w3/w2.weight (Mixtral), ...experts.{j}.gate_proj/up_proj/down_proj.weight
+  fused (transformers 5.x): ...experts.gate_up_proj [E, 2F, D] and ...experts.down_proj [E, D, F]
+moeserve's own names are the fused transformers-5 names, so a model's state_dict is itself a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeserve.errors import MoeserveError
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def validate_safetensors(path: Path) -> dict:
+    """Parse the header and check the file holds every byte it promises; returns the header."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise MoeserveError(f"{path} is truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise MoeserveError(f"{path} is truncated (header promises {n} bytes, file has {size})")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MoeserveError(f"{path} is not a safetensors file (unreadable header)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise MoeserveError(f"{path} is truncated: tensors need {8 + n + end} bytes, the file has {size}")
+    return header
+
+
+class CheckpointReader:
+    """Name -> tensor access over one or many safetensors files, opened lazily."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise MoeserveError(f"{index} is not a valid safetensors index: {e}") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise MoeserveError(f"{str(self.path)!r} holds no *.safetensors weights")
+            weight_map = None
+        self._file_of: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            fpath = self.path / name
+            if not fpath.is_file():
+                raise MoeserveError(f"checkpoint shard {name} listed in {INDEX_FILE} is missing")
+            header = validate_safetensors(fpath)
+            for key, meta in header.items():
+                if key != "__metadata__" and (weight_map is None or weight_map.get(key) == name):
+                    self._file_of[key] = name
+                    self.shapes[key] = tuple(meta["shape"])
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def keys(self):
+        return self._file_of.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise MoeserveError(f"checkpoint {str(self.path)!r} lacks the tensor {name!r}")
+        fname = self._file_of[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.path / fname), framework="pt", device="cpu")
+        return self._handles[fname].get_tensor(name)
+
+
+# ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------
+
+_FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "default": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _classic_moe_prefix(name: str, family: str) -> str:
+    return name.replace(".mlp.", f".{_PER_EXPERT.get(family, _PER_EXPERT['default'])[0]}.", 1)
+
+
+def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: int) -> torch.Tensor:
+    """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses."""
+    if name in reader:
+        return reader.get(name)
+    alt = _classic_moe_prefix(name, family)
+    if alt in reader:  # e.g. Mixtral's block_sparse_moe.gate.weight
+        return reader.get(alt)
+    m = _FUSED.match(name)
+    if m is None:
+        return reader.get(name)  # raises a clear "lacks the tensor" error
+    block, _, which = m.groups()
+    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
+    block = block.replace(".mlp", f".{prefix}", 1)
+    if which == "down_proj":  # [E, D, F]
+        return torch.stack([reader.get(f"{block}.experts.{j}.{down}.weight") for j in range(num_experts)])
+    return torch.stack([  # [E, 2F, D]: gate rows first, then up rows
+        torch.cat([reader.get(f"{block}.experts.{j}.{gate}.weight"), reader.get(f"{block}.experts.{j}.{up}.weight")])
+        for j in range(num_experts)
+    ])
+
+
+def to_per_expert(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """Classic per-expert HF names (what every HF-format tool reads) from moeserve's fused names."""
+    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
+    out = {}
+    for name, t in state.items():
+        m = _FUSED.match(name)
+        if m is None:
+            out[_classic_moe_prefix(name, family) if ".mlp.gate." in name else name] = t
+            continue
+        block = m.group(1).replace(".mlp", f".{prefix}", 1)
+        for j in range(t.shape[0]):
+            if m.group(3) == "down_proj":
+                out[f"{block}.experts.{j}.{down}.weight"] = t[j]
+            else:
+                g, u = t[j].chunk(2, dim=0)
+                out[f"{block}.experts.{j}.{gate}.weight"] = g
+                out[f"{block}.experts.{j}.{up}.weight"] = u
+    return out
+
+
+def save_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    """Write to a temporary name then rename, so an interrupted save never leaves a half file."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata or {"format": "pt"})
+    os.replace(tmp, path)

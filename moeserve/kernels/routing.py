@@ -1,0 +1,40 @@
+"""Token -> expert mapping table: group the (token, slot) pairs by expert with one stable sort.
+
+No one-hot tensors: the table is built from a sort of the T*k expert ids, a bincount and a prefix
+sum, so its cost is independent of the number of experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoutingTable:
+    token_ids: torch.Tensor  # [T*k] source token of each expert-sorted slot
+    weights: torch.Tensor  # [T*k] gate weight of each expert-sorted slot
+    counts: torch.Tensor  # [E] slots per expert
+    offsets: torch.Tensor  # [E] exclusive end offsets (cumsum of counts), int32 for grouped GEMMs
+
+
+def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
+    """expert_ids/expert_weights [T, k] -> slots sorted by expert (stable, so token order is kept)."""
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    return RoutingTable(
+        token_ids=order // k,
+        weights=expert_weights.reshape(-1)[order],
+        counts=counts,
+        offsets=torch.cumsum(counts, 0).to(torch.int32),
+    )
+
+
+def combine(expert_out: torch.Tensor, table: RoutingTable, num_tokens: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Scale each expert-sorted row by its gate weight and scatter-add it back to its token: [T, D]."""
+    scaled = (expert_out * table.weights[:, None]).to(out_dtype)  # [T*k, D]
+    out = torch.zeros(num_tokens, expert_out.shape[1], dtype=out_dtype, device=expert_out.device)
+    return out.index_add_(0, table.token_ids, scaled)

@@ -1,0 +1,93 @@
+"""Dense building blocks: RMSNorm, rotary embedding, GQA attention with a KV cache, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.spec import ModelSpec, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, scale in the input dtype (as HF does, so bf16 results agree)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed on the fly from integer positions (any length, any rope type)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        inv_freq, self.scale = rope_inv_freq(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dh]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, Dh]; cos/sin [B, S, Dh]; rotate-half convention (HF/Llama)."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        D, H, Hkv, Dh = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.layer_idx, self.H, self.Hkv, self.Dh = layer_idx, H, Hkv, Dh
+        self.q_proj = nn.Linear(D, H * Dh, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(Dh, spec.rms_norm_eps), RMSNorm(Dh, spec.rms_norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.rms_norm_eps), RMSNorm(Hkv * Dh, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv
+
+    def forward(self, x, cos, sin, mask, kv=None):
+        """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None."""
+        B, S, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, S, self.H, self.Dh)
+        k = k.view(B, S, self.Hkv, self.Dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, Dh]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
+        v = v.view(B, S, self.Hkv, self.Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
+        if kv is not None:
+            k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.H * self.Dh))
+
+
+class MLP(nn.Module):
+    """SwiGLU FFN: dense layers and shared experts."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,36 @@
+"""MoE block: router -> expert backend (dispatch, expert FFNs, combine) (+ shared expert)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.model.experts import ResidentExperts
+from moeserve.model.layers import MLP
+from moeserve.model.router import TopKRouter
+from moeserve.spec import ModelSpec
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        D = spec.hidden_size
+        self.gate = TopKRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
+        self.experts: nn.Module = ResidentExperts(spec.num_experts, D, spec.expert_ffn)
+        if spec.shared_expert_ffn:
+            self.shared_expert = MLP(D, spec.shared_expert_ffn)
+            self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_expert_gate else None
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [T, D]
+        expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
+        out = self.experts(x, expert_ids, expert_weights)  # [T, D]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.reshape(shape)

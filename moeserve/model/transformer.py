@@ -1,0 +1,95 @@
+"""The decoder stack: forward(tokens, positions, kv) -> logits, for every supported family."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.engine.kv_cache import KVCache
+from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from moeserve.model.moe import MoEBlock
+from moeserve.spec import ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MoEBlock(spec) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
+        self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+
+    def forward(self, x, cos, sin, mask, kv):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside MoETransformer so parameter names equal HF's (`model.layers.0...`)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+def attention_masks(q_slots, key_valid, windows):
+    """Boolean masks [B, 1, S, S_total] per distinct sliding window (None = full causal).
+
+    q_slots [S] are the cache slots of the new tokens, key_valid [B, S_total] marks real tokens.
+    A query always sees itself, so a pad row never has an empty (NaN) softmax.
+    """
+    k_slots = torch.arange(key_valid.shape[1], device=key_valid.device)  # [S_total]
+    diff = q_slots[:, None] - k_slots[None, :]  # [S, S_total]
+    masks = {}
+    for w in set(windows):
+        allowed = diff >= 0 if w is None else (diff >= 0) & (diff < w)
+        masks[w] = ((allowed[None] & key_valid[:, None, :]) | (diff == 0)[None])[:, None]
+    return masks
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.rotary = RotaryEmbedding(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, kv: KVCache | None = None,
+                valid: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, V] (or [B, 1, V] with last_only).
+
+        positions [B, S] default to 0..S-1 after what `kv` holds; valid [B, S] marks non-pad tokens.
+        """
+        B, S = tokens.shape
+        start = kv.length if kv is not None else 0
+        if valid is None:
+            valid = torch.ones(B, S, dtype=torch.bool, device=tokens.device)
+        if positions is None:
+            positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
+        key_valid = kv.begin(valid) if kv is not None else valid  # [B, S_total]
+        q_slots = torch.arange(start, start + S, device=tokens.device)
+        windows = [layer.sliding_window for layer in self.model.layers]
+        masks = attention_masks(q_slots, key_valid, windows)
+        x = self.model.embed_tokens(tokens)  # [B, S, D]
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, masks[layer.sliding_window], kv)
+        if kv is not None:
+            kv.commit()
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,342 @@
+"""ModelSpec: one normalised description of every supported MoE architecture.
+
+Each HF family spells the same ideas differently (`num_local_experts` vs `num_experts`,
+`rope_scaling` vs `rope_parameters`, qk-norm per head vs over all heads). `from_hf_config`
+reads a config.json dict once and the rest of moeserve only ever sees a ModelSpec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moeserve.errors import MoeserveError
+
+# architectures value in config.json -> family name used inside moeserve
+SUPPORTED_ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None | "head" (Qwen3: per head) | "full" (OLMoE: over all heads)
+    clip_qkv: float | None = None
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    # sparse part
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 14336
+    norm_topk_prob: bool = True
+    router_weights_fp32: bool = True  # Mixtral keeps routing weights in fp32, Qwen/OLMoE cast to the model dtype
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
+    dense_ffn: int = 0  # FFN width of dense layers
+    shared_expert_ffn: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared expert
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    torch_dtype: str = "float32"
+
+    # ---- derived sizes -------------------------------------------------------------------
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters split into dense (always active) and sparse (routed experts)."""
+        D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = D * H * Dh * 2 + D * Hkv * Dh * 2 + 2 * D  # q, o, k, v, two norms
+        if self.qkv_bias:
+            attn += H * Dh + 2 * Hkv * Dh
+        if self.qk_norm == "head":
+            attn += 2 * Dh
+        elif self.qk_norm == "full":
+            attn += H * Dh + Hkv * Dh
+        dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + D
+        sparse = 0
+        active_sparse = 0
+        for is_moe in self.moe_layers:
+            dense += attn
+            if is_moe:
+                dense += self.num_experts * D  # router
+                dense += 3 * D * self.shared_expert_ffn + (D if self.shared_expert_gate else 0)
+                sparse += self.num_experts * 3 * D * self.expert_ffn
+                active_sparse += self.top_k * 3 * D * self.expert_ffn
+            else:
+                dense += 3 * D * self.dense_ffn
+        return {"dense": dense, "experts": sparse, "total": dense + sparse, "active_per_token": dense + active_sparse}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            model_type = cfg.get("model_type")
+            family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(model_type)
+            if family is None or archs:
+                raise MoeserveError(
+                    f"unsupported architecture {archs or model_type!r}; supported: "
+                    + ", ".join(SUPPORTED_ARCHITECTURES)
+                )
+        try:
+            return _SPEC_READERS[family](cfg)
+        except KeyError as e:
+            raise MoeserveError(f"config.json for {family} lacks the field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelSpec":
+        return cls.from_hf_config(read_config(path))
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise MoeserveError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise MoeserveError(f"model path {str(path)!r} is not a directory (expected config.json + *.safetensors)")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise MoeserveError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoeserveError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise MoeserveError(f"{cfg_path} must hold a JSON object")
+    return cfg
+
+
+# ---- per-family readers ------------------------------------------------------------------
+
+
+def _rope(cfg: dict) -> RopeSpec:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise MoeserveError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise MoeserveError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    kw = {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+          if params.get(k) is not None}
+    if rope_type == "yarn" and "original_max_position_embeddings" not in kw:
+        kw["original_max_position_embeddings"] = cfg["max_position_embeddings"]
+    return RopeSpec(theta=float(theta), type=rope_type, **kw)
+
+
+def _common(cfg: dict, family: str) -> dict:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MoeserveError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    H = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dict(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=H,
+        num_kv_heads=cfg.get("num_key_value_heads") or H,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // H,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope=_rope(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        pad_token_id=cfg.get("pad_token_id"),
+        torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+    )
+
+
+def _mixtral(cfg: dict) -> ModelSpec:
+    c = _common(cfg, "mixtral")
+    L = c["num_layers"]
+    return ModelSpec(
+        **c,
+        sliding_windows=(cfg.get("sliding_window"),) * L,
+        num_experts=cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["intermediate_size"],
+        norm_topk_prob=True,
+        router_weights_fp32=True,
+        moe_layers=(True,) * L,
+    )
+
+
+def _num_experts(cfg: dict) -> int:
+    """Qwen/OLMoE checkpoints say num_experts; transformers 5 may write num_local_experts instead."""
+    n = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if n is None:
+        raise KeyError("num_experts")
+    return n
+
+
+def _qwen_moe_layers(cfg: dict, L: int) -> tuple[bool, ...]:
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    n_exp = _num_experts(cfg)
+    return tuple(i not in mlp_only and n_exp > 0 and (i + 1) % step == 0 for i in range(L))
+
+
+def _qwen2_windows(cfg: dict, L: int) -> tuple[int | None, ...]:
+    if not cfg.get("use_sliding_window", False):
+        return (None,) * L
+    types = cfg.get("layer_types")
+    if types is None:
+        mwl = cfg.get("max_window_layers", L)
+        types = ["sliding_attention" if (i + 1) % 2 and i < mwl else "full_attention" for i in range(L)]
+    return tuple(cfg["sliding_window"] if t == "sliding_attention" else None for t in types)
+
+
+def _qwen2_moe(cfg: dict) -> ModelSpec:
+    c = _common(cfg, "qwen2_moe")
+    L = c["num_layers"]
+    return ModelSpec(
+        **c,
+        qkv_bias=bool(cfg.get("qkv_bias", True)),
+        sliding_windows=_qwen2_windows(cfg, L),
+        num_experts=_num_experts(cfg),
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        router_weights_fp32=False,
+        moe_layers=_qwen_moe_layers(cfg, L),
+        dense_ffn=cfg.get("intermediate_size", 0),
+        shared_expert_ffn=cfg.get("shared_expert_intermediate_size", 0),
+        shared_expert_gate=cfg.get("shared_expert_intermediate_size", 0) > 0,
+    )
+
+
+def _qwen3_moe(cfg: dict) -> ModelSpec:
+    c = _common(cfg, "qwen3_moe")
+    L = c["num_layers"]
+    bias = bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    return ModelSpec(
+        **c,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="head",
+        sliding_windows=(window,) * L,
+        num_experts=_num_experts(cfg),
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        router_weights_fp32=False,
+        moe_layers=_qwen_moe_layers(cfg, L),
+        dense_ffn=cfg.get("intermediate_size", 0),
+    )
+
+
+def _olmoe(cfg: dict) -> ModelSpec:
+    c = _common(cfg, "olmoe")
+    L = c["num_layers"]
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        **c,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="full",
+        clip_qkv=cfg.get("clip_qkv"),
+        sliding_windows=(None,) * L,
+        num_experts=_num_experts(cfg),
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        router_weights_fp32=False,
+        moe_layers=(True,) * L,
+    )
+
+
+_SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):
+    """Inverse frequencies [head_dim/2] and the cos/sin scale, as each rope type defines them."""
+    import torch
+
+    base = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [Dh/2]
+    inv_freq = 1.0 / base
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        old_ctx = rope.original_max_position_embeddings or max_position_embeddings
+        low_wl, high_wl = old_ctx / rope.low_freq_factor, old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wl, inv_freq / rope.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope.type == "yarn":
+        return _yarn(rope, head_dim, base)
+    return inv_freq, 1.0
+
+
+def _yarn(rope: RopeSpec, dim: int, pos_freqs):
+    import torch
+
+    factor, orig = rope.factor, rope.original_max_position_embeddings
+
+    def mscale_of(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rope.attention_factor
+    if attn is None:
+        attn = (mscale_of(factor, rope.mscale) / mscale_of(factor, rope.mscale_all_dim)
+                if rope.mscale and rope.mscale_all_dim else mscale_of(factor))
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [Dh/2]
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn)
