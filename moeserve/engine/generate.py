@@ -1,0 +1,120 @@
+"""Prefill + decode loop over a batch of prompts of different lengths, with streaming and stop rules.
+
+Prompts are left-padded into one batch; positions count real tokens only, pad slots are never
+attended to, so each sequence gets exactly the tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.engine.kv_cache import KVCache
+from moeserve.engine.sampling import SamplingParams, sample_next
+from moeserve.errors import MoeserveError
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded output (cut at a stop string); empty without a tokenizer
+    finish_reason: str | None = None  # "eos" | "stop" | "length"
+
+
+class TextStream:
+    """Incremental detokenisation: yields only text that is final (whole UTF-8 characters, not a possible
+    start of a stop string)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
+        self.decode, self.stop = decode, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0
+
+    def text(self, ids: list[int]) -> tuple[str, bool]:
+        """Full text so far (cut at the first stop string) and whether a stop string was hit."""
+        text = self.decode(ids)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def delta(self, text: str, final: bool) -> str:
+        end = len(text) if final else max(self.emitted, len(text.rstrip("\ufffd")) - self.hold)
+        out, self.emitted = text[self.emitted:end], max(self.emitted, end)
+        return out
+
+
+def generate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None, eos_ids=None,
+             on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
+    """Run to completion; `on_text(seq_index, new_text)` streams text as it becomes final."""
+    results = None
+    for results, _ in iterate(model, prompts, params, tokenizer, eos_ids, on_text):
+        pass
+    return results
+
+
+def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None, eos_ids=None,
+            on_text: Callable[[int, str], None] | None = None) -> Iterator[tuple[list[Generation], torch.Tensor]]:
+    """Yield (generations, new_tokens [B]) after every step: the streaming form of `generate`."""
+    spec, device = model.spec, model.device
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise MoeserveError("every prompt needs at least one token")
+    if params.stop and tokenizer is None:
+        raise MoeserveError("stop strings need a tokenizer")
+    eos = set(spec.eos_token_ids if eos_ids is None else eos_ids)
+    longest = max(len(p) for p in prompts)
+    context = spec.max_position_embeddings
+    if longest >= context:
+        raise MoeserveError(f"prompt of {longest} tokens does not fit the model's context of {context} tokens")
+    max_new = min(params.max_new_tokens, context - longest)
+    B = len(prompts)
+    pad = spec.pad_token_id if spec.pad_token_id is not None else 0
+    tokens = torch.full((B, longest), pad, dtype=torch.long)
+    valid = torch.zeros(B, longest, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= spec.vocab_size:
+            raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
+        tokens[b, longest - len(p):] = torch.tensor(p)
+        valid[b, longest - len(p):] = True
+    tokens, valid = tokens.to(device), valid.to(device)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
+    kv = KVCache(spec, B, longest + max_new, device, model.dtype)
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    gens = [Generation(prompt_ids=list(p)) for p in prompts]
+    streams = [TextStream(tokenizer.decode, params.stop) if tokenizer else None for _ in prompts]
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    with torch.inference_mode():
+        logits = model(tokens, positions, kv=kv, valid=valid, last_only=True)  # [B, 1, V]
+        next_pos = positions[:, -1:] + 1  # [B, 1]
+        for step in range(max_new):
+            new = sample_next(logits[:, -1], params, generator)  # [B]
+            for b in alive.nonzero().flatten().tolist():
+                _append(gens[b], streams[b], int(new[b]), eos, params, last=step == max_new - 1, on_text=on_text,
+                        index=b)
+                if gens[b].finish_reason:
+                    alive[b] = False
+            yield gens, new
+            if not alive.any():
+                break
+            logits = model(new[:, None], next_pos, kv=kv, valid=alive[:, None], last_only=True)
+            next_pos = next_pos + 1
+
+
+def _append(gen: Generation, stream: TextStream | None, token: int, eos: set[int], params: SamplingParams,
+            last: bool, on_text, index: int) -> None:
+    """Record one new token and decide whether this sequence is finished."""
+    if token in eos and not params.ignore_eos:
+        gen.finish_reason = "eos"
+    else:
+        gen.token_ids.append(token)
+    if stream is not None:
+        gen.text, hit = stream.text(gen.token_ids)
+        if hit:
+            gen.finish_reason = "stop"
+    if last and gen.finish_reason is None:
+        gen.finish_reason = "length"
+    if stream is not None and on_text is not None:
+        delta = stream.delta(gen.text, final=gen.finish_reason is not None)
+        if delta:
+            on_text(index, delta)
