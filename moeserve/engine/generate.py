@@ -56,25 +56,32 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=
 
 def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None, eos_ids=None,
             on_text: Callable[[int, str], None] | None = None) -> Iterator[tuple[list[Generation], torch.Tensor]]:
-    """Yield (generations, new_tokens [B]) after every step: the streaming form of `generate`."""
-    spec, device = model.spec, model.device
+    """Check the request now (errors before any output), then yield (generations, new_tokens [B]) per step."""
+    spec = model.spec
     if not prompts or any(len(p) == 0 for p in prompts):
         raise MoeserveError("every prompt needs at least one token")
     if params.stop and tokenizer is None:
         raise MoeserveError("stop strings need a tokenizer")
+    longest = max(len(p) for p in prompts)
+    if longest >= spec.max_position_embeddings:
+        raise MoeserveError(f"prompt of {longest} tokens does not fit the model's context of "
+                            f"{spec.max_position_embeddings} tokens")
+    for b, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= spec.vocab_size:
+            raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
+    return _steps(model, prompts, params, tokenizer, eos_ids, on_text)
+
+
+def _steps(model, prompts, params, tokenizer, eos_ids, on_text):
+    spec, device = model.spec, model.device
     eos = set(spec.eos_token_ids if eos_ids is None else eos_ids)
     longest = max(len(p) for p in prompts)
-    context = spec.max_position_embeddings
-    if longest >= context:
-        raise MoeserveError(f"prompt of {longest} tokens does not fit the model's context of {context} tokens")
-    max_new = min(params.max_new_tokens, context - longest)
+    max_new = min(params.max_new_tokens, spec.max_position_embeddings - longest)
     B = len(prompts)
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     tokens = torch.full((B, longest), pad, dtype=torch.long)
     valid = torch.zeros(B, longest, dtype=torch.bool)
     for b, p in enumerate(prompts):
-        if min(p) < 0 or max(p) >= spec.vocab_size:
-            raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
         tokens[b, longest - len(p):] = torch.tensor(p)
         valid[b, longest - len(p):] = True
     tokens, valid = tokens.to(device), valid.to(device)

@@ -1,0 +1,5 @@
+import sys
+
+from moeserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,212 @@
+"""The `moeserve` command: generate, info, eval ppl. Errors print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from moeserve.errors import MoeserveError
+
+DEMO_DIR = Path(__file__).parent / "demo"
+DEFAULT_PROMPT = "HAMLET. To be, or not to be"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(DEMO_DIR),
+                   help="checkpoint directory: config.json + *.safetensors (default: the built-in demo model)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (GPU when present; default auto)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on a CPU; default auto)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
+        epilog="Run `moeserve COMMAND --help` for the options of each command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    g = sub.add_parser("generate", help="generate text from prompts (streams it)",
+                       description="Generate text. With no prompt, uses a Shakespeare opening for the demo model.")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts (batched together)")
+    _model_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable; TEXT is not printed)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
+
+    i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
+                       description="Describe a checkpoint without loading its weights.")
+    i.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    e = sub.add_parser("eval", help="evaluate a model (perplexity)", description="Evaluate a model.")
+    esub = e.add_subparsers(dest="metric", metavar="METRIC", required=True)
+    ppl = esub.add_parser("ppl", help="perplexity on a text file",
+                          description="Perplexity over non-overlapping windows of a text file "
+                                      "(default: the demo model's held-out text).")
+    _model_args(ppl)
+    ppl.add_argument("--text", default=None, help="UTF-8 text file (default: the demo's held-out Hamlet)")
+    ppl.add_argument("--window", type=int, default=512, help="tokens per window (default 512, capped by the context)")
+    ppl.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    ppl.add_argument("--max-tokens", type=int, default=0, help="evaluate only the first N tokens (0 = all)")
+    return parser
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def _load(args):
+    import moeserve
+    from moeserve.tokenizer import load_tokenizer
+
+    model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True)
+    eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
+    return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
+
+
+def cmd_generate(args) -> int:
+    from moeserve.engine.generate import iterate
+    from moeserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
+    model, tok = _load(args)
+    texts = args.prompts or [DEFAULT_PROMPT]
+    prompts = [tok.encode(t) for t in texts]
+    stream = len(texts) == 1 and not args.no_stream
+
+    def on_text(_, delta):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    steps = iterate(model, prompts, params, tokenizer=tok, on_text=on_text if stream else None)  # validates
+    if stream:
+        on_text(0, texts[0])
+    for results, _ in steps:
+        pass
+    seconds = time.perf_counter() - t0
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for n, (text, r) in enumerate(zip(texts, results)):
+            print(f"--- [{n}] ({r.finish_reason})\n{text}{r.text}")
+    n_tokens = sum(len(r.token_ids) for r in results)
+    print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
+          f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def cmd_info(args) -> int:
+    from moeserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    counts = spec.parameter_counts()
+    memory = {name: counts["total"] * bits / 8 for name, bits in (("float32", 32), ("bfloat16", 16), ("int8", 8),
+                                                                   ("int4", 4), ("int3", 3))}
+    if args.json:
+        print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory}, indent=2))
+        return 0
+    rows = [
+        ("family", spec.family),
+        ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
+        ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
+        ("experts", f"{spec.num_experts} x FFN {spec.expert_ffn}, top-{spec.top_k}"
+                    + (f", shared expert FFN {spec.shared_expert_ffn}" if spec.shared_expert_ffn else "")),
+        ("vocab / context", f"{spec.vocab_size} / {spec.max_position_embeddings}"),
+        ("parameters: dense", f"{counts['dense']:,}"),
+        ("parameters: experts", f"{counts['experts']:,}"),
+        ("parameters: total", f"{counts['total']:,}"),
+        ("active per token", f"{counts['active_per_token']:,}"),
+    ] + [(f"weights at {k}", _fmt_bytes(v)) for k, v in memory.items()]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_eval_ppl(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
+        raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
+    text_path = Path(args.text) if args.text else Path(args.model) / "heldout.txt"
+    if not text_path.is_file():
+        raise MoeserveError(f"text file {str(text_path)!r} not found" + ("" if args.text else "; pass --text FILE"))
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise MoeserveError(f"{text_path} is not UTF-8 text") from None
+    model, tok = _load(args)
+    ids = tok.encode(text)
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    window = min(args.window, model.spec.max_position_embeddings)
+    windows = [ids[s:s + window] for s in range(0, len(ids) - 1, window)]
+    windows = [w for w in windows if len(w) > 1]
+    if not windows:
+        raise MoeserveError(f"{text_path} is too short to evaluate")
+    nll, count = 0.0, 0
+    bar = tqdm(total=sum(len(w) - 1 for w in windows), desc="perplexity", unit="tok", file=sys.stderr)
+    with torch.inference_mode():
+        for b in range(0, len(windows), args.batch_size):
+            batch = windows[b:b + args.batch_size]
+            n = max(len(w) for w in batch)
+            tokens = torch.tensor([w + [0] * (n - len(w)) for w in batch], device=model.device)
+            lengths = torch.tensor([len(w) for w in batch], device=model.device)
+            logits = model(tokens).float()  # [B, S, V] (right padding: causal, so real tokens never see it)
+            targets = tokens[:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
+            keep = torch.arange(n - 1, device=model.device)[None] < (lengths[:, None] - 1)  # [B, S-1]
+            nll += losses[keep].sum().item()
+            count += int(keep.sum())
+            bar.update(int(keep.sum()))
+            bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}")
+    bar.close()
+    ppl = math.exp(nll / count)
+    print(json.dumps({"model": args.model, "text": str(text_path), "tokens": count, "window": window,
+                      "perplexity": round(ppl, 4), "bits_per_token": round(nll / count / math.log(2), 4),
+                      "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl}[args.command]
+    try:
+        return command(args)
+    except MoeserveError as e:
+        print(f"moeserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmoeserve: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - resource failures get one line too
+        if type(e).__name__ == "OutOfMemoryError":
+            print("moeserve: error: out of GPU memory; try --device cpu, a smaller batch or --dtype bfloat16",
+                  file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
