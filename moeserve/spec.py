@@ -229,20 +229,27 @@ def _qwen2_windows(cfg: dict, L: int) -> tuple[int | None, ...]:
     return tuple(cfg["sliding_window"] if t == "sliding_attention" else None for t in types)
 
 
+def _qwen_sparse(cfg: dict, L: int, norm_topk_default: bool) -> dict:
+    """The sparse part both Qwen MoE generations share: dense layers interleaved by sparse step."""
+    return dict(
+        num_experts=_num_experts(cfg),
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_default)),
+        router_weights_fp32=False,
+        moe_layers=_qwen_moe_layers(cfg, L),
+        dense_ffn=cfg.get("intermediate_size", 0),
+    )
+
+
 def _qwen2_moe(cfg: dict) -> ModelSpec:
     c = _common(cfg, "qwen2_moe")
     L = c["num_layers"]
     return ModelSpec(
         **c,
+        **_qwen_sparse(cfg, L, norm_topk_default=False),
         qkv_bias=bool(cfg.get("qkv_bias", True)),
         sliding_windows=_qwen2_windows(cfg, L),
-        num_experts=_num_experts(cfg),
-        top_k=cfg["num_experts_per_tok"],
-        expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        router_weights_fp32=False,
-        moe_layers=_qwen_moe_layers(cfg, L),
-        dense_ffn=cfg.get("intermediate_size", 0),
         shared_expert_ffn=cfg.get("shared_expert_intermediate_size", 0),
         shared_expert_gate=cfg.get("shared_expert_intermediate_size", 0) > 0,
     )
@@ -257,15 +264,9 @@ def _qwen3_moe(cfg: dict) -> ModelSpec:
         **c,
         qkv_bias=bias,
         o_bias=bias,
+        **_qwen_sparse(cfg, L, norm_topk_default=True),
         qk_norm="head",
         sliding_windows=(window,) * L,
-        num_experts=_num_experts(cfg),
-        top_k=cfg["num_experts_per_tok"],
-        expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        router_weights_fp32=False,
-        moe_layers=_qwen_moe_layers(cfg, L),
-        dense_ffn=cfg.get("intermediate_size", 0),
     )
 
 
