@@ -1,0 +1,197 @@
+"""Helpers shared by the bench scripts: run records, timing, and the measured rates floors are built from.
+
+Rules (docs: BENCHMARKS.md): floors first, ratios side by side in one run, medians, rotating inputs,
+never zeros, one JSON per run with commit, device, versions, config, every figure and its floor.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+# ---- run record ---------------------------------------------------------------------------------
+
+
+def git_state() -> dict:
+    """Commit of the checkout and whether tracked files differ from it. MOESERVE_GIT_COMMIT overrides
+    (for copies of the tree without .git, e.g. on a remote GPU machine)."""
+    override = os.environ.get("MOESERVE_GIT_COMMIT")
+    if override:
+        return {"commit": override, "dirty": None, "source": "MOESERVE_GIT_COMMIT"}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                capture_output=True, text=True, check=True, timeout=10).stdout
+        return {"commit": commit, "dirty": bool(status.strip()), "source": "git"}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None, "source": "unavailable (no git checkout)"}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """GPU name for a CUDA device (default: CUDA if available), else the CPU model."""
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # not installed, or broken install: record that, don't crash the bench
+        return None
+
+
+def result_record(name: str, config: dict, device: torch.device | str | None = None) -> dict:
+    """The fields every result JSON carries; the script adds its figures and floors."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    return {
+        "name": name,
+        "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git": git_state(),
+        "device": device_name(dev),
+        "device_type": dev.type,
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "config": config,
+    }
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def write_result(record: dict, out_dir: str | Path | None = None) -> Path:
+    """bench/results/<name>[-quick]-<device-slug>-<date>.json (out_dir overrides the folder)."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = record["date"].replace("-", "").replace(":", "").replace("T", "-").rstrip("Z")
+    name = record["name"] + ("-quick" if record.get("config", {}).get("quick") else "")
+    path = out / f"{name}-{slug(record['device'])}-{stamp}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def _rotating(fn: Callable, inputs: Sequence) -> Callable[[], object]:
+    state = {"i": 0}
+
+    def call():
+        x = inputs[state["i"] % len(inputs)]
+        state["i"] += 1
+        return fn(x)
+
+    return call
+
+
+def time_fn(fn: Callable, inputs: Sequence, device: torch.device | str = "cpu", reps: int = 20,
+            warmup: int = 3) -> float:
+    """Median milliseconds of fn(x), x cycling through `inputs` (so no single input sits in cache).
+
+    CUDA: triton.testing.do_bench (median; it also flushes L2 between calls), CUDA events without
+    triton. CPU: median of `reps` time.perf_counter runs after `warmup` calls.
+    """
+    call = _rotating(fn, inputs)
+    if torch.device(device).type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            try:
+                return float(do_bench(call, warmup=25, rep=100, return_mode="median"))
+            except TypeError:  # a triton without return_mode: CUDA events below
+                pass
+        for _ in range(warmup):
+            call()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- measured rates (for floors) ----------------------------------------------------------------
+
+
+def measure_hbm_bandwidth(device: torch.device | str = "cuda", nbytes: int | None = None) -> dict:
+    """Memory bandwidth of a large copy on `device`, bytes read + written per second.
+
+    Default size: 1 GiB on a GPU (far beyond L2), 256 MiB on a CPU (beyond any last-level cache).
+    """
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    n = nbytes // 4
+    src = [torch.rand(n, device=device), torch.rand(n, device=device)]  # two sources: rotate, never zeros
+    dst = torch.empty(n, device=device)
+    ms = time_fn(lambda s: dst.copy_(s), src, device, reps=10, warmup=2)
+    nbytes = n * 4
+    return {"bytes_per_s": 2 * nbytes / (ms * 1e-3), "copy_bytes": nbytes, "ms": ms,
+            "method": "device-to-device copy, read+write counted"}
+
+
+def measure_matmul_flops(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                         n: int | None = None) -> dict:
+    """Dense n x n x n matmul rate in FLOP/s (8192 on a GPU, 1024 on a CPU by default)."""
+    device = torch.device(device)
+    if n is None:
+        n = 8192 if device.type == "cuda" else 1024
+    a = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(2)]
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = time_fn(lambda x: x @ b, a, device, reps=5, warmup=1)
+    return {"flop_per_s": 2 * n ** 3 / (ms * 1e-3), "n": n, "dtype": str(dtype).removeprefix("torch."), "ms": ms}

@@ -1,0 +1,65 @@
+"""The bench scripts' --quick smoke runs: they finish on a CPU and write a complete result JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+COMMON_FIELDS = ("name", "date", "git", "device", "device_type", "threads", "torch", "triton", "transformers", "config")
+
+
+def run_quick(tmp_path):
+    """Both scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    procs = {}
+    for script in ("moe_block", "decode"):
+        out = tmp_path / script
+        cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(out)]
+        procs[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
+                         out)
+    results = {}
+    for script, (proc, out) in procs.items():
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{script} --quick failed:\n{log[-3000:]}"
+        files = list(out.glob("*.json"))
+        assert len(files) == 1, (files, log[-2000:])
+        results[script] = json.loads(files[0].read_text())
+    return results
+
+
+def test_bench_quick_runs_write_json(tmp_path):
+    results = run_quick(tmp_path)
+
+    moe = results["moe_block"]
+    for f in COMMON_FIELDS:
+        assert f in moe, f
+    assert moe["name"] == "moe_block" and moe["config"]["quick"] is True
+    assert "commit" in moe["git"] and "dirty" in moe["git"]
+    assert moe["floor_rates"]["copy_bandwidth"]["bytes_per_s"] > 0
+    assert moe["floor_rates"]["matmul"]["flop_per_s"] > 0
+    assert {s["shape"] for s in moe["shapes"]} == {"mixtral", "deepseek_like"}
+    for shape in moe["shapes"]:
+        assert shape["correctness"]["ours_vs_hf_eager_rel_err"] < 1e-4  # fp32 on the CPU
+        assert shape["correctness"]["hf_grouped_vs_hf_eager_rel_err"] < 1e-4
+        assert [r["tokens"] for r in shape["rows"]] == moe["config"]["tokens"]
+        for r in shape["rows"]:
+            for f in ("ours_ms", "hf_eager_ms", "hf_grouped_mm_ms", "floor_ms", "ours_over_floor",
+                      "ours_over_hf_grouped_mm", "distinct_experts"):
+                assert f in r, f
+            assert r["ours_ms"] > 0 and r["floor_ms"] > 0
+            assert all(1 <= d <= shape["num_experts"] for d in r["distinct_experts"])
+        assert shape["rows"][0]["distinct_experts"] == [shape["top_k"]] * len(shape["rows"][0]["distinct_experts"])
+
+    dec = results["decode"]
+    for f in COMMON_FIELDS:
+        assert f in dec, f
+    assert dec["name"] == "decode" and dec["config"]["quick"] is True
+    assert [r["batch"] for r in dec["results"]] == dec["config"]["batch_sizes"]
+    for r in dec["results"]:
+        for side in ("ours", "hf"):
+            assert r[side]["prefill_ms"] > 0 and r[side]["decode_tok_s"] > 0
+        assert r["floor"]["decode_tok_s"] > 0 and r["floor"]["weight_bytes"] > 0
+        assert "ours_decode_over_hf_decode_speed" in r and "ours_step_over_floor" in r
+        assert r["greedy_match_prefix"]["min"] == r["new_tokens"]  # fp32 greedy: identical to transformers
