@@ -1,6 +1,6 @@
 """Token -> expert mapping table: group the (token, slot) pairs by expert with one stable sort.
 
-No one-hot tensors: the table is built from a sort of the T*k expert ids, a bincount and a prefix
+No one-hot tensors: the table is built from a sort of the T*k expert ids, a count and a prefix
 sum, so its cost is independent of the number of experts.
 """
 
@@ -24,7 +24,9 @@ def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, 
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # scatter-add, not bincount: bincount sizes its output from the data, a host sync on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))  # [E]
     return RoutingTable(
         token_ids=order // k,
         weights=expert_weights.reshape(-1)[order],

@@ -7,6 +7,8 @@ by replacing `MoEBlock.experts` without touching the model code.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,10 +16,15 @@ from torch import nn
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 
 
+@functools.cache
+def _sm90_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
     """torch._grouped_mm runs on CUDA (sm90+) in bf16 with 16-byte aligned rows."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and all(d % 8 == 0 for d in dims) and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and all(d % 8 == 0 for d in dims) and _sm90_or_newer(x.device))
 
 
 class ResidentExperts(nn.Module):
