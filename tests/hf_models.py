@@ -13,6 +13,10 @@ def family_configs():
     return {
         "mixtral": ("MixtralConfig", dict(COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
                                           rope_theta=10000.0)),
+        "mixtral_sliding": ("MixtralConfig", dict(COMMON, intermediate_size=48, num_local_experts=4,
+                                                  num_experts_per_tok=2, sliding_window=5,
+                                                  rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 5000.0})),
         "qwen2_moe": ("Qwen2MoeConfig", dict(COMMON, intermediate_size=80, moe_intermediate_size=32, num_experts=8,
                                               num_experts_per_tok=3, shared_expert_intermediate_size=56,
                                               decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
@@ -20,7 +24,7 @@ def family_configs():
                                               num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
                                               mlp_only_layers=[], norm_topk_prob=True)),
         "olmoe": ("OlmoeConfig", dict(COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2,
-                                      norm_topk_prob=False)),
+                                      norm_topk_prob=False, clip_qkv=0.6)),
     }
 
 
