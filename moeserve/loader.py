@@ -55,7 +55,7 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
     with torch.device("meta"):
         model = MoETransformer(spec)
     params = list(model.named_parameters())  # tied lm_head appears once, as the embedding
-    for name, meta in tqdm(params, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+    for name, meta in tqdm(params, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0):
         t = read_tensor(reader, name, spec.family, spec.num_experts)
         if tuple(t.shape) != tuple(meta.shape):
             raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
