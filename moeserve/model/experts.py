@@ -27,7 +27,40 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
             and all(d % 8 == 0 for d in dims) and _sm90_or_newer(x.device))
 
 
-class ResidentExperts(nn.Module):
+class LoopedExperts(nn.Module):
+    """Dispatch through the routing table, one FFN call per active expert, weighted combine.
+
+    Subclasses say how one expert computes its rows (`expert_ffn`); the loop is the CPU path and the
+    reference for every faster path.
+    """
+
+    num_experts: int
+
+    def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        table = build_routing_table(expert_ids, expert_weights, self.num_experts)
+        return combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
+
+    def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
+        """x_sorted [T*k, D] (expert-sorted rows) -> expert outputs [T*k, D], before gate weighting."""
+        y = torch.empty_like(x_sorted)
+        start = 0
+        for e, n in enumerate(table.counts.tolist()):
+            if n:
+                y[start:start + n] = self.expert_ffn(e, x_sorted[start:start + n])  # [n, D]
+                start += n
+        return y
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from a fused gate/up projection output [n, 2F] -> [n, F]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class ResidentExperts(LoopedExperts):
     """All experts of a layer in device memory, stacked: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int):
@@ -36,29 +69,12 @@ class ResidentExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        table = build_routing_table(expert_ids, expert_weights, self.num_experts)
-        x_sorted = x[table.token_ids]  # [T*k, D]
-        if grouped_mm_available(x, x.shape[1], self.ffn):
-            y = self._grouped(x_sorted, table)
-        else:
-            y = self._looped(x_sorted, table)
-        return combine(y, table, x.shape[0], x.dtype)
+    def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
 
-    def _grouped(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
-        """One grouped GEMM per projection over the expert-sorted rows (no host sync)."""
+    def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
+        if not grouped_mm_available(x_sorted, x_sorted.shape[1], self.ffn):
+            return super().run_sorted(x_sorted, table)
+        # one grouped GEMM per projection over the expert-sorted rows (no host sync)
         h = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=table.offsets)  # [T*k, 2F]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=table.offsets)  # [T*k, D]
-
-    def _looped(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
-        """One matmul pair per active expert (the CPU path and the reference)."""
-        y = torch.empty_like(x_sorted)
-        start = 0
-        for e, n in enumerate(table.counts.tolist()):
-            if n:
-                rows = x_sorted[start:start + n]  # [n, D]
-                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, F] x2
-                y[start:start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
-                start += n
-        return y
+        return torch._grouped_mm(swiglu(h), self.down_proj.transpose(1, 2), offs=table.offsets)
