@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -144,8 +143,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_eval_ppl(args) -> int:
-    import torch
-    from tqdm import tqdm
+    from moeserve.evaluate import perplexity
 
     if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
         raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
@@ -156,35 +154,18 @@ def cmd_eval_ppl(args) -> int:
         text = text_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise MoeserveError(f"{text_path} is not UTF-8 text") from None
+    if not text.strip():
+        raise MoeserveError(f"{text_path} is empty")
     model, tok = _load(args)
     ids = tok.encode(text)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
-    window = min(args.window, model.spec.max_position_embeddings)
-    windows = [ids[s:s + window] for s in range(0, len(ids) - 1, window)]
-    windows = [w for w in windows if len(w) > 1]
-    if not windows:
+    if len(ids) < 2:
         raise MoeserveError(f"{text_path} is too short to evaluate")
-    nll, count = 0.0, 0
-    bar = tqdm(total=sum(len(w) - 1 for w in windows), desc="perplexity", unit="tok", file=sys.stderr)
-    with torch.inference_mode():
-        for b in range(0, len(windows), args.batch_size):
-            batch = windows[b:b + args.batch_size]
-            n = max(len(w) for w in batch)
-            tokens = torch.tensor([w + [0] * (n - len(w)) for w in batch], device=model.device)
-            lengths = torch.tensor([len(w) for w in batch], device=model.device)
-            logits = model(tokens).float()  # [B, S, V] (right padding: causal, so real tokens never see it)
-            targets = tokens[:, 1:]
-            losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
-            keep = torch.arange(n - 1, device=model.device)[None] < (lengths[:, None] - 1)  # [B, S-1]
-            nll += losses[keep].sum().item()
-            count += int(keep.sum())
-            bar.update(int(keep.sum()))
-            bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}")
-    bar.close()
-    ppl = math.exp(nll / count)
-    print(json.dumps({"model": args.model, "text": str(text_path), "tokens": count, "window": window,
-                      "perplexity": round(ppl, 4), "bits_per_token": round(nll / count / math.log(2), 4),
+    result = perplexity(model, ids, args.window, args.batch_size)
+    print(json.dumps({"model": args.model, "text": str(text_path), "tokens": result["tokens"],
+                      "window": result["window"], "perplexity": round(result["perplexity"], 4),
+                      "bits_per_token": round(result["bits_per_token"], 4),
                       "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type}))
     return 0
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import save_safetensors_atomic, to_per_expert
 from moeserve.errors import MoeserveError
+from moeserve.evaluate import perplexity
 from moeserve.loader import resolve_device
 from moeserve.model.router import TopKRouter
 from moeserve.model.transformer import MoETransformer
@@ -184,29 +185,12 @@ def sample_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.G
     return data[idx.to(data.device)]
 
 
-def heldout_windows(ids: torch.Tensor, window: int, limit: int = 0) -> list[torch.Tensor]:
-    """Non-overlapping windows, as `moeserve eval ppl` takes them; `limit` > 0 keeps that many, evenly spaced."""
-    windows = [w for w in ids.split(window) if len(w) > 1]
-    if 0 < limit < len(windows):
-        keep = torch.linspace(0, len(windows) - 1, limit).round().long().tolist()
-        windows = [windows[i] for i in keep]
-    return windows
-
-
-@torch.no_grad()
-def bits_per_byte(model: MoETransformer, windows: list[torch.Tensor], batch_size: int, autocast) -> float:
-    """Mean next-token cross-entropy in bits over the windows (tokens are bytes)."""
-    nll, count = 0.0, 0
-    for b in range(0, len(windows), batch_size):
-        padded = nn.utils.rnn.pad_sequence(windows[b:b + batch_size], batch_first=True, padding_value=-100)
-        padded = padded.to(model.device)  # [B, S]
-        with autocast():
-            logits = model(padded.clamp(min=0))  # [B, S, V] (right padding: causal, real tokens never see it)
-        targets = padded[:, 1:]  # [B, S-1]
-        nll += F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100,
-                               reduction="sum").item()
-        count += int((targets != -100).sum())
-    return nll / count / math.log(2)
+def bits_per_byte(model: MoETransformer, heldout: torch.Tensor, cfg: "TrainConfig", max_windows: int,
+                  autocast) -> tuple[float, int]:
+    """Held-out bits per byte and the windows used, measured as `moeserve eval ppl` measures them."""
+    with autocast():
+        r = perplexity(model, heldout.tolist(), cfg.seq_len, cfg.batch_size, progress=False, max_windows=max_windows)
+    return r["bits_per_token"], r["windows"]
 
 
 # ---- training -------------------------------------------------------------------------------
@@ -244,13 +228,12 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     data = data.to(device)
     autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    eval_windows = heldout_windows(heldout, cfg.seq_len, cfg.eval_windows)
     steps, budget = cfg.steps, cfg.minutes * 60
     history, recent, stopped_early = [], [], False
 
     def evaluate(step: int) -> None:
         model.eval()
-        bpb = bits_per_byte(model, eval_windows, cfg.batch_size, autocast)
+        bpb, _ = bits_per_byte(model, heldout, cfg, cfg.eval_windows, autocast)
         tap.outputs.clear()
         model.train()
         history.append({"step": step, "train_loss": round(sum(recent) / len(recent), 4),
@@ -296,8 +279,7 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
     with torch.no_grad():  # evaluate the weights that ship: bf16
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16))
-    windows = heldout_windows(heldout, cfg.seq_len, cfg.final_eval_windows)
-    final_bpb = bits_per_byte(model, windows, cfg.batch_size, autocast)
+    final_bpb, final_windows = bits_per_byte(model, heldout, cfg, cfg.final_eval_windows, autocast)
     for h in tap.handles:
         h.remove()
     record = {
@@ -306,7 +288,7 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
         "final_train_loss": history[-1]["train_loss"],  # nats, mean over the steps since the last evaluation
         "final_train_bits_per_byte": round(history[-1]["train_loss"] / math.log(2), 4),
         "heldout_bits_per_byte": round(final_bpb, 4),
-        "heldout_windows": len(windows),
+        "heldout_windows": final_windows,
         "seconds": round(seconds, 1),
         "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "train_tokens": len(data),
