@@ -58,6 +58,31 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (default 512, capped by the context)")
     ppl.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     ppl.add_argument("--max-tokens", type=int, default=0, help="evaluate only the first N tokens (0 = all)")
+
+    q = sub.add_parser(
+        "quantize", help="write a low-bit copy of a checkpoint (RTN, HQQ or MiLo)",
+        description="Quantize every linear weight (attention, experts, shared/dense FFNs) to BITS with groups of "
+                    "GROUP inputs; MiLo adds low-rank compensators whose ranks follow --ranks. No calibration data. "
+                    "Writes OUT.partial/ layer by layer and renames it to OUT at the end; rerunning an interrupted "
+                    "job resumes it.",
+        epilog="rank policies: 'uniform:16', 'dense=512,experts=kurtosis:16', 'experts=frequency:8', "
+               "'dense=2MiB,experts=kurtosis:8MiB' (byte budgets). Targets: all, dense, attention, shared, "
+               "dense_ffn, experts.")
+    q.add_argument("--model", default=str(DEMO_DIR), help="source checkpoint directory (default: the demo model)")
+    q.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    q.add_argument("--bits", type=int, default=3, help="weight bits: 2, 3, 4 or 8 (default 3)")
+    q.add_argument("--group", type=int, default=64, help="inputs per scale/zero group (default 64)")
+    q.add_argument("--method", default="milo", help="rtn, hqq or milo (default milo)")
+    q.add_argument("--ranks", default="dense=512,experts=kurtosis:16",
+                   help="MiLo rank policy (default 'dense=512,experts=kurtosis:16'; see below)")
+    q.add_argument("--compensator-bits", type=int, default=16, help="compensator storage: 3, 8 or 16 (bf16; default)")
+    q.add_argument("--skip", action="append", default=[], metavar="KIND",
+                   help="leave a tensor kind in full precision: attention, shared_expert, dense_ffn, expert "
+                        "(repeatable)")
+    q.add_argument("--frequency-text", default=None,
+                   help="text to measure expert frequency on for frequency ranks (default: the model's heldout.txt)")
+    q.add_argument("--device", default="auto", help="where to run the optimisation: cpu, cuda or auto (default)")
+    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return parser
 
 
@@ -142,20 +167,26 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_eval_ppl(args) -> int:
-    from moeserve.evaluate import perplexity
-
-    if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
-        raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
-    text_path = Path(args.text) if args.text else Path(args.model) / "heldout.txt"
+def _read_text(path: str | None, model: str, flag: str) -> tuple[Path, str]:
+    """A UTF-8 text file, by default the model directory's heldout.txt."""
+    text_path = Path(path) if path else Path(model) / "heldout.txt"
     if not text_path.is_file():
-        raise MoeserveError(f"text file {str(text_path)!r} not found" + ("" if args.text else "; pass --text FILE"))
+        raise MoeserveError(f"text file {str(text_path)!r} not found" + ("" if path else f"; pass {flag} FILE"))
     try:
         text = text_path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise MoeserveError(f"{text_path} is not UTF-8 text") from None
     if not text.strip():
         raise MoeserveError(f"{text_path} is empty")
+    return text_path, text
+
+
+def cmd_eval_ppl(args) -> int:
+    from moeserve.evaluate import perplexity
+
+    if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
+        raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
+    text_path, text = _read_text(args.text, args.model, "--text")
     model, tok = _load(args)
     ids = tok.encode(text)
     if args.max_tokens:
@@ -170,9 +201,30 @@ def cmd_eval_ppl(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from moeserve.loader import resolve_device
+    from moeserve.quant.compress import QuantConfig, frequency_from_text, quantize_checkpoint
+
+    cfg = QuantConfig(bits=args.bits, group=args.group, method=args.method, ranks=args.ranks,
+                      compensator_bits=args.compensator_bits, skip=tuple(args.skip))
+    cfg.validate()
+    device = resolve_device(args.device)
+    frequency = None
+    if cfg.method == "milo" and "frequency" in cfg.ranks:
+        _, text = _read_text(args.frequency_text, args.model, "--frequency-text")
+        frequency = frequency_from_text(args.model, text, device)
+    manifest = quantize_checkpoint(args.model, args.out, cfg, force=args.force, device=device, frequency=frequency)
+    ranks = [t["rank"] for t in manifest["tensors"].values()]
+    print(json.dumps({"out": args.out, "method": cfg.method, "bits": cfg.bits, "group": cfg.group,
+                      "tensors": len(ranks), "mean_rank": round(sum(ranks) / max(len(ranks), 1), 2),
+                      "bytes": manifest["bytes"], "source_bytes": manifest["source"]["bytes"],
+                      "seconds": manifest["seconds"], "device": device.type}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl}[args.command]
+    command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize}[args.command]
     try:
         return command(args)
     except MoeserveError as e:

@@ -12,6 +12,8 @@ from moeserve.checkpoint import CheckpointReader, read_tensor
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
+from moeserve.quant.compress import install_quantized_modules, read_manifest
+from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -41,10 +43,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
     *path, leaf = name.split(".")
     module = model.get_submodule(".".join(path))
-    setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+    setattr(module, leaf, value if is_buffer else nn.Parameter(value, requires_grad=False))
+
+
+def _tensors_to_load(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, meta tensor, is_buffer): every parameter, plus the packed buffers of quantized layers."""
+    out = [(n, p, False) for n, p in model.named_parameters()]  # tied lm_head appears once
+    for prefix, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            out += [(f"{prefix}.{n}", b, True) for n, b in module.named_buffers()]
+    return out
 
 
 def load_model(path: str | Path, device=None, dtype=None, progress: bool = False) -> MoETransformer:
@@ -52,14 +63,19 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
     spec = ModelSpec.from_dir(path)
     dtype = resolve_dtype(dtype, device)
     reader = CheckpointReader(path)
+    manifest = read_manifest(Path(path))
     with torch.device("meta"):
         model = MoETransformer(spec)
-    params = list(model.named_parameters())  # tied lm_head appears once, as the embedding
-    for name, meta in tqdm(params, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0):
+        if manifest:
+            install_quantized_modules(model, manifest)
+    tensors = _tensors_to_load(model)
+    for name, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
+                                      leave=False, delay=1.0):
         t = read_tensor(reader, name, spec.family, spec.num_experts)
         if tuple(t.shape) != tuple(meta.shape):
             raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
-        _set_param(model, name, t.to(device=device, dtype=dtype))
+        # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
+        _set_tensor(model, name, t.to(device=device, dtype=meta.dtype if is_buffer else dtype), is_buffer)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(spec).to(device)

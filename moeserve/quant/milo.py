@@ -1,0 +1,204 @@
+"""MiLo: a low-rank compensator U V fitted jointly with the quantized weight, and its storage.
+
+The loop alternates (a) quantize W - U V and (b) a rank-r SVD of the residual W - dequant(Q), tracking
+e = ||W - dequant(Q) - U V||_F. Two acceptance rules make e non-increasing by construction: a new
+quantization replaces the old one group by group only where it lowers that group's error, and a new
+(U, V) replaces the old pair only if it fits the residual better (the randomised SVD is approximate).
+The loop stops after `iters` rounds or when the 3-round sliding-window mean of e stops falling.
+
+Compensators are stored as bf16, INT8 or INT3: symmetric, one absmax scale per group of the last
+dimension (64 values, or the whole row when 64 does not divide it); INT3 codes are packed with pack.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moeserve.errors import MoeserveError
+from moeserve.quant.hqq import QuantizedWeight, dequantize
+from moeserve.quant.pack import pack, unpack
+
+COMPENSATOR_BITS = (3, 8, 16)
+COMPENSATOR_GROUP = 64
+EXACT_SVD_MAX_DIM = 1024  # below this a full SVD is cheap; above, a randomised range finder
+OVERSAMPLE, POWER_ITERS = 8, 2
+
+Quantizer = Callable[[torch.Tensor], QuantizedWeight]
+
+
+@dataclass
+class MiloResult:
+    q_state: QuantizedWeight
+    U: torch.Tensor  # [out, r]
+    V: torch.Tensor  # [r, in]
+    errors: list[float] = field(default_factory=list)  # ||W - dequant(Q) - U V||_F after each round
+
+
+# ---- low-rank approximation ------------------------------------------------------------------
+
+
+def low_rank(R: torch.Tensor, rank: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-r factors of R [m, n]: U [m, r], V [r, n] with the singular values split evenly."""
+    if min(R.shape) <= EXACT_SVD_MAX_DIM:
+        Uf, S, Vh = torch.linalg.svd(R, full_matrices=False)
+    else:
+        Uf, S, Vh = randomized_svd(R, rank, generator)
+    root = S[:rank].sqrt()
+    return Uf[:, :rank] * root, root[:, None] * Vh[:rank]
+
+
+def randomized_svd(R: torch.Tensor, rank: int, generator: torch.Generator | None):
+    """Halko-Martinsson-Tropp range finder with power iterations; returns (U, S, Vh) of width r+p."""
+    k = min(rank + OVERSAMPLE, min(R.shape))
+    omega = torch.randn(R.shape[1], k, device=R.device, dtype=R.dtype, generator=generator)  # [n, k]
+    Q = torch.linalg.qr(R @ omega).Q  # [m, k]
+    for _ in range(POWER_ITERS):
+        Q = torch.linalg.qr(R @ torch.linalg.qr(R.T @ Q).Q).Q
+    Ub, S, Vh = torch.linalg.svd(Q.T @ R, full_matrices=False)  # [k, k], [k], [k, n]
+    return Q @ Ub, S, Vh
+
+
+# ---- the MiLo loop ---------------------------------------------------------------------------
+
+
+def _group_errors(target: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """Squared error per quantization group [out, n_groups]."""
+    d = target - dequantize(q)
+    return d.reshape(d.shape[0], -1, q.group).pow(2).sum(-1)
+
+
+def merge_groups(new: QuantizedWeight, old: QuantizedWeight, target: torch.Tensor) -> QuantizedWeight:
+    """Per group, the one of `new` / `old` closer to `target` (so the error never grows)."""
+    keep_new = _group_errors(target, new) <= _group_errors(target, old)  # [out, n_groups]
+    codes = torch.where(keep_new.repeat_interleave(new.group, 1), new.codes, old.codes)
+    return QuantizedWeight(codes=codes, scale=torch.where(keep_new, new.scale, old.scale),
+                           zero=torch.where(keep_new, new.zero, old.zero), bits=new.bits, group=new.group,
+                           shape=new.shape)
+
+
+def milo(W: torch.Tensor, rank: int, quantize: Quantizer, *, iters: int = 20, window: int = 3,
+         seed: int = 0) -> MiloResult:
+    """Jointly fit Q and (U, V) so that dequant(Q) + U V ~ W; see the module docstring."""
+    W = W.float()
+    if not 0 < rank <= min(W.shape):
+        raise MoeserveError(f"rank {rank} must be between 1 and {min(W.shape)} for a {tuple(W.shape)} matrix")
+    gen = torch.Generator(W.device).manual_seed(seed)
+    q = quantize(W)
+    U = W.new_zeros(W.shape[0], rank)
+    V = W.new_zeros(rank, W.shape[1])
+    errors: list[float] = []
+    for _ in range(iters):
+        R = W - dequantize(q)
+        U_new, V_new = low_rank(R, rank, gen)
+        if (R - U_new @ V_new).norm() <= (R - U @ V).norm():
+            U, V = U_new, V_new
+        target = W - U @ V
+        q = merge_groups(quantize(target), q, target)
+        errors.append(float((target - dequantize(q)).norm()))
+        if len(errors) > window:
+            now, before = sum(errors[-window:]) / window, sum(errors[-window - 1:-1]) / window
+            if now >= before * (1 - 1e-4):
+                break
+    return MiloResult(q_state=q, U=U, V=V, errors=errors)
+
+
+def fit(W: torch.Tensor, rank: int, quantize: Quantizer, compensator_bits: int, *, iters: int = 20,
+        seed: int = 0) -> tuple[QuantizedWeight, dict[str, torch.Tensor], list[float]]:
+    """MiLo, then the compensator stored at `compensator_bits`, then Q refitted to what the stored
+    compensator leaves (per group, only where that helps). Returns (Q, compensator buffers, errors)."""
+    result = milo(W, rank, quantize, iters=iters, seed=seed)
+    bufs = compensator_to_buffers(result.U, result.V, compensator_bits)
+    q = result.q_state
+    if compensator_bits != 16:
+        U, V = compensator_from_buffers(bufs, compensator_bits, W.shape[0], W.shape[1], rank)
+        target = W.float() - U.to(W.device) @ V.to(W.device)
+        q = merge_groups(quantize(target), q, target)
+    return q, bufs, result.errors
+
+
+# ---- compensator storage ---------------------------------------------------------------------
+
+
+def _group(n: int) -> int:
+    return COMPENSATOR_GROUP if n % COMPENSATOR_GROUP == 0 else n
+
+
+def _padded32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def _int_shapes(rows: int, cols: int, bits: int) -> tuple[tuple, tuple]:
+    codes = (rows, _padded32(cols) * 3 // 32) if bits == 3 else (rows, cols)
+    return codes, (rows, cols // _group(cols))
+
+
+def compensator_buffers(out_features: int, in_features: int, rank: int, bits: int) -> dict[str, torch.Tensor]:
+    """Empty buffers (name -> tensor) that hold a rank-r compensator at `bits`; names do not depend on shape."""
+    if bits not in COMPENSATOR_BITS:
+        raise MoeserveError(f"compensator bits must be one of {COMPENSATOR_BITS}, got {bits}")
+    if bits == 16:
+        return {"comp_u": torch.empty(out_features, rank, dtype=torch.bfloat16),
+                "comp_v": torch.empty(rank, in_features, dtype=torch.bfloat16)}
+    code_dtype = torch.int32 if bits == 3 else torch.int8
+    bufs = {}
+    for name, (rows, cols) in (("u", (out_features, rank)), ("v", (rank, in_features))):
+        codes, scales = _int_shapes(rows, cols, bits)
+        bufs[f"comp_{name}_q"] = torch.empty(codes, dtype=code_dtype)
+        bufs[f"comp_{name}_scale"] = torch.empty(scales, dtype=torch.float16)
+    return bufs
+
+
+def compensator_bytes(shape: tuple[int, int], rank: int, bits: int) -> int:
+    """Storage of a rank-r compensator for a weight of `shape` [out, in]."""
+    if not rank:
+        return 0
+    return sum(t.numel() * t.element_size()
+               for t in compensator_buffers(shape[0], shape[1], rank, bits).values())
+
+
+def quantize_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (integer codes in [-(2^(b-1) - 1), 2^(b-1) - 1] [rows, cols], fp16 scales)."""
+    qmax = (1 << (bits - 1)) - 1
+    g = _group(x.shape[1])
+    xg = x.float().reshape(x.shape[0], -1, g)  # [rows, n_groups, g]
+    scale = (xg.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-12).to(torch.float16)
+    codes = torch.round(xg / scale.float()).clamp_(-qmax, qmax)
+    return codes.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_symmetric(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = codes.shape
+    g = cols // scale.shape[1]
+    return (codes.float().reshape(rows, -1, g) * scale.float().unsqueeze(-1)).reshape(rows, cols)
+
+
+def compensator_to_buffers(U: torch.Tensor, V: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    if bits == 16:
+        return {"comp_u": U.to(torch.bfloat16), "comp_v": V.to(torch.bfloat16)}
+    bufs = {}
+    for name, x in (("u", U), ("v", V)):
+        codes, scale = quantize_symmetric(x, bits)
+        if bits == 3:
+            shifted = torch.nn.functional.pad(codes + 3, (0, _padded32(x.shape[1]) - x.shape[1]))
+            bufs[f"comp_{name}_q"] = pack(shifted.to(torch.uint8), 3)
+        else:
+            bufs[f"comp_{name}_q"] = codes.to(torch.int8)
+        bufs[f"comp_{name}_scale"] = scale
+    return bufs
+
+
+def compensator_from_buffers(bufs: dict[str, torch.Tensor], bits: int, out_features: int, in_features: int,
+                             rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U [out, r], V [r, in]) in float32."""
+    if bits == 16:
+        return bufs["comp_u"].float(), bufs["comp_v"].float()
+    factors = []
+    for name, cols in (("u", rank), ("v", in_features)):
+        codes = bufs[f"comp_{name}_q"]
+        if bits == 3:
+            codes = unpack(codes, 3, _padded32(cols))[:, :cols].to(torch.int8) - 3
+        factors.append(dequantize_symmetric(codes, bufs[f"comp_{name}_scale"]))
+    return factors[0], factors[1]
