@@ -59,10 +59,45 @@ def decode_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def quality_tables(rec: dict) -> list[str]:
+    lines = []
+    if rec.get("rows"):
+        ref = rec["rows"][0]["perplexity"]
+        lines += [f"**Quantization quality, demo model** (group {rec['config']['group']}, held-out Hamlet "
+                  f"{rec['config']['eval_tokens']:,} tokens, windows of {rec['config']['window']}, fp32 compute; "
+                  f"{_source(rec)})", "",
+                  "| method | bits | ranks | compensator | perplexity | vs bf16 | 3-bit gap recovered | checkpoint MB "
+                  "| compensators KB | memory added vs HQQ | quantize s |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rec["rows"]:
+            milo = r.get("method") == "milo"
+            comp = {16: "bf16", 8: "int8", 3: "int3"}[r.get("compensator_bits", 16)] if milo else ""
+            gap = f"{100 * r['gap_recovered_vs_hqq']:.0f}%" if "gap_recovered_vs_hqq" in r else ""
+            added = f"{100 * r['memory_added_vs_hqq']:+.1f}%" if "memory_added_vs_hqq" in r else ""
+            lines.append(f"| {r.get('method', 'bf16')} | {r.get('bits', 16)} | {r.get('ranks', '') if milo else ''} | "
+                         f"{comp} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / ref - 1):+.2f}% | {gap} | "
+                         f"{r['checkpoint_bytes'] / 1e6:.2f} | {r['compensator_bytes'] / 1e3:.0f} | {added} | "
+                         f"{r['quantize_seconds']:.1f} |")
+        lines.append("")
+    speed = rec.get("expert_matrix_speed")
+    if speed:
+        lines += [f"**Quantization speed, one {speed['shape'][0]} x {speed['shape'][1]} expert matrix, 3-bit group 64** "
+                  f"({_source(rec)})", "",
+                  "| HQQ s | MiLo rank 32, 20 rounds s | MiLo with early stop s (rounds) | "
+                  "Mixtral-8x7B experts, MiLo 20 rounds | same, early stop | same, HQQ |",
+                  "|---:|---:|---:|---:|---:|---:|",
+                  f"| {speed['hqq_s']:.3f} | {speed['milo_s']:.2f} | {speed['milo_default_s']:.2f} "
+                  f"({speed['milo_default_rounds']}) | {speed['mixtral_8x7b_milo_minutes_estimate']:.1f} min | "
+                  f"{speed['mixtral_8x7b_milo_default_minutes_estimate']:.1f} min | "
+                  f"{speed['mixtral_8x7b_hqq_minutes_estimate']:.1f} min |", ""]
+    return lines
+
+
 def report(results_dir: Path) -> str:
     lines = []
     for rec in newest_runs(results_dir):
-        lines += {"moe_block": moe_block_tables, "decode": decode_table}.get(rec["name"], lambda r: [])(rec)
+        lines += {"moe_block": moe_block_tables, "decode": decode_table,
+                  "quality": quality_tables}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 

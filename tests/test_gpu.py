@@ -1,5 +1,7 @@
 """CUDA paths (grouped GEMM experts, bf16 generation); skipped without a GPU."""
 
+import copy
+
 import pytest
 import torch
 
@@ -69,3 +71,19 @@ def test_generation_on_gpu_matches_cpu_fp32(byte_model_dir):
     gpu = generate(moeserve.load_model(byte_model_dir, device="cuda", dtype=torch.float32), prompts, params)
     cpu = generate(moeserve.load_model(byte_model_dir, device="cpu", dtype=torch.float32), prompts, params)
     assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
+
+
+def test_quantize_and_run_quantized_linear_on_cuda():
+    from moeserve.quant import hqq, milo
+    from moeserve.quant.qlinear import QuantizedLinear
+
+    W = torch.randn(512, 1024) * 0.02
+    quantize = lambda M: hqq.quantize_hqq(M, 3, 64)  # noqa: E731
+    q_cpu, bufs_cpu, e_cpu = milo.fit(W, 16, quantize, 3, iters=5)
+    q_gpu, bufs_gpu, e_gpu = milo.fit(W.cuda(), 16, quantize, 3, iters=5)
+    assert abs(e_gpu[-1] - e_cpu[-1]) < 0.02 * e_cpu[-1]  # same algorithm, different float rounding
+    layer = QuantizedLinear.from_quantized(q_gpu, bufs_gpu, 16, 3).cuda()
+    ref = copy.deepcopy(layer).cpu()
+    x = torch.randn(9, 1024)
+    torch.testing.assert_close(layer(x.cuda()).cpu(), ref(x), atol=1e-4, rtol=1e-4)
+    assert layer(x.cuda().bfloat16()).dtype == torch.bfloat16

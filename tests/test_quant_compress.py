@@ -107,3 +107,25 @@ def test_cli_quantize_refuses_existing_output_then_runs_with_force(capsys, byte_
     assert main(argv + ["--force"]) == 0
     assert main(["eval", "ppl", "--model", str(out), "--window", "32"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"] > 1
+
+
+def test_cli_frequency_ranks_follow_routing_counts(capsys, byte_model_dir, tmp_path):
+    out = tmp_path / "qf"
+    argv = ["quantize", "--model", str(byte_model_dir), "--out", str(out), "--bits", "3", "--group", "16",
+            "--method", "milo", "--ranks", "experts=frequency:4", "--compensator-bits", "3", "--device", "cpu"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["bytes"] < summary["source_bytes"]
+    tensors = json.loads((out / MANIFEST).read_text())["tensors"]
+    expert_ranks = [t["rank"] for t in tensors.values() if t["kind"] == "expert"]
+    assert sum(expert_ranks) == 4 * len(expert_ranks) and len(set(expert_ranks)) > 1
+    assert all(t["rank"] == 0 for t in tensors.values() if t["kind"] != "expert")
+    assert main(["generate", "--model", str(out), "--max-new-tokens", "5", "--greedy"]) == 0
+
+
+def test_cli_quantize_missing_frequency_text(capsys, hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints["mixtral"]
+    argv = ["quantize", "--model", str(path), "--out", str(tmp_path / "q"), "--group", "16",
+            "--ranks", "experts=frequency:4"]
+    assert main(argv) == 2 and "--frequency-text" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()

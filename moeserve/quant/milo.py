@@ -4,10 +4,12 @@ The loop alternates (a) quantize W - U V and (b) a rank-r SVD of the residual W 
 e = ||W - dequant(Q) - U V||_F. Two acceptance rules make e non-increasing by construction: a new
 quantization replaces the old one group by group only where it lowers that group's error, and a new
 (U, V) replaces the old pair only if it fits the residual better (the randomised SVD is approximate).
-The loop stops after `iters` rounds or when the 3-round sliding-window mean of e stops falling.
+The loop stops after `iters` rounds or when the 3-round sliding-window mean of e stops falling
+(window=0 turns that off).
 
-Compensators are stored as bf16, INT8 or INT3: symmetric, one absmax scale per group of the last
-dimension (64 values, or the whole row when 64 does not divide it); INT3 codes are packed with pack.py.
+Compensators are stored as bf16, INT8 or INT3: symmetric, one absmax scale per group of 64 values (or a
+whole row when 64 does not divide it) along each rank component, i.e. along the rows of U^T [r, out]
+and V [r, in]; INT3 codes are packed with pack.py (so a rank costs the same bytes at any r).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def milo(W: torch.Tensor, rank: int, quantize: Quantizer, *, iters: int = 20, wi
         target = W - U @ V
         q = merge_groups(quantize(target), q, target)
         errors.append(float((target - dequantize(q)).norm()))
-        if len(errors) > window:
+        if window and len(errors) > window:  # window 0: always run `iters` rounds
             now, before = sum(errors[-window:]) / window, sum(errors[-window - 1:-1]) / window
             if now >= before * (1 - 1e-4):
                 break
@@ -108,14 +110,25 @@ def milo(W: torch.Tensor, rank: int, quantize: Quantizer, *, iters: int = 20, wi
 def fit(W: torch.Tensor, rank: int, quantize: Quantizer, compensator_bits: int, *, iters: int = 20,
         seed: int = 0) -> tuple[QuantizedWeight, dict[str, torch.Tensor], list[float]]:
     """MiLo, then the compensator stored at `compensator_bits`, then Q refitted to what the stored
-    compensator leaves (per group, only where that helps). Returns (Q, compensator buffers, errors)."""
+    compensator leaves (per group, only where that helps). Returns (Q, compensator buffers, errors).
+
+    Integer compensators: V is quantized first and U re-solved by least squares against the quantized
+    V, so U absorbs V's rounding before it is quantized itself."""
     result = milo(W, rank, quantize, iters=iters, seed=seed)
-    bufs = compensator_to_buffers(result.U, result.V, compensator_bits)
-    q = result.q_state
-    if compensator_bits != 16:
-        U, V = compensator_from_buffers(bufs, compensator_bits, W.shape[0], W.shape[1], rank)
-        target = W.float() - U.to(W.device) @ V.to(W.device)
-        q = merge_groups(quantize(target), q, target)
+    q, U, V = result.q_state, result.U, result.V
+    if compensator_bits == 16:
+        return q, compensator_to_buffers(U, V, 16), result.errors
+    out_f, in_f = W.shape
+    V = compensator_from_buffers(compensator_to_buffers(U, V, compensator_bits), compensator_bits, out_f, in_f,
+                                 rank)[1].to(W.device)  # V as stored, [r, in]
+    R = W.float() - dequantize(q)  # [out, in]
+    G = V @ V.T  # [r, r]
+    ridge = 1e-6 * G.diagonal().mean().clamp_min(1e-30) * torch.eye(rank, device=W.device)
+    U = torch.linalg.solve(G + ridge, V @ R.T).T  # argmin ||R - U V||_F, [out, r]
+    bufs = compensator_to_buffers(U, V, compensator_bits)
+    U, V = (t.to(W.device) for t in compensator_from_buffers(bufs, compensator_bits, out_f, in_f, rank))
+    target = W.float() - U @ V
+    q = merge_groups(quantize(target), q, target)
     return q, bufs, result.errors
 
 
@@ -144,7 +157,7 @@ def compensator_buffers(out_features: int, in_features: int, rank: int, bits: in
                 "comp_v": torch.empty(rank, in_features, dtype=torch.bfloat16)}
     code_dtype = torch.int32 if bits == 3 else torch.int8
     bufs = {}
-    for name, (rows, cols) in (("u", (out_features, rank)), ("v", (rank, in_features))):
+    for name, (rows, cols) in (("u", (rank, out_features)), ("v", (rank, in_features))):  # U stored as U^T
         codes, scales = _int_shapes(rows, cols, bits)
         bufs[f"comp_{name}_q"] = torch.empty(codes, dtype=code_dtype)
         bufs[f"comp_{name}_scale"] = torch.empty(scales, dtype=torch.float16)
@@ -179,7 +192,7 @@ def compensator_to_buffers(U: torch.Tensor, V: torch.Tensor, bits: int) -> dict[
     if bits == 16:
         return {"comp_u": U.to(torch.bfloat16), "comp_v": V.to(torch.bfloat16)}
     bufs = {}
-    for name, x in (("u", U), ("v", V)):
+    for name, x in (("u", U.T), ("v", V)):  # U^T [r, out]: rows are rank components, like V
         codes, scale = quantize_symmetric(x, bits)
         if bits == 3:
             shifted = torch.nn.functional.pad(codes + 3, (0, _padded32(x.shape[1]) - x.shape[1]))
@@ -196,9 +209,9 @@ def compensator_from_buffers(bufs: dict[str, torch.Tensor], bits: int, out_featu
     if bits == 16:
         return bufs["comp_u"].float(), bufs["comp_v"].float()
     factors = []
-    for name, cols in (("u", rank), ("v", in_features)):
+    for name, cols in (("u", out_features), ("v", in_features)):
         codes = bufs[f"comp_{name}_q"]
         if bits == 3:
             codes = unpack(codes, 3, _padded32(cols))[:, :cols].to(torch.int8) - 3
         factors.append(dequantize_symmetric(codes, bufs[f"comp_{name}_scale"]))
-    return factors[0], factors[1]
+    return factors[0].T, factors[1]
