@@ -66,7 +66,7 @@ def quality_tables(rec: dict) -> list[str]:
         lines += [f"**Quantization quality, demo model** (group {rec['config']['group']}, held-out Hamlet "
                   f"{rec['config']['eval_tokens']:,} tokens, windows of {rec['config']['window']}, fp32 compute; "
                   f"{_source(rec)})", "",
-                  "| method | bits | ranks | compensator | perplexity | vs bf16 | 3-bit gap recovered | checkpoint MB "
+                  "| method | bits | ranks | compensator | perplexity | vs bf16 | HQQ gap recovered (same bits) | checkpoint MB "
                   "| compensators KB | memory added vs HQQ | quantize s |",
                   "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rec["rows"]:
