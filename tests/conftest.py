@@ -1,4 +1,6 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,6 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+os.environ["MOESERVE_CACHE"] = tempfile.mkdtemp(prefix="moeserve-test-cache-")  # compiled kernels: built fresh
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe"]  # + sliding window, rope scaling
 

@@ -1,7 +1,8 @@
 """QuantizedLinear: packed low-bit weight + group scale/zero + optional low-rank compensator (U, V).
 
-forward(x) = x @ dequant(W)^T + (x @ V^T) @ U^T (+ bias). This is the plain-PyTorch path (CPU and
-GPU, and the reference for fused kernels); it dequantizes the weight on every call.
+forward(x) = x @ dequant(W)^T + (x @ V^T) @ U^T (+ bias). On a CPU, up to 16 rows go through the
+generated low-bit kernels (kernels/cpu); otherwise the plain-PyTorch path dequantizes the weight on
+every call (CPU and GPU, and the reference for fused kernels).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.cpu import gemv as cpu_gemv
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
@@ -71,7 +73,11 @@ class QuantizedLinear(nn.Module):
         return u.to(dtype), v.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight(x.dtype), self.bias)
+        y = cpu_gemv.quantized_linear(self, x)  # generated CPU kernel for a few rows, else None
+        if y is None:
+            y = F.linear(x, self.weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         uv = self.compensator(x.dtype)
         if uv is not None:
             y = y + F.linear(F.linear(x, uv[1]), uv[0])  # (x V^T) U^T

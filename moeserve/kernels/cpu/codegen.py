@@ -1,0 +1,187 @@
+"""Emit the C source of a low-bit GEMV/GEMM kernel y = x W^T for one (ISA, bits, register tile).
+
+Weights come in the pack.py codes, repacked once so that each SIMD lane is one output row: the words of
+output rows o..o+V-1 are interleaved ([out / V, words per row, V] int32, see gemv.py). One unit of 32
+input values is `bits` words per lane for every width (3-bit: 10 + 10 + 10 values and the last two from
+the top bit pairs), so the same loop serves 2/3/4/8 bits.
+
+The arithmetic uses y = sum_g s_g (<x_g, q_g> - z_g <x_g, 1>): the inner loop is shift, mask,
+int->float and one FMA per row of the register tile; scale and zero enter once per group.
+
+Register tile: `rows` input rows x `vectors` output vectors (V lanes each) accumulate in registers; the
+driver walks output tiles in parallel (OpenMP), input blocks of `kb` values (sized for L1 by tuning.py)
+and row chunks of `rows`.
+"""
+
+from __future__ import annotations
+
+from moeserve.kernels.cpu.machine import ISAS
+
+_PRELUDE = {
+    "avx512": """#include <immintrin.h>
+typedef __m512 VF; typedef __m512i VI;
+#define LOADI(p) _mm512_loadu_si512((const void*)(p))
+#define LOADF(p) _mm512_loadu_ps(p)
+#define STOREF(p, v) _mm512_storeu_ps((p), (v))
+#define SET1F(a) _mm512_set1_ps(a)
+#define SET1I(a) _mm512_set1_epi32(a)
+#define ZERO() _mm512_setzero_ps()
+#define SRLI(v, n) _mm512_srli_epi32((v), (n))
+#define SLLI(v, n) _mm512_slli_epi32((v), (n))
+#define ANDI(a, b) _mm512_and_si512((a), (b))
+#define ORI(a, b) _mm512_or_si512((a), (b))
+#define CVT(v) _mm512_cvtepi32_ps(v)
+#define FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define FNMA(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
+""",
+    "avx2": """#include <immintrin.h>
+typedef __m256 VF; typedef __m256i VI;
+#define LOADI(p) _mm256_loadu_si256((const __m256i*)(p))
+#define LOADF(p) _mm256_loadu_ps(p)
+#define STOREF(p, v) _mm256_storeu_ps((p), (v))
+#define SET1F(a) _mm256_set1_ps(a)
+#define SET1I(a) _mm256_set1_epi32(a)
+#define ZERO() _mm256_setzero_ps()
+#define SRLI(v, n) _mm256_srli_epi32((v), (n))
+#define SLLI(v, n) _mm256_slli_epi32((v), (n))
+#define ANDI(a, b) _mm256_and_si256((a), (b))
+#define ORI(a, b) _mm256_or_si256((a), (b))
+#define CVT(v) _mm256_cvtepi32_ps(v)
+#define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define FNMA(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+""",
+    "portable": """#include <string.h>
+typedef float VF __attribute__((vector_size(32)));
+typedef uint32_t VI __attribute__((vector_size(32)));
+static inline VI LOADI(const uint32_t* p) { VI v; memcpy(&v, p, sizeof v); return v; }
+static inline VF LOADF(const float* p) { VF v; memcpy(&v, p, sizeof v); return v; }
+static inline void STOREF(float* p, VF v) { memcpy(p, &v, sizeof v); }
+static inline VF SET1F(float a) { return (VF){a, a, a, a, a, a, a, a}; }
+static inline VI SET1I(uint32_t a) { return (VI){a, a, a, a, a, a, a, a}; }
+#define ZERO() SET1F(0.0f)
+#define SRLI(v, n) ((v) >> (n))
+#define SLLI(v, n) ((v) << (n))
+#define ANDI(a, b) ((a) & (b))
+#define ORI(a, b) ((a) | (b))
+#define CVT(v) __builtin_convertvector((v), VF)
+#define FMA(a, b, c) ((a) * (b) + (c))
+#define FNMA(a, b, c) ((c) - (a) * (b))
+""",
+}
+
+
+def _extract(bits: int, i: int, t: int) -> str:
+    """Expression for code i (0..31) of the current unit, lane-wise, for output vector t."""
+    if bits == 3:
+        if i >= 30:
+            return f"ANDI(rest{t}, mask)" if i == 30 else f"SRLI(rest{t}, 3)"
+        word, shift = divmod(i, 10)
+        shift *= 3
+    else:
+        word, shift = divmod(i, 32 // bits)
+        shift *= bits
+    q = f"q{t}_{word}"
+    if shift == 0:
+        return f"ANDI({q}, mask)"
+    if shift + bits == 32:
+        return f"SRLI({q}, {shift})"
+    return f"ANDI(SRLI({q}, {shift}), mask)"
+
+
+def _tile_function(bits: int, rows: int, vectors: int, lanes: int) -> str:
+    R, T = range(rows), range(vectors)
+    L = [f"static void tile_r{rows}(const float* x, int ldx, const float* xsum, int n_groups,",
+         "                         const uint32_t* w, const float* s, const float* sz, int W,",
+         "                         float* y, int ldy, int ob, int g0, int g1, int group, int first) {",
+         f"  const VI mask = SET1I({(1 << bits) - 1});"]
+    for r in R:
+        for t in T:
+            L.append(f"  VF acc{r}_{t} = first ? ZERO() : LOADF(y + {r} * ldy + (ob + {t}) * {lanes});")
+    L += ["  const int units = group / 32;",
+          "  for (int g = g0; g < g1; g++) {"]
+    L += [f"    VF ga{r}_{t} = ZERO();" for r in R for t in T]
+    L += ["    for (int u = 0; u < units; u++) {",
+          "      const int k = g * group + u * 32;",
+          f"      const size_t word = (size_t)(k / 32) * {bits};"]
+    for t in T:
+        base = f"w + ((size_t)(ob + {t}) * W + word) * {lanes}"
+        L += [f"      const VI q{t}_{j} = LOADI({base} + {j * lanes});" for j in range(bits)]
+        if bits == 3:
+            L.append(f"      const VI rest{t} = ORI(ORI(SRLI(q{t}_0, 30), SLLI(SRLI(q{t}_1, 30), 2)), "
+                     f"SLLI(SRLI(q{t}_2, 30), 4));")
+    for r in R:
+        L.append(f"      const float* x{r} = x + {r} * ldx + k;")
+    for i in range(32):
+        L.append("      {")
+        L += [f"        const VF w{t} = CVT({_extract(bits, i, t)});" for t in T]
+        for r in R:
+            L.append(f"        const VF xb{r} = SET1F(x{r}[{i}]);")
+            L += [f"        ga{r}_{t} = FMA(xb{r}, w{t}, ga{r}_{t});" for t in T]
+        L.append("      }")
+    L.append("    }")
+    for t in T:
+        L += [f"    {{ const VF sv = LOADF(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});",
+              f"      const VF zv = LOADF(sz + ((size_t)(ob + {t}) * n_groups + g) * {lanes});"]
+        for r in R:
+            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});",
+                  f"      acc{r}_{t} = FNMA(zv, SET1F(xsum[{r} * n_groups + g]), acc{r}_{t}); "]
+        L.append("    }")
+    L.append("  }")
+    L += [f"  STOREF(y + {r} * ldy + (ob + {t}) * {lanes}, acc{r}_{t});" for r in R for t in T]
+    L.append("}")
+    return "\n".join(L)
+
+
+def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
+    """C source exporting `qgemm` for this ISA, bit width and register tile (rows x vectors)."""
+    lanes = ISAS[isa][0]
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"no CPU kernel for {bits}-bit weights")
+    tiles = "\n\n".join(_tile_function(bits, r, vectors, lanes) for r in range(1, rows + 1))
+    cases = "\n".join(f"        case {r}: tile_r{r}(x + (size_t)r0 * ldx, ldx, xsum + (size_t)r0 * n_groups, n_groups, "
+                      f"w, s, sz, W, y + (size_t)r0 * ldy, ldy, ob, g0, g1, group, g0 == 0); break;"
+                      for r in range(1, rows + 1))
+    return f"""// generated by moeserve.kernels.cpu.codegen: isa={isa} bits={bits} tile={rows}x{vectors} lanes={lanes}
+#include <stdint.h>
+#include <stdlib.h>
+{_PRELUDE[isa]}
+#define LANES {lanes}
+#define TILE_ROWS {rows}
+#define TILE_VECTORS {vectors}
+
+{tiles}
+
+/* y [m, ldy] = x [m, ldx] W^T. w: [n_vectors][W][LANES] words, s/sz: [n_vectors][n_groups][LANES] scale and
+   scale * zero; n_vectors a multiple of TILE_VECTORS; in_features and group multiples of 32. */
+int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const float* s, const float* sz,
+          int group, float* y, int ldy, int n_vectors, int kb, int threads) {{
+  if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || m < 1) return 1;
+  const int n_groups = in_features / group;
+  const int W = in_features / 32 * {bits};
+  float* xsum = (float*)malloc(sizeof(float) * (size_t)m * n_groups);
+  if (!xsum) return 2;
+  for (int r = 0; r < m; r++)
+    for (int g = 0; g < n_groups; g++) {{
+      float acc = 0.0f;
+      for (int k = 0; k < group; k++) acc += x[(size_t)r * ldx + g * group + k];
+      xsum[(size_t)r * n_groups + g] = acc;
+    }}
+  int gb = kb / group;
+  if (gb < 1) gb = 1;
+  const int n_tiles = n_vectors / TILE_VECTORS;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int tile = 0; tile < n_tiles; tile++) {{
+    const int ob = tile * TILE_VECTORS;
+    for (int g0 = 0; g0 < n_groups; g0 += gb) {{
+      const int g1 = g0 + gb < n_groups ? g0 + gb : n_groups;
+      for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {{
+        switch (m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS) {{
+{cases}
+        }}
+      }}
+    }}
+  }}
+  free(xsum);
+  return 0;
+}}
+"""

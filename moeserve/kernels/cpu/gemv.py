@@ -1,0 +1,128 @@
+"""Low-bit y = x W^T on the CPU through the generated kernels: repacking once per weight, calling, and
+the fallback decision used by QuantizedLinear.
+
+Repacked layout (one-time, at the first CPU call): the pack.py words of output rows o..o+V-1 are
+interleaved so that one vector load gives the same word of V rows ([out/V, words, V] int32); scales and
+scale*zero likewise as float32 [out/V, groups, V]. Outputs are padded to whole tiles with zero scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.cpu import build, codegen, tuning
+from moeserve.kernels.cpu.machine import ISAS, cpu_info
+
+MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
+
+
+@dataclass
+class PackedForCpu:
+    words: torch.Tensor  # [out_pad / V, W, V] int32
+    scale: torch.Tensor  # [out_pad / V, groups, V] float32
+    scale_zero: torch.Tensor  # [out_pad / V, groups, V] float32
+    out_features: int
+    in_features: int
+    bits: int
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.scale_zero))
+
+
+class CpuKernel:
+    """One compiled kernel: an ISA, a bit width and a register tile."""
+
+    def __init__(self, isa: str, bits: int, rows: int, vectors: int):
+        self.isa, self.bits, self.rows, self.vectors = isa, bits, rows, vectors
+        self.lanes = ISAS[isa][0]
+        self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors), isa))
+
+    @property
+    def tile_outputs(self) -> int:
+        return self.lanes * self.vectors
+
+    def __call__(self, x: torch.Tensor, packed: PackedForCpu, threads: int | None = None) -> torch.Tensor:
+        """x [m, in] float32 -> y [m, out] float32."""
+        x = x.contiguous()
+        m = x.shape[0]
+        n_vectors = packed.words.shape[0]
+        y = torch.empty(m, n_vectors * self.lanes)
+        kb = tuning.k_block(self.bits, self.tile_outputs, packed.group)
+        rc = self.dll.qgemm(x.data_ptr(), m, x.shape[1], packed.in_features, packed.words.data_ptr(),
+                            packed.scale.data_ptr(), packed.scale_zero.data_ptr(), packed.group, y.data_ptr(),
+                            y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
+        return y[:, :packed.out_features]
+
+
+def supports(in_features: int, group: int, bits: int) -> bool:
+    """The kernels need whole 32-value units: inputs and group multiples of 32."""
+    return bits in (2, 3, 4, 8) and in_features % 32 == 0 and group % 32 == 0 and in_features % group == 0
+
+
+def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                 kernel: CpuKernel, packed_words: bool = False) -> PackedForCpu:
+    """From uint8 codes [out, in] (or pack.py words [out, in*bits/32]) to the kernel's layout."""
+    from moeserve.quant.pack import pack
+
+    words = codes_or_words if packed_words else pack(codes_or_words, bits)
+    out, W = words.shape
+    in_features = W * 32 // bits
+    if not supports(in_features, group, bits):
+        raise ValueError(f"CPU kernel needs inputs and group multiples of 32 (in={in_features}, group={group})")
+    step = kernel.tile_outputs
+    pad = -out % step
+    V = kernel.lanes
+
+    def interleave(t):  # [out, n] -> [out_pad / V, n, V]
+        t = F.pad(t, (0, 0, 0, pad))
+        return t.reshape(-1, V, t.shape[1]).transpose(1, 2).contiguous()
+
+    s = scale.float()
+    return PackedForCpu(words=interleave(words), scale=interleave(s), scale_zero=interleave(s * zero.float()),
+                        out_features=out, in_features=in_features, bits=bits, group=group)
+
+
+@functools.cache
+def default_kernel(bits: int) -> CpuKernel | None:
+    """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning."""
+    if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
+        return None
+    isa = cpu_info().isas[0]
+    try:
+        return CpuKernel(isa, bits, *tuning.tile_for(isa))
+    except (build.CompilerUnavailable, OSError) as e:
+        _warn_once(str(e))
+        return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"moeserve: generated CPU kernels unavailable ({reason}); using the PyTorch path", stacklevel=3)
+
+
+def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """x @ dequant(W)^T through the generated kernel, or None when the kernel does not apply."""
+    rows = x.numel() // layer.in_features
+    if x.is_cuda or rows > MAX_ROWS or not supports(layer.in_features, layer.group, layer.bits):
+        return None
+    kernel = default_kernel(layer.bits)
+    if kernel is None:
+        return None
+    key = (layer.qweight.data_ptr(), kernel.isa, kernel.tile_outputs)
+    cached = getattr(layer, "_cpu_packed", None)
+    if cached is None or cached[0] != key:
+        packed = pack_for_cpu(layer.qweight, layer.scale, layer.zero, layer.bits, layer.group, kernel,
+                              packed_words=True)
+        layer._cpu_packed = cached = (key, packed)
+    y = kernel(x.reshape(rows, layer.in_features).float(), cached[1])
+    return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)

@@ -1,0 +1,65 @@
+"""What this CPU offers the kernel generator: SIMD ISA, vector registers, cache sizes, model name."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# ISA -> (lanes of float32 per vector, vector registers, compiler flags); best first
+ISAS = {
+    "avx512": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma")),
+    "avx2": (8, 16, ("-mavx2", "-mfma")),
+    "portable": (8, 16, ()),  # GCC/Clang vector extensions: any CPU, the compiler picks the instructions
+}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: frozenset[str]
+    l1d_bytes: int
+    l2_bytes: int
+    cores: int
+
+    @property
+    def isas(self) -> list[str]:
+        """ISAs this CPU can run, best first."""
+        out = []
+        if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
+            out.append("avx512")
+        if {"avx2", "fma"} <= self.flags:
+            out.append("avx2")
+        return out + ["portable"]
+
+
+def _cache_size(level: int, kind: str, default: int) -> int:
+    """Per-core cache size from /sys (e.g. '48K'); `default` where the kernel does not say."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(base.glob("index*")) if base.is_dir() else []:
+        try:
+            if int((index / "level").read_text()) == level and (index / "type").read_text().strip() in kind:
+                text = (index / "size").read_text().strip().upper()
+                scale = {"K": 1024, "M": 1024 ** 2}.get(text[-1], 1)
+                return int(text.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            continue
+    return default
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return CpuInfo(model=model, flags=frozenset(flags), l1d_bytes=_cache_size(1, ("Data", "Unified"), 32 * 1024),
+                   l2_bytes=_cache_size(2, ("Unified", "Data"), 1024 * 1024), cores=os.cpu_count() or 1)

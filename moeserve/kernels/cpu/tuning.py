@@ -1,0 +1,99 @@
+"""Performance model for the CPU kernels (QIGen): register tile from the register count, measured among
+a few candidates once per CPU model, and the input block from the L1 size.
+
+Register tile (m_u rows x t_u output vectors): m_u broadcasts of x, t_u weight vectors and two
+accumulator sets (per group and total, for the s_g (<x,q> - z <x,1>) factorisation) must fit:
+m_u + 2 m_u t_u + t_u <= vector registers. The non-dominated tiles are timed on a 4-bit matrix at 1
+and 8 rows and the fastest is stored in `cache_dir()/tuning.json` under the CPU model and ISA.
+
+Cache block (m_b inputs x t_b outputs): 32 m_b + b m_b t_b + 32 t_b <= L1 bits, t_b = the tile's outputs,
+m_b a multiple of the group size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from moeserve.kernels.cpu.build import cache_dir
+from moeserve.kernels.cpu.machine import ISAS, cpu_info
+
+MAX_TILE_VECTORS = 4
+MAX_TILE_ROWS = 8
+
+
+def register_tiles(isa: str) -> list[tuple[int, int]]:
+    """Non-dominated (rows, vectors) tiles that fit the register file of `isa`."""
+    regs = ISAS[isa][1]
+    fits = [(m, t) for m in range(1, MAX_TILE_ROWS + 1) for t in range(1, MAX_TILE_VECTORS + 1)
+            if m + 2 * m * t + t <= regs]
+    return [(m, t) for m, t in fits if not any(m2 >= m and t2 >= t and (m2, t2) != (m, t) for m2, t2 in fits)]
+
+
+def k_block(bits: int, tile_outputs: int, group: int, l1_bytes: int | None = None) -> int:
+    """Largest m_b (a multiple of `group`) with 32 m_b + bits m_b t_b + 32 t_b <= L1 bits."""
+    l1_bits = 8 * (l1_bytes or cpu_info().l1d_bytes)
+    m_b = (l1_bits - 32 * tile_outputs) // (32 + bits * tile_outputs)
+    return max(group, m_b // group * group)
+
+
+def _tuning_file():
+    return cache_dir() / "tuning.json"
+
+
+def stored_tile(isa: str) -> tuple[int, int] | None:
+    try:
+        entry = json.loads(_tuning_file().read_text())[cpu_info().model][isa]
+        return int(entry["rows"]), int(entry["vectors"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def store_tile(isa: str, tile: tuple[int, int], timings: dict) -> None:
+    path = _tuning_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault(cpu_info().model, {})[isa] = {"rows": tile[0], "vectors": tile[1], "timings_ms": timings}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def search_tile(isa: str, in_features: int = 4096, out_features: int = 2048, repeats: int = 5) -> tuple[int, int]:
+    """Time each candidate tile (4-bit, 1 and 8 rows) and keep the one with the lowest summed time."""
+    from moeserve.kernels.cpu.gemv import CpuKernel, pack_for_cpu
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out_features, in_features // 64, generator=g) * 0.01
+    zero = torch.rand(out_features, in_features // 64, generator=g) * 15
+    timings = {}
+    for rows, vectors in register_tiles(isa):
+        kernel = CpuKernel(isa, 4, rows, vectors)
+        packed = pack_for_cpu(codes, scale, zero, 4, 64, kernel)
+        total = 0.0
+        for m in (1, 8):
+            x = torch.randn(m, in_features, generator=g)
+            kernel(x, packed)  # warm
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                kernel(x, packed)
+                best = min(best, time.perf_counter() - t)
+            total += best
+        timings[f"{rows}x{vectors}"] = round(total * 1e3, 4)
+    best = min(timings, key=timings.get)
+    tile = tuple(int(v) for v in best.split("x"))
+    store_tile(isa, tile, timings)
+    return tile
+
+
+def tile_for(isa: str) -> tuple[int, int]:
+    """The stored tile for this CPU model and ISA, measuring it the first time."""
+    return stored_tile(isa) or search_tile(isa)

@@ -1,0 +1,129 @@
+"""Generated CPU kernels (QIGen): every variant against a float64 reference, odd shapes, the compile
+cache, the performance model, the PyTorch fallback, and the QuantizedLinear wiring."""
+
+import warnings
+
+import pytest
+import torch
+
+from moeserve.kernels.cpu import build, codegen, gemv, tuning
+from moeserve.kernels.cpu.gemv import CpuKernel, pack_for_cpu
+from moeserve.kernels.cpu.machine import ISAS, cpu_info
+from moeserve.quant import hqq
+from moeserve.quant.qlinear import QuantizedLinear
+
+ISAS_HERE = cpu_info().isas  # e.g. avx512, avx2, portable
+TILE = {"avx512": (3, 2), "avx2": (2, 2), "portable": (2, 1)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return {(isa, bits): CpuKernel(isa, bits, *TILE[isa]) for isa in ISAS_HERE for bits in (2, 3, 4, 8)}
+
+
+def reference(x, qw):
+    """float64: sum over groups of s * (q - z) . x."""
+    W = (qw.codes.double().reshape(qw.shape[0], -1, qw.group) - qw.zero.double().unsqueeze(-1)) \
+        * qw.scale.double().unsqueeze(-1)
+    return x.double() @ W.reshape(qw.shape).T
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_every_variant_matches_float64(kernels, isa, bits):
+    kernel = kernels[(isa, bits)]
+    out_features, in_features = 100, 384  # 100 outputs: not a whole tile (padding)
+    W = torch.randn(out_features, in_features)
+    for group in (32, 64, 128, in_features):  # per-channel = one group per row
+        qw = hqq.quantize_rtn(W, bits, group)
+        packed = pack_for_cpu(qw.codes, qw.scale, qw.zero, bits, group, kernel)
+        for rows in (1, 2, 5, 8, 16):
+            x = torch.randn(rows, in_features)
+            y = kernel(x, packed, threads=2)
+            ref = reference(x, qw)
+            assert y.shape == (rows, out_features)
+            err = (y.double() - ref).abs().max() / ref.abs().max()
+            assert err < 1e-5, (isa, bits, group, rows, float(err))
+
+
+def test_threads_do_not_change_the_result(kernels):
+    kernel = kernels[(ISAS_HERE[0], 4)]
+    qw = hqq.quantize_hqq(torch.randn(256, 512), 4, 64)
+    packed = pack_for_cpu(qw.codes, qw.scale, qw.zero, 4, 64, kernel)
+    x = torch.randn(3, 512)
+    assert torch.equal(kernel(x, packed, threads=1), kernel(x, packed, threads=2))
+
+
+def test_odd_shapes_are_rejected_or_fall_back(kernels):
+    assert not gemv.supports(40, 8, 4) and not gemv.supports(96, 48, 3) and gemv.supports(96, 32, 3)
+    qw = hqq.quantize_rtn(torch.randn(8, 48), 4, 16)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pack_for_cpu(torch.nn.functional.pad(qw.codes, (0, 16)), qw.scale, qw.zero, 4, 16, kernels[(ISAS_HERE[0], 4)])
+    layer = QuantizedLinear.from_quantized(qw)  # 48 inputs: the PyTorch path
+    x = torch.randn(2, 48)
+    torch.testing.assert_close(layer(x), x @ hqq.dequantize(qw).T)
+    assert getattr(layer, "_cpu_packed", None) is None
+
+
+def test_quantized_linear_uses_the_kernel_for_few_rows_only():
+    qw = hqq.quantize_hqq(torch.randn(96, 256), 3, 64)
+    layer = QuantizedLinear.from_quantized(qw, bias=torch.randn(96))
+    for shape in ((1, 256), (2, 7, 256), (40, 256)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(layer(x), x @ layer.weight().T + layer.bias, atol=1e-4, rtol=1e-4)
+    assert getattr(layer, "_cpu_packed", None) is not None  # the 1- and 14-row calls went through it
+
+
+def test_compiled_kernels_are_cached_and_rebuilt_when_the_source_changes(monkeypatch):
+    isa = ISAS_HERE[-1]
+    source = codegen.generate(isa, 4, 1, 1)
+    lib = build.build(source, isa)
+    mtime = lib.stat().st_mtime_ns
+
+    def no_compiler(*a, **k):
+        raise AssertionError("recompiled an unchanged kernel")
+
+    monkeypatch.setattr(build.subprocess, "run", no_compiler)
+    assert build.build(source, isa) == lib and lib.stat().st_mtime_ns == mtime
+    monkeypatch.undo()
+    changed = build.build(source + "\n// changed\n", isa)
+    assert changed != lib and changed.is_file()
+
+
+def test_performance_model():
+    for isa in ISAS:
+        regs = ISAS[isa][1]
+        tiles = tuning.register_tiles(isa)
+        assert tiles and all(m + 2 * m * t + t <= regs for m, t in tiles)
+    m_b = tuning.k_block(4, 64, 64, l1_bytes=48 * 1024)
+    assert m_b % 64 == 0 and 32 * m_b + 4 * m_b * 64 + 32 * 64 <= 48 * 1024 * 8
+    assert 32 * (m_b + 64) + 4 * (m_b + 64) * 64 + 32 * 64 > 48 * 1024 * 8  # the largest that fits
+
+
+def test_tuning_is_measured_once_and_stored(monkeypatch):
+    isa = ISAS_HERE[-1]
+    tile = tuning.tile_for(isa)
+    assert tile in tuning.register_tiles(isa) and tuning.stored_tile(isa) == tile
+    monkeypatch.setattr(tuning, "search_tile", lambda *a, **k: pytest.fail("searched again"))
+    assert tuning.tile_for(isa) == tile
+
+
+def test_without_a_compiler_the_pytorch_path_is_used_with_one_warning(monkeypatch):
+    def missing():
+        raise build.CompilerUnavailable("no C compiler found")
+
+    monkeypatch.setattr(build, "compiler", missing)
+    monkeypatch.setattr(build, "build", lambda *a: build.compiler())
+    gemv.default_kernel.cache_clear()
+    gemv._warn_once.cache_clear()
+    try:
+        layer = QuantizedLinear.from_quantized(hqq.quantize_rtn(torch.randn(64, 128), 4, 32))
+        x = torch.randn(1, 128)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y1, y2 = layer(x), layer(x)
+        assert sum("CPU kernels unavailable" in str(w.message) for w in caught) == 1
+        torch.testing.assert_close(y1, x @ layer.weight().T)
+        assert torch.equal(y1, y2)
+    finally:
+        gemv.default_kernel.cache_clear()
