@@ -185,6 +185,16 @@ def measure_hbm_bandwidth(device: torch.device | str = "cuda", nbytes: int | Non
             "method": "device-to-device copy, read+write counted"}
 
 
+def measure_dram_read_bandwidth(nbytes: int = 1 << 30) -> dict:
+    """CPU memory read bandwidth: a float32 sum over two rotating buffers of `nbytes` each (far beyond
+    the last-level cache), with torch's current thread count. The floor for weight-streaming GEMV."""
+    n = nbytes // 4
+    bufs = [torch.rand(n), torch.rand(n)]
+    ms = time_fn(lambda b: b.sum(), bufs, "cpu", reps=7, warmup=2)
+    return {"bytes_per_s": n * 4 / (ms * 1e-3), "bytes": n * 4, "ms": ms, "threads": torch.get_num_threads(),
+            "method": "float32 sum of a buffer beyond the last-level cache, read bytes counted"}
+
+
 def measure_matmul_flops(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
                          n: int | None = None) -> dict:
     """Dense n x n x n matmul rate in FLOP/s (8192 on a GPU, 1024 on a CPU by default)."""

@@ -93,11 +93,33 @@ def quality_tables(rec: dict) -> list[str]:
     return lines
 
 
+def cpu_kernel_tables(rec: dict) -> list[str]:
+    c = rec["config"]
+    dram = rec["floor_rates"]["dram_read"]["bytes_per_s"] / 1e9
+    lines = [f"**CPU low-bit GEMV/GEMM, generated kernels** ({rec['threads']} threads, ISA {c['isa']}, tile "
+             f"{c['tile_rows']}x{c['tile_vectors']}, group 64, DRAM read {dram:.1f} GB/s; {_source(rec)})", "",
+             "| out x in | bits | rows | moeserve ms | weight GB/s | % of DRAM read | torch fp32 ms | torch bf16 ms | "
+             "unpack+matmul ms | speed vs bf16 | speed vs fp32 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rec["gemv"]:
+        lines.append(f"| {r['out']} x {r['in']} | {r['bits']} | {r['rows']} | {r['ours_ms']:.3f} | {r['ours_gb_s']:.1f} "
+                     f"| {100 * r['dram_share']:.0f}% | {r['torch_fp32_ms']:.3f} | {r['torch_bf16_ms']:.3f} | "
+                     f"{r['unpack_matmul_ms']:.2f} | {r['speed_vs_bf16']:.2f} | {r['speed_vs_fp32']:.2f} |")
+    lines += ["", f"**End to end on the CPU** ({rec['threads']} threads; {_source(rec)}): one Mixtral-shaped MoE "
+              "expert layer (8 x 4096 -> 14336, top-2, 1 token) and demo-model greedy decode", "",
+              "| what | " + " | ".join(r["experts"] for r in rec["moe_layer"]) + " |",
+              "|---|" + "---:|" * len(rec["moe_layer"]),
+              "| MoE layer ms per token | " + " | ".join(f"{r['ms']:.2f}" for r in rec["moe_layer"]) + " |",
+              "", "| demo decode | " + " | ".join(r["weights"] for r in rec["demo_decode"]) + " |",
+              "|---|" + "---:|" * len(rec["demo_decode"]),
+              "| tokens/s | " + " | ".join(f"{r['tokens_per_s']:.0f}" for r in rec["demo_decode"]) + " |", ""]
+    return lines
+
+
 def report(results_dir: Path) -> str:
     lines = []
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
-                  "quality": quality_tables}.get(rec["name"], lambda r: [])(rec)
+                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -14,7 +14,7 @@ def run_quick(tmp_path):
     """Both scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
-    for script in ("moe_block", "decode"):
+    for script in ("moe_block", "decode", "cpu_kernels"):
         out = tmp_path / script
         cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(out)]
         procs[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
@@ -63,3 +63,13 @@ def test_bench_quick_runs_write_json(tmp_path):
         assert r["floor"]["decode_tok_s"] > 0 and r["floor"]["weight_bytes"] > 0
         assert "ours_decode_over_hf_decode_speed" in r and "ours_step_over_floor" in r
         assert r["greedy_match_prefix"]["min"] == r["new_tokens"]  # fp32 greedy: identical to transformers
+
+    cpu = results["cpu_kernels"]
+    for f in COMMON_FIELDS:
+        assert f in cpu, f
+    assert cpu["floor_rates"]["dram_read"]["bytes_per_s"] > 0
+    assert {(r["bits"], r["rows"]) for r in cpu["gemv"]} == {(b, m) for b in (2, 3, 4) for m in (1, 8)}
+    for r in cpu["gemv"]:
+        assert r["ours_ms"] > 0 and r["torch_bf16_ms"] > 0 and 0 < r["dram_share"]
+    assert [r["experts"] for r in cpu["moe_layer"]] == ["fp32", "bf16", "4-bit", "3-bit"]
+    assert all(r["tokens_per_s"] > 0 for r in cpu["demo_decode"])

@@ -6,7 +6,9 @@ input values is `bits` words per lane for every width (3-bit: 10 + 10 + 10 value
 the top bit pairs), so the same loop serves 2/3/4/8 bits.
 
 The arithmetic uses y = sum_g s_g (<x_g, q_g> - z_g <x_g, 1>): the inner loop is shift, mask,
-int->float and one FMA per row of the register tile; scale and zero enter once per group.
+int->float and one FMA per row of the register tile (where a register permute can index a table of the
+2^bits code values - AVX-512 up to 4 bits, AVX2 up to 3 - shift + permute replace mask + convert);
+scale and zero enter once per group.
 
 Register tile: `rows` input rows x `vectors` output vectors (V lanes each) accumulate in registers; the
 driver walks output tiles in parallel (OpenMP), input blocks of `kb` values (sized for L1 by tuning.py)
@@ -33,6 +35,7 @@ typedef __m512 VF; typedef __m512i VI;
 #define CVT(v) _mm512_cvtepi32_ps(v)
 #define FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define FNMA(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
+#define LUT(v, table) _mm512_permutexvar_ps((v), (table))
 """,
     "avx2": """#include <immintrin.h>
 typedef __m256 VF; typedef __m256i VI;
@@ -49,6 +52,7 @@ typedef __m256 VF; typedef __m256i VI;
 #define CVT(v) _mm256_cvtepi32_ps(v)
 #define FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define FNMA(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+#define LUT(v, table) _mm256_permutevar8x32_ps((table), (v))
 """,
     "portable": """#include <string.h>
 typedef float VF __attribute__((vector_size(32)));
@@ -70,30 +74,38 @@ static inline VI SET1I(uint32_t a) { return (VI){a, a, a, a, a, a, a, a}; }
 }
 
 
-def _extract(bits: int, i: int, t: int) -> str:
-    """Expression for code i (0..31) of the current unit, lane-wise, for output vector t."""
-    if bits == 3:
-        if i >= 30:
-            return f"ANDI(rest{t}, mask)" if i == 30 else f"SRLI(rest{t}, 3)"
-        word, shift = divmod(i, 10)
-        shift *= 3
+LUT_LANES = {"avx512": 16, "avx2": 8}  # table entries a permute instruction indexes with the low bits
+
+
+def uses_lut(isa: str, bits: int) -> bool:
+    """Codes convert to float by a register permute (table[i] = i mod 2^bits) instead of mask + convert."""
+    return (1 << bits) <= LUT_LANES.get(isa, 0)
+
+
+def _extract(bits: int, i: int, t: int, lut: bool) -> str:
+    """Float expression for code i (0..31) of the current unit, lane-wise, for output vector t."""
+    if bits == 3 and i >= 30:
+        shifted = f"rest{t}" if i == 30 else f"SRLI(rest{t}, 3)"
     else:
-        word, shift = divmod(i, 32 // bits)
+        word, shift = divmod(i, 10) if bits == 3 else divmod(i, 32 // bits)
         shift *= bits
-    q = f"q{t}_{word}"
-    if shift == 0:
-        return f"ANDI({q}, mask)"
-    if shift + bits == 32:
-        return f"SRLI({q}, {shift})"
-    return f"ANDI(SRLI({q}, {shift}), mask)"
+        shifted = f"q{t}_{word}" if shift == 0 else f"SRLI(q{t}_{word}, {shift})"
+        if shift + bits == 32:
+            return f"LUT({shifted}, lut)" if lut else f"CVT({shifted})"
+    # the permute reads only the low bits, and its table repeats every 2^bits entries: no mask needed
+    return f"LUT({shifted}, lut)" if lut else f"CVT(ANDI({shifted}, mask))"
 
 
-def _tile_function(bits: int, rows: int, vectors: int, lanes: int) -> str:
+def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> str:
     R, T = range(rows), range(vectors)
+    lut = uses_lut(isa, bits)
     L = [f"static void tile_r{rows}(const float* x, int ldx, const float* xsum, int n_groups,",
          "                         const uint32_t* w, const float* s, const float* sz, int W,",
          "                         float* y, int ldy, int ob, int g0, int g1, int group, int first) {",
-         f"  const VI mask = SET1I({(1 << bits) - 1});"]
+         f"  const VI mask = SET1I({(1 << bits) - 1}); (void)mask;"]
+    if lut:
+        entries = ", ".join(f"{float(i % (1 << bits))}f" for i in range(LUT_LANES[isa]))
+        L.append(f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});")
     for r in R:
         for t in T:
             L.append(f"  VF acc{r}_{t} = first ? ZERO() : LOADF(y + {r} * ldy + (ob + {t}) * {lanes});")
@@ -113,7 +125,7 @@ def _tile_function(bits: int, rows: int, vectors: int, lanes: int) -> str:
         L.append(f"      const float* x{r} = x + {r} * ldx + k;")
     for i in range(32):
         L.append("      {")
-        L += [f"        const VF w{t} = CVT({_extract(bits, i, t)});" for t in T]
+        L += [f"        const VF w{t} = {_extract(bits, i, t, lut)};" for t in T]
         for r in R:
             L.append(f"        const VF xb{r} = SET1F(x{r}[{i}]);")
             L += [f"        ga{r}_{t} = FMA(xb{r}, w{t}, ga{r}_{t});" for t in T]
@@ -137,7 +149,7 @@ def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
     lanes = ISAS[isa][0]
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"no CPU kernel for {bits}-bit weights")
-    tiles = "\n\n".join(_tile_function(bits, r, vectors, lanes) for r in range(1, rows + 1))
+    tiles = "\n\n".join(_tile_function(isa, bits, r, vectors, lanes) for r in range(1, rows + 1))
     cases = "\n".join(f"        case {r}: tile_r{r}(x + (size_t)r0 * ldx, ldx, xsum + (size_t)r0 * n_groups, n_groups, "
                       f"w, s, sz, W, y + (size_t)r0 * ldy, ldy, ob, g0, g1, group, g0 == 0); break;"
                       for r in range(1, rows + 1))
