@@ -50,7 +50,7 @@ def copies(item, nbytes_each: int, max_copies: int = 64) -> list:
     """`item` and clones of it (same values, other memory) totalling ROTATE_BYTES."""
     n = max(2, min(max_copies, -(-ROTATE_BYTES // nbytes_each)))
     clone = (lambda t: t.clone()) if isinstance(item, torch.Tensor) else (
-        lambda p: dataclasses.replace(p, words=p.words.clone(), scale=p.scale.clone(), scale_zero=p.scale_zero.clone()))
+        lambda p: dataclasses.replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone()))
     return [item] + [clone(item) for _ in range(n - 1)]
 
 

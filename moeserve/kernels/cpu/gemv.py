@@ -2,8 +2,8 @@
 the fallback decision used by QuantizedLinear.
 
 Repacked layout (one-time, at the first CPU call): the pack.py words of output rows o..o+V-1 are
-interleaved so that one vector load gives the same word of V rows ([out/V, words, V] int32); scales and
-scale*zero likewise as float32 [out/V, groups, V]. Outputs are padded to whole tiles with zero scales.
+interleaved so that one vector load gives the same word of V rows ([out/V, words, V] int32); the fp16
+scales and zeros likewise ([out/V, groups, V]). Outputs are padded to whole tiles with zero scales.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bou
 @dataclass
 class PackedForCpu:
     words: torch.Tensor  # [out_pad / V, W, V] int32
-    scale: torch.Tensor  # [out_pad / V, groups, V] float32
-    scale_zero: torch.Tensor  # [out_pad / V, groups, V] float32
+    scale: torch.Tensor  # [out_pad / V, groups, V] float16
+    zero: torch.Tensor  # [out_pad / V, groups, V] float16
     out_features: int
     in_features: int
     bits: int
@@ -34,7 +34,7 @@ class PackedForCpu:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.scale_zero))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero))
 
 
 class CpuKernel:
@@ -57,7 +57,7 @@ class CpuKernel:
         y = torch.empty(m, n_vectors * self.lanes)
         kb = tuning.k_block(self.bits, self.tile_outputs, packed.group)
         rc = self.dll.qgemm(x.data_ptr(), m, x.shape[1], packed.in_features, packed.words.data_ptr(),
-                            packed.scale.data_ptr(), packed.scale_zero.data_ptr(), packed.group, y.data_ptr(),
+                            packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, y.data_ptr(),
                             y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
@@ -87,8 +87,7 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
         t = F.pad(t, (0, 0, 0, pad))
         return t.reshape(-1, V, t.shape[1]).transpose(1, 2).contiguous()
 
-    s = scale.float()
-    return PackedForCpu(words=interleave(words), scale=interleave(s), scale_zero=interleave(s * zero.float()),
+    return PackedForCpu(words=interleave(words), scale=interleave(scale.half()), zero=interleave(zero.half()),
                         out_features=out, in_features=in_features, bits=bits, group=group)
 
 

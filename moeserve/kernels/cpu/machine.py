@@ -11,7 +11,7 @@ from pathlib import Path
 # ISA -> (lanes of float32 per vector, vector registers, compiler flags); best first
 ISAS = {
     "avx512": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma")),
-    "avx2": (8, 16, ("-mavx2", "-mfma")),
+    "avx2": (8, 16, ("-mavx2", "-mfma", "-mf16c")),
     "portable": (8, 16, ()),  # GCC/Clang vector extensions: any CPU, the compiler picks the instructions
 }
 
@@ -30,7 +30,7 @@ class CpuInfo:
         out = []
         if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
             out.append("avx512")
-        if {"avx2", "fma"} <= self.flags:
+        if {"avx2", "fma", "f16c"} <= self.flags:
             out.append("avx2")
         return out + ["portable"]
 
