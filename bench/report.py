@@ -15,20 +15,21 @@ BEGIN, END = "<!-- perf:begin (bench/report.py) -->", "<!-- perf:end -->"
 
 
 def newest_runs(results_dir: Path) -> list[dict]:
-    """The newest non-quick JSON per (benchmark name, device)."""
+    """The newest non-quick JSON per (benchmark name, device; for CPU runs also the core count)."""
     runs = {}
     for path in sorted(results_dir.glob("*.json")):
         rec = json.loads(path.read_text())
         if rec.get("config", {}).get("quick"):
             continue
-        key = (rec["name"], rec["device"])
+        key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None)
         if key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
 
 
 def _source(rec: dict) -> str:
-    return (f"{rec['device']}, {rec['date'][:10]}, torch {rec['torch']}, transformers {rec['transformers']}, "
+    cores = f" ({rec['cpu_count']} cores)" if rec.get("device_type") == "cpu" else ""
+    return (f"{rec['device']}{cores}, {rec['date'][:10]}, torch {rec['torch']}, transformers {rec['transformers']}, "
             f"commit {rec['git']['commit'][:8]}")
 
 
