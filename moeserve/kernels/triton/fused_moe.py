@@ -1,0 +1,118 @@
+"""Fused MoE expert GEMMs in Triton over expert-sorted rows, for few tokens (decode).
+
+Two launches, each over (expert, output block) with a fixed grid and no host sync: experts with no
+rows return at once, the others read their weight tile once per block of input and multiply it with
+all their rows (tl.dot, rows padded to BLOCK_M; more rows loop in chunks of BLOCK_M).
+
+    gate_up: h[rows] = silu(x[rows] Wg[e]^T) * (x[rows] Wu[e]^T)       gate_up_proj [E, 2F, D]
+    down:    y[rows] = h[rows] Wd[e]^T                                  down_proj    [E, D, F]
+
+The gate-weight scaling and the scatter back to tokens stay in kernels/routing.combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.routing import RoutingTable
+from moeserve.kernels.triton.configs import fused_moe_config
+
+
+@triton.jit
+def _rows_of(offsets_ptr, counts_ptr, e):
+    """[start, end) of expert e's rows in the expert-sorted order."""
+    end = tl.load(offsets_ptr + e)
+    return end - tl.load(counts_ptr + e), end
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
+                    CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0)
+    start, end = _rows_of(offsets_ptr, counts_ptr, e)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of F
+    n_mask = offs_n < F
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    for c in tl.static_range(CHUNKS):  # an expert has at most T rows: CHUNKS = cdiv(T, BLOCK_M), no host sync
+      m0 = start + c * BLOCK_M
+      if m0 < end:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_mask = rows < end
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < D
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + offs_k[None, :],
+                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            wmask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(w_base + offs_n[None, :] * D + offs_k[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(w_base + (F + offs_n[None, :]) * D + offs_k[:, None], mask=wmask, other=0.0)
+            acc_g = tl.dot(x, wg, acc_g)
+            acc_u = tl.dot(x, wu, acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
+                 CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0)
+    start, end = _rows_of(offsets_ptr, counts_ptr, e)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of D
+    n_mask = offs_n < D
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    for c in tl.static_range(CHUNKS):
+      m0 = start + c * BLOCK_M
+      if m0 < end:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_mask = rows < end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < F
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :],
+                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_base + offs_n[None, :] * F + offs_k[:, None],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(h, w, acc)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+
+def launch_gate_up(x_sorted, gate_up_proj, h, table: RoutingTable, num_tokens: int, cfg: dict) -> None:
+    E, two_f, D = gate_up_proj.shape
+    F = two_f // 2
+    _gate_up_kernel[(E, triton.cdiv(F, cfg["BLOCK_N"]))](
+        x_sorted, gate_up_proj, h, table.offsets, table.counts, D, F, gate_up_proj.stride(0),
+        CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+
+
+def launch_down(h, down_proj, y, table: RoutingTable, num_tokens: int, cfg: dict) -> None:
+    E, D, F = down_proj.shape
+    _down_kernel[(E, triton.cdiv(D, cfg["BLOCK_N"]))](
+        h, down_proj, y, table.offsets, table.counts, D, F, down_proj.stride(0),
+        CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+
+
+def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  table: RoutingTable, num_tokens: int, config: dict | None = None) -> torch.Tensor:
+    """x_sorted [T*k, D] expert-sorted rows -> expert outputs [T*k, D] (before gate weighting).
+
+    num_tokens bounds the rows of one expert (a token picks an expert once), which fixes the loop."""
+    E, two_f, D = gate_up_proj.shape
+    F = two_f // 2
+    if config is None:
+        name = torch.cuda.get_device_name(x_sorted.device) if x_sorted.is_cuda else "cpu"
+        config = fused_moe_config(name, E, D, F, num_tokens)
+    x_sorted = x_sorted.contiguous()
+    h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
+    y = torch.empty(x_sorted.shape[0], D, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, D]
+    launch_gate_up(x_sorted, gate_up_proj, h, table, num_tokens, config["gate_up"])
+    launch_down(h, down_proj, y, table, num_tokens, config["down"])
+    return y
