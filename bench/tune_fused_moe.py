@@ -27,9 +27,9 @@ from moeserve.kernels.triton.configs import CONFIG_DIR, device_slug, shape_key  
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}
 TOKENS = (1, 4, 16, 64)
 GATE_UP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
-           for m, n, k, w in itertools.product((16, 64), (32, 64, 128), (64, 128, 256), (4, 8))]
+           for m, n, k, w in itertools.product((16, 64), (32, 64, 128), (128, 256), (4, 8))]
 DOWN = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
-        for m, n, k, w in itertools.product((16, 64), (16, 32, 64), (128, 256, 512), (4, 8))]
+        for m, n, k, w in itertools.product((16, 64), (16, 32, 64), (256, 512), (4, 8))]
 
 
 def tune_shape(E, k, D, F, log) -> dict:
