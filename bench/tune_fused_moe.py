@@ -21,6 +21,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import time_fn  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
+from moeserve.model.experts import swiglu  # noqa: E402
 from moeserve.kernels.triton import fused_moe  # noqa: E402
 from moeserve.kernels.triton.configs import CONFIG_DIR, device_slug, shape_key  # noqa: E402
 
@@ -64,8 +65,7 @@ def tune_shape(E, k, D, F, log) -> dict:
         fused_ms = best["gate_up"]["ms"] + best["down"]["ms"]
         offs = [t.offsets for t in tables]
         grouped = time_fn(lambda i: torch._grouped_mm(
-            torch.nn.functional.silu(torch._grouped_mm(xs[i], gu.transpose(1, 2), offs=offs[i])[:, :F])
-            * torch._grouped_mm(xs[i], gu.transpose(1, 2), offs=offs[i])[:, F:], dn.transpose(1, 2), offs=offs[i]),
+            swiglu(torch._grouped_mm(xs[i], gu.transpose(1, 2), offs=offs[i])), dn.transpose(1, 2), offs=offs[i]),
             range(4), dev)
         weight_bytes = 3 * F * D * 2 * torch.stack([(t.counts > 0).sum() for t in tables]).float().mean().item()
         floor_ms = weight_bytes / 2.94e12 * 1e3

@@ -8,6 +8,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter at tiny sizes
 os.environ["MOESERVE_CACHE"] = tempfile.mkdtemp(prefix="moeserve-test-cache-")  # compiled kernels: built fresh
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe"]  # + sliding window, rope scaling

@@ -17,6 +17,7 @@ class RoutingTable:
     weights: torch.Tensor  # [T*k] gate weight of each expert-sorted slot
     counts: torch.Tensor  # [E] slots per expert
     offsets: torch.Tensor  # [E] exclusive end offsets (cumsum of counts), int32 for grouped GEMMs
+    num_tokens: int  # T: also the most slots one expert can have (a token picks an expert once)
 
 
 def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
@@ -32,6 +33,7 @@ def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, 
         weights=expert_weights.reshape(-1)[order],
         counts=counts,
         offsets=torch.cumsum(counts, 0).to(torch.int32),
+        num_tokens=expert_ids.shape[0],
     )
 
 

@@ -27,6 +27,27 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
             and all(d % 8 == 0 for d in dims) and _sm90_or_newer(x.device))
 
 
+def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Tensor) -> bool:
+    """The Triton fused-MoE kernels: CUDA, 16-bit weights, Triton importable, and few enough tokens that
+    they beat grouped GEMMs here (measured per GPU and shape by bench/tune_fused_moe.py)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up_proj.dtype == x.dtype
+            and _triton_available()):
+        return False
+    from moeserve.kernels.triton.configs import fused_max_tokens
+
+    E, two_f, D = gate_up_proj.shape
+    return num_tokens <= fused_max_tokens(torch.cuda.get_device_name(x.device), E, D, two_f // 2)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LoopedExperts(nn.Module):
     """Dispatch through the routing table, one FFN call per active expert, weighted combine.
 
@@ -73,6 +94,10 @@ class ResidentExperts(LoopedExperts):
         return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
 
     def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
+        if fused_moe_available(x_sorted, table.num_tokens, self.gate_up_proj):
+            from moeserve.kernels.triton.fused_moe import fused_experts
+
+            return fused_experts(x_sorted, self.gate_up_proj, self.down_proj, table)
         if not grouped_mm_available(x_sorted, x_sorted.shape[1], self.ffn):
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)

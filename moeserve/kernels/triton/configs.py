@@ -27,6 +27,14 @@ def _table(device_name: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+DEFAULT_MAX_TOKENS = 16  # untuned GPUs: the fused path for decode-sized batches only
+
+
+def fused_max_tokens(device_name: str, E: int, D: int, F: int) -> int:
+    """Largest token count for which the fused kernels beat grouped GEMMs on this GPU and shape."""
+    return int(_table(device_name).get("max_tokens", {}).get(shape_key(E, D, F), DEFAULT_MAX_TOKENS))
+
+
 def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> dict:
     """The tuned config for the largest tuned token count <= tokens (else the smallest), or the default."""
     by_tokens = _table(device_name).get("fused_moe", {}).get(shape_key(E, D, F))

@@ -101,10 +101,11 @@ def launch_down(h, down_proj, y, table: RoutingTable, num_tokens: int, cfg: dict
 
 
 def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  table: RoutingTable, num_tokens: int, config: dict | None = None) -> torch.Tensor:
+                  table: RoutingTable, config: dict | None = None) -> torch.Tensor:
     """x_sorted [T*k, D] expert-sorted rows -> expert outputs [T*k, D] (before gate weighting).
 
-    num_tokens bounds the rows of one expert (a token picks an expert once), which fixes the loop."""
+    table.num_tokens bounds the rows of one expert, which fixes the kernels' loops without a sync."""
+    num_tokens = table.num_tokens
     E, two_f, D = gate_up_proj.shape
     F = two_f // 2
     if config is None:
