@@ -33,10 +33,10 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up_proj.dtype == x.dtype
             and _triton_available()):
         return False
-    from moeserve.kernels.triton.configs import fused_max_tokens
+    from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name
 
     E, two_f, D = gate_up_proj.shape
-    return num_tokens <= fused_max_tokens(torch.cuda.get_device_name(x.device), E, D, two_f // 2)
+    return num_tokens <= fused_max_tokens(gpu_name(x.device.index or 0), E, D, two_f // 2)
 
 
 @functools.cache

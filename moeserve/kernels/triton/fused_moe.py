@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
-from moeserve.kernels.triton.configs import fused_moe_config
+from moeserve.kernels.triton.configs import fused_moe_config, gpu_name
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _rows_of(offsets_ptr, counts_ptr, e):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
-                    CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.program_id(0)
     start, end = _rows_of(offsets_ptr, counts_ptr, e)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of F
@@ -50,8 +50,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_w
             wmask = k_mask[:, None] & n_mask[None, :]
             wg = tl.load(w_base + offs_n[None, :] * D + offs_k[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
             wu = tl.load(w_base + (F + offs_n[None, :]) * D + offs_k[:, None], mask=wmask, other=0.0)
-            acc_g = tl.dot(x, wg, acc_g)
-            acc_u = tl.dot(x, wu, acc_u)
+            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u
         tl.store(h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
@@ -59,7 +59,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_w
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
-                 CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.program_id(0)
     start, end = _rows_of(offsets_ptr, counts_ptr, e)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of D
@@ -78,9 +78,14 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w = tl.load(w_base + offs_n[None, :] * F + offs_k[:, None],
                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(h, w, acc)
+            acc = tl.dot(h, w, acc, input_precision=PRECISION)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
+
+
+def _precision(x: torch.Tensor) -> str:
+    """fp32 inputs get exact (IEEE) dots, 16-bit ones tensor-core dots."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def launch_gate_up(x_sorted, gate_up_proj, h, table: RoutingTable, num_tokens: int, cfg: dict) -> None:
@@ -88,7 +93,7 @@ def launch_gate_up(x_sorted, gate_up_proj, h, table: RoutingTable, num_tokens: i
     F = two_f // 2
     _gate_up_kernel[(E, triton.cdiv(F, cfg["BLOCK_N"]))](
         x_sorted, gate_up_proj, h, table.offsets, table.counts, D, F, gate_up_proj.stride(0),
-        CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION=_precision(x_sorted), CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
 
 
@@ -96,7 +101,7 @@ def launch_down(h, down_proj, y, table: RoutingTable, num_tokens: int, cfg: dict
     E, D, F = down_proj.shape
     _down_kernel[(E, triton.cdiv(D, cfg["BLOCK_N"]))](
         h, down_proj, y, table.offsets, table.counts, D, F, down_proj.stride(0),
-        CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION=_precision(h), CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
 
 
@@ -109,7 +114,7 @@ def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
     E, two_f, D = gate_up_proj.shape
     F = two_f // 2
     if config is None:
-        name = torch.cuda.get_device_name(x_sorted.device) if x_sorted.is_cuda else "cpu"
+        name = gpu_name(x_sorted.device.index or 0) if x_sorted.is_cuda else "cpu"
         config = fused_moe_config(name, E, D, F, num_tokens)
     x_sorted = x_sorted.contiguous()
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
