@@ -26,7 +26,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, measure_matmul_flops, result_record, time_fn, write_result  # noqa: E402
 
-from moeserve.model.experts import grouped_mm_available  # noqa: E402
+from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name  # noqa: E402
+from moeserve.model.experts import fused_moe_available, grouped_mm_available  # noqa: E402
 from moeserve.model.moe import MoEBlock  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
 
@@ -166,7 +167,10 @@ def bench_shape(name, family, E, k, D, F, tokens, device, dtype, bw, flops, reps
           f"HF grouped_mm vs HF eager {correctness['hf_grouped_vs_hf_eager_rel_err']:.2e}")
     if correctness["ours_vs_hf_eager_rel_err"] > (1e-4 if dtype == torch.float32 else 2e-2):
         print("WARNING: ours and transformers disagree more than rounding explains")
-    info = {"ours_path": "grouped_mm" if grouped_mm_available(x, D, F) else "looped",
+    path = "grouped_mm" if grouped_mm_available(x, D, F) else "looped"
+    if fused_moe_available(x, 1, ours.experts.gate_up_proj):
+        path = f"Triton fused MoE up to {fused_max_tokens(gpu_name(x.device.index or 0), E, D, F)} tokens, then {path}"
+    info = {"ours_path": path,
             "hf_grouped_kernel": hf_grouped_kernel(x, hf), "hf_block": type(hf).__name__,
             "hf_experts_switch": "config._experts_implementation = 'eager' | 'grouped_mm'"}
 

@@ -116,8 +116,25 @@ def cpu_kernel_tables(rec: dict) -> list[str]:
     return lines
 
 
-def report(results_dir: Path) -> str:
+def fused_moe_tables(config_dir: Path) -> list[str]:
+    """Kernel-only times from the tuner's per-GPU config files (moeserve/kernels/triton/configs)."""
     lines = []
+    for path in sorted(config_dir.glob("*.json")):
+        table = json.loads(path.read_text())
+        lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; "
+                  f"{table['device']}; `python bench/tune_fused_moe.py`, {path.relative_to(ROOT)})", "",
+                  "| shape | tokens | fused ms | torch._grouped_mm ms | floor ms | fused / floor |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for key, by_tokens in table.get("timings", {}).items():
+            for t, r in by_tokens.items():
+                lines.append(f"| {key} | {t} | {r['fused_ms']:.3f} | {r['grouped_mm_ms']:.3f} | {r['floor_ms']:.3f} | "
+                             f"{r['fused_ms'] / r['floor_ms']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def report(results_dir: Path) -> str:
+    lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
                   "quality": quality_tables, "cpu_kernels": cpu_kernel_tables}.get(rec["name"], lambda r: [])(rec)
