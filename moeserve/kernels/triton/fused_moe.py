@@ -21,20 +21,18 @@ from moeserve.kernels.triton.configs import fused_moe_config, gpu_name
 
 
 @triton.jit
-def _rows_of(offsets_ptr, counts_ptr, e):
-    """[start, end) of expert e's rows in the expert-sorted order."""
+def _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, N, BLOCK_N: tl.constexpr):
+    """This program's expert e: its rows [start, end) in the sorted order, its block of N outputs, its weights."""
+    e = tl.program_id(0)
     end = tl.load(offsets_ptr + e)
-    return end - tl.load(counts_ptr + e), end
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    return end - tl.load(counts_ptr + e), end, offs_n, offs_n < N, w_ptr + e.to(tl.int64) * stride_we
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
                     PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
-    start, end = _rows_of(offsets_ptr, counts_ptr, e)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of F
-    n_mask = offs_n < F
-    w_base = w_ptr + e.to(tl.int64) * stride_we
+    start, end, offs_n, n_mask, w_base = _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, F, BLOCK_N)
     for c in tl.static_range(CHUNKS):  # an expert has at most T rows: CHUNKS = cdiv(T, BLOCK_M), no host sync
       m0 = start + c * BLOCK_M
       if m0 < end:
@@ -60,11 +58,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_w
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
                  PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0)
-    start, end = _rows_of(offsets_ptr, counts_ptr, e)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of D
-    n_mask = offs_n < D
-    w_base = w_ptr + e.to(tl.int64) * stride_we
+    start, end, offs_n, n_mask, w_base = _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, D, BLOCK_N)
     for c in tl.static_range(CHUNKS):
       m0 = start + c * BLOCK_M
       if m0 < end:
