@@ -29,7 +29,12 @@ def experts(E, D, F):
 def poisoned_outputs(monkeypatch):
     """Every buffer the kernels write starts as NaN, so a row they skip cannot pass as right."""
     real = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real(*a, **k).fill_(math.nan))
+
+    def poisoned(*a, **k):
+        t = real(*a, **k)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 @pytest.mark.parametrize("T,routing", [(1, "random"), (5, "random"), (19, "random"), (37, "one_expert"),
@@ -61,3 +66,20 @@ def _loop(ex, x_sorted, table):
         g, u = (gu[e] @ x_sorted[s].double()).chunk(2)
         out[s] = dn[e] @ (torch.nn.functional.silu(g) * u)
     return out
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("N,K,group", [(40, 96, 32), (70, 48, 16), (33, 128, 128)])  # K=48: padded packed rows
+def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group):
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+    from moeserve.quant import hqq
+    from moeserve.quant.qlinear import QuantizedLinear
+
+    qw = hqq.quantize_hqq(torch.randn(N, K), bits, group)
+    layer = QuantizedLinear.from_quantized(qw).to(DEVICE)
+    for M in (1, 5, 20):  # 20 rows: the 64-row block
+        x = torch.randn(M, K, device=DEVICE)
+        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, group, K, block_n=32, block_k=32)
+        ref = x.double() @ hqq.dequantize(qw, torch.float64).to(DEVICE).T
+        assert not y.isnan().any()
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)

@@ -31,7 +31,7 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
     """The Triton fused-MoE kernels: CUDA, 16-bit weights, Triton importable, and few enough tokens that
     they beat grouped GEMMs here (measured per GPU and shape by bench/tune_fused_moe.py)."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up_proj.dtype == x.dtype
-            and _triton_available()):
+            and triton_available()):
         return False
     from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name
 
@@ -40,7 +40,7 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
 
 
 @functools.cache
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

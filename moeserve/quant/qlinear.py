@@ -1,8 +1,8 @@
 """QuantizedLinear: packed low-bit weight + group scale/zero + optional low-rank compensator (U, V).
 
 forward(x) = x @ dequant(W)^T + (x @ V^T) @ U^T (+ bias). On a CPU, up to 16 rows go through the
-generated low-bit kernels (kernels/cpu); otherwise the plain-PyTorch path dequantizes the weight on
-every call (CPU and GPU, and the reference for fused kernels).
+generated low-bit kernels (kernels/cpu); on a GPU, up to 64 rows through the Triton low-bit linear;
+otherwise the plain-PyTorch path dequantizes the weight on every call (and is the reference).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.cpu import gemv as cpu_gemv
-from moeserve.model.experts import LoopedExperts, swiglu
+from moeserve.model.experts import LoopedExperts, swiglu, triton_available
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, unpack
 
 
+TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
 PACK_ALIGN = 32  # rows are padded to a multiple of 32 codes so every bit width packs whole words
 
 
@@ -74,6 +75,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_gemv.quantized_linear(self, x)  # generated CPU kernel for a few rows, else None
+        if y is None and x.is_cuda and x.numel() // self.in_features <= TRITON_MAX_ROWS and triton_available():
+            from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+            y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features)
         if y is None:
             y = F.linear(x, self.weight(x.dtype))
         if self.bias is not None:
