@@ -76,9 +76,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_gemv.quantized_linear(self, x)  # generated CPU kernel for a few rows, else None
         if y is None and x.is_cuda and x.numel() // self.in_features <= TRITON_MAX_ROWS and triton_available():
-            from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+            from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
-            y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features)
+            if supported(self.group):
+                y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features)
         if y is None:
             y = F.linear(x, self.weight(x.dtype))
         if self.bias is not None:

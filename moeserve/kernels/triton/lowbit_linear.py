@@ -44,14 +44,14 @@ def _lowbit_linear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, words_per_
     rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
     row_base = w_ptr + rows * words_per_row  # [BLOCK_N] pointers to each output's packed row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP: one scale and zero per output per step
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         q = _codes(w_ptr, row_base, offs_k, k_mask, BITS).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        g = (rows * groups_per_row)[:, None] + (offs_k // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        w = ((q - z) * s).to(x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+        g = rows * groups_per_row + k0 // GROUP  # [BLOCK_N]
+        s = tl.load(s_ptr + g).to(tl.float32)
+        z = tl.load(z_ptr + g).to(tl.float32)
+        w = ((q - z[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -59,9 +59,17 @@ def _lowbit_linear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, words_per_
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def supported(group: int) -> bool:
+    """Input steps divide the group, so the group must be a power of two of at least 16 (tl.dot's K)."""
+    return group >= 16 and group & (group - 1) == 0
+
+
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                  group: int, in_features: int, block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+                  group: int, in_features: int, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                  num_stages: int = 2) -> torch.Tensor:
     """x [..., K] @ dequant(W)^T -> [..., N]; qweight [N, padded K * bits / 32] int32, scale/zero [N, K / group]."""
+    if not supported(group):
+        raise ValueError(f"the Triton low-bit linear needs a power-of-two group >= 16, got {group}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     M, N = x2.shape[0], qweight.shape[0]
@@ -70,5 +78,6 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _lowbit_linear_kernel[grid](x2, qweight, scale, zero, y, M, N, in_features, qweight.shape[1], scale.shape[1],
                                 BITS=bits, GROUP=group, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, group), num_warps=num_warps,
+                                num_stages=num_stages)
     return y.reshape(*lead, N)
