@@ -133,11 +133,21 @@ def fused_moe_tables(config_dir: Path) -> list[str]:
     return lines
 
 
+def kernel_tables(rec: dict) -> list[str]:
+    lines = [f"**Triton low-bit linear** (group 64, {rec['config']['dtype']} activations; {_source(rec)})", "",
+             "| N x K | bits | rows | moeserve ms | floor ms | % of HBM | bf16 cuBLAS ms | dequantize + matmul ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rec["rows"]:
+        lines.append(f"| {r['N']} x {r['K']} | {r['bits']} | {r['rows']} | {r['ours_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{100 * r['hbm_share']:.0f}% | {r['bf16_ms']:.3f} | {r['dequant_matmul_ms']:.3f} |")
+    return lines + [""]
+
+
 def report(results_dir: Path) -> str:
     lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
-                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables}.get(rec["name"], lambda r: [])(rec)
+                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -1,7 +1,8 @@
 """QuantizedLinear: packed low-bit weight + group scale/zero + optional low-rank compensator (U, V).
 
 forward(x) = x @ dequant(W)^T + (x @ V^T) @ U^T (+ bias). On a CPU, up to 16 rows go through the
-generated low-bit kernels (kernels/cpu); on a GPU, up to 64 rows through the Triton low-bit linear;
+generated low-bit kernels (kernels/cpu); on a GPU, up to 64 rows of 2/4/8-bit weights through the
+Triton low-bit linear;
 otherwise the plain-PyTorch path dequantizes the weight on every call (and is the reference).
 """
 
@@ -19,6 +20,7 @@ from moeserve.quant.pack import pack, unpack
 
 
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
+TRITON_BITS = (2, 4, 8)  # 3-bit unpacking in the Triton kernel measured slower than dequantize + cuBLAS
 PACK_ALIGN = 32  # rows are padded to a multiple of 32 codes so every bit width packs whole words
 
 
@@ -78,7 +80,7 @@ class QuantizedLinear(nn.Module):
         if y is None and x.is_cuda and x.numel() // self.in_features <= TRITON_MAX_ROWS and triton_available():
             from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
-            if supported(self.group):
+            if supported(self.group) and self.bits in TRITON_BITS:
                 y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features)
         if y is None:
             y = F.linear(x, self.weight(x.dtype))
