@@ -83,6 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text to measure expert frequency on for frequency ranks (default: the model's heldout.txt)")
     q.add_argument("--device", default="auto", help="where to run the optimisation: cpu, cuda or auto (default)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+    t = sub.add_parser("trace", help="record expert-routing traces and replay them through cache policies",
+                       description="Routing traces for the expert cache (HOBBIT): record one from a model reading a "
+                                   "text, replay it under a cache policy, or fit the multi-dimensional policy weights.")
+    tsub = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    rec = tsub.add_parser("record", help="record the routing of a model reading a text (token by token, layer by layer)")
+    _model_args(rec)
+    rec.add_argument("--text", default=None, help="UTF-8 text (default: the model's heldout.txt)")
+    rec.add_argument("--out", required=True, help="trace file to write (.npz)")
+    rec.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    rec.add_argument("--max-tokens", type=int, default=16384, help="tokens to record in all (default 16384)")
+    for name, helptext in (("simulate", "replay a trace through a mixed-precision expert cache"),
+                           ("fit", "fit the weights of HOBBIT's multi-dimensional policy on a trace")):
+        sp = tsub.add_parser(name, help=helptext, description=helptext + "; prints JSON.")
+        sp.add_argument("--trace", required=True, help="trace file from `moeserve trace record`")
+        sp.add_argument("--high-slots", type=int, required=True, help="cache slots for high-precision experts")
+        sp.add_argument("--low-slots", type=int, default=0, help="cache slots for low-precision experts (default 0)")
+        sp.add_argument("--all-high", action="store_true", help="request every expert in high precision, no skips")
+        sp.add_argument("--t1", type=float, default=0.6, help="high/low threshold on unimportance (default 0.6)")
+        sp.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
+        sp.add_argument("--bits-low", type=int, default=4, help="low precision bits, for the penalty (default 4)")
+        if name == "simulate":
+            sp.add_argument("--policy", default="hobbit", help="lru, lfu, lhu, fld or hobbit (default hobbit)")
+            sp.add_argument("--weights", default=None, help="w_lru,w_lfu,w_lhu,w_fld for a custom priority")
     return parser
 
 
@@ -222,9 +246,46 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from moeserve.offload.policies import Policy
+    from moeserve.offload.simulate import fit_policy_weights, simulate
+    from moeserve.offload.trace import RoutingTrace, record_trace
+
+    if args.trace_command == "record":
+        if args.seq_len < 1 or args.max_tokens < 1:
+            raise MoeserveError("--seq-len and --max-tokens must be positive")
+        _, text = _read_text(args.text, args.model, "--text")
+        model, tok = _load(args)
+        ids = tok.encode(text)[:args.max_tokens]
+        trace = record_trace(model, [ids[s:s + args.seq_len] for s in range(0, len(ids), args.seq_len)])
+        trace.save(args.out)
+        print(json.dumps({"out": args.out, "events": len(trace), "tokens": len(ids), "layers": trace.num_layers,
+                          "experts": trace.num_experts}))
+        return 0
+    if not Path(args.trace).is_file():
+        raise MoeserveError(f"trace file {args.trace!r} not found")
+    if args.high_slots < 0 or args.low_slots < 0 or not 0 <= args.t1 <= args.t2:
+        raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
+    trace = RoutingTrace.load(args.trace)
+    sim_kw = dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low)
+    if args.trace_command == "fit":
+        weights, penalty = fit_policy_weights(trace, args.high_slots, args.low_slots, **sim_kw)
+        print(json.dumps({"weights": dict(zip(("lru", "lfu", "lhu", "fld"), weights)), "miss_penalty": penalty}))
+        return 0
+    try:
+        weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else None
+        policy = Policy.named(args.policy, trace.num_layers, weights)
+    except ValueError as e:
+        raise MoeserveError(str(e)) from None
+    result = simulate(trace, policy, args.high_slots, args.low_slots, **sim_kw)
+    print(json.dumps({"policy": policy.name, "weights": policy.weights, **result.as_dict()}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize}[args.command]
+    command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
+               "trace": cmd_trace}[args.command]
     try:
         return command(args)
     except MoeserveError as e:

@@ -1,0 +1,102 @@
+"""Replay a routing trace through a mixed-precision expert cache: hit rate, miss penalty, bytes moved.
+
+Two pools of slots: high precision and low precision. A high request hits only a high copy; a low
+request hits a low or a high copy. A miss loads the expert into its pool, evicting the policy's
+lowest-priority entry (never one the current token needs). Miss penalty counts a high miss as 1 and
+a low miss as bits_low / bits_high (HOBBIT's measure). Pure Python, CPU only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moeserve.offload.policies import ExpertStats, Policy
+from moeserve.offload.precision import HIGH, SKIP, choose_precision
+from moeserve.offload.trace import RoutingTrace
+
+
+@dataclass
+class SimResult:
+    requests: int = 0
+    hits: int = 0
+    high_misses: int = 0
+    low_misses: int = 0
+    skipped: int = 0
+    miss_penalty: float = 0.0
+    bytes_moved: float = 0.0  # in units of `expert_bytes` (default 1: high-precision expert loads)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.requests, 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: int = 0, *, mixed: bool = True,
+             t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, bits_low: int = 4,
+             expert_bytes: float = 1.0) -> SimResult:
+    """Replay `trace`; mixed=False requests every selected expert in high precision (no skipping)."""
+    precision = (choose_precision(torch.from_numpy(trace.weights), t1, t2).numpy() if mixed
+                 else torch.zeros(trace.weights.shape, dtype=torch.long).numpy())
+    stats: dict[tuple[int, int], ExpertStats] = {}
+    pools = {HIGH: set(), 1: set()}
+    capacity = {HIGH: high_slots, 1: low_slots}
+    low_bytes = expert_bytes * bits_low / bits_high
+    r = SimResult()
+    sequence = None
+    for now, (seq, layer, ids, prec) in enumerate(zip(trace.sequence, trace.layer, trace.expert_ids, precision), 1):
+        layer = int(layer)
+        if seq != sequence:  # HOBBIT resets the frequency counters per sequence
+            sequence = seq
+            for s in stats.values():
+                s.uses = s.high_uses = 0
+        needed = {(layer, int(e)) for e in ids}
+        for e, p in zip(ids, prec):
+            key = (layer, int(e))
+            if p == SKIP:
+                r.skipped += 1
+                continue
+            s = stats.setdefault(key, ExpertStats(layer))
+            s.last_use, s.uses, s.high_uses = now, s.uses + 1, s.high_uses + (p == HIGH)
+            r.requests += 1
+            if key in pools[HIGH] or (p != HIGH and key in pools[1]):
+                r.hits += 1
+                continue
+            tier = HIGH if p == HIGH else 1
+            if tier == HIGH:
+                r.high_misses += 1
+                r.miss_penalty += 1
+                r.bytes_moved += expert_bytes
+            else:
+                r.low_misses += 1
+                r.miss_penalty += bits_low / bits_high
+                r.bytes_moved += low_bytes
+            pool = pools[tier]
+            if capacity[tier] <= 0:
+                continue  # no slots: streamed through
+            if len(pool) >= capacity[tier]:
+                victim = policy.victim({k: stats[k] for k in pool}, now, layer, protected=needed)
+                if victim is None:
+                    continue
+                pool.discard(victim)
+            pool.add(key)
+    return r
+
+
+def fit_policy_weights(trace: RoutingTrace, high_slots: int, low_slots: int = 0, step: float = 0.25,
+                       **sim_kw) -> tuple[tuple[float, ...], float]:
+    """Grid search over the weight simplex (step `step`) for the lowest miss penalty on `trace`."""
+    n = round(1 / step)
+    best = None
+    for a, b, c in itertools.product(range(n + 1), repeat=3):
+        if a + b + c > n:
+            continue
+        w = (a * step, b * step, c * step, (n - a - b - c) * step)
+        penalty = simulate(trace, Policy.named("fit", trace.num_layers, w), high_slots, low_slots, **sim_kw).miss_penalty
+        if best is None or penalty < best[1]:
+            best = (w, penalty)
+    return best

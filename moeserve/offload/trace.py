@@ -1,0 +1,76 @@
+"""Routing traces: which experts each token picked, layer by layer, with gate weights, in the order a
+decoder visits them (token by token, layers 0..L-1). Recorded from real runs, saved as .npz."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeserve.errors import MoeserveError
+
+
+@dataclass
+class RoutingTrace:
+    sequence: np.ndarray  # [N] int32: which sequence each event belongs to
+    layer: np.ndarray  # [N] int16
+    expert_ids: np.ndarray  # [N, k] int16
+    weights: np.ndarray  # [N, k] float32 gate weights
+    num_layers: int
+    num_experts: int
+
+    def __len__(self) -> int:
+        return len(self.layer)
+
+    def save(self, path: str | Path) -> None:
+        np.savez_compressed(path, sequence=self.sequence, layer=self.layer, expert_ids=self.expert_ids,
+                            weights=self.weights, shape=np.array([self.num_layers, self.num_experts]))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RoutingTrace":
+        try:
+            with np.load(path) as f:
+                L, E = (int(v) for v in f["shape"])
+                return cls(f["sequence"], f["layer"], f["expert_ids"], f["weights"], L, E)
+        except (OSError, KeyError, ValueError) as e:
+            raise MoeserveError(f"{path} is not a routing trace ({e})") from None
+
+    def split(self, fraction: float) -> tuple["RoutingTrace", "RoutingTrace"]:
+        """Two traces cut at a sequence boundary near `fraction` of the events."""
+        cut = int(len(self) * fraction)
+        while 0 < cut < len(self) and self.sequence[cut] == self.sequence[cut - 1]:
+            cut += 1
+        part = lambda s: RoutingTrace(self.sequence[s], self.layer[s], self.expert_ids[s], self.weights[s],  # noqa: E731
+                                      self.num_layers, self.num_experts)
+        return part(slice(0, cut)), part(slice(cut, None))
+
+
+@torch.no_grad()
+def record_trace(model, sequences: list[list[int]]) -> RoutingTrace:
+    """Run each token sequence through `model` (one forward each) and record its routing."""
+    moe_layers = [(i, layer.mlp.experts) for i, layer in enumerate(model.model.layers)
+                  if hasattr(layer.mlp, "experts")]
+    if not moe_layers:
+        raise MoeserveError("the model has no MoE layers to trace")
+    captured: dict[int, tuple] = {}
+    hooks = [ex.register_forward_pre_hook(lambda _, args, i=i: captured.__setitem__(i, (args[1], args[2])))
+             for i, ex in moe_layers]
+    seqs, layers, ids, weights = [], [], [], []
+    try:
+        for n, tokens in enumerate(sequences):
+            captured.clear()
+            model(torch.tensor([tokens], device=model.device))
+            per_layer = [(i, captured[i][0].cpu().numpy(), captured[i][1].float().cpu().numpy()) for i, _ in moe_layers]
+            for t in range(len(tokens)):  # token-major order, as decoding visits experts
+                for i, layer_ids, layer_w in per_layer:
+                    seqs.append(n)
+                    layers.append(i)
+                    ids.append(layer_ids[t])
+                    weights.append(layer_w[t])
+    finally:
+        for h in hooks:
+            h.remove()
+    return RoutingTrace(np.asarray(seqs, np.int32), np.asarray(layers, np.int16), np.asarray(ids, np.int16),
+                        np.asarray(weights, np.float32), model.spec.num_layers, model.spec.num_experts)
