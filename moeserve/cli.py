@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
+from moeserve.units import format_bytes, parse_bytes
 
 DEMO_DIR = Path(__file__).parent / "demo"
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
@@ -42,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the output contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
+    o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
+                             "in fast memory; see `moeserve offload-prepare`")
+    o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
+    o.add_argument("--memory", default=None, metavar="SIZE",
+                   help="fast-memory budget (e.g. 20GiB) from which the cache slots are planned")
+    o.add_argument("--high-slots", type=int, default=None, help="high-precision cache slots (instead of --memory)")
+    o.add_argument("--low-slots", type=int, default=0, help="low-precision cache slots (with --high-slots)")
+    o.add_argument("--policy", default="hobbit", help="cache policy: lru, lfu, lhu, fld or hobbit (default)")
+    o.add_argument("--all-high", action="store_true", help="no mixed precision: every expert high, none skipped")
+    o.add_argument("--t1", type=float, default=0.6, help="high/low threshold (default 0.6)")
+    o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
@@ -84,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", help="where to run the optimisation: cpu, cuda or auto (default)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
+    op = sub.add_parser("offload-prepare", help="build the expert store used by generate --offload",
+                        description="Write every routed expert in high precision (as in the checkpoint) and low "
+                                    "precision (HQQ) to STORE, one file per layer (memory-mapped when used). "
+                                    "Rerunning an interrupted build resumes it.")
+    op.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
+    op.add_argument("--out", required=True, help="store directory")
+    op.add_argument("--low-bits", type=int, default=4, help="bits of the low-precision copies: 2, 3, 4 or 8 (default 4)")
+    op.add_argument("--group", type=int, default=64, help="quantization group size (default 64)")
+
     t = sub.add_parser("trace", help="record expert-routing traces and replay them through cache policies",
                        description="Routing traces for the expert cache (HOBBIT): record one from a model reading a "
                                    "text, replay it under a cache policy, or fit the multi-dimensional policy weights.")
@@ -117,7 +138,11 @@ def _load(args):
     import moeserve
     from moeserve.tokenizer import load_tokenizer
 
-    model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True)
+    offload = getattr(args, "offload", None)
+    model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
+                                routed_experts=offload is None)
+    if offload:
+        args.cache = _enable_offload(model, args)
     eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
     return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
 
@@ -150,17 +175,56 @@ def cmd_generate(args) -> int:
     else:
         for n, (text, r) in enumerate(zip(texts, results)):
             print(f"--- [{n}] ({r.finish_reason})\n{text}{r.text}")
+    cache = getattr(args, "cache", None)
+    if cache is not None:
+        st = cache.stats
+        print(f"[expert cache: {cache.state.capacity[0]} high + {cache.state.capacity[1]} low slots, policy "
+              f"{cache.state.policy.name}: hit rate {st.hit_rate:.1%}, {st.high_misses} high / {st.low_misses} low "
+              f"loads, {st.skipped} skipped]", file=sys.stderr)
     n_tokens = sum(len(r.token_ids) for r in results)
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
     return 0
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
+def _enable_offload(model, args):
+    from moeserve.offload.budget import kv_cache_bytes, plan_slots
+    from moeserve.offload.experts import enable_offload
+    from moeserve.offload.store import ExpertStore
+
+    store = ExpertStore.open(args.offload)
+    if (store.meta["hidden"], store.meta["ffn"], store.meta["num_experts"]) != (
+            model.spec.hidden_size, model.spec.expert_ffn, model.spec.num_experts):
+        raise MoeserveError(f"expert store {args.offload} was built for another model")
+    if args.high_slots is not None:
+        high, low = args.high_slots, args.low_slots
+    elif args.memory:
+        budget = parse_bytes(args.memory)
+        if budget is None:
+            raise MoeserveError(f"--memory {args.memory!r} is not a size like 20GiB")
+        resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_meta)
+        kv = kv_cache_bytes(model.spec, max(len(args.prompts), 1), model.spec.max_position_embeddings,
+                            model.dtype.itemsize)
+        high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False), store.expert_bytes(low=True))
+    else:
+        raise MoeserveError("--offload needs --memory SIZE or --high-slots N")
+    if high < 0 or low < 0 or not 0 <= args.t1 <= args.t2:
+        raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
+    try:
+        return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
+                              t1=args.t1, t2=args.t2)
+    except ValueError as e:
+        raise MoeserveError(str(e)) from None
+
+
+def cmd_offload_prepare(args) -> int:
+    from moeserve.offload.store import ExpertStore
+
+    t0 = time.perf_counter()
+    store = ExpertStore.build(args.model, args.out, low_bits=args.low_bits, group=args.group)
+    print(json.dumps({"out": args.out, "layers": len(store.meta["layers"]), "expert_bytes_high": store.expert_bytes(False),
+                      "expert_bytes_low": store.expert_bytes(True), "seconds": round(time.perf_counter() - t0, 2)}))
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -184,7 +248,7 @@ def cmd_info(args) -> int:
         ("parameters: experts", f"{counts['experts']:,}"),
         ("parameters: total", f"{counts['total']:,}"),
         ("active per token", f"{counts['active_per_token']:,}"),
-    ] + [(f"weights at {k}", _fmt_bytes(v)) for k, v in memory.items()]
+    ] + [(f"weights at {k}", format_bytes(v)) for k, v in memory.items()]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -285,7 +349,7 @@ def cmd_trace(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
-               "trace": cmd_trace}[args.command]
+               "trace": cmd_trace, "offload-prepare": cmd_offload_prepare}[args.command]
     try:
         return command(args)
     except MoeserveError as e:

@@ -58,7 +58,14 @@ def _tensors_to_load(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     return out
 
 
-def load_model(path: str | Path, device=None, dtype=None, progress: bool = False) -> MoETransformer:
+def _is_routed_expert(name: str) -> bool:
+    return name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+
+
+def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
+               routed_experts: bool = True) -> MoETransformer:
+    """routed_experts=False leaves the routed expert weights unread (on the meta device) for a backend
+    that brings its own, e.g. offload.enable_offload."""
     device = resolve_device(device)
     spec = ModelSpec.from_dir(path)
     dtype = resolve_dtype(dtype, device)
@@ -68,7 +75,7 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
         model = MoETransformer(spec)
         if manifest:
             install_quantized_modules(model, manifest)
-    tensors = _tensors_to_load(model)
+    tensors = [t for t in _tensors_to_load(model) if routed_experts or not _is_routed_expert(t[0])]
     for name, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
                                       leave=False, delay=1.0):
         t = read_tensor(reader, name, spec.family, spec.num_experts)

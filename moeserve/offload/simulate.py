@@ -1,9 +1,7 @@
 """Replay a routing trace through a mixed-precision expert cache: hit rate, miss penalty, bytes moved.
 
-Two pools of slots: high precision and low precision. A high request hits only a high copy; a low
-request hits a low or a high copy. A miss loads the expert into its pool, evicting the policy's
-lowest-priority entry (never one the current token needs). Miss penalty counts a high miss as 1 and
-a low miss as bits_low / bits_high (HOBBIT's measure). Pure Python, CPU only.
+The cache decisions are CacheState's (the real cache uses the same). Miss penalty counts a high miss
+as 1 and a low miss as bits_low / bits_high (HOBBIT's measure). Pure Python, CPU only.
 """
 
 from __future__ import annotations
@@ -11,9 +9,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
-from moeserve.offload.policies import ExpertStats, Policy
+from moeserve.offload.cache_state import CacheState
+from moeserve.offload.policies import Policy
 from moeserve.offload.precision import HIGH, SKIP, choose_precision
 from moeserve.offload.trace import RoutingTrace
 
@@ -41,49 +41,28 @@ def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: in
              expert_bytes: float = 1.0) -> SimResult:
     """Replay `trace`; mixed=False requests every selected expert in high precision (no skipping)."""
     precision = (choose_precision(torch.from_numpy(trace.weights), t1, t2).numpy() if mixed
-                 else torch.zeros(trace.weights.shape, dtype=torch.long).numpy())
-    stats: dict[tuple[int, int], ExpertStats] = {}
-    pools = {HIGH: set(), 1: set()}
-    capacity = {HIGH: high_slots, 1: low_slots}
-    low_bytes = expert_bytes * bits_low / bits_high
+                 else np.zeros(trace.weights.shape, dtype=np.int64))
+    state = CacheState(policy, high_slots, low_slots)
     r = SimResult()
-    sequence = None
-    for now, (seq, layer, ids, prec) in enumerate(zip(trace.sequence, trace.layer, trace.expert_ids, precision), 1):
-        layer = int(layer)
-        if seq != sequence:  # HOBBIT resets the frequency counters per sequence
-            sequence = seq
-            for s in stats.values():
-                s.uses = s.high_uses = 0
-        needed = {(layer, int(e)) for e in ids}
+    for seq, layer, ids, prec in zip(trace.sequence, trace.layer, trace.expert_ids, precision):
+        state.start_event(int(seq))
+        needed = {(int(layer), int(e)) for e in ids}
         for e, p in zip(ids, prec):
-            key = (layer, int(e))
             if p == SKIP:
                 r.skipped += 1
                 continue
-            s = stats.setdefault(key, ExpertStats(layer))
-            s.last_use, s.uses, s.high_uses = now, s.uses + 1, s.high_uses + (p == HIGH)
             r.requests += 1
-            if key in pools[HIGH] or (p != HIGH and key in pools[1]):
+            d = state.request((int(layer), int(e)), int(p), needed)
+            if d.hit:
                 r.hits += 1
-                continue
-            tier = HIGH if p == HIGH else 1
-            if tier == HIGH:
+            elif d.tier == HIGH:
                 r.high_misses += 1
                 r.miss_penalty += 1
                 r.bytes_moved += expert_bytes
             else:
                 r.low_misses += 1
                 r.miss_penalty += bits_low / bits_high
-                r.bytes_moved += low_bytes
-            pool = pools[tier]
-            if capacity[tier] <= 0:
-                continue  # no slots: streamed through
-            if len(pool) >= capacity[tier]:
-                victim = policy.victim({k: stats[k] for k in pool}, now, layer, protected=needed)
-                if victim is None:
-                    continue
-                pool.discard(victim)
-            pool.add(key)
+                r.bytes_moved += expert_bytes * bits_low / bits_high
     return r
 
 

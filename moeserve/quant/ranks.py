@@ -16,19 +16,18 @@ Examples: `uniform:16`, `dense=512,experts=kurtosis:16`, `dense=1MiB,experts=fre
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.errors import MoeserveError
 from moeserve.quant.milo import compensator_bytes
+from moeserve.units import parse_bytes
 
 TARGETS = {"all": ("attention", "shared_expert", "dense_ffn", "expert"),
            "dense": ("attention", "shared_expert", "dense_ffn"), "attention": ("attention",),
            "shared": ("shared_expert",), "dense_ffn": ("dense_ffn",), "experts": ("expert",)}
 SIGNALS = ("uniform", "kurtosis", "frequency")
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 @dataclass(frozen=True)
@@ -48,11 +47,6 @@ class RankRule:
     budget_bytes: int | None = None
 
 
-def _parse_bytes(text: str) -> int | None:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]i?b|b)", text.strip().lower())
-    return int(float(m.group(1)) * UNITS[m.group(2)]) if m else None
-
-
 def parse_rank_policy(text: str) -> list[RankRule]:
     rules = []
     for entry in filter(None, (e.strip() for e in text.split(","))):
@@ -64,7 +58,7 @@ def parse_rank_policy(text: str) -> list[RankRule]:
         signal = signal.strip() or "uniform"
         if signal not in SIGNALS:
             raise MoeserveError(f"unknown rank signal {signal!r} in {entry!r}; signals: {', '.join(SIGNALS)}")
-        budget = _parse_bytes(amount)
+        budget = parse_bytes(amount)
         if budget is None and not amount.strip().isdigit():
             raise MoeserveError(f"bad rank value {amount!r} in {entry!r}: expected a rank like 16 or a size like 4MiB")
         if signal == "frequency" and target != "experts":

@@ -1,0 +1,62 @@
+"""The bookkeeping of a two-pool (high / low precision) expert cache, shared by the simulator and the
+real cache so that both make the same decisions for the same request sequence.
+
+A high request hits only a high copy; a low request hits a low or a high copy. A miss loads into the
+request's pool, evicting the policy's lowest-priority entry that the current token does not need; with
+no such entry (or no slots) the expert is used once and not kept ("streamed").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeserve.offload.policies import ExpertStats, Policy
+from moeserve.offload.precision import HIGH
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class Decision:
+    hit: bool
+    tier: int  # pool the request is served from or loaded into: HIGH or LOW (1)
+    keep: bool  # a miss: whether the loaded expert stays cached
+    evicted: Key | None  # a miss: the entry it replaced
+
+
+class CacheState:
+    def __init__(self, policy: Policy, high_slots: int, low_slots: int):
+        self.policy = policy
+        self.capacity = {HIGH: high_slots, 1: low_slots}
+        self.pools: dict[int, dict[Key, None]] = {HIGH: {}, 1: {}}  # dicts: deterministic order
+        self.stats: dict[Key, ExpertStats] = {}
+        self.now = 0
+        self.sequence = None
+
+    def start_event(self, sequence) -> None:
+        """One token at one layer; a new sequence resets the frequency counters (HOBBIT)."""
+        self.now += 1
+        if sequence != self.sequence:
+            self.sequence = sequence
+            for s in self.stats.values():
+                s.uses = s.high_uses = 0
+
+    def request(self, key: Key, precision: int, needed: set[Key]) -> Decision:
+        s = self.stats.setdefault(key, ExpertStats(key[0]))
+        s.last_use, s.uses, s.high_uses = self.now, s.uses + 1, s.high_uses + (precision == HIGH)
+        if key in self.pools[HIGH]:
+            return Decision(True, HIGH, True, None)
+        tier = HIGH if precision == HIGH else 1
+        if tier != HIGH and key in self.pools[1]:
+            return Decision(True, 1, True, None)
+        pool = self.pools[tier]
+        if self.capacity[tier] <= 0:
+            return Decision(False, tier, False, None)
+        evicted = None
+        if len(pool) >= self.capacity[tier]:
+            evicted = self.policy.victim({k: self.stats[k] for k in pool}, self.now, key[0], protected=needed)
+            if evicted is None:
+                return Decision(False, tier, False, None)
+            del pool[evicted]
+        pool[key] = None
+        return Decision(False, tier, True, evicted)

@@ -1,0 +1,120 @@
+"""The offloaded expert backend: experts come from an ExpertCache (fast memory) filled from an
+ExpertStore (slow memory), each selected expert in high or low precision or skipped (HOBBIT)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.routing import build_routing_table, combine
+from moeserve.model.experts import LoopedExperts, swiglu
+from moeserve.offload.cache_state import CacheState
+from moeserve.offload.policies import Policy
+from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
+from moeserve.offload.simulate import SimResult
+from moeserve.offload.store import ExpertStore
+from moeserve.offload.trace import RoutingTrace
+
+
+class ExpertCache:
+    """Fast-memory copies of experts, two pools, decisions by CacheState (as the simulator makes them).
+
+    It also logs every request as a routing trace (in request order) and counts hits and misses the
+    way simulate() does, so the two can be compared."""
+
+    def __init__(self, store: ExpertStore, policy: Policy, high_slots: int, low_slots: int, device, dtype,
+                 mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16):
+        self.store, self.device, self.dtype = store, device, dtype
+        self.state = CacheState(policy, high_slots, low_slots)
+        self.resident = {HIGH: {}, LOW: {}}
+        self.mixed, self.t1, self.t2, self.bits_high = mixed, t1, t2, bits_high
+        self.stats = SimResult()
+        self.sequence = 0
+        self._log: list[tuple] = []
+
+    def new_sequence(self) -> None:
+        self.sequence += 1
+
+    def precision(self, weights: torch.Tensor) -> torch.Tensor:
+        if not self.mixed:
+            return torch.full(weights.shape, HIGH, dtype=torch.long)
+        return choose_precision(weights.cpu(), self.t1, self.t2)
+
+    def fetch_token(self, layer: int, ids: list[int], weights: list[float], precision: list[int]) -> dict:
+        """One token at one layer: request its experts; returns (expert, requested tier) -> weights."""
+        self.state.start_event(self.sequence)
+        self._log.append((self.sequence, layer, ids, weights))
+        needed = {(layer, e) for e in ids}
+        out = {}
+        for e, p in zip(ids, precision):
+            if p == SKIP:
+                self.stats.skipped += 1
+                continue
+            self.stats.requests += 1
+            key = (layer, e)
+            d = self.state.request(key, p, needed)
+            if d.hit:
+                self.stats.hits += 1
+                out[(e, p)] = self.resident[d.tier][key]
+                continue
+            low = d.tier == LOW
+            w = self.store.load(layer, e, low, self.device, self.dtype)
+            if low:
+                self.stats.low_misses += 1
+                self.stats.miss_penalty += self.store.meta["low_bits"] / self.bits_high
+            else:
+                self.stats.high_misses += 1
+                self.stats.miss_penalty += 1
+            self.stats.bytes_moved += self.store.expert_bytes(low)
+            if d.evicted is not None:
+                del self.resident[d.tier][d.evicted]
+            if d.keep:
+                self.resident[d.tier][key] = w
+            out[(e, p)] = w
+        return out
+
+    def trace(self, num_layers: int, num_experts: int) -> RoutingTrace:
+        """The requests so far, as a routing trace (replayable by simulate())."""
+        seq, layer, ids, w = zip(*self._log)
+        return RoutingTrace(np.asarray(seq, np.int32), np.asarray(layer, np.int16), np.asarray(ids, np.int16),
+                            np.asarray(w, np.float32), num_layers, num_experts)
+
+
+class OffloadedExperts(LoopedExperts):
+    def __init__(self, layer: int, num_experts: int, cache: ExpertCache):
+        super().__init__()
+        self.layer, self.num_experts, self.cache = layer, num_experts, cache
+        self._weights: dict = {}
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        prec = self.cache.precision(expert_weights)  # [T, k]
+        ids_l, w_l, p_l = expert_ids.tolist(), expert_weights.float().tolist(), prec.tolist()
+        self._weights = {}
+        for ids, w, p in zip(ids_l, w_l, p_l):  # token by token, as the simulator replays them
+            self._weights.update(self.cache.fetch_token(self.layer, ids, w, p))
+        E = self.num_experts
+        prec = prec.to(expert_ids.device)
+        virtual = torch.where(prec == SKIP, 2 * E, expert_ids * 2 + (prec == LOW))  # [T, k]: (expert, tier) ids
+        weights = expert_weights.masked_fill(prec == SKIP, 0)
+        table = build_routing_table(virtual, weights, 2 * E + 1)
+        return combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
+
+    def expert_ffn(self, v: int, rows: torch.Tensor) -> torch.Tensor:
+        if v == 2 * self.num_experts:  # skipped experts
+            return torch.zeros_like(rows)
+        gate_up, down = self._weights[(v // 2, LOW if v % 2 else HIGH)]
+        if isinstance(gate_up, torch.Tensor):
+            return F.linear(swiglu(F.linear(rows, gate_up)), down)
+        return down(swiglu(gate_up(rows)))
+
+
+def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
+                   weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9) -> ExpertCache:
+    """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache."""
+    cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
+                        model.device, model.dtype, mixed, t1, t2)
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = OffloadedExperts(i, model.spec.num_experts, cache)
+    return cache

@@ -1,0 +1,129 @@
+"""Expert store: every routed expert in a high precision (the model's float weights) and a low precision
+(HQQ-quantized, pack.py layout), held in slow memory - RAM, or safetensors files (one per layer) that are
+memory-mapped so a store larger than RAM can be used. Built once from a loaded model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moeserve.checkpoint import save_safetensors_atomic
+from moeserve.errors import MoeserveError
+from moeserve.quant import hqq
+from moeserve.quant.qlinear import QuantizedLinear
+
+META_FILE = "expert_store.json"
+LOW_PARTS = ("qweight", "scale", "zero")
+
+
+def _layer_file(path: Path, layer: int) -> Path:
+    return path / f"experts-layer-{layer:05d}.safetensors"
+
+
+def _meta(spec, layers: list[int], low_bits: int, group: int) -> dict:
+    return {"layers": layers, "num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.expert_ffn,
+            "low_bits": low_bits, "group": group}
+
+
+def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int) -> dict[str, torch.Tensor]:
+    """One layer's experts, stacks gate_up [E, 2F, D] and down [E, D, F], in both precisions."""
+    state = {}
+    for e in range(gate_up.shape[0]):
+        for name, w in (("gate_up", gate_up[e]), ("down", down[e])):
+            state[f"{e}.high.{name}"] = w.detach().cpu().contiguous()
+            q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float().cpu(), low_bits, group))
+            state.update({f"{e}.low.{name}.{p}": getattr(q, p) for p in LOW_PARTS})
+    return state
+
+
+class ExpertStore:
+    def __init__(self, meta: dict, tensors_of_layer):
+        self.meta = meta  # layers, num_experts, hidden, ffn, low_bits, group
+        self._tensors_of_layer = tensors_of_layer  # layer -> mapping name -> tensor (RAM dict or mmap handle)
+
+    # ---- building and opening ----------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model, low_bits: int = 4, group: int = 64, progress: bool = False) -> "ExpertStore":
+        """Quantize every routed expert of a loaded model to `low_bits` (HQQ) and keep both copies in RAM."""
+        moe = [(i, l.mlp.experts) for i, l in enumerate(model.model.layers) if hasattr(l.mlp, "experts")]
+        layers = {i: layer_tensors(ex.gate_up_proj, ex.down_proj, low_bits, group)
+                  for i, ex in tqdm(moe, desc="expert store", disable=not progress)}
+        return cls(_meta(model.spec, sorted(layers), low_bits, group), layers.__getitem__)
+
+    @classmethod
+    def build(cls, model_path: str | Path, out: str | Path, low_bits: int = 4, group: int = 64,
+              progress: bool = True) -> "ExpertStore":
+        """Write the store of a checkpoint layer by layer (peak memory: one layer's experts), then open it."""
+        from moeserve.checkpoint import CheckpointReader, read_tensor
+        from moeserve.spec import ModelSpec
+
+        spec = ModelSpec.from_dir(model_path)
+        reader, out = CheckpointReader(model_path), Path(out)
+        layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+        for i in layers:
+            hqq.check_shape(torch.empty(1, spec.hidden_size, device="meta"), low_bits, group)
+            hqq.check_shape(torch.empty(1, spec.expert_ffn, device="meta"), low_bits, group)
+        out.mkdir(parents=True, exist_ok=True)
+        for i in tqdm(layers, desc="expert store", unit="layer", disable=not progress):
+            if _layer_file(out, i).is_file():
+                continue  # done by an earlier, interrupted run
+            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
+                      for n in ("gate_up_proj", "down_proj")]
+            save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), _layer_file(out, i))
+        (out / META_FILE).write_text(json.dumps(_meta(spec, layers, low_bits, group)))
+        return cls.open(out)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for layer in self.meta["layers"]:
+            tensors = self._tensors_of_layer(layer)
+            save_safetensors_atomic({k: tensors[k] for k in tensors}, _layer_file(path, layer))
+        (path / META_FILE).write_text(json.dumps(self.meta))
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ExpertStore":
+        """Memory-map a saved store: nothing is read until an expert is loaded."""
+        path = Path(path)
+        if not (path / META_FILE).is_file():
+            raise MoeserveError(f"{path} is not an expert store (no {META_FILE})")
+        meta = json.loads((path / META_FILE).read_text())
+        handles = {layer: safe_open(str(_layer_file(path, layer)), framework="pt") for layer in meta["layers"]}
+
+        class _Mapped:
+            def __init__(self, handle):
+                self.handle = handle
+
+            def __getitem__(self, name):
+                return self.handle.get_tensor(name)
+
+            def __iter__(self):
+                return iter(self.handle.keys())
+
+        return cls(meta, lambda layer: _Mapped(handles[layer]))
+
+    # ---- loading one expert into fast memory ---------------------------------------------------
+    def load(self, layer: int, expert: int, low: bool, device, dtype):
+        """(gate_up, down) as float tensors [2F, D], [D, F] (high) or QuantizedLinear modules (low)."""
+        t = self._tensors_of_layer(layer)
+        if not low:
+            return tuple(t[f"{expert}.high.{n}"].to(device=device, dtype=dtype) for n in ("gate_up", "down"))
+        D, F, bits, group = self.meta["hidden"], self.meta["ffn"], self.meta["low_bits"], self.meta["group"]
+        mods = []
+        for name, (out_f, in_f) in (("gate_up", (2 * F, D)), ("down", (D, F))):
+            q = QuantizedLinear(in_f, out_f, bits, group)
+            for p in LOW_PARTS:
+                setattr(q, p, t[f"{expert}.low.{name}.{p}"].to(device))
+            mods.append(q)
+        return tuple(mods)
+
+    def expert_bytes(self, low: bool) -> int:
+        layer = self.meta["layers"][0]
+        t = self._tensors_of_layer(layer)
+        names = [f"0.low.{n}.{p}" for n in ("gate_up", "down") for p in LOW_PARTS] if low else \
+            ["0.high.gate_up", "0.high.down"]
+        return sum(t[n].numel() * t[n].element_size() for n in names)

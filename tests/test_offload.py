@@ -1,0 +1,105 @@
+"""Offloaded experts (store -> cache -> backend) against the resident model and the simulator."""
+
+import json
+
+import pytest
+import torch
+
+import moeserve
+from moeserve.cli import main
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.offload.budget import plan_slots
+from moeserve.offload.experts import enable_offload
+from moeserve.offload.policies import POLICIES, Policy
+from moeserve.offload.simulate import simulate
+from moeserve.offload.store import ExpertStore
+from moeserve.errors import MoeserveError
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_checkpoints, tmp_path_factory):
+    _, path = hf_checkpoints["mixtral"]
+    store_dir = tmp_path_factory.mktemp("store")
+    ExpertStore.build(path, store_dir, low_bits=4, group=16, progress=False)
+    return path, store_dir
+
+
+def greedy(model, prompts, n=8):
+    return [r.token_ids for r in generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0))]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_forced_high_offload_equals_resident_for_every_policy_and_size(tiny, policy):
+    path, store_dir = tiny
+    resident = moeserve.load_model(path)
+    prompts = [torch.randint(3, 97, (7,)).tolist(), torch.randint(3, 97, (4,)).tolist()]
+    tokens = torch.randint(3, 97, (2, 9))
+    expected, ref_logits = greedy(resident, prompts), resident(tokens)
+    n_experts = resident.spec.num_layers * resident.spec.num_experts
+    for slots in (0, 1, 3, n_experts):
+        model = moeserve.load_model(path, routed_experts=False)
+        cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=slots, policy=policy, mixed=False)
+        assert greedy(model, prompts) == expected
+        torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
+        assert cache.stats.skipped == 0 and cache.stats.low_misses == 0
+        assert len(cache.resident[0]) <= slots
+        if slots == n_experts:
+            assert cache.stats.high_misses == len({k for k in cache.state.stats})  # each expert loaded once
+
+
+def test_simulator_agrees_with_the_real_cache(tiny):
+    path, store_dir = tiny
+    model = moeserve.load_model(path, routed_experts=False)
+    cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=3, low_slots=2, policy="hobbit",
+                           t1=0.55, t2=0.7)  # top-2: s = top weight in [.5, 1]: highs, lows, skips
+    for prompt in ([5, 6, 7, 8], [9, 10, 11]):
+        cache.new_sequence()
+        greedy(model, [prompt], n=10)
+    sim = simulate(cache.trace(model.spec.num_layers, model.spec.num_experts), Policy.named("hobbit", 3), 3, 2,
+                   t1=0.55, t2=0.7)
+    real = cache.stats
+    assert (real.requests, real.hits, real.high_misses, real.low_misses, real.skipped) == (
+        sim.requests, sim.hits, sim.high_misses, sim.low_misses, sim.skipped)
+    assert real.miss_penalty == pytest.approx(sim.miss_penalty) and real.low_misses > 0 and real.skipped > 0
+
+
+def test_store_round_trip(tiny, tmp_path):
+    path, store_dir = tiny
+    built = ExpertStore.open(store_dir)
+    in_memory = ExpertStore.from_model(moeserve.load_model(path), low_bits=4, group=16)
+    in_memory.save(tmp_path / "s")
+    saved = ExpertStore.open(tmp_path / "s")
+    for store in (in_memory, saved):
+        for low in (False, True):
+            a, b = built.load(1, 2, low, "cpu", torch.float32), store.load(1, 2, low, "cpu", torch.float32)
+            for x, y in zip(a, b):
+                if low:
+                    assert torch.equal(x.qweight, y.qweight) and torch.equal(x.scale, y.scale)
+                else:
+                    assert torch.equal(x, y)
+    with pytest.raises(MoeserveError, match="not an expert store"):
+        ExpertStore.open(tmp_path)
+
+
+def test_budget_planner():
+    high, low = plan_slots(100_000, 20_000, 5_000, 4_000, 1_000)
+    assert high * 4_000 + low * 1_000 <= 100_000 * 0.95 - 25_000 and high > 0 and low > 0
+    with pytest.raises(MoeserveError, match="at least"):
+        plan_slots(20_000, 20_000, 5_000, 4_000, 1_000)
+
+
+def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
+    store = tmp_path / "store"
+    assert main(["offload-prepare", "--model", str(byte_model_dir), "--out", str(store), "--group", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 2
+    base = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "6", "--offload", str(store)]
+    assert main(base + ["--high-slots", "2", "--low-slots", "2"]) == 0
+    assert "expert cache" in capsys.readouterr().err
+    assert main(base + ["--memory", "1KB"]) == 2 and "at least" in capsys.readouterr().err
+    assert main(base) == 2 and "--memory" in capsys.readouterr().err
+    assert main(base + ["--high-slots", "2", "--policy", "mru"]) == 2 and "unknown policy" in capsys.readouterr().err
+    _, other = hf_checkpoints["olmoe"]
+    assert main(["generate", "--model", str(other), "--max-new-tokens", "2", "--offload", str(store),
+                 "--high-slots", "1"]) == 2
+    assert "another model" in capsys.readouterr().err
