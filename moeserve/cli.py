@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--all-high", action="store_true", help="no mixed precision: every expert high, none skipped")
     o.add_argument("--t1", type=float, default=0.6, help="high/low threshold (default 0.6)")
     o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
+    o.add_argument("--prefetch", type=int, default=1, metavar="N",
+                   help="prefetch experts predicted for the next N MoE layers (default 1; 0 = off)")
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
@@ -180,7 +182,7 @@ def cmd_generate(args) -> int:
         st = cache.stats
         print(f"[expert cache: {cache.state.capacity[0]} high + {cache.state.capacity[1]} low slots, policy "
               f"{cache.state.policy.name}: hit rate {st.hit_rate:.1%}, {st.high_misses} high / {st.low_misses} low "
-              f"loads, {st.skipped} skipped]", file=sys.stderr)
+              f"loads, {st.skipped} skipped, {cache.prefetched} prefetched]", file=sys.stderr)
     n_tokens = sum(len(r.token_ids) for r in results)
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
@@ -212,7 +214,7 @@ def _enable_offload(model, args):
         raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
-                              t1=args.t1, t2=args.t2)
+                              t1=args.t1, t2=args.t2, prefetch_layers=max(args.prefetch, 0))
     except ValueError as e:
         raise MoeserveError(str(e)) from None
 

@@ -103,3 +103,19 @@ def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
     assert main(["generate", "--model", str(other), "--max-new-tokens", "2", "--offload", str(store),
                  "--high-slots", "1"]) == 2
     assert "another model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_prefetch_never_changes_outputs_and_raises_hits(tiny, mixed):
+    path, store_dir = tiny
+    prompts = [torch.randint(3, 97, (6,)).tolist()]
+    runs = {}
+    for n in (0, 2):
+        model = moeserve.load_model(path, routed_experts=False)
+        cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=4, low_slots=4, mixed=mixed,
+                               t1=0.55, t2=0.7, prefetch_layers=n)
+        runs[n] = (greedy(model, prompts, n=12), cache)
+    assert runs[0][0] == runs[2][0]
+    assert runs[2][1].prefetched > 0 and runs[0][1].prefetched == 0
+    if not mixed:  # prefetched copies are high precision here (low slots unused): they turn misses into hits
+        assert runs[2][1].stats.hits >= runs[0][1].stats.hits

@@ -32,6 +32,7 @@ class CacheState:
         self.stats: dict[Key, ExpertStats] = {}
         self.now = 0
         self.sequence = None
+        self.pinned: set[Key] = set()  # prefetched, not used yet: not evicted (HOBBIT masks predictions)
 
     def start_event(self, sequence) -> None:
         """One token at one layer; a new sequence resets the frequency counters (HOBBIT)."""
@@ -42,6 +43,7 @@ class CacheState:
                 s.uses = s.high_uses = 0
 
     def request(self, key: Key, precision: int, needed: set[Key]) -> Decision:
+        self.pinned.discard(key)
         s = self.stats.setdefault(key, ExpertStats(key[0]))
         s.last_use, s.uses, s.high_uses = self.now, s.uses + 1, s.high_uses + (precision == HIGH)
         if key in self.pools[HIGH]:
@@ -49,12 +51,26 @@ class CacheState:
         tier = HIGH if precision == HIGH else 1
         if tier != HIGH and key in self.pools[1]:
             return Decision(True, 1, True, None)
+        return self._admit(key, tier, needed)
+
+    def prefetch(self, key: Key, tier: int, needed: set[Key]) -> Decision | None:
+        """Admit a predicted expert ahead of use (no use counted); None if a copy is already cached."""
+        if key in self.pools[HIGH] or key in self.pools[tier]:
+            return None
+        self.stats.setdefault(key, ExpertStats(key[0]))
+        decision = self._admit(key, tier, needed)
+        if decision.keep:
+            self.pinned.add(key)
+        return decision
+
+    def _admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
         pool = self.pools[tier]
         if self.capacity[tier] <= 0:
             return Decision(False, tier, False, None)
         evicted = None
         if len(pool) >= self.capacity[tier]:
-            evicted = self.policy.victim({k: self.stats[k] for k in pool}, self.now, key[0], protected=needed)
+            evicted = self.policy.victim({k: self.stats[k] for k in pool}, self.now, key[0],
+                                         protected=needed | self.pinned)
             if evicted is None:
                 return Decision(False, tier, False, None)
             del pool[evicted]

@@ -31,6 +31,7 @@ class ExpertCache:
         self.mixed, self.t1, self.t2, self.bits_high = mixed, t1, t2, bits_high
         self.stats = SimResult()
         self.sequence = 0
+        self.prefetched = 0
         self._log: list[tuple] = []
 
     def new_sequence(self) -> None:
@@ -67,12 +68,26 @@ class ExpertCache:
                 self.stats.high_misses += 1
                 self.stats.miss_penalty += 1
             self.stats.bytes_moved += self.store.expert_bytes(low)
-            if d.evicted is not None:
-                del self.resident[d.tier][d.evicted]
-            if d.keep:
-                self.resident[d.tier][key] = w
+            self._place(key, d, w)
             out[(e, p)] = w
         return out
+
+    def _place(self, key, decision, weights) -> None:
+        if decision.evicted is not None:
+            del self.resident[decision.tier][decision.evicted]
+        if decision.keep:
+            self.resident[decision.tier][key] = weights
+
+    def prefetch(self, keys: list, needed: set) -> None:
+        """Load predicted experts ahead of use, in low precision when there are low slots (a wrong guess
+        then costs less), and keep them from eviction until used."""
+        tier = LOW if self.state.capacity[LOW] > 0 else HIGH
+        for key in keys:
+            d = self.state.prefetch(key, tier, needed)
+            if d is not None and d.keep:
+                self._place(key, d, self.store.load(key[0], key[1], tier == LOW, self.device, self.dtype))
+                self.prefetched += 1
+                self.stats.bytes_moved += self.store.expert_bytes(tier == LOW)
 
     def trace(self, num_layers: int, num_experts: int) -> RoutingTrace:
         """The requests so far, as a routing trace (replayable by simulate())."""
@@ -82,10 +97,22 @@ class ExpertCache:
 
 
 class OffloadedExperts(LoopedExperts):
-    def __init__(self, layer: int, num_experts: int, cache: ExpertCache):
+    def __init__(self, layer: int, num_experts: int, top_k: int, cache: ExpertCache,
+                 next_layers: list[int] = (), next_gates: torch.Tensor | None = None):
         super().__init__()
-        self.layer, self.num_experts, self.cache = layer, num_experts, cache
+        self.layer, self.num_experts, self.top_k, self.cache = layer, num_experts, top_k, cache
+        self.next_layers = list(next_layers)
+        self.next_gates = next_gates  # [n * E, D]: the routers of the next n MoE layers, stacked
         self._weights: dict = {}
+
+    def predict_next(self, x: torch.Tensor) -> list[tuple[int, int]]:
+        """Experts the next layers' routers would pick for this layer's gate input (one stacked matmul)."""
+        if not self.next_layers:
+            return []
+        logits = (x @ self.next_gates.T).reshape(x.shape[0], len(self.next_layers), self.num_experts)  # [T, n, E]
+        picks = logits.topk(self.top_k, dim=-1).indices  # [T, n, k]
+        return list(dict.fromkeys((self.next_layers[j], int(e)) for t in picks.tolist()
+                                  for j, row in enumerate(t) for e in row))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         prec = self.cache.precision(expert_weights)  # [T, k]
@@ -93,6 +120,8 @@ class OffloadedExperts(LoopedExperts):
         self._weights = {}
         for ids, w, p in zip(ids_l, w_l, p_l):  # token by token, as the simulator replays them
             self._weights.update(self.cache.fetch_token(self.layer, ids, w, p))
+        if self.next_layers:
+            self.cache.prefetch(self.predict_next(x), needed={(self.layer, e) for e in expert_ids.flatten().tolist()})
         E = self.num_experts
         prec = prec.to(expert_ids.device)
         virtual = torch.where(prec == SKIP, 2 * E, expert_ids * 2 + (prec == LOW))  # [T, k]: (expert, tier) ids
@@ -110,11 +139,19 @@ class OffloadedExperts(LoopedExperts):
 
 
 def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
-                   weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9) -> ExpertCache:
-    """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache."""
+                   weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9,
+                   prefetch_layers: int = 0) -> ExpertCache:
+    """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
+
+    prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
+    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch)."""
     cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
                         model.device, model.dtype, mixed, t1, t2)
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = OffloadedExperts(i, model.spec.num_experts, cache)
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    for n, i in enumerate(moe):
+        following = moe[n + 1:n + 1 + prefetch_layers]
+        gates = (torch.cat([model.model.layers[j].mlp.gate.weight for j in following]).detach()
+                 if following else None)
+        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.num_experts, model.spec.top_k, cache,
+                                                             following, gates)
     return cache
