@@ -1,0 +1,62 @@
+"""Rank layout for parallel inference (DeepSpeed-MoE's parallelism-coordinated layout).
+
+Ranks form a grid: tensor-parallel groups are `tp` consecutive ranks; expert-parallel groups are made of
+ranks with the same tensor-parallel rank, `ep` at a time, so each TP rank exchanges tokens only with
+its peers (all-to-all among p / tp ranks instead of p). Pure functions, plus the torch.distributed
+groups built from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeserve.errors import MoeserveError
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    world: int
+    tp: int = 1
+    ep: int | None = None  # default: every rank with the same TP rank
+
+    def __post_init__(self):
+        if self.tp < 1 or self.world % self.tp:
+            raise MoeserveError(f"world size {self.world} is not divisible by the tensor-parallel size {self.tp}")
+        if self.ep is None:
+            object.__setattr__(self, "ep", self.world // self.tp)
+        if self.ep < 1 or (self.world // self.tp) % self.ep:
+            raise MoeserveError(f"expert-parallel size {self.ep} must divide world / tp = {self.world // self.tp}")
+
+    def tp_groups(self) -> list[list[int]]:
+        return [list(range(s, s + self.tp)) for s in range(0, self.world, self.tp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        groups = []
+        for tp_rank in range(self.tp):
+            peers = list(range(tp_rank, self.world, self.tp))
+            groups += [peers[s:s + self.ep] for s in range(0, len(peers), self.ep)]
+        return groups
+
+    def group_of(self, rank: int, groups: list[list[int]]) -> list[int]:
+        return next(g for g in groups if rank in g)
+
+
+def check_experts(num_experts: int, ep: int) -> int:
+    """Experts per rank; an error when they do not split evenly."""
+    if num_experts % ep:
+        raise MoeserveError(f"{num_experts} experts cannot be split over {ep} expert-parallel ranks "
+                            f"(needs a divisor of {num_experts}; expert slicing is not available yet)")
+    return num_experts // ep
+
+
+def new_groups(grid: RankGrid, rank: int):
+    """(tp group, ep group) process groups of `rank`; every rank must call this (new_group is collective)."""
+    import torch.distributed as dist
+
+    mine = {}
+    for kind, groups in (("tp", grid.tp_groups()), ("ep", grid.ep_groups())):
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = (group, ranks)
+    return mine["tp"], mine["ep"]

@@ -1,0 +1,71 @@
+"""Code each spawned rank runs in tests/test_parallel.py (a module, so spawn can import it)."""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+import moeserve
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.model.experts import ResidentExperts
+from moeserve.parallel.expert_parallel import ExpertParallelExperts, enable_expert_parallel
+
+TOKENS_PER_RANK = [3, 0, 5, 1]  # uneven, and one rank with none
+
+
+def init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def layer_case(rank: int, world: int, port: int, routing: str) -> None:
+    """One expert layer: EP output == the full layer's output on this rank's tokens."""
+    init(rank, world, port)
+    try:
+        E, k, D, F = 8, 2, 24, 40
+        torch.manual_seed(0)  # the same full layer on every rank
+        full = ResidentExperts(E, D, F)
+        with torch.no_grad():
+            full.gate_up_proj.normal_(0, 0.3)
+            full.down_proj.normal_(0, 0.3)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
+        T = TOKENS_PER_RANK[rank % len(TOKENS_PER_RANK)]
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+        if routing == "one_expert":
+            ids[:, 0] = 5
+            ids[:, 1] = 2
+        w = torch.rand(T, k, generator=g)
+        per = E // world
+        local = ResidentExperts(per, D, F)
+        local.gate_up_proj.data = full.gate_up_proj.data[rank * per:(rank + 1) * per].clone()
+        local.down_proj.data = full.down_proj.data[rank * per:(rank + 1) * per].clone()
+        ep = ExpertParallelExperts(local, E, dist.group.WORLD, rank, world)
+        with torch.no_grad():
+            got, ref = ep(x, ids, w), full(x, ids, w)
+        assert got.shape == (T, D)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def model_case(rank: int, world: int, port: int, path: str) -> None:
+    """A whole model: EP logits and greedy tokens == the single-process model's, per rank's own prompts."""
+    init(rank, world, port)
+    try:
+        model = moeserve.load_model(path)
+        g = torch.Generator().manual_seed(200 + rank)
+        prompts = [torch.randint(3, 97, (3 + 2 * i + rank,), generator=g).tolist() for i in range(1 + rank % 2)]
+        tokens = torch.randint(3, 97, (1 + rank % 3, 5 + rank), generator=g)
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        with torch.no_grad():
+            ref_logits = model(tokens)
+        ref_tokens = [r.token_ids for r in generate(model, prompts, params)]
+        enable_expert_parallel(model, dist.group.WORLD, rank, world)
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
+        assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
+    finally:
+        dist.destroy_process_group()
