@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the output contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel ranks (run under `torchrun --nproc-per-node N -m moeserve generate --ep N`)")
     o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
                              "in fast memory; see `moeserve offload-prepare`")
     o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
@@ -141,6 +145,10 @@ def _load(args):
     from moeserve.tokenizer import load_tokenizer
 
     offload = getattr(args, "offload", None)
+    if getattr(args, "ep", 1) > 1:
+        if offload:
+            raise MoeserveError("--ep and --offload cannot be combined yet")
+        return _load_expert_parallel(args)
     model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
                                 routed_experts=offload is None)
     if offload:
@@ -157,6 +165,8 @@ def cmd_generate(args) -> int:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
     model, tok = _load(args)
+    if params.seed is None and args.seed is not None:  # chosen by rank 0 for expert-parallel runs
+        params = dataclasses.replace(params, seed=args.seed)
     texts = args.prompts or [DEFAULT_PROMPT]
     prompts = [tok.encode(t) for t in texts]
     stream = len(texts) == 1 and not args.no_stream
@@ -187,6 +197,32 @@ def cmd_generate(args) -> int:
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
     return 0
+
+
+def _load_expert_parallel(args):
+    """Every rank loads the model, keeps its slice of the experts and serves the same prompts; rank 0 prints."""
+    import moeserve
+    from moeserve.parallel.expert_parallel import enable_expert_parallel
+    from moeserve.parallel.groups import RankGrid, check_experts, new_groups
+    from moeserve.parallel.launch import init_from_env
+    from moeserve.tokenizer import load_tokenizer
+
+    rank, world, device = init_from_env(args.device)
+    grid = RankGrid(world=world, tp=1, ep=args.ep)
+    _, (ep_group, ep_ranks) = new_groups(grid, rank)
+    model = moeserve.load_model(args.model, device=device, dtype=args.dtype, progress=rank == 0)
+    check_experts(model.spec.num_experts, args.ep)
+    enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks))
+    if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
+        import torch.distributed as dist
+
+        seed = [int.from_bytes(os.urandom(4), "little")]
+        dist.broadcast_object_list(seed, src=0)
+        args.seed = seed[0]
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
+    eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
+    return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
 
 
 def _enable_offload(model, args):

@@ -14,15 +14,16 @@ from moeserve.parallel.expert_parallel import ExpertParallelExperts, enable_expe
 TOKENS_PER_RANK = [3, 0, 5, 1]  # uneven, and one rank with none
 
 
-def init(rank: int, world: int, port: int) -> None:
+def init(rank: int, world: int, rendezvous: str) -> None:
+    """Rendezvous through a file (no port to race for); gloo over loopback; bounded waits."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
 
 
-def layer_case(rank: int, world: int, port: int, routing: str) -> None:
+def layer_case(rank: int, world: int, rendezvous: str, routing: str) -> None:
     """One expert layer: EP output == the full layer's output on this rank's tokens."""
-    init(rank, world, port)
+    init(rank, world, rendezvous)
     try:
         E, k, D, F = 8, 2, 24, 40
         torch.manual_seed(0)  # the same full layer on every rank
@@ -51,9 +52,9 @@ def layer_case(rank: int, world: int, port: int, routing: str) -> None:
         dist.destroy_process_group()
 
 
-def model_case(rank: int, world: int, port: int, path: str) -> None:
+def model_case(rank: int, world: int, rendezvous: str, path: str) -> None:
     """A whole model: EP logits and greedy tokens == the single-process model's, per rank's own prompts."""
-    init(rank, world, port)
+    init(rank, world, rendezvous)
     try:
         model = moeserve.load_model(path)
         g = torch.Generator().manual_seed(200 + rank)

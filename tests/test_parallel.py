@@ -1,7 +1,5 @@
 """Expert parallelism on torch.distributed (gloo, CPU, spawned ranks) against the single-process model."""
 
-import socket
-
 import pytest
 import torch.multiprocessing as mp
 
@@ -10,22 +8,16 @@ from moeserve.errors import MoeserveError
 from moeserve.parallel.groups import RankGrid, check_experts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
-def test_expert_parallel_layer_matches_full_layer(world, routing):
-    mp.spawn(parallel_worker.layer_case, args=(world, free_port(), routing), nprocs=world, join=True)
+def test_expert_parallel_layer_matches_full_layer(world, routing, tmp_path):
+    mp.spawn(parallel_worker.layer_case, args=(world, str(tmp_path / "rdv"), routing), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_model_matches_single_process(hf_checkpoints, world):
+def test_expert_parallel_model_matches_single_process(hf_checkpoints, world, tmp_path):
     _, path = hf_checkpoints["mixtral"]
-    mp.spawn(parallel_worker.model_case, args=(world, free_port(), str(path)), nprocs=world, join=True)
+    mp.spawn(parallel_worker.model_case, args=(world, str(tmp_path / "rdv"), str(path)), nprocs=world, join=True)
 
 
 def test_rank_grid_layout():
@@ -40,3 +32,27 @@ def test_rank_grid_layout():
         RankGrid(world=8, tp=2, ep=3)
     with pytest.raises(MoeserveError, match="cannot be split"):
         check_experts(8, 3)
+
+
+def test_cli_generate_under_torchrun_matches_single_process(byte_model_dir, capsys):
+    import subprocess
+    import sys
+
+    from moeserve.cli import main
+
+    argv = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "8", "Words, words"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "moeserve", *argv, "--ep", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == single.strip().splitlines()[-1]  # rank 0 prints, same text
+
+
+def test_cli_ep_without_torchrun_is_a_clear_error(byte_model_dir, capsys, monkeypatch):
+    from moeserve.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "--model", str(byte_model_dir), "--ep", "2", "x"]) == 2
+    assert "torchrun" in capsys.readouterr().err
