@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
     g.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert-parallel ranks (run under `torchrun --nproc-per-node N -m moeserve generate --ep N`)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (under torchrun; with --ep, experts are spread over ranks that "
+                        "share a TP rank; without, each expert is sliced over the TP ranks)")
     o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
                              "in fast memory; see `moeserve offload-prepare`")
     o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
@@ -145,10 +148,10 @@ def _load(args):
     from moeserve.tokenizer import load_tokenizer
 
     offload = getattr(args, "offload", None)
-    if getattr(args, "ep", 1) > 1:
+    if getattr(args, "ep", 1) > 1 or getattr(args, "tp", 1) > 1:
         if offload:
-            raise MoeserveError("--ep and --offload cannot be combined yet")
-        return _load_expert_parallel(args)
+            raise MoeserveError("--ep/--tp and --offload cannot be combined yet")
+        return _load_parallel(args)
     model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
                                 routed_experts=offload is None)
     if offload:
@@ -199,20 +202,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _load_expert_parallel(args):
-    """Every rank loads the model, keeps its slice of the experts and serves the same prompts; rank 0 prints."""
+def _load_parallel(args):
+    """Every rank loads the model, keeps its slices (TP) and experts (EP) and serves the same prompts;
+    rank 0 prints."""
     import moeserve
     from moeserve.parallel.expert_parallel import enable_expert_parallel
     from moeserve.parallel.groups import RankGrid, check_experts, new_groups
     from moeserve.parallel.launch import init_from_env
+    from moeserve.parallel.tensor_parallel import enable_tensor_parallel
     from moeserve.tokenizer import load_tokenizer
 
     rank, world, device = init_from_env(args.device)
-    grid = RankGrid(world=world, tp=1, ep=args.ep)
-    _, (ep_group, ep_ranks) = new_groups(grid, rank)
+    if args.tp * args.ep != world:
+        raise MoeserveError(f"--tp {args.tp} x --ep {args.ep} must equal the number of ranks ({world})")
+    grid = RankGrid(world=world, tp=args.tp, ep=args.ep)
+    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
     model = moeserve.load_model(args.model, device=device, dtype=args.dtype, progress=rank == 0)
-    check_experts(model.spec.num_experts, args.ep)
-    enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks))
+    if args.tp > 1:
+        enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), args.tp, slice_experts=args.ep == 1)
+    if args.ep > 1:
+        check_experts(model.spec.num_experts, args.ep)
+        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks))
     if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
         import torch.distributed as dist
 

@@ -70,3 +70,31 @@ def model_case(rank: int, world: int, rendezvous: str, path: str) -> None:
         assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
     finally:
         dist.destroy_process_group()
+
+
+def tp_case(rank: int, world: int, rendezvous: str, paths: list, tp: int, ep: int) -> None:
+    """Tensor slicing in TP groups of `tp`, with expert slicing (ep 1) or expert parallelism across TP groups
+    (ranks sharing a TP rank): logits and greedy tokens as one process."""
+    from moeserve.parallel.groups import RankGrid, new_groups
+    from moeserve.parallel.tensor_parallel import enable_tensor_parallel
+
+    init(rank, world, rendezvous)
+    try:
+        (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(RankGrid(world=world, tp=tp, ep=ep), rank)
+        for path in paths:
+            model = moeserve.load_model(path)
+            g = torch.Generator().manual_seed(300 + tp_ranks[0])  # the ranks of a TP group share their inputs
+            prompts = [torch.randint(3, 97, (4 + i,), generator=g).tolist() for i in range(2)]
+            tokens = torch.randint(3, 97, (2, 7), generator=g)
+            params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+            with torch.no_grad():
+                ref_logits = model(tokens)
+            ref_tokens = [r.token_ids for r in generate(model, prompts, params)]
+            enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), tp, slice_experts=ep == 1)
+            if ep > 1:
+                enable_expert_parallel(model, ep_group, ep_ranks.index(rank), ep)
+            with torch.no_grad():
+                torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
+            assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
+    finally:
+        dist.destroy_process_group()

@@ -56,3 +56,20 @@ def test_cli_ep_without_torchrun_is_a_clear_error(byte_model_dir, capsys, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["generate", "--model", str(byte_model_dir), "--ep", "2", "x"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world,tp,ep", [(2, 2, 1), (4, 2, 1), (4, 2, 2)])  # (4, 2, 2): TP groups x EP
+def test_tensor_parallel_matches_single_process(hf_checkpoints, world, tp, ep, tmp_path):
+    paths = [str(hf_checkpoints[f][1]) for f in ("mixtral", "qwen2_moe", "qwen3_moe")]  # + shared expert, dense, qk-norm
+    mp.spawn(parallel_worker.tp_case, args=(world, str(tmp_path / "rdv"), paths, tp, ep), nprocs=world, join=True)
+
+
+def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
+    import moeserve
+    from moeserve.parallel.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 2)
+    with pytest.raises(MoeserveError, match="KV heads 2"):
+        check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 4)
+    with pytest.raises(MoeserveError, match="all heads"):
+        check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)
