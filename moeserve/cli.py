@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
     g.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert-parallel ranks (run under `torchrun --nproc-per-node N -m moeserve generate --ep N`)")
+    g.add_argument("--hierarchical-a2a", type=int, default=0, metavar="G",
+                   help="with --ep over all ranks: hierarchical all-to-all with G ranks per node (multi-node runs; "
+                        "default off)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (under torchrun; with --ep, experts are spread over ranks that "
                         "share a TP rank; without, each expert is sliced over the TP ranks)")
@@ -222,7 +225,14 @@ def _load_parallel(args):
         enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), args.tp, slice_experts=args.ep == 1)
     if args.ep > 1:
         check_experts(model.spec.num_experts, args.ep)
-        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks))
+        hierarchy = None
+        if args.hierarchical_a2a:
+            from moeserve.parallel.hierarchical import node_groups
+
+            if args.ep != world or world % args.hierarchical_a2a:
+                raise MoeserveError("--hierarchical-a2a G needs --ep over all ranks and G dividing the rank count")
+            hierarchy = (args.hierarchical_a2a, *node_groups(world, args.hierarchical_a2a, rank))
+        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks), hierarchy)
     if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
         import torch.distributed as dist
 

@@ -98,3 +98,32 @@ def tp_case(rank: int, world: int, rendezvous: str, paths: list, tp: int, ep: in
             assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
     finally:
         dist.destroy_process_group()
+
+
+def hierarchical_case(rank: int, world: int, rendezvous: str, path: str) -> None:
+    """2 nodes x 2 ranks simulated: the hierarchical exchange returns what all_to_all_single does, and the
+    EP model with it matches the single-process model."""
+    from moeserve.parallel.hierarchical import hierarchical_all_to_all, node_groups
+
+    init(rank, world, rendezvous)
+    try:
+        intra, inter = node_groups(world, 2, rank)
+        g = torch.Generator().manual_seed(400 + rank)
+        counts = torch.randint(0, 4, (world,), generator=g)
+        counts[(rank + 1) % world] = 0  # some empty chunks
+        send = torch.randn(int(counts.sum()), 3, generator=g)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts)
+        flat = send.new_empty((int(recv_counts.sum()), 3))
+        dist.all_to_all_single(flat, send, recv_counts.tolist(), counts.tolist())
+        assert torch.equal(hierarchical_all_to_all(send, counts.tolist(), 2, intra, inter), flat)
+
+        model = moeserve.load_model(path)
+        tokens = torch.randint(3, 97, (1 + rank % 2, 6), generator=g)
+        with torch.no_grad():
+            ref = model(tokens)
+        enable_expert_parallel(model, dist.group.WORLD, rank, world, hierarchy=(2, intra, inter))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()

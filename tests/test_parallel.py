@@ -73,3 +73,8 @@ def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 4)
     with pytest.raises(MoeserveError, match="all heads"):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)
+
+
+def test_hierarchical_all_to_all_simulated_2x2(hf_checkpoints, tmp_path):
+    _, path = hf_checkpoints["mixtral"]
+    mp.spawn(parallel_worker.hierarchical_case, args=(4, str(tmp_path / "rdv"), str(path)), nprocs=4, join=True)

@@ -10,9 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.kernels.routing import build_routing_table, combine
+from moeserve.parallel.hierarchical import hierarchical_all_to_all
 
 
-def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
+              hierarchy: tuple | None = None) -> torch.Tensor:
+    if hierarchy is not None:  # (ranks per node, intra-node group, inter-node group)
+        return hierarchical_all_to_all(send.contiguous(), send_counts, *hierarchy)
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group)
     return recv
@@ -21,9 +25,12 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 class ExpertParallelExperts(nn.Module):
     """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts)."""
 
-    def __init__(self, local: nn.Module, num_experts: int, group, group_rank: int, group_size: int):
+    def __init__(self, local: nn.Module, num_experts: int, group, group_rank: int, group_size: int,
+                 hierarchy: tuple | None = None):
+        """hierarchy = (ranks per node, intra group, inter group): hierarchical all-to-all (EP over the
+        whole world only)."""
         super().__init__()
-        self.local, self.num_experts, self.group = local, num_experts, group
+        self.local, self.num_experts, self.group, self.hierarchy = local, num_experts, group, hierarchy
         self.rank, self.size = group_rank, group_size
         self.per_rank = num_experts // group_size
 
@@ -46,12 +53,13 @@ class ExpertParallelExperts(nn.Module):
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         sc, rc = send_counts.tolist(), recv_counts.tolist()
-        x_recv = _exchange(x[send_token], sc, rc, self.group)  # [n_recv, D]
-        ids_recv = _exchange(local_ids, sc, rc, self.group)  # [n_recv, k]
-        w_recv = _exchange(weights, sc, rc, self.group)
+        h = self.hierarchy
+        x_recv = _exchange(x[send_token], sc, rc, self.group, h)  # [n_recv, D]
+        ids_recv = _exchange(local_ids, sc, rc, self.group, h)  # [n_recv, k]
+        w_recv = _exchange(weights, sc, rc, self.group, h)
 
         y_recv = self._local_experts(x_recv, ids_recv, w_recv)  # [n_recv, D], already gate-weighted
-        y_back = _exchange(y_recv, rc, sc, self.group)  # [n_send, D]
+        y_back = _exchange(y_recv, rc, sc, self.group, h)  # [n_send, D]
         return torch.zeros_like(x).index_add_(0, send_token, y_back.to(x.dtype))
 
     def _local_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,7 @@ class ExpertParallelExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, row, y_pairs)
 
 
-def enable_expert_parallel(model, group, group_rank: int, group_size: int) -> None:
+def enable_expert_parallel(model, group, group_rank: int, group_size: int, hierarchy: tuple | None = None) -> None:
     """Keep this rank's slice of every MoE layer's experts and route through all-to-all."""
     from moeserve.model.experts import ResidentExperts
     from moeserve.parallel.groups import check_experts
@@ -76,4 +84,5 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int) -> No
         local = ResidentExperts(per_rank, model.spec.hidden_size, model.spec.expert_ffn)
         local.gate_up_proj = nn.Parameter(full.gate_up_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
         local.down_proj = nn.Parameter(full.down_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
-        layer.mlp.experts = ExpertParallelExperts(local, model.spec.num_experts, group, group_rank, group_size)
+        layer.mlp.experts = ExpertParallelExperts(local, model.spec.num_experts, group, group_rank, group_size,
+                                                  hierarchy)
