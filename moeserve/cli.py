@@ -232,7 +232,8 @@ def _load_parallel(args):
             if args.ep != world or world % args.hierarchical_a2a:
                 raise MoeserveError("--hierarchical-a2a G needs --ep over all ranks and G dividing the rank count")
             hierarchy = (args.hierarchical_a2a, *node_groups(world, args.hierarchical_a2a, rank))
-        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks), hierarchy)
+        tp = (tp_group, tp_ranks.index(rank), args.tp) if args.tp > 1 else None
+        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks), hierarchy, tp)
     if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
         import torch.distributed as dist
 

@@ -91,8 +91,9 @@ def tp_case(rank: int, world: int, rendezvous: str, paths: list, tp: int, ep: in
                 ref_logits = model(tokens)
             ref_tokens = [r.token_ids for r in generate(model, prompts, params)]
             enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), tp, slice_experts=ep == 1)
-            if ep > 1:
-                enable_expert_parallel(model, ep_group, ep_ranks.index(rank), ep)
+            if ep > 1:  # coordinated: each TP rank dispatches its share of the tokens
+                enable_expert_parallel(model, ep_group, ep_ranks.index(rank), ep,
+                                       tp=(tp_group, tp_ranks.index(rank), tp))
             with torch.no_grad():
                 torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
             assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens

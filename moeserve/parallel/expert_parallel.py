@@ -26,15 +26,31 @@ class ExpertParallelExperts(nn.Module):
     """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts)."""
 
     def __init__(self, local: nn.Module, num_experts: int, group, group_rank: int, group_size: int,
-                 hierarchy: tuple | None = None):
+                 hierarchy: tuple | None = None, tp: tuple | None = None):
         """hierarchy = (ranks per node, intra group, inter group): hierarchical all-to-all (EP over the
-        whole world only)."""
+        whole world only). tp = (group, rank, size): the TP ranks hold the same tokens, so each dispatches
+        only its share and an all-gather restores the rest (DeepSpeed-MoE's coordinated communication)."""
         super().__init__()
-        self.local, self.num_experts, self.group, self.hierarchy = local, num_experts, group, hierarchy
+        self.local, self.num_experts, self.group, self.hierarchy, self.tp = local, num_experts, group, hierarchy, tp
         self.rank, self.size = group_rank, group_size
         self.per_rank = num_experts // group_size
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.dispatch(x, expert_ids, expert_weights)
+        group, rank, size = self.tp
+        shares = [len(r) for r in torch.arange(x.shape[0]).tensor_split(size)]  # same on every TP rank
+        start = sum(shares[:rank])
+        mine = slice(start, start + shares[rank])
+        y = self.dispatch(x[mine], expert_ids[mine], expert_weights[mine])  # [share, D]
+        width = max(shares)
+        padded = torch.cat([y, y.new_zeros(width - y.shape[0], y.shape[1])])
+        gathered = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(gathered, padded, group=group)
+        return torch.cat([g[:n] for g, n in zip(gathered, shares)])
+
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens to the experts' ranks and back: [T, D] gate-weighted expert outputs."""
         T, k = expert_ids.shape
         P, E_local = self.size, self.per_rank
         dest = expert_ids // E_local  # [T, k] destination rank of each selected expert
@@ -70,7 +86,8 @@ class ExpertParallelExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, row, y_pairs)
 
 
-def enable_expert_parallel(model, group, group_rank: int, group_size: int, hierarchy: tuple | None = None) -> None:
+def enable_expert_parallel(model, group, group_rank: int, group_size: int, hierarchy: tuple | None = None,
+                           tp: tuple | None = None) -> None:
     """Keep this rank's slice of every MoE layer's experts and route through all-to-all."""
     from moeserve.model.experts import ResidentExperts
     from moeserve.parallel.groups import check_experts
@@ -85,4 +102,4 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
         local.gate_up_proj = nn.Parameter(full.gate_up_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
         local.down_proj = nn.Parameter(full.down_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
         layer.mlp.experts = ExpertParallelExperts(local, model.spec.num_experts, group, group_rank, group_size,
-                                                  hierarchy)
+                                                  hierarchy, tp)
