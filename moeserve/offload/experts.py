@@ -52,22 +52,14 @@ class ExpertCache:
             if p == SKIP:
                 self.stats.skipped += 1
                 continue
-            self.stats.requests += 1
             key = (layer, e)
             d = self.state.request(key, p, needed)
+            self.stats.record(d, self.store.meta["low_bits"] / self.bits_high, self.store.expert_bytes(False),
+                              self.store.expert_bytes(True))
             if d.hit:
-                self.stats.hits += 1
                 out[(e, p)] = self.resident[d.tier][key]
                 continue
-            low = d.tier == LOW
-            w = self.store.load(layer, e, low, self.device, self.dtype)
-            if low:
-                self.stats.low_misses += 1
-                self.stats.miss_penalty += self.store.meta["low_bits"] / self.bits_high
-            else:
-                self.stats.high_misses += 1
-                self.stats.miss_penalty += 1
-            self.stats.bytes_moved += self.store.expert_bytes(low)
+            w = self.store.load(layer, e, d.tier == LOW, self.device, self.dtype)
             self._place(key, d, w)
             out[(e, p)] = w
         return out

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from moeserve.offload.cache_state import CacheState
+from moeserve.offload.cache_state import CacheState, Decision
 from moeserve.offload.policies import Policy
 from moeserve.offload.precision import HIGH, SKIP, choose_precision
 from moeserve.offload.trace import RoutingTrace
@@ -35,6 +35,20 @@ class SimResult:
     def as_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
+    def record(self, decision: Decision, low_cost: float, high_bytes: float, low_bytes: float) -> None:
+        """Count one served request: a hit, or a high / low load with its penalty and bytes."""
+        self.requests += 1
+        if decision.hit:
+            self.hits += 1
+        elif decision.tier == HIGH:
+            self.high_misses += 1
+            self.miss_penalty += 1
+            self.bytes_moved += high_bytes
+        else:
+            self.low_misses += 1
+            self.miss_penalty += low_cost
+            self.bytes_moved += low_bytes
+
 
 def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: int = 0, *, mixed: bool = True,
              t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, bits_low: int = 4,
@@ -51,18 +65,8 @@ def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: in
             if p == SKIP:
                 r.skipped += 1
                 continue
-            r.requests += 1
             d = state.request((int(layer), int(e)), int(p), needed)
-            if d.hit:
-                r.hits += 1
-            elif d.tier == HIGH:
-                r.high_misses += 1
-                r.miss_penalty += 1
-                r.bytes_moved += expert_bytes
-            else:
-                r.low_misses += 1
-                r.miss_penalty += bits_low / bits_high
-                r.bytes_moved += expert_bytes * bits_low / bits_high
+            r.record(d, bits_low / bits_high, expert_bytes, expert_bytes * bits_low / bits_high)
     return r
 
 

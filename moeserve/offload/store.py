@@ -44,6 +44,7 @@ class ExpertStore:
     def __init__(self, meta: dict, tensors_of_layer):
         self.meta = meta  # layers, num_experts, hidden, ffn, low_bits, group
         self._tensors_of_layer = tensors_of_layer  # layer -> mapping name -> tensor (RAM dict or mmap handle)
+        self._expert_bytes: dict[bool, int] = {}
 
     # ---- building and opening ----------------------------------------------------------------
     @classmethod
@@ -64,9 +65,8 @@ class ExpertStore:
         spec = ModelSpec.from_dir(model_path)
         reader, out = CheckpointReader(model_path), Path(out)
         layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
-        for i in layers:
-            hqq.check_shape(torch.empty(1, spec.hidden_size, device="meta"), low_bits, group)
-            hqq.check_shape(torch.empty(1, spec.expert_ffn, device="meta"), low_bits, group)
+        for inputs in (spec.hidden_size, spec.expert_ffn):  # gate_up and down: fail before writing anything
+            hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         out.mkdir(parents=True, exist_ok=True)
         for i in tqdm(layers, desc="expert store", unit="layer", disable=not progress):
             if _layer_file(out, i).is_file():
@@ -122,8 +122,10 @@ class ExpertStore:
         return tuple(mods)
 
     def expert_bytes(self, low: bool) -> int:
-        layer = self.meta["layers"][0]
-        t = self._tensors_of_layer(layer)
-        names = [f"0.low.{n}.{p}" for n in ("gate_up", "down") for p in LOW_PARTS] if low else \
-            ["0.high.gate_up", "0.high.down"]
-        return sum(t[n].numel() * t[n].element_size() for n in names)
+        """Bytes of one expert at a precision (measured once: on a mapped store it reads the tensors)."""
+        if low not in self._expert_bytes:
+            t = self._tensors_of_layer(self.meta["layers"][0])
+            names = [f"0.low.{n}.{p}" for n in ("gate_up", "down") for p in LOW_PARTS] if low else \
+                ["0.high.gate_up", "0.high.down"]
+            self._expert_bytes[low] = sum(t[n].numel() * t[n].element_size() for n in names)
+        return self._expert_bytes[low]

@@ -21,7 +21,7 @@ import torch
 
 from moeserve.errors import MoeserveError
 from moeserve.quant.hqq import QuantizedWeight, dequantize
-from moeserve.quant.pack import pack, unpack
+from moeserve.quant.pack import pack, padded_length, unpack
 
 COMPENSATOR_BITS = (3, 8, 16)
 COMPENSATOR_GROUP = 64
@@ -139,12 +139,8 @@ def _group(n: int) -> int:
     return COMPENSATOR_GROUP if n % COMPENSATOR_GROUP == 0 else n
 
 
-def _padded32(n: int) -> int:
-    return -(-n // 32) * 32
-
-
 def _int_shapes(rows: int, cols: int, bits: int) -> tuple[tuple, tuple]:
-    codes = (rows, _padded32(cols) * 3 // 32) if bits == 3 else (rows, cols)
+    codes = (rows, padded_length(cols) * 3 // 32) if bits == 3 else (rows, cols)
     return codes, (rows, cols // _group(cols))
 
 
@@ -195,7 +191,7 @@ def compensator_to_buffers(U: torch.Tensor, V: torch.Tensor, bits: int) -> dict[
     for name, x in (("u", U.T), ("v", V)):  # U^T [r, out]: rows are rank components, like V
         codes, scale = quantize_symmetric(x, bits)
         if bits == 3:
-            shifted = torch.nn.functional.pad(codes + 3, (0, _padded32(x.shape[1]) - x.shape[1]))
+            shifted = torch.nn.functional.pad(codes + 3, (0, padded_length(x.shape[1]) - x.shape[1]))
             bufs[f"comp_{name}_q"] = pack(shifted.to(torch.uint8), 3)
         else:
             bufs[f"comp_{name}_q"] = codes.to(torch.int8)
@@ -212,6 +208,6 @@ def compensator_from_buffers(bufs: dict[str, torch.Tensor], bits: int, out_featu
     for name, cols in (("u", out_features), ("v", in_features)):
         codes = bufs[f"comp_{name}_q"]
         if bits == 3:
-            codes = unpack(codes, 3, _padded32(cols))[:, :cols].to(torch.int8) - 3
+            codes = unpack(codes, 3, padded_length(cols))[:, :cols].to(torch.int8) - 3
         factors.append(dequantize_symmetric(codes, bufs[f"comp_{name}_scale"]))
     return factors[0].T, factors[1]

@@ -28,6 +28,11 @@ def _check(bits: int, n: int) -> None:
         raise MoeserveError(f"packing needs the last dimension to be a multiple of {GROUP_VALUES}, got {n}")
 
 
+def padded_length(n: int) -> int:
+    """n codes rounded up to whole packing units (rows of any length are padded to this to be packed)."""
+    return -(-n // GROUP_VALUES) * GROUP_VALUES
+
+
 def packed_length(n: int, bits: int) -> int:
     """Number of int32 words for n codes."""
     _check(bits, n)

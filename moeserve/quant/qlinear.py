@@ -16,16 +16,10 @@ from moeserve.kernels.cpu import gemv as cpu_gemv
 from moeserve.model.experts import LoopedExperts, swiglu, triton_available
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
-from moeserve.quant.pack import pack, unpack
-
+from moeserve.quant.pack import pack, padded_length, unpack
 
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
 TRITON_BITS = (2, 4, 8)  # 3-bit unpacking in the Triton kernel measured slower than dequantize + cuBLAS
-PACK_ALIGN = 32  # rows are padded to a multiple of 32 codes so every bit width packs whole words
-
-
-def padded(n: int) -> int:
-    return -(-n // PACK_ALIGN) * PACK_ALIGN
 
 
 class QuantizedLinear(nn.Module):
@@ -35,7 +29,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group, self.rank, self.compensator_bits = bits, group, rank, compensator_bits
         n_groups = in_features // group
-        packed_len = padded(in_features) * bits // 32
+        packed_len = padded_length(in_features) * bits // 32
         self.register_buffer("qweight", torch.empty(out_features, packed_len, dtype=torch.int32))
         self.register_buffer("scale", torch.empty(out_features, n_groups, dtype=torch.float16))
         self.register_buffer("zero", torch.empty(out_features, n_groups, dtype=torch.float16))
@@ -50,7 +44,7 @@ class QuantizedLinear(nn.Module):
                        rank: int = 0, compensator_bits: int = 16, bias: torch.Tensor | None = None):
         out_features, in_features = qw.shape
         m = cls(in_features, out_features, qw.bits, qw.group, rank, compensator_bits, bias is not None)
-        m.qweight = pack(F.pad(qw.codes, (0, padded(in_features) - in_features)), qw.bits)
+        m.qweight = pack(F.pad(qw.codes, (0, padded_length(in_features) - in_features)), qw.bits)
         m.scale, m.zero = qw.scale.to(torch.float16), qw.zero.to(torch.float16)
         if bias is not None:
             m.bias = nn.Parameter(bias, requires_grad=False)
@@ -61,7 +55,7 @@ class QuantizedLinear(nn.Module):
     # ---- compute -----------------------------------------------------------------------------
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized weight [out, in] (without the compensator)."""
-        codes = unpack(self.qweight, self.bits, padded(self.in_features))[:, :self.in_features]  # [out, in] uint8
+        codes = unpack(self.qweight, self.bits, padded_length(self.in_features))[:, :self.in_features]  # [out, in] uint8
         qw = QuantizedWeight(codes=codes, scale=self.scale, zero=self.zero, bits=self.bits, group=self.group,
                              shape=(self.out_features, self.in_features))
         return dequantize(qw, dtype)
