@@ -154,11 +154,12 @@ def _load(args):
     if getattr(args, "ep", 1) > 1 or getattr(args, "tp", 1) > 1:
         if offload:
             raise MoeserveError("--ep/--tp and --offload cannot be combined yet")
-        return _load_parallel(args)
-    model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
-                                routed_experts=offload is None)
-    if offload:
-        args.cache = _enable_offload(model, args)
+        model = _load_parallel(args)
+    else:
+        model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
+                                    routed_experts=offload is None)
+        if offload:
+            args.cache = _enable_offload(model, args)
     eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
     return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
 
@@ -213,7 +214,6 @@ def _load_parallel(args):
     from moeserve.parallel.groups import RankGrid, check_experts, new_groups
     from moeserve.parallel.launch import init_from_env
     from moeserve.parallel.tensor_parallel import enable_tensor_parallel
-    from moeserve.tokenizer import load_tokenizer
 
     rank, world, device = init_from_env(args.device)
     if args.tp * args.ep != world:
@@ -242,8 +242,12 @@ def _load_parallel(args):
         args.seed = seed[0]
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
-    eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
-    return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
+    return model
+
+
+def _check_cache_args(high: int, low: int, t1: float, t2: float) -> None:
+    if high < 0 or low < 0 or not 0 <= t1 <= t2:
+        raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
 
 
 def _enable_offload(model, args):
@@ -267,8 +271,7 @@ def _enable_offload(model, args):
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False), store.expert_bytes(low=True))
     else:
         raise MoeserveError("--offload needs --memory SIZE or --high-slots N")
-    if high < 0 or low < 0 or not 0 <= args.t1 <= args.t2:
-        raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
+    _check_cache_args(high, low, args.t1, args.t2)
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
                               t1=args.t1, t2=args.t2, prefetch_layers=max(args.prefetch, 0))
@@ -387,8 +390,7 @@ def cmd_trace(args) -> int:
         return 0
     if not Path(args.trace).is_file():
         raise MoeserveError(f"trace file {args.trace!r} not found")
-    if args.high_slots < 0 or args.low_slots < 0 or not 0 <= args.t1 <= args.t2:
-        raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
+    _check_cache_args(args.high_slots, args.low_slots, args.t1, args.t2)
     trace = RoutingTrace.load(args.trace)
     sim_kw = dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low)
     if args.trace_command == "fit":
@@ -409,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "offload-prepare": cmd_offload_prepare}[args.command]
+    status = 1
     try:
-        return command(args)
+        status = command(args)
+        return status
     except MoeserveError as e:
         print(f"moeserve: error: {e}", file=sys.stderr)
         return 2
@@ -423,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         raise
+    finally:
+        if "torch.distributed" in sys.modules:  # only runs under torchrun initialise it
+            from moeserve.parallel.launch import shutdown
+
+            shutdown(wait_for_peers=status == 0)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,16 @@ def init_from_env(device: str) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return rank, world, dev
+
+
+def shutdown(wait_for_peers: bool) -> None:
+    """Leave a torchrun launch cleanly: after a success, wait for the peers; then tear the process group
+    down (exiting with it still open can abort a rank whose peer has already gone). After an error the
+    peers may never arrive, so there is no wait."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
+        dist.destroy_process_group()
