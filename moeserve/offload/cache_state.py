@@ -42,16 +42,22 @@ class CacheState:
             for s in self.stats.values():
                 s.uses = s.high_uses = 0
 
-    def request(self, key: Key, precision: int, needed: set[Key]) -> Decision:
+    def cached_tier(self, key: Key, precision: int) -> int | None:
+        """The pool a request would hit (a high copy serves both precisions), or None for a miss."""
+        if key in self.pools[HIGH]:
+            return HIGH
+        return 1 if precision != HIGH and key in self.pools[1] else None
+
+    def request(self, key: Key, precision: int, needed: set[Key], admit: bool = True) -> Decision:
+        """Count a use; a miss is admitted to the request's pool unless admit=False (computed elsewhere)."""
         self.pinned.discard(key)
         s = self.stats.setdefault(key, ExpertStats(key[0]))
         s.last_use, s.uses, s.high_uses = self.now, s.uses + 1, s.high_uses + (precision == HIGH)
-        if key in self.pools[HIGH]:
-            return Decision(True, HIGH, True, None)
+        tier = self.cached_tier(key, precision)
+        if tier is not None:
+            return Decision(True, tier, True, None)
         tier = HIGH if precision == HIGH else 1
-        if tier != HIGH and key in self.pools[1]:
-            return Decision(True, 1, True, None)
-        return self._admit(key, tier, needed)
+        return self._admit(key, tier, needed) if admit else Decision(False, tier, False, None)
 
     def prefetch(self, key: Key, tier: int, needed: set[Key]) -> Decision | None:
         """Admit a predicted expert ahead of use (no use counted); None if a copy is already cached."""

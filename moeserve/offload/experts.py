@@ -3,6 +3,8 @@ ExpertStore (slow memory), each selected expert in high or low precision or skip
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -10,29 +12,45 @@ import torch.nn.functional as F
 from moeserve.kernels.routing import build_routing_table, combine
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.offload.cache_state import CacheState
+from moeserve.offload.cooperative import CpuExperts, choose_cpu
 from moeserve.offload.policies import Policy
 from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
+from moeserve.offload.slots import SlotPool
 from moeserve.offload.store import ExpertStore
+from moeserve.offload.transfer import Copier
 from moeserve.offload.trace import RoutingTrace
 
 
 class ExpertCache:
-    """Fast-memory copies of experts, two pools, decisions by CacheState (as the simulator makes them).
+    """Fast-memory expert slots (two pools), decisions by CacheState (as the simulator makes them), loads
+    on a copy stream, and optionally the CPU computing some misses instead (cooperative mode).
 
     It also logs every request as a routing trace (in request order) and counts hits and misses the
     way simulate() does, so the two can be compared."""
 
     def __init__(self, store: ExpertStore, policy: Policy, high_slots: int, low_slots: int, device, dtype,
-                 mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16):
-        self.store, self.device, self.dtype = store, device, dtype
-        self.state = CacheState(policy, high_slots, low_slots)
-        self.resident = {HIGH: {}, LOW: {}}
+                 mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, reserve: int = 2,
+                 cooperative: bool = False, bandwidth: float | None = None):
+        self.store, self.device, self.dtype = store, torch.device(device), dtype
+        self.state = CacheState(policy, high_slots, low_slots if mixed else 0)
+        high_parts = [(shape, dtype) for shape, _ in store.part_shapes(low=False)]
+        self.pools = {HIGH: SlotPool(high_slots + reserve, high_parts, device, tuple),
+                      LOW: SlotPool(low_slots + reserve if mixed else 0, store.part_shapes(low=True), device,
+                                    store.quantized_modules)}
+        self.copier = Copier(device, bandwidth)
+        self.cpu = CpuExperts(store) if cooperative else None
         self.mixed, self.t1, self.t2, self.bits_high = mixed, t1, t2, bits_high
         self.stats = SimResult()
         self.sequence = 0
-        self.prefetched = 0
+        self.prefetched = self.prefetch_used = self.cpu_experts = 0
+        self._unused_prefetches: set = set()
+        self._streamed: list[tuple[int, int]] = []  # (tier, slot) loaded for one use, freed after the chunk
         self._log: list[tuple] = []
+
+    @property
+    def resident(self) -> dict[int, dict]:
+        return {tier: pool.slot_of for tier, pool in self.pools.items()}
 
     def new_sequence(self) -> None:
         self.sequence += 1
@@ -42,44 +60,78 @@ class ExpertCache:
             return torch.full(weights.shape, HIGH, dtype=torch.long)
         return choose_precision(weights.cpu(), self.t1, self.t2)
 
-    def fetch_token(self, layer: int, ids: list[int], weights: list[float], precision: list[int]) -> dict:
-        """One token at one layer: request its experts; returns (expert, requested tier) -> weights."""
-        self.state.start_event(self.sequence)
-        self._log.append((self.sequence, layer, ids, weights))
-        needed = {(layer, e) for e in ids}
-        out = {}
-        for e, p in zip(ids, precision):
-            if p == SKIP:
-                self.stats.skipped += 1
-                continue
-            key = (layer, e)
-            d = self.state.request(key, p, needed)
-            self.stats.record(d, self.store.meta["low_bits"] / self.bits_high, self.store.expert_bytes(False),
-                              self.store.expert_bytes(True))
-            if d.hit:
-                out[(e, p)] = self.resident[d.tier][key]
-                continue
-            w = self.store.load(layer, e, d.tier == LOW, self.device, self.dtype)
-            self._place(key, d, w)
-            out[(e, p)] = w
-        return out
+    # ---- one request -------------------------------------------------------------------------------
+    def serve(self, layer: int, e: int, precision: int, needed: set, rows: int, cpu_busy: float, flush):
+        """Decide and start serving one request: ("gpu", tier, slot) or ("cpu", tier); `flush()` computes
+        the work planned so far when a slot must be freed first."""
+        key = (layer, e)
+        if key in self._unused_prefetches and self.state.cached_tier(key, precision) is not None:
+            self._unused_prefetches.discard(key)
+            self.prefetch_used += 1
+        low = precision != HIGH
+        on_cpu = (self.cpu is not None and self.state.cached_tier(key, precision) is None
+                  and self._cpu_is_faster(low, rows, cpu_busy))
+        d = self.state.request(key, precision, needed, admit=not on_cpu)
+        if on_cpu:
+            self.stats.record(d, self._low_cost, 0, 0)
+            self.cpu_experts += 1
+            return ("cpu", d.tier)
+        self.stats.record(d, self._low_cost, self.store.expert_bytes(False), self.store.expert_bytes(True))
+        pool = self.pools[d.tier]
+        if d.hit:
+            return ("gpu", d.tier, pool.slot_of[key])
+        if d.evicted is not None:
+            pool.evict(d.evicted, deferred=True)
+        return ("gpu", d.tier, self._load(key, d.tier, d.keep, flush))
 
-    def _place(self, key, decision, weights) -> None:
-        if decision.evicted is not None:
-            del self.resident[decision.tier][decision.evicted]
-        if decision.keep:
-            self.resident[decision.tier][key] = weights
+    def _cpu_is_faster(self, low: bool, rows: int, cpu_busy: float) -> bool:
+        """Only with a GPU fast tier: on a CPU machine a copy into RAM slots costs no more than a CPU run."""
+        return self.copier.cuda and choose_cpu(self.cpu, low, rows, cpu_busy, self.copier.backlog(),
+                                               self.store.expert_bytes(low), self.copier.bandwidth)
+
+    @property
+    def _low_cost(self) -> float:
+        return self.store.meta["low_bits"] / self.bits_high
+
+    def _load(self, key, tier: int, keep: bool, flush=None) -> int:
+        pool = self.pools[tier]
+        if not pool.free and flush is not None:
+            flush()
+        slot = pool.take()
+        self.copier.load(pool.parts(slot), self.store.host_parts(key[0], key[1], tier == LOW), pool.used[slot],
+                         pool.loaded[slot])
+        if keep:
+            pool.keep(key, slot)
+        else:
+            self._streamed.append((tier, slot))
+        return slot
+
+    def chunk_done(self) -> None:
+        """The planned work was enqueued: streamed slots and deferred frees can be reused."""
+        for tier, slot in self._streamed:
+            self.pools[tier].release(slot)
+        self._streamed = []
+        for pool in self.pools.values():
+            pool.release(None)
 
     def prefetch(self, keys: list, needed: set) -> None:
         """Load predicted experts ahead of use, in low precision when there are low slots (a wrong guess
         then costs less), and keep them from eviction until used."""
         tier = LOW if self.state.capacity[LOW] > 0 else HIGH
-        for key in keys:
+        for key in keys:  # after chunk_done, an admission always finds a free slot (the reserve)
             d = self.state.prefetch(key, tier, needed)
-            if d is not None and d.keep:
-                self._place(key, d, self.store.load(key[0], key[1], tier == LOW, self.device, self.dtype))
-                self.prefetched += 1
-                self.stats.bytes_moved += self.store.expert_bytes(tier == LOW)
+            if d is None or not d.keep:
+                continue
+            if d.evicted is not None:
+                self.pools[tier].evict(d.evicted, deferred=False)
+            self._load(key, tier, keep=True)
+            self.prefetched += 1
+            self._unused_prefetches.add(key)
+            self.stats.bytes_moved += self.store.expert_bytes(tier == LOW)
+
+    def log(self, layer: int, ids: list[int], weights: list[float]) -> None:
+        self.state.start_event(self.sequence)
+        self._log.append((self.sequence, layer, ids, weights))
 
     def trace(self, num_layers: int, num_experts: int) -> RoutingTrace:
         """The requests so far, as a routing trace (replayable by simulate())."""
@@ -87,15 +139,23 @@ class ExpertCache:
         return RoutingTrace(np.asarray(seq, np.int32), np.asarray(layer, np.int16), np.asarray(ids, np.int16),
                             np.asarray(w, np.float32), num_layers, num_experts)
 
+    def summary(self) -> dict:
+        st = self.stats
+        return {**st.as_dict(), "high_slots": self.state.capacity[HIGH], "low_slots": self.state.capacity[LOW],
+                "policy": self.state.policy.name, "prefetched": self.prefetched,
+                "prefetch_accuracy": self.prefetch_used / max(self.prefetched, 1), "cpu_experts": self.cpu_experts}
+
 
 class OffloadedExperts(LoopedExperts):
+    """Serves each token's experts through the cache, in token order (as the simulator replays them),
+    then computes them: GPU experts over their slots in one routed pass, CPU ones on the host meanwhile."""
+
     def __init__(self, layer: int, num_experts: int, top_k: int, cache: ExpertCache,
                  next_layers: list[int] = (), next_gates: torch.Tensor | None = None):
         super().__init__()
         self.layer, self.num_experts, self.top_k, self.cache = layer, num_experts, top_k, cache
         self.next_layers = list(next_layers)
         self.next_gates = next_gates  # [n * E, D]: the routers of the next n MoE layers, stacked
-        self._weights: dict = {}
 
     def predict_next(self, x: torch.Tensor) -> list[tuple[int, int]]:
         """Experts the next layers' routers would pick for this layer's gate input (one stacked matmul)."""
@@ -107,24 +167,78 @@ class OffloadedExperts(LoopedExperts):
                                   for j, row in enumerate(t) for e in row))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        prec = self.cache.precision(expert_weights)  # [T, k]
+        cache = self.cache
+        prec = cache.precision(expert_weights)  # [T, k]
         ids_l, w_l, p_l = expert_ids.tolist(), expert_weights.float().tolist(), prec.tolist()
-        self._weights = {}
-        for ids, w, p in zip(ids_l, w_l, p_l):  # token by token, as the simulator replays them
-            self._weights.update(self.cache.fetch_token(self.layer, ids, w, p))
+        rows = Counter(e for ids in ids_l for e in ids)  # tokens per expert, for the CPU cost
+        out = torch.zeros_like(x)  # [T, D]
+        planned: list[tuple] = []  # (token, k-slot, expert, gate weight, source)
+        cpu_busy = 0.0
+
+        def flush():
+            nonlocal planned, cpu_busy
+            self._compute(x, expert_weights, planned, out)
+            planned, cpu_busy = [], 0.0
+            cache.chunk_done()
+
+        for t, (ids, w, p) in enumerate(zip(ids_l, w_l, p_l)):
+            cache.log(self.layer, ids, w)
+            needed = {(self.layer, e) for e in ids}
+            for j, (e, pj) in enumerate(zip(ids, p)):
+                if pj == SKIP:
+                    cache.stats.skipped += 1
+                    continue
+                source = cache.serve(self.layer, e, pj, needed, rows[e], cpu_busy, flush)
+                if source[0] == "cpu":
+                    cpu_busy += cache.cpu.cost(source[1] == LOW, rows[e])
+                planned.append((t, j, e, w[j], source))
+        flush()
         if self.next_layers:
-            self.cache.prefetch(self.predict_next(x), needed={(self.layer, e) for e in expert_ids.flatten().tolist()})
-        E = self.num_experts
-        prec = prec.to(expert_ids.device)
-        virtual = torch.where(prec == SKIP, 2 * E, expert_ids * 2 + (prec == LOW))  # [T, k]: (expert, tier) ids
-        weights = expert_weights.masked_fill(prec == SKIP, 0)
-        table = build_routing_table(virtual, weights, 2 * E + 1)
-        return combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
+            cache.prefetch(self.predict_next(x), needed={(self.layer, e) for e in expert_ids.flatten().tolist()})
+        return out
+
+    def _compute(self, x, expert_weights, planned, out) -> None:
+        """Add the planned (token, k-slot) contributions to out [T, D]."""
+        on_cpu = [p for p in planned if p[4][0] == "cpu"]
+        on_gpu = [p for p in planned if p[4][0] == "gpu"]
+        if on_cpu:  # read the rows before queueing GPU work behind the copies
+            cpu_tokens = torch.tensor([p[0] for p in on_cpu], device=x.device)
+            cpu_rows = x[cpu_tokens].cpu()  # [n, D]
+        if on_gpu:
+            out += self._compute_on_slots(x, expert_weights, on_gpu)
+        if on_cpu:
+            y = torch.cat([self.cache.cpu.run(self.layer, e, src[1] == LOW, cpu_rows[i:i + 1]) * w
+                           for i, (_, _, e, w, src) in enumerate(on_cpu)])  # [n, D]
+            out.index_add_(0, cpu_tokens, y.to(device=x.device, dtype=out.dtype))
+
+    def _compute_on_slots(self, x, expert_weights, planned) -> torch.Tensor:
+        """One routed pass over the slots the planned pairs use: virtual expert = slot (low pool after high)."""
+        pools = self.cache.pools
+        H, L = pools[HIGH].num_slots, pools[LOW].num_slots
+        virtual = torch.full(expert_weights.shape, H + L, dtype=torch.long)  # [T, k]; H + L: not in this pass
+        for t, j, _, _, (_, tier, slot) in planned:
+            virtual[t, j] = slot + (H if tier == LOW else 0)
+        used = {(src[1], src[2]) for *_, src in planned}
+        if x.is_cuda:
+            for tier, slot in used:
+                torch.cuda.current_stream().wait_event(pools[tier].loaded[slot])
+        virtual = virtual.to(x.device)
+        weights = expert_weights.masked_fill(virtual == H + L, 0)
+        table = build_routing_table(virtual, weights, H + L + 1)
+        y = combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
+        if x.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+            for tier, slot in used:
+                pools[tier].used[slot] = done
+        return y
 
     def expert_ffn(self, v: int, rows: torch.Tensor) -> torch.Tensor:
-        if v == 2 * self.num_experts:  # skipped experts
+        pools = self.cache.pools
+        H, L = pools[HIGH].num_slots, pools[LOW].num_slots
+        if v == H + L:
             return torch.zeros_like(rows)
-        gate_up, down = self._weights[(v // 2, LOW if v % 2 else HIGH)]
+        gate_up, down = pools[HIGH].weights[v] if v < H else pools[LOW].weights[v - H]
         if isinstance(gate_up, torch.Tensor):
             return F.linear(swiglu(F.linear(rows, gate_up)), down)
         return down(swiglu(gate_up(rows)))
@@ -132,13 +246,20 @@ class OffloadedExperts(LoopedExperts):
 
 def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
                    weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9,
-                   prefetch_layers: int = 0) -> ExpertCache:
+                   prefetch_layers: int = 0, cooperative: bool = False, pin: bool = True,
+                   bandwidth: float | None = None) -> ExpertCache:
     """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
 
+    high_slots / low_slots are the cache's capacities; each pool gets top_k more slots for experts used
+    once and for frees deferred while a chunk is in flight (budget.plan_slots counts them).
     prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
-    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch)."""
+    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch). cooperative: misses
+    may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
+    if pin and model.device.type == "cuda":
+        store.pin(progress=True)
     cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
-                        model.device, model.dtype, mixed, t1, t2)
+                        model.device, model.dtype, mixed, t1, t2, reserve=model.spec.top_k,
+                        cooperative=cooperative, bandwidth=bandwidth)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     for n, i in enumerate(moe):
         following = moe[n + 1:n + 1 + prefetch_layers]

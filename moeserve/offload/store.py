@@ -5,6 +5,7 @@ memory-mapped so a store larger than RAM can be used. Built once from a loaded m
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from moeserve.quant.qlinear import QuantizedLinear
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
+PROJECTIONS = ("gate_up", "down")
 
 
 def _layer_file(path: Path, layer: int) -> Path:
@@ -30,13 +32,14 @@ def _meta(spec, layers: list[int], low_bits: int, group: int) -> dict:
 
 
 def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int) -> dict[str, torch.Tensor]:
-    """One layer's experts, stacks gate_up [E, 2F, D] and down [E, D, F], in both precisions."""
+    """One layer's experts, stacks gate_up [E, 2F, D] and down [E, D, F], in both precisions, on the CPU
+    (quantized on the stacks' device: a GPU does it in milliseconds)."""
     state = {}
     for e in range(gate_up.shape[0]):
-        for name, w in (("gate_up", gate_up[e]), ("down", down[e])):
+        for name, w in zip(PROJECTIONS, (gate_up[e], down[e])):
             state[f"{e}.high.{name}"] = w.detach().cpu().contiguous()
-            q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float().cpu(), low_bits, group))
-            state.update({f"{e}.low.{name}.{p}": getattr(q, p) for p in LOW_PARTS})
+            q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float(), low_bits, group))
+            state.update({f"{e}.low.{name}.{p}": getattr(q, p).cpu() for p in LOW_PARTS})
     return state
 
 
@@ -106,26 +109,62 @@ class ExpertStore:
 
         return cls(meta, lambda layer: _Mapped(handles[layer]))
 
-    # ---- loading one expert into fast memory ---------------------------------------------------
+    # ---- reading one expert ----------------------------------------------------------------------
+    def part_names(self, expert: int, low: bool) -> list[str]:
+        """Tensor names of one expert, in the order of part_shapes()."""
+        if not low:
+            return [f"{expert}.high.{n}" for n in PROJECTIONS]
+        return [f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in LOW_PARTS]
+
+    def host_parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
+        """One expert's tensors in slow memory (pinned, RAM or mapped), no copy."""
+        t = self._tensors_of_layer(layer)
+        return [t[n] for n in self.part_names(expert, low)]
+
+    def part_shapes(self, low: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each part of an expert at a precision (read from the first expert)."""
+        return [(tuple(p.shape), p.dtype) for p in self.host_parts(self.meta["layers"][0], 0, low)]
+
     def load(self, layer: int, expert: int, low: bool, device, dtype):
         """(gate_up, down) as float tensors [2F, D], [D, F] (high) or QuantizedLinear modules (low)."""
-        t = self._tensors_of_layer(layer)
+        parts = [p.to(device) for p in self.host_parts(layer, expert, low)]
         if not low:
-            return tuple(t[f"{expert}.high.{n}"].to(device=device, dtype=dtype) for n in ("gate_up", "down"))
+            return tuple(p.to(dtype) for p in parts)
+        return self.quantized_modules(parts)
+
+    def quantized_modules(self, parts: list[torch.Tensor]) -> tuple[QuantizedLinear, QuantizedLinear]:
+        """(gate_up, down) QuantizedLinear over a low-precision expert's parts (no copy)."""
         D, F, bits, group = self.meta["hidden"], self.meta["ffn"], self.meta["low_bits"], self.meta["group"]
         mods = []
-        for name, (out_f, in_f) in (("gate_up", (2 * F, D)), ("down", (D, F))):
+        for i, (out_f, in_f) in enumerate(((2 * F, D), (D, F))):
             q = QuantizedLinear(in_f, out_f, bits, group)
-            for p in LOW_PARTS:
-                setattr(q, p, t[f"{expert}.low.{name}.{p}"].to(device))
+            for p, t in zip(LOW_PARTS, parts[3 * i:3 * i + 3]):
+                setattr(q, p, t)
             mods.append(q)
         return tuple(mods)
+
+    def pin(self, progress: bool = False) -> int:
+        """Copy the store into page-locked RAM so that loads are asynchronous DMA copies; returns the layers
+        pinned. When pinning fails (out of pinned memory), the rest stays where it is (mapped or pageable:
+        loads stage it through a small pinned buffer) and a warning says so."""
+        pinned = {}
+        for n, layer in enumerate(tqdm(self.meta["layers"], desc="pinning expert store", unit="layer",
+                                       disable=not progress)):
+            t = self._tensors_of_layer(layer)
+            try:
+                pinned[layer] = {k: t[k].pin_memory() for k in t}
+            except RuntimeError as e:
+                warnings.warn(f"moeserve: could not pin the expert store past layer {n} of "
+                              f"{len(self.meta['layers'])} ({str(e).splitlines()[0]}); the other layers stay in "
+                              "pageable/mapped memory and are staged through a pinned buffer (slower loads)",
+                              stacklevel=2)
+                break
+        unpinned = self._tensors_of_layer
+        self._tensors_of_layer = lambda layer: pinned[layer] if layer in pinned else unpinned(layer)
+        return len(pinned)
 
     def expert_bytes(self, low: bool) -> int:
         """Bytes of one expert at a precision (measured once: on a mapped store it reads the tensors)."""
         if low not in self._expert_bytes:
-            t = self._tensors_of_layer(self.meta["layers"][0])
-            names = [f"0.low.{n}.{p}" for n in ("gate_up", "down") for p in LOW_PARTS] if low else \
-                ["0.high.gate_up", "0.high.down"]
-            self._expert_bytes[low] = sum(t[n].numel() * t[n].element_size() for n in names)
+            self._expert_bytes[low] = sum(p.nbytes for p in self.host_parts(self.meta["layers"][0], 0, low))
         return self._expert_bytes[low]

@@ -1,0 +1,62 @@
+"""Fixed expert slots in fast memory for one precision tier: buffers allocated once, no allocation on
+the hot path.
+
+A slot holds one expert's parts (high: gate_up [2F, D], down [D, F]; low: the packed weight, scales and
+zeros of both projections). The cache's logical decisions (CacheState) are mapped onto physical slots
+here. A slot freed by an eviction while the current chunk of work still reads it goes to `pending`
+and is reused only after that chunk is computed; `reserve` slots beyond the logical capacity give room
+for the experts loaded and used once (streamed) and for those deferred frees.
+
+Each slot records two CUDA events: when its last load finished (compute waits on it) and when the last
+computation that read it was enqueued (the next load into it waits on that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.offload.cache_state import Key
+
+
+class SlotPool:
+    def __init__(self, num_slots: int, part_shapes: list[tuple[tuple[int, ...], torch.dtype]], device,
+                 make_weights):
+        """make_weights(parts) -> the object expert_ffn computes with (views of the slot's buffers)."""
+        self.device = torch.device(device)
+        self.buffers = [torch.empty((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in part_shapes]
+        self.weights = [make_weights([b[s] for b in self.buffers]) for s in range(num_slots)]
+        self.slot_of: dict[Key, int] = {}  # experts kept in this pool
+        self.free = list(range(num_slots))[::-1]
+        self.pending: list[int] = []
+        cuda = self.device.type == "cuda"
+        self.loaded = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
+        self.used = [None] * num_slots  # event after the last computation that read the slot
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.weights)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(b[0].nbytes for b in self.buffers) if self.buffers and self.num_slots else 0
+
+    def parts(self, slot: int) -> list[torch.Tensor]:
+        return [b[slot] for b in self.buffers]
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def keep(self, key: Key, slot: int) -> None:
+        self.slot_of[key] = slot
+
+    def evict(self, key: Key, deferred: bool) -> None:
+        """Forget `key`; its slot is free now, or after the chunk in flight when `deferred`."""
+        (self.pending if deferred else self.free).append(self.slot_of.pop(key))
+
+    def release(self, slot: int) -> None:
+        """A streamed (not kept) slot, or the pending ones (slot None), become free."""
+        if slot is None:
+            self.free += self.pending
+            self.pending = []
+        else:
+            self.free.append(slot)
