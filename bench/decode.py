@@ -3,7 +3,9 @@ transformers' `generate` (greedy, exactly as many new tokens), side by side, on 
 
 Per device and batch size: prefill time (prompt -> first token) and decode tokens/s (the remaining
 new_tokens - 1 steps). transformers' prefill is `generate(max_new_tokens=1)`; its decode time is
-generate(new_tokens) minus that.
+generate(new_tokens) minus that. Where the model allows it (CUDA, sync-free expert kernels), moeserve
+decodes twice: eagerly (the dynamic forward) and as a CUDA graph (the static step, captured on the
+first decode step and replayed); "steady" rates leave that first step (capture included) out.
 
 Floor per decode step: ALL weight bytes read once (dense + every expert; for a small model at batch
 8 nearly every expert is hit anyway), over the measured copy bandwidth of the device; KV-cache reads
@@ -29,6 +31,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, result_record, sync, write_result  # noqa: E402
 
+from moeserve.engine.cuda_graph import StaticDecoder, graph_safe  # noqa: E402
 from moeserve.engine.kv_cache import KVCache  # noqa: E402
 from moeserve.loader import load_model  # noqa: E402
 
@@ -77,8 +80,10 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int, device) -> to
 
 
 @torch.inference_mode()
-def ours_generate(model, prompt: torch.Tensor, new_tokens: int):
-    """Greedy: prefill (incl. KV cache allocation) -> first token, then new_tokens - 1 cached steps."""
+def ours_generate(model, prompt: torch.Tensor, new_tokens: int, graph: bool = False):
+    """Greedy: prefill (incl. KV cache allocation) -> first token, then new_tokens - 1 cached steps, through the
+    dynamic forward or (graph) the static step as a CUDA graph. Returns tokens [B, n] and the seconds of
+    prefill, of all decode steps and of the first decode step (the graph's capture)."""
     B, S = prompt.shape
     device = prompt.device
     out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
@@ -87,14 +92,24 @@ def ours_generate(model, prompt: torch.Tensor, new_tokens: int):
     kv = KVCache(model.spec, B, S + new_tokens, device, model.dtype)
     tok = model(prompt, kv=kv, last_only=True)[:, -1].argmax(-1)  # [B]
     out[:, 0] = tok
+    if graph:
+        step, valid = StaticDecoder(model, kv, graph=True), torch.ones(B, 1, dtype=torch.bool, device=device)
+        positions = torch.arange(S, S + new_tokens, device=device).expand(B, new_tokens)  # [B, n]
     sync(device)
-    t1 = time.perf_counter()
+    t1 = t_first = time.perf_counter()
     for i in range(1, new_tokens):
-        tok = model(tok[:, None], kv=kv, last_only=True)[:, -1].argmax(-1)
+        if graph:
+            logits = step(tok[:, None], positions[:, i - 1:i], valid)
+        else:
+            logits = model(tok[:, None], kv=kv, last_only=True)
+        tok = logits[:, -1].argmax(-1)
         out[:, i] = tok
+        if i == 1:
+            sync(device)
+            t_first = time.perf_counter()
     sync(device)
     t2 = time.perf_counter()
-    return out, t1 - t0, t2 - t1
+    return out, t1 - t0, t2 - t1, t_first - t1
 
 
 @torch.inference_mode()
@@ -112,6 +127,16 @@ def matched_prefix(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     """Per sequence: how many leading tokens two greedy outputs share."""
     same = (a.cpu() == b.cpu()).int()
     return [int(s.cumprod(0).sum()) for s in same]
+
+
+def decode_figures(runs: list[tuple[float, float, float]], batch: int, new_tokens: int) -> dict:
+    """Medians over repeats of ours_generate's (prefill s, decode s, first decode step s)."""
+    med = statistics.median
+    pre, dec, first = (med(t) for t in zip(*runs))
+    steady = max(dec - first, 1e-9)
+    return {"prefill_ms": pre * 1e3, "decode_s": dec, "decode_tok_s": batch * (new_tokens - 1) / dec,
+            "first_step_ms": first * 1e3, "steady_decode_tok_s": batch * max(new_tokens - 2, 1) / steady,
+            "total_s": pre + dec}
 
 
 def bench_device(path: Path, device: torch.device, args) -> list[dict]:
@@ -138,29 +163,38 @@ def bench_device(path: Path, device: torch.device, args) -> list[dict]:
     results = []
     n, S = args.new_tokens, args.prompt_len
     for B in args.batch_sizes:
-        # warm-up both (kernels, allocator, HF generation config), a few tokens
+        use_graph = graph_safe(ours, B)
+        modes = [False, True] if use_graph else [False]
+        # warm-up all (kernels, allocator, HF generation config), a few tokens
         warm = random_prompts(spec.vocab_size, B, S, 999, device)
-        ours_generate(ours, warm, min(4, n))
+        for graph in modes:
+            ours_generate(ours, warm, min(4, n), graph)
         hf_generate(hf, warm, min(4, n), pad_id)
-        o_pre, o_dec, h_tot, h_pre, match = [], [], [], [], []
+        runs = {graph: [] for graph in modes}  # graph? -> [(prefill s, decode s, first step s)]
+        h_tot, h_pre, match, graph_match = [], [], [], []
         for r in range(args.repeats):  # a fresh prompt each repeat
             prompt = random_prompts(spec.vocab_size, B, S, r, device)
-            o_tok, pre, dec = ours_generate(ours, prompt, n)
+            tokens = {}
+            for graph in modes:
+                tokens[graph], *times = ours_generate(ours, prompt, n, graph)
+                runs[graph].append(times)
             h_tok, tot = hf_generate(hf, prompt, n, pad_id)
             _, pre_h = hf_generate(hf, prompt, 1, pad_id)
             if h_tok.shape[1] != n:
                 raise SystemExit(f"transformers generated {h_tok.shape[1]} tokens, expected {n}")
-            o_pre.append(pre), o_dec.append(dec), h_tot.append(tot), h_pre.append(pre_h)
-            match += matched_prefix(o_tok, h_tok)
+            h_tot.append(tot), h_pre.append(pre_h)
+            match += matched_prefix(tokens[False], h_tok)
+            if use_graph:
+                graph_match += matched_prefix(tokens[True], tokens[False])
         med = statistics.median
-        ours_dec_s, hf_dec_s = med(o_dec), max(med(h_tot) - med(h_pre), 1e-9)
+        hf_dec_s = max(med(h_tot) - med(h_pre), 1e-9)
         steps = n - 1
         floor_tok_s = B / step_floor_s
         row = {
             "device": device.type, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "batch": B, "prompt_len": S, "new_tokens": n, "repeats": args.repeats,
-            "ours": {"prefill_ms": med(o_pre) * 1e3, "decode_s": ours_dec_s, "decode_tok_s": B * steps / ours_dec_s,
-                     "total_s": med(o_pre) + ours_dec_s},
+            "ours": decode_figures(runs[False], B, n),
+            "ours_graph": decode_figures(runs[True], B, n) if use_graph else None,
             "hf": {"prefill_ms": med(h_pre) * 1e3, "decode_s": hf_dec_s, "decode_tok_s": B * steps / hf_dec_s,
                    "total_s": med(h_tot), "experts_implementation": hf_experts},
             "floor": {"weight_bytes": weight_bytes, "bytes_per_s": bw["bytes_per_s"], "step_ms": step_floor_s * 1e3,
@@ -168,12 +202,22 @@ def bench_device(path: Path, device: torch.device, args) -> list[dict]:
             "greedy_match_prefix": {"min": min(match), "mean": statistics.mean(match), "of": n},
         }
         row["ours_decode_over_hf_decode_speed"] = row["ours"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
-        row["ours_step_over_floor"] = (ours_dec_s / steps) / step_floor_s
-        row["hf_step_over_floor"] = (hf_dec_s / steps) / step_floor_s
+        row["ours_step_over_floor"] = floor_tok_s / row["ours"]["decode_tok_s"]
+        row["hf_step_over_floor"] = floor_tok_s / row["hf"]["decode_tok_s"]
+        graph_note = ""
+        if use_graph:
+            g, e = row["ours_graph"], row["ours"]
+            row["graph_over_eager_steady_decode_speed"] = g["steady_decode_tok_s"] / e["steady_decode_tok_s"]
+            row["graph_decode_over_hf_decode_speed"] = g["decode_tok_s"] / row["hf"]["decode_tok_s"]
+            row["graph_steady_step_over_floor"] = floor_tok_s / g["steady_decode_tok_s"]
+            row["graph_vs_eager_greedy_match_prefix"] = {"min": min(graph_match),
+                                                         "mean": statistics.mean(graph_match), "of": n}
+            graph_note = (f" | graph decode {g['decode_tok_s']:.0f} tok/s (steady {g['steady_decode_tok_s']:.0f}, "
+                          f"capture step {g['first_step_ms']:.1f} ms)")
         results.append(row)
-        print(f"B={B}: ours prefill {row['ours']['prefill_ms']:.1f} ms, decode {row['ours']['decode_tok_s']:.0f} tok/s | "
-              f"HF prefill {row['hf']['prefill_ms']:.1f} ms, decode {row['hf']['decode_tok_s']:.0f} tok/s | "
-              f"floor {floor_tok_s:.0f} tok/s | greedy match min {min(match)}/{n}")
+        print(f"B={B}: ours prefill {row['ours']['prefill_ms']:.1f} ms, decode {row['ours']['decode_tok_s']:.0f} tok/s"
+              f"{graph_note} | HF prefill {row['hf']['prefill_ms']:.1f} ms, decode {row['hf']['decode_tok_s']:.0f} "
+              f"tok/s | floor {floor_tok_s:.0f} tok/s | greedy match min {min(match)}/{n}")
     del ours, hf
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -181,15 +225,20 @@ def bench_device(path: Path, device: torch.device, args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'device':>6} {'B':>3} {'ours pre ms':>11} {'HF pre ms':>9} {'ours tok/s':>10} {'HF tok/s':>9} "
-          f"{'floor tok/s':>11} {'ours/HF':>7} {'ours/floor':>10} {'match':>7}")
+    print(f"\n{'device':>6} {'B':>3} {'ours pre ms':>11} {'HF pre ms':>9} {'ours tok/s':>10} {'graph tok/s':>11} "
+          f"{'HF tok/s':>9} {'floor tok/s':>11} {'ours/HF':>7} {'graph/eager':>11} {'ours/floor':>10} {'match':>7}")
     for r in rows:
+        g = r["ours_graph"]
+        graph_tok_s, graph_ratio = ((f"{g['steady_decode_tok_s']:.0f}", f"{r['graph_over_eager_steady_decode_speed']:.2f}")
+                                    if g else ("-", "-"))
         print(f"{r['device']:>6} {r['batch']:>3} {r['ours']['prefill_ms']:>11.2f} {r['hf']['prefill_ms']:>9.2f} "
-              f"{r['ours']['decode_tok_s']:>10.0f} {r['hf']['decode_tok_s']:>9.0f} {r['floor']['decode_tok_s']:>11.0f} "
-              f"{r['ours_decode_over_hf_decode_speed']:>7.2f} {r['ours_step_over_floor']:>10.1f} "
+              f"{r['ours']['decode_tok_s']:>10.0f} {graph_tok_s:>11} {r['hf']['decode_tok_s']:>9.0f} "
+              f"{r['floor']['decode_tok_s']:>11.0f} {r['ours_decode_over_hf_decode_speed']:>7.2f} "
+              f"{graph_ratio:>11} {r['ours_step_over_floor']:>10.1f} "
               f"{r['greedy_match_prefix']['min']:>3}/{r['new_tokens']}")
-    print("(ours/HF: decode speed ratio, >1 = ours faster; ours/floor: step time over the floor step time; "
-          "match: shortest common greedy prefix)")
+    print("(ours: eager decode; graph: CUDA-graph decode, steady state (capture step left out); ours/HF: decode "
+          "speed ratio, >1 = ours faster; graph/eager: steady decode speed ratio; ours/floor: step time over the "
+          "floor step time; match: shortest common greedy prefix with transformers)")
 
 
 def main(argv=None) -> int:
@@ -225,7 +274,9 @@ def main(argv=None) -> int:
                   "greedy": True, "prompts": "random byte-range tokens, a fresh prompt per repeat",
                   "timing": "wall clock (perf_counter, CUDA synchronised) of whole generations, median of repeats",
                   "floor": "all weight bytes once per decode step / measured copy bandwidth (no KV cache, no "
-                           "activations)"}
+                           "activations)",
+                  "cuda_graph": "where graph_safe (CUDA, sync-free experts): the static decode step captured on the "
+                                "first decode step and replayed; steady = the remaining steps"}
         if q or args.random:
             config["model_config"] = QUICK_MODEL if q else RANDOM_MODEL
         main_device = next((d for d in devices if d.type == "cuda"), devices[0])

@@ -234,6 +234,32 @@ def hf_accelerate(shape: dict, layers: int, device, dtype, args) -> dict:
             "tokens_per_s": 1 / per_token}
 
 
+def plot(record: dict, path: Path) -> Path | None:
+    """tokens/s vs GPU budget per method (log scale), the transformers baseline as a line; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in record["results"] if "budget_bytes" in r]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["budget_bytes"] / GiB, r["tokens_per_s"]) for r in rows if r["method"] == method]
+        ax.plot(*zip(*pts), marker="o", label=method)
+    for r in record["results"]:
+        if r["method"] == "hf-accelerate" and "tokens_per_s" in r:
+            ax.axhline(r["tokens_per_s"], color="grey", linestyle="--", label="transformers + accelerate")
+    ax.set(xlabel="GPU memory budget (GiB)", ylabel="decode tokens/s (batch 1)", yscale="log",
+           title=f"{'tiny model (--quick)' if record['config']['quick'] else 'Mixtral-8x7B shape'}, experts "
+                  f"offloaded\n{record['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
@@ -289,7 +315,8 @@ def main(argv=None) -> int:
                                        "expert_bytes_high": high, "expert_bytes_low": low, "dtype": str(dtype)},
                            device)
     record.update({"h2d_bytes_per_s": bandwidth, "results": rows})
-    print(write_result(record, args.out))
+    path = write_result(record, args.out)
+    print(path, plot(record, path.with_suffix(".png")))
     return 0
 
 

@@ -143,11 +143,33 @@ def kernel_tables(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def offload_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**Offloaded decode, Mixtral-8x7B shape** (batch 1, bf16 + {c['low_bits']}-bit experts in pinned host "
+             f"memory, routing replayed from the demo model: `{c['routing']}`; host->GPU "
+             f"{rec['h2d_bytes_per_s'] / 1e9:.1f} GB/s; {_source(rec)})", "",
+             "| GPU budget | method | tokens/s | vs naive | hit rate | GB moved / token | floor tokens/s | "
+             "share of floor |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [r for r in rec["results"] if "budget_bytes" in r]
+    naive = {r["budget_bytes"]: r["tokens_per_s"] for r in rows if r["method"] == "naive"}
+    for r in rows:
+        lines.append(f"| {r['budget_bytes'] / 2 ** 30:.0f} GiB | {r['method']} | {r['tokens_per_s']:.2f} | "
+                     f"{r['tokens_per_s'] / naive[r['budget_bytes']]:.2f} | {r['hit_rate']:.0%} | "
+                     f"{r['bytes_per_token'] / 1e9:.1f} | {r['floor_tokens_per_s']:.2f} | {r['of_floor']:.0%} |")
+    for r in rec["results"]:
+        if r["method"] == "hf-accelerate" and "tokens_per_s" in r:
+            lines.append(f"| any | transformers + accelerate (MoE blocks on the CPU; {r['measured_layers']} layers "
+                         f"timed, scaled to 32) | {r['tokens_per_s']:.3f} | "
+                         f"{r['tokens_per_s'] / next(iter(naive.values())):.2f} | | | | |")
+    return lines + [""]
+
+
 def report(results_dir: Path) -> str:
     lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
-                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables}.get(rec["name"], lambda r: [])(rec)
+                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables,
+                  "offload": offload_table}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 

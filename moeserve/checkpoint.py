@@ -83,12 +83,19 @@ class CheckpointReader:
         return self._file_of.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: tuple) -> torch.Tensor:
+        """Only the part `index` (a tuple of slices) of a tensor: the rest is never read (sharded loading)."""
+        return self._handle(name).get_slice(name)[index]
+
+    def _handle(self, name: str):
         if name not in self._file_of:
             raise MoeserveError(f"checkpoint {str(self.path)!r} lacks the tensor {name!r}")
         fname = self._file_of[name]
         if fname not in self._handles:
             self._handles[fname] = safe_open(str(self.path / fname), framework="pt", device="cpu")
-        return self._handles[fname].get_tensor(name)
+        return self._handles[fname]
 
 
 # ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------
@@ -114,15 +121,18 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
     m = _FUSED.match(name)
     if m is None:
         return reader.get(name)  # raises a clear "lacks the tensor" error
-    block, _, which = m.groups()
-    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
-    block = block.replace(".mlp", f".{prefix}", 1)
+    layer, which = int(m.group(2)), m.group(3)
+    names = [per_expert_names(layer, family, j) for j in range(num_experts)]
     if which == "down_proj":  # [E, D, F]
-        return torch.stack([reader.get(f"{block}.experts.{j}.{down}.weight") for j in range(num_experts)])
-    return torch.stack([  # [E, 2F, D]: gate rows first, then up rows
-        torch.cat([reader.get(f"{block}.experts.{j}.{gate}.weight"), reader.get(f"{block}.experts.{j}.{up}.weight")])
-        for j in range(num_experts)
-    ])
+        return torch.stack([reader.get(down) for _, _, down in names])
+    return torch.stack([torch.cat([reader.get(gate), reader.get(up)]) for gate, up, _ in names])  # [E, 2F, D]
+
+
+def per_expert_names(layer: int, family: str, expert: int) -> tuple[str, str, str]:
+    """Classic HF names of one expert's (gate [F, D], up [F, D], down [D, F]) weights."""
+    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
+    base = f"model.layers.{layer}.{prefix}.experts.{expert}"
+    return f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight"
 
 
 def to_per_expert(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:

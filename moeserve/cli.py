@@ -25,6 +25,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on a CPU; default auto)")
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel ranks (run under `torchrun --nproc-per-node N -m moeserve ... --ep N`)")
+    p.add_argument("--hierarchical-a2a", type=int, default=0, metavar="G",
+                   help="with --ep over all ranks: hierarchical all-to-all with G ranks per node (multi-node runs; "
+                        "default off)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (under torchrun; with --ep, experts are spread over ranks that "
+                        "share a TP rank; without, each expert is sliced over the TP ranks)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
@@ -45,19 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the output contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
-    g.add_argument("--ep", type=int, default=1, metavar="N",
-                   help="expert-parallel ranks (run under `torchrun --nproc-per-node N -m moeserve generate --ep N`)")
-    g.add_argument("--hierarchical-a2a", type=int, default=0, metavar="G",
-                   help="with --ep over all ranks: hierarchical all-to-all with G ranks per node (multi-node runs; "
-                        "default off)")
-    g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks (under torchrun; with --ep, experts are spread over ranks that "
-                        "share a TP rank; without, each expert is sliced over the TP ranks)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="decode eagerly on a GPU (default: replay each decode step as a CUDA graph where the "
+                        "experts allow it)")
+    _parallel_args(g)
     o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
                              "in fast memory; see `moeserve offload-prepare`")
     o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
-    o.add_argument("--memory", default=None, metavar="SIZE",
-                   help="fast-memory budget (e.g. 20GiB) from which the cache slots are planned")
+    o.add_argument("--gpu-memory", "--memory", dest="memory", default=None, metavar="SIZE",
+                   help="fast-memory budget (e.g. 20GiB: GPU memory, or RAM with --device cpu) from which the cache "
+                        "slots are planned after the non-expert weights, KV cache and workspace")
     o.add_argument("--high-slots", type=int, default=None, help="high-precision cache slots (instead of --memory)")
     o.add_argument("--low-slots", type=int, default=0, help="low-precision cache slots (with --high-slots)")
     o.add_argument("--policy", default="hobbit", help="cache policy: lru, lfu, lhu, fld or hobbit (default)")
@@ -66,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
     o.add_argument("--prefetch", type=int, default=1, metavar="N",
                    help="prefetch experts predicted for the next N MoE layers (default 1; 0 = off)")
+    o.add_argument("--cooperative", action="store_true",
+                   help="compute a missed expert on the CPU when that is faster than copying it to the GPU "
+                        "(decided from measured CPU time and host->GPU bandwidth)")
+    o.add_argument("--no-pin", action="store_true",
+                   help="do not page-lock the store in RAM (loads are then staged through a small pinned buffer)")
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
@@ -82,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (default 512, capped by the context)")
     ppl.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     ppl.add_argument("--max-tokens", type=int, default=0, help="evaluate only the first N tokens (0 = all)")
+    _parallel_args(ppl)
 
     q = sub.add_parser(
         "quantize", help="write a low-bit copy of a checkpoint (RTN, HQQ or MiLo)",
@@ -183,7 +197,8 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     t0 = time.perf_counter()
-    steps = iterate(model, prompts, params, tokenizer=tok, on_text=on_text if stream else None)  # validates
+    steps = iterate(model, prompts, params, tokenizer=tok, on_text=on_text if stream else None,
+                    cuda_graph=not args.no_cuda_graph)  # validates
     if stream:
         on_text(0, texts[0])
     for results, _ in steps:
@@ -196,10 +211,11 @@ def cmd_generate(args) -> int:
             print(f"--- [{n}] ({r.finish_reason})\n{text}{r.text}")
     cache = getattr(args, "cache", None)
     if cache is not None:
-        st = cache.stats
-        print(f"[expert cache: {cache.state.capacity[0]} high + {cache.state.capacity[1]} low slots, policy "
-              f"{cache.state.policy.name}: hit rate {st.hit_rate:.1%}, {st.high_misses} high / {st.low_misses} low "
-              f"loads, {st.skipped} skipped, {cache.prefetched} prefetched]", file=sys.stderr)
+        st = cache.summary()
+        print(f"[expert cache: {st['high_slots']} high + {st['low_slots']} low slots, policy {st['policy']}: hit rate "
+              f"{st['hit_rate']:.1%}, {st['high_misses']} high / {st['low_misses']} low misses, {st['skipped']} skipped, "
+              f"{st['cpu_experts']} on the CPU, {format_bytes(st['bytes_moved'])} moved, {st['prefetched']} prefetched "
+              f"({st['prefetch_accuracy']:.0%} used)]", file=sys.stderr)
     n_tokens = sum(len(r.token_ids) for r in results)
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
@@ -207,33 +223,15 @@ def cmd_generate(args) -> int:
 
 
 def _load_parallel(args):
-    """Every rank loads the model, keeps its slices (TP) and experts (EP) and serves the same prompts;
-    rank 0 prints."""
-    import moeserve
-    from moeserve.parallel.expert_parallel import enable_expert_parallel
-    from moeserve.parallel.groups import RankGrid, check_experts, new_groups
+    """Every rank loads its part of the model (TP slices, EP experts) and serves the same prompts; rank 0 prints."""
     from moeserve.parallel.launch import init_from_env
-    from moeserve.parallel.tensor_parallel import enable_tensor_parallel
+    from moeserve.parallel.loading import load_parallel_model
 
     rank, world, device = init_from_env(args.device)
     if args.tp * args.ep != world:
         raise MoeserveError(f"--tp {args.tp} x --ep {args.ep} must equal the number of ranks ({world})")
-    grid = RankGrid(world=world, tp=args.tp, ep=args.ep)
-    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
-    model = moeserve.load_model(args.model, device=device, dtype=args.dtype, progress=rank == 0)
-    if args.tp > 1:
-        enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), args.tp, slice_experts=args.ep == 1)
-    if args.ep > 1:
-        check_experts(model.spec.num_experts, args.ep)
-        hierarchy = None
-        if args.hierarchical_a2a:
-            from moeserve.parallel.hierarchical import node_groups
-
-            if args.ep != world or world % args.hierarchical_a2a:
-                raise MoeserveError("--hierarchical-a2a G needs --ep over all ranks and G dividing the rank count")
-            hierarchy = (args.hierarchical_a2a, *node_groups(world, args.hierarchical_a2a, rank))
-        tp = (tp_group, tp_ranks.index(rank), args.tp) if args.tp > 1 else None
-        enable_expert_parallel(model, ep_group, ep_ranks.index(rank), len(ep_ranks), hierarchy, tp)
+    model = load_parallel_model(args.model, rank, world, tp=args.tp, ep=args.ep, device=device, dtype=args.dtype,
+                                hierarchical=args.hierarchical_a2a, progress=rank == 0)
     if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
         import torch.distributed as dist
 
@@ -268,13 +266,15 @@ def _enable_offload(model, args):
         resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_meta)
         kv = kv_cache_bytes(model.spec, max(len(args.prompts), 1), model.spec.max_position_embeddings,
                             model.dtype.itemsize)
-        high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False), store.expert_bytes(low=True))
+        high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
+                               0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k)
     else:
         raise MoeserveError("--offload needs --memory SIZE or --high-slots N")
     _check_cache_args(high, low, args.t1, args.t2)
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
-                              t1=args.t1, t2=args.t2, prefetch_layers=max(args.prefetch, 0))
+                              t1=args.t1, t2=args.t2, prefetch_layers=max(args.prefetch, 0),
+                              cooperative=args.cooperative, pin=not args.no_pin)
     except ValueError as e:
         raise MoeserveError(str(e)) from None
 
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         status = command(args)
         return status
     except MoeserveError as e:
-        print(f"moeserve: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"moeserve: error: {e}\n")  # one write: ranks of a torchrun share the stream
         return 2
     except KeyboardInterrupt:
         print("\nmoeserve: interrupted", file=sys.stderr)

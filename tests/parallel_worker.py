@@ -1,4 +1,7 @@
-"""Code each spawned rank runs in tests/test_parallel.py (a module, so spawn can import it)."""
+"""Code each spawned rank runs in tests/test_parallel.py (a module, so spawn can import it).
+
+One spawn per world size runs every case in one process group (a spawn costs seconds on 2 cores); a failing
+case names itself in the error."""
 
 import datetime
 
@@ -6,10 +9,13 @@ import torch
 import torch.distributed as dist
 
 import moeserve
+from moeserve.checkpoint import CheckpointReader
 from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.model.experts import ResidentExperts
-from moeserve.parallel.expert_parallel import ExpertParallelExperts, enable_expert_parallel
+from moeserve.parallel.expert_parallel import ExpertParallelExperts
+from moeserve.parallel.loading import load_parallel_model
+from moeserve.parallel.plan import DispatchPlan
 
 TOKENS_PER_RANK = [3, 0, 5, 1]  # uneven, and one rank with none
 
@@ -21,110 +27,135 @@ def init(rank: int, world: int, rendezvous: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
 
 
-def layer_case(rank: int, world: int, rendezvous: str, routing: str) -> None:
-    """One expert layer: EP output == the full layer's output on this rank's tokens."""
+def suite(rank: int, world: int, rendezvous: str, cases: list, paths: dict) -> None:
     init(rank, world, rendezvous)
     try:
-        E, k, D, F = 8, 2, 24, 40
-        torch.manual_seed(0)  # the same full layer on every rank
-        full = ResidentExperts(E, D, F)
-        with torch.no_grad():
-            full.gate_up_proj.normal_(0, 0.3)
-            full.down_proj.normal_(0, 0.3)
-        g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
-        T = TOKENS_PER_RANK[rank % len(TOKENS_PER_RANK)]
-        x = torch.randn(T, D, generator=g)
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
-        if routing == "one_expert":
-            ids[:, 0] = 5
-            ids[:, 1] = 2
-        w = torch.rand(T, k, generator=g)
-        per = E // world
-        local = ResidentExperts(per, D, F)
-        local.gate_up_proj.data = full.gate_up_proj.data[rank * per:(rank + 1) * per].clone()
-        local.down_proj.data = full.down_proj.data[rank * per:(rank + 1) * per].clone()
-        ep = ExpertParallelExperts(local, E, dist.group.WORLD, rank, world)
-        with torch.no_grad():
-            got, ref = ep(x, ids, w), full(x, ids, w)
-        assert got.shape == (T, D)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        for name, *args in cases:
+            try:
+                CASES[name](rank, world, paths, *args)
+            except Exception as e:
+                raise AssertionError(f"case {name}{tuple(args)} on rank {rank}/{world}: {e}") from e
     finally:
         dist.destroy_process_group()
 
 
-def model_case(rank: int, world: int, rendezvous: str, path: str) -> None:
-    """A whole model: EP logits and greedy tokens == the single-process model's, per rank's own prompts."""
-    init(rank, world, rendezvous)
-    try:
-        model = moeserve.load_model(path)
-        g = torch.Generator().manual_seed(200 + rank)
-        prompts = [torch.randint(3, 97, (3 + 2 * i + rank,), generator=g).tolist() for i in range(1 + rank % 2)]
-        tokens = torch.randint(3, 97, (1 + rank % 3, 5 + rank), generator=g)
-        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        with torch.no_grad():
-            ref_logits = model(tokens)
-        ref_tokens = [r.token_ids for r in generate(model, prompts, params)]
-        enable_expert_parallel(model, dist.group.WORLD, rank, world)
+class CountingReader(CheckpointReader):
+    """Counts the bytes of the tensor slices a rank materialises."""
+
+    bytes_read = 0
+
+    def get_slice(self, name, index):
+        t = super().get_slice(name, index)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def layer_case(rank: int, world: int, _paths, routing: str) -> None:
+    """One expert layer, dynamic and static dispatch, with and without an overlapped dense term:
+    EP output == the full layer's output on this rank's tokens."""
+    E, k, D, F = 8, 2, 24, 40
+    torch.manual_seed(0)  # the same full layer and dense term on every rank
+    full = ResidentExperts(E, D, F)
+    with torch.no_grad():
+        full.gate_up_proj.normal_(0, 0.3)
+        full.down_proj.normal_(0, 0.3)
+    dense_w = torch.randn(D, D)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
+    T = TOKENS_PER_RANK[rank % len(TOKENS_PER_RANK)]
+    x = torch.randn(T, D, generator=g)
+    ids = torch.zeros(0, k, dtype=torch.long)
+    if T:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+    if routing == "one_expert":  # every token to expert 5 (and 2): one rank gets all the work
+        ids[:, 0], ids[:, 1] = 5, 2
+    w = torch.rand(T, k, generator=g)
+    per = E // world
+    local = ResidentExperts(per, D, F)
+    local.gate_up_proj.data = full.gate_up_proj.data[rank * per:(rank + 1) * per].clone()
+    local.down_proj.data = full.down_proj.data[rank * per:(rank + 1) * per].clone()
+    most = max(TOKENS_PER_RANK[r % len(TOKENS_PER_RANK)] for r in range(world))
+    with torch.no_grad():
+        ref = full(x, ids, w)
+        for threshold in (0, 4, 128):  # always dynamic; static unless a rank has 5 tokens; static
+            plan = DispatchPlan(dist.group.WORLD, torch.device("cpu"), threshold)
+            plan.begin(T)
+            assert plan.capacity == (most if most <= threshold else None)
+            ep = ExpertParallelExperts(local, E, dist.group.WORLD, rank, world, plan=plan)
+            torch.testing.assert_close(ep(x, ids, w), ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ep(x, ids, w, dense=lambda t: t @ dense_w), ref + x @ dense_w,
+                                       atol=1e-5, rtol=1e-5)
+
+
+def _reference(path: str, tokens: torch.Tensor, prompts: list, params: SamplingParams):
+    model = moeserve.load_model(path)
+    with torch.no_grad():
+        logits = model(tokens)
+    return logits, [r.token_ids for r in generate(model, prompts, params)]
+
+
+def _expert_bytes(path: str) -> int:
+    reader = CheckpointReader(path)
+    return sum(4 * torch.Size(s).numel() for n, s in reader.shapes.items() if ".experts." in n)  # fp32
+
+
+def model_case(rank: int, world: int, paths: dict, families: list, tp: int, ep: int, static_max_tokens: int) -> None:
+    """Whole models loaded shard-wise with TP (vocab-parallel embedding/head, heads, FFN slices, expert slicing
+    at ep 1) and/or EP: logits and greedy tokens as one process, and each rank reads only its share of the
+    routed experts. The ranks of a TP group share their prompts; EP groups differ (uneven batches)."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    for family in families:
+        path = paths[family]
+        g = torch.Generator().manual_seed(300 + rank // tp)
+        prompts = [torch.randint(3, 97, (3 + 2 * i + rank // tp,), generator=g).tolist()
+                   for i in range(1 + rank // tp % 2)]
+        tokens = torch.randint(3, 97, (1 + rank // tp % 2, 5 + rank // tp), generator=g)
+        ref_logits, ref_tokens = _reference(path, tokens, prompts, params)
+        reader = CountingReader(path)
+        model = load_parallel_model(path, rank, world, tp=tp, ep=ep, static_max_tokens=static_max_tokens,
+                                    reader=reader)
+        share = _expert_bytes(path) // (ep if ep > 1 else tp)  # EP: its experts; expert slicing: its FFN rows
+        assert reader.bytes_read == share, (reader.bytes_read, share)
         with torch.no_grad():
             torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
         assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
-    finally:
-        dist.destroy_process_group()
 
 
-def tp_case(rank: int, world: int, rendezvous: str, paths: list, tp: int, ep: int) -> None:
-    """Tensor slicing in TP groups of `tp`, with expert slicing (ep 1) or expert parallelism across TP groups
-    (ranks sharing a TP rank): logits and greedy tokens as one process."""
-    from moeserve.parallel.groups import RankGrid, new_groups
-    from moeserve.parallel.tensor_parallel import enable_tensor_parallel
-
-    init(rank, world, rendezvous)
-    try:
-        (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(RankGrid(world=world, tp=tp, ep=ep), rank)
-        for path in paths:
-            model = moeserve.load_model(path)
-            g = torch.Generator().manual_seed(300 + tp_ranks[0])  # the ranks of a TP group share their inputs
-            prompts = [torch.randint(3, 97, (4 + i,), generator=g).tolist() for i in range(2)]
-            tokens = torch.randint(3, 97, (2, 7), generator=g)
-            params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-            with torch.no_grad():
-                ref_logits = model(tokens)
-            ref_tokens = [r.token_ids for r in generate(model, prompts, params)]
-            enable_tensor_parallel(model, tp_group, tp_ranks.index(rank), tp, slice_experts=ep == 1)
-            if ep > 1:  # coordinated: each TP rank dispatches its share of the tokens
-                enable_expert_parallel(model, ep_group, ep_ranks.index(rank), ep,
-                                       tp=(tp_group, tp_ranks.index(rank), tp))
-            with torch.no_grad():
-                torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
-            assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
-    finally:
-        dist.destroy_process_group()
-
-
-def hierarchical_case(rank: int, world: int, rendezvous: str, path: str) -> None:
+def hierarchical_case(rank: int, world: int, paths: dict) -> None:
     """2 nodes x 2 ranks simulated: the hierarchical exchange returns what all_to_all_single does, and the
     EP model with it matches the single-process model."""
     from moeserve.parallel.hierarchical import hierarchical_all_to_all, node_groups
 
-    init(rank, world, rendezvous)
-    try:
-        intra, inter = node_groups(world, 2, rank)
-        g = torch.Generator().manual_seed(400 + rank)
-        counts = torch.randint(0, 4, (world,), generator=g)
-        counts[(rank + 1) % world] = 0  # some empty chunks
-        send = torch.randn(int(counts.sum()), 3, generator=g)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts)
-        flat = send.new_empty((int(recv_counts.sum()), 3))
-        dist.all_to_all_single(flat, send, recv_counts.tolist(), counts.tolist())
-        assert torch.equal(hierarchical_all_to_all(send, counts.tolist(), 2, intra, inter), flat)
+    intra, inter = node_groups(world, 2, rank)
+    g = torch.Generator().manual_seed(400 + rank)
+    counts = torch.randint(0, 4, (world,), generator=g)
+    counts[(rank + 1) % world] = 0  # some empty chunks
+    send = torch.randn(int(counts.sum()), 3, generator=g)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    flat = send.new_empty((int(recv_counts.sum()), 3))
+    dist.all_to_all_single(flat, send, recv_counts.tolist(), counts.tolist())
+    assert torch.equal(hierarchical_all_to_all(send, counts.tolist(), 2, intra, inter), flat)
 
-        model = moeserve.load_model(path)
-        tokens = torch.randint(3, 97, (1 + rank % 2, 6), generator=g)
-        with torch.no_grad():
-            ref = model(tokens)
-        enable_expert_parallel(model, dist.group.WORLD, rank, world, hierarchy=(2, intra, inter))
-        with torch.no_grad():
-            torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
-    finally:
-        dist.destroy_process_group()
+    tokens = torch.randint(3, 97, (1 + rank % 2, 6), generator=g)
+    with torch.no_grad():
+        ref = moeserve.load_model(paths["mixtral"])(tokens)
+        model = load_parallel_model(paths["mixtral"], rank, world, ep=world, hierarchical=2)
+        torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
+
+
+def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
+    """A checkpoint that lacks one expert: the rank that owns it names the tensor, the others say a peer
+    failed; nobody waits for a collective that never comes."""
+    from moeserve.errors import MoeserveError
+
+    try:
+        load_parallel_model(paths["missing_expert"], rank, world, ep=world)
+    except MoeserveError as e:
+        owner = rank == world - 1  # the last expert of layer 0 is missing
+        assert ("lacks the tensor" if owner else "another rank failed") in str(e), str(e)
+    else:
+        raise AssertionError("loading a checkpoint without an expert succeeded")
+
+
+CASES = {"layer": layer_case, "model": model_case, "hierarchical": hierarchical_case,
+         "bad_checkpoint": bad_checkpoint_case}

@@ -14,7 +14,7 @@ def run_quick(tmp_path):
     """Both scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
-    for script in ("moe_block", "decode", "cpu_kernels"):
+    for script in ("moe_block", "decode", "cpu_kernels", "parallel"):
         out = tmp_path / script
         cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(out)]
         procs[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
@@ -73,3 +73,31 @@ def test_bench_quick_runs_write_json(tmp_path):
         assert r["ours_ms"] > 0 and r["torch_bf16_ms"] > 0 and 0 < r["dram_share"]
     assert [r["experts"] for r in cpu["moe_layer"]] == ["fp32", "bf16", "4-bit", "3-bit"]
     assert all(r["tokens_per_s"] > 0 for r in cpu["demo_decode"])
+
+    par = results["parallel"]
+    for f in COMMON_FIELDS:
+        assert f in par, f
+    assert par["config"]["quick"] is True and par["config"]["backend"] == "gloo" and par["config"]["world"] == 2
+    assert all(r["ms"] > 0 for r in par["all_to_all"])
+    assert all(r["static_ms"] > 0 and r["dynamic_ms"] > 0 for r in par["dispatch"])
+    assert {(r["shape"], r["ep"]) for r in par["moe_layer"]} == {(s, e) for s in ("mixtral", "deepseek_like") for e in (1, 2)}
+    assert all(r["tokens_per_s_per_rank"] > 0 for r in par["moe_layer"])
+    top8 = [r for r in par["bytes_sent"] if r["top_k"] == 8 and r["ep"] <= 4]
+    assert top8 and all(r["per_expert_over_per_rank"] >= 2 for r in top8)  # the issue's claim at top-8
+
+
+def test_offload_bench_quick(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "offload.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = tmp_path.glob("offload-*.json")
+    result = json.loads(path.read_text())
+    for f in COMMON_FIELDS:
+        assert f in result, f
+    methods = {r["method"] for r in result["results"]}
+    assert methods == {"naive", "lru", "hobbit", "hobbit+cpu"}
+    for r in result["results"]:
+        assert r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1
+        if r["method"] == "naive":
+            assert r["hit_rate"] == 0 and r["high_slots"] == 0

@@ -1,23 +1,50 @@
-"""Expert parallelism on torch.distributed (gloo, CPU, spawned ranks) against the single-process model."""
+"""Expert, tensor and vocab parallelism on torch.distributed (gloo, CPU, spawned ranks) against the
+single-process model. One spawn per world size runs all cases (tests/parallel_worker.py)."""
+
+import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch.multiprocessing as mp
 
 import parallel_worker
 from moeserve.errors import MoeserveError
-from moeserve.parallel.groups import RankGrid, check_experts
+from moeserve.parallel.groups import RankGrid, check_experts, split_range
+
+MODEL_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]  # + shared expert (overlapped), dense layers, qk-norm
+CASES = {
+    2: [("layer", "random"), ("layer", "one_expert"),
+        ("model", ["mixtral"], 1, 2, 128), ("model", ["mixtral"], 1, 2, 0),  # EP: static / dynamic dispatch
+        ("model", MODEL_FAMILIES, 2, 1, 128),  # TP: vocab-parallel, heads, expert slicing
+        ("bad_checkpoint",)],
+    4: [("layer", "random"), ("layer", "one_expert"),
+        ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
+        ("model", ["qwen2_moe"], 2, 2, 128),  # coordinated TP x EP
+        ("hierarchical",), ("bad_checkpoint",)],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_paths(hf_checkpoints, tmp_path_factory):
+    """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0."""
+    from safetensors.torch import load_file, save_file
+
+    paths = {fam: str(path) for fam, (_, path) in hf_checkpoints.items()}
+    broken = tmp_path_factory.mktemp("missing_expert")
+    shutil.copy(hf_checkpoints["mixtral"][1] / "config.json", broken)
+    state = load_file(hf_checkpoints["mixtral"][1] / "model.safetensors")
+    del state["model.layers.0.block_sparse_moe.experts.7.w1.weight"]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    paths["missing_expert"] = str(broken)
+    return paths
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("routing", ["random", "one_expert"])
-def test_expert_parallel_layer_matches_full_layer(world, routing, tmp_path):
-    mp.spawn(parallel_worker.layer_case, args=(world, str(tmp_path / "rdv"), routing), nprocs=world, join=True)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_model_matches_single_process(hf_checkpoints, world, tmp_path):
-    _, path = hf_checkpoints["mixtral"]
-    mp.spawn(parallel_worker.model_case, args=(world, str(tmp_path / "rdv"), str(path)), nprocs=world, join=True)
+def test_parallel_matches_single_process(world, checkpoint_paths, tmp_path):
+    mp.spawn(parallel_worker.suite, args=(world, str(tmp_path / "rdv"), CASES[world], checkpoint_paths),
+             nprocs=world, join=True)
 
 
 def test_rank_grid_layout():
@@ -32,22 +59,64 @@ def test_rank_grid_layout():
         RankGrid(world=8, tp=2, ep=3)
     with pytest.raises(MoeserveError, match="cannot be split"):
         check_experts(8, 3)
+    with pytest.raises(MoeserveError, match="use --tp"):
+        check_experts(8, 16)  # more EP ranks than experts
+    assert [split_range(97, r, 4) for r in range(4)] == [range(0, 25), range(25, 49), range(49, 73), range(73, 97)]
+
+
+def test_dispatch_layouts():
+    """Once-per-rank rows and the static layout, on a hand-made routing (no communication)."""
+    import torch
+
+    from moeserve.parallel.dispatch import dynamic_rows, rows_sent, static_rows
+
+    ids = torch.tensor([[0, 1], [3, 2], [1, 3]])  # 2 ranks x 2 experts: token 0 -> rank 0 only, 1 -> 1, 2 -> both
+    w = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.6, 0.4]])
+    rows = dynamic_rows(ids, w, per_rank=2, ranks=2)
+    assert rows.token.tolist() == [0, 2, 1, 2] and rows.counts.tolist() == [2, 2]
+    assert rows.local_ids.tolist() == [[0, 1], [1, -1], [1, 0], [-1, 1]]
+    x = torch.arange(6.0).view(3, 2)
+    send, sids, sw = static_rows(x, ids, w, per_rank=2, ranks=2, capacity=4)
+    assert send.shape == (8, 2) and torch.equal(send[4:7], x) and not send[3].any()
+    assert sids.tolist() == [[0, 1], [-1, -1], [1, -1], [-1, -1], [-1, -1], [1, 0], [-1, 1], [-1, -1]]
+    assert rows_sent(ids, per_rank=2, ranks=2, rank=0) == {"per_rank": 2, "per_expert": 3}
+
+
+def _torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "moeserve", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
 def test_cli_generate_under_torchrun_matches_single_process(byte_model_dir, capsys):
-    import subprocess
-    import sys
-
     from moeserve.cli import main
 
     argv = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "8", "Words, words"]
     assert main(argv) == 0
     single = capsys.readouterr().out
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "moeserve", *argv, "--ep", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = _torchrun([*argv, "--ep", "2"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == single.strip().splitlines()[-1]  # rank 0 prints, same text
+
+
+def test_cli_eval_ppl_under_torchrun_matches_single_process(byte_model_dir, capsys):
+    from moeserve.cli import main
+
+    argv = ["eval", "ppl", "--model", str(byte_model_dir), "--window", "32", "--max-tokens", "200"]
+    assert main(argv) == 0
+    single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    proc = _torchrun([*argv, "--tp", "2"])  # vocab-parallel head: the loss sees all logits
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1  # rank 0 prints
+    assert json.loads(lines[0])["perplexity"] == pytest.approx(single["perplexity"], rel=1e-5)
+
+
+def test_cli_bad_layout_under_torchrun_is_one_line_per_rank(byte_model_dir):
+    proc = _torchrun(["generate", "--model", str(byte_model_dir), "--tp", "3", "x"])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("moeserve: error:")]
+    assert len(errors) == 2 and "must equal the number of ranks" in errors[0], proc.stderr[-2000:]
 
 
 def test_cli_ep_without_torchrun_is_a_clear_error(byte_model_dir, capsys, monkeypatch):
@@ -56,12 +125,6 @@ def test_cli_ep_without_torchrun_is_a_clear_error(byte_model_dir, capsys, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["generate", "--model", str(byte_model_dir), "--ep", "2", "x"]) == 2
     assert "torchrun" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("world,tp,ep", [(2, 2, 1), (4, 2, 1), (4, 2, 2)])  # (4, 2, 2): TP groups x EP
-def test_tensor_parallel_matches_single_process(hf_checkpoints, world, tp, ep, tmp_path):
-    paths = [str(hf_checkpoints[f][1]) for f in ("mixtral", "qwen2_moe", "qwen3_moe")]  # + shared expert, dense, qk-norm
-    mp.spawn(parallel_worker.tp_case, args=(world, str(tmp_path / "rdv"), paths, tp, ep), nprocs=world, join=True)
 
 
 def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
@@ -73,8 +136,3 @@ def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 4)
     with pytest.raises(MoeserveError, match="all heads"):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)
-
-
-def test_hierarchical_all_to_all_simulated_2x2(hf_checkpoints, tmp_path):
-    _, path = hf_checkpoints["mixtral"]
-    mp.spawn(parallel_worker.hierarchical_case, args=(4, str(tmp_path / "rdv"), str(path)), nprocs=4, join=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
 from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.errors import MoeserveError
@@ -46,16 +47,19 @@ class TextStream:
 
 
 def generate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None, eos_ids=None,
-             on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
-    """Run to completion; `on_text(seq_index, new_text)` streams text as it becomes final."""
+             on_text: Callable[[int, str], None] | None = None, cuda_graph: bool = True) -> list[Generation]:
+    """Run to completion; `on_text(seq_index, new_text)` streams text as it becomes final.
+
+    cuda_graph: replay decode steps as a CUDA graph where the model allows it (see engine/cuda_graph.py)."""
     results = None
-    for results, _ in iterate(model, prompts, params, tokenizer, eos_ids, on_text):
+    for results, _ in iterate(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
         pass
     return results
 
 
 def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=None, eos_ids=None,
-            on_text: Callable[[int, str], None] | None = None) -> Iterator[tuple[list[Generation], torch.Tensor]]:
+            on_text: Callable[[int, str], None] | None = None,
+            cuda_graph: bool = True) -> Iterator[tuple[list[Generation], torch.Tensor]]:
     """Check the request now (errors before any output), then yield (generations, new_tokens [B]) per step."""
     spec = model.spec
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -69,10 +73,18 @@ def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=N
     for b, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= spec.vocab_size:
             raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
-    return _steps(model, prompts, params, tokenizer, eos_ids, on_text)
+    return _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph)
 
 
-def _steps(model, prompts, params, tokenizer, eos_ids, on_text):
+def _decoder(model, kv: KVCache, batch: int, cuda_graph: bool) -> Callable:
+    """The decode step (tokens, positions, valid [B, 1]) -> logits [B, 1, V]: a replayed CUDA graph where the
+    model allows one, else the dynamic forward (attends over the filled slots only: cheaper without a graph)."""
+    if cuda_graph and graph_safe(model, batch):
+        return StaticDecoder(model, kv, graph=True)
+    return lambda tokens, positions, valid: model(tokens, positions, kv=kv, valid=valid, last_only=True)
+
+
+def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
     spec, device = model.spec, model.device
     eos = set(spec.eos_token_ids if eos_ids is None else eos_ids)
     longest = max(len(p) for p in prompts)
@@ -94,6 +106,7 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text):
     with torch.inference_mode():
         logits = model(tokens, positions, kv=kv, valid=valid, last_only=True)  # [B, 1, V]
         next_pos = positions[:, -1:] + 1  # [B, 1]
+        decode = _decoder(model, kv, B, cuda_graph)
         for step in range(max_new):
             new = sample_next(logits[:, -1], params, generator)  # [B]
             for b in alive.nonzero().flatten().tolist():
@@ -104,7 +117,7 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text):
             yield gens, new
             if not alive.any():
                 break
-            logits = model(new[:, None], next_pos, kv=kv, valid=alive[:, None], last_only=True)
+            logits = decode(new[:, None], next_pos, alive[:, None])
             next_pos = next_pos + 1
 
 

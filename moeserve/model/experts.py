@@ -60,6 +60,11 @@ class LoopedExperts(nn.Module):
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def graph_safe(self, x: torch.Tensor) -> bool:
+        """Whether a call on x [T, D] runs without a host sync, so a CUDA graph can capture it: not the loop,
+        which reads the expert counts on the host."""
+        return False
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         table = build_routing_table(expert_ids, expert_weights, self.num_experts)
         return combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
@@ -93,12 +98,22 @@ class ResidentExperts(LoopedExperts):
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
 
+    def kernel_path(self, x: torch.Tensor, num_tokens: int) -> str:
+        """Which path computes num_tokens rows like x [.., D]: "fused" (Triton), "grouped_mm" or "loop"."""
+        if fused_moe_available(x, num_tokens, self.gate_up_proj):
+            return "fused"
+        return "grouped_mm" if grouped_mm_available(x, x.shape[1], self.ffn) else "loop"
+
+    def graph_safe(self, x: torch.Tensor) -> bool:
+        return self.kernel_path(x, x.shape[0]) != "loop"  # fused and grouped GEMMs never sync
+
     def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
-        if fused_moe_available(x_sorted, table.num_tokens, self.gate_up_proj):
+        path = self.kernel_path(x_sorted, table.num_tokens)
+        if path == "fused":
             from moeserve.kernels.triton.fused_moe import fused_experts
 
             return fused_experts(x_sorted, self.gate_up_proj, self.down_proj, table)
-        if not grouped_mm_available(x_sorted, x_sorted.shape[1], self.ffn):
+        if path == "loop":
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)
         h = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=table.offsets)  # [T*k, 2F]

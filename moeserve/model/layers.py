@@ -60,7 +60,8 @@ class Attention(nn.Module):
         self.clip_qkv = spec.clip_qkv
 
     def forward(self, x, cos, sin, mask, kv=None):
-        """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None."""
+        """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None (static decode:
+        S_total = all of kv.max_len)."""
         B, S, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":

@@ -27,10 +27,17 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
         expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
+        if self.shared_expert is not None and getattr(self.experts, "overlaps_dense", False):
+            # an expert-parallel backend computes the shared expert while its tokens are in flight
+            return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
         out = self.experts(x, expert_ids, expert_weights)  # [T, D]
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+            out = out + self._shared(x)
         return out.reshape(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert (Qwen2-MoE: sigmoid-gated) on x [T, D] -> [T, D]."""
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared

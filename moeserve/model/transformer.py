@@ -81,15 +81,32 @@ class MoETransformer(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
         key_valid = kv.begin(valid) if kv is not None else valid  # [B, S_total]
-        q_slots = torch.arange(start, start + S, device=tokens.device)
-        windows = [layer.sliding_window for layer in self.model.layers]
-        masks = attention_masks(q_slots, key_valid, windows)
-        x = self.model.embed_tokens(tokens)  # [B, S, D]
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, masks[layer.sliding_window], kv)
+        q_slots = torch.arange(start, start + S, device=tokens.device)  # [S]
+        x = self._layers(tokens, positions, attention_masks(q_slots, key_valid, self._windows()), kv)
         if kv is not None:
             kv.commit()
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                    kv: KVCache) -> torch.Tensor:
+        """One token per sequence, tokens/positions/valid [B, 1] -> logits [B, 1, V], written at slot kv.index.
+
+        The static twin of forward() for decode: it attends over all kv.max_len slots (unwritten ones masked),
+        so every step has the same shapes and nothing is read back to the host: a CUDA graph can capture it.
+        The host bookkeeping stays outside: kv.reserve_step() before, kv.commit() after.
+        """
+        masks = attention_masks(kv.index, kv.begin_static(valid), self._windows())  # kv.index [1]: the query slot
+        return self.lm_head(self.model.norm(self._layers(tokens, positions, masks, kv)))
+
+    def _windows(self) -> list[int | None]:
+        return [layer.sliding_window for layer in self.model.layers]
+
+    def _layers(self, tokens, positions, masks, kv) -> torch.Tensor:
+        """Embed tokens [B, S] and run every decoder layer -> hidden states [B, S, D] (before the final norm)."""
+        x = self.model.embed_tokens(tokens)  # [B, S, D]
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, masks[layer.sliding_window], kv)
+        return x

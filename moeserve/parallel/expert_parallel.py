@@ -1,105 +1,140 @@
-"""Dropless expert parallelism: each rank holds E / P experts of a layer; tokens travel to the ranks
-that hold their experts and back with all_to_all_single, each token once per destination rank (not
-once per expert), with the split sizes exchanged first. Ranks with no tokens take part all the same.
+"""Dropless expert parallelism: each rank holds E / P experts of a layer; tokens travel to the ranks that hold
+their experts and back with all_to_all_single, each token once per destination rank (not once per expert).
+Ranks with no tokens take part all the same. Layouts (dynamic / static) are in dispatch.py, the choice between
+them in plan.py. The dispatch all-to-all runs asynchronously, so dense work (the shared expert) overlaps it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeserve.kernels.routing import build_routing_table, combine
+from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
+from moeserve.parallel.collectives import all_gather_uneven
+from moeserve.parallel.dispatch import dynamic_rows, static_rows
+from moeserve.parallel.groups import split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
-
-
-def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
-              hierarchy: tuple | None = None) -> torch.Tensor:
-    if hierarchy is not None:  # (ranks per node, intra-node group, inter-node group)
-        return hierarchical_all_to_all(send.contiguous(), send_counts, *hierarchy)
-    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-    dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group)
-    return recv
+from moeserve.parallel.plan import STATIC_MAX_TOKENS, DispatchPlan
 
 
 class ExpertParallelExperts(nn.Module):
     """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts)."""
 
+    overlaps_dense = True  # MoEBlock hands it the shared expert to compute while tokens are in flight
+
     def __init__(self, local: nn.Module, num_experts: int, group, group_rank: int, group_size: int,
-                 hierarchy: tuple | None = None, tp: tuple | None = None):
+                 hierarchy: tuple | None = None, tp: tuple | None = None, plan: DispatchPlan | None = None):
         """hierarchy = (ranks per node, intra group, inter group): hierarchical all-to-all (EP over the
         whole world only). tp = (group, rank, size): the TP ranks hold the same tokens, so each dispatches
-        only its share and an all-gather restores the rest (DeepSpeed-MoE's coordinated communication)."""
+        only its share and an all-gather restores the rest (DeepSpeed-MoE's coordinated communication).
+        plan: static buffers when it says so (shared by the layers; None = always dynamic)."""
         super().__init__()
         self.local, self.num_experts, self.group, self.hierarchy, self.tp = local, num_experts, group, hierarchy, tp
-        self.rank, self.size = group_rank, group_size
+        self.rank, self.size, self.plan = group_rank, group_size, plan
         self.per_rank = num_experts // group_size
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                dense: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, D] -> gate-weighted expert outputs [T, D], plus dense(x) when given (computed while the
+        dispatch all-to-all is in flight)."""
+        T = x.shape[0]
+        mine = self._share(T)
+        finish = self._start(x[mine], expert_ids[mine], expert_weights[mine])
+        extra = dense(x) if dense is not None else None  # overlaps the dispatch all-to-all
+        y = finish()  # [share, D]
+        if self.tp is not None:
+            group, _, size = self.tp
+            y = all_gather_uneven(y.T, [len(split_range(T, r, size)) for r in range(size)], group).T  # [T, D]
+        return y if extra is None else y + extra
+
+    def _share(self, T: int) -> slice:
+        """The tokens this rank dispatches: all of them, or its share among TP ranks holding the same tokens."""
         if self.tp is None:
-            return self.dispatch(x, expert_ids, expert_weights)
-        group, rank, size = self.tp
-        shares = [len(r) for r in torch.arange(x.shape[0]).tensor_split(size)]  # same on every TP rank
-        start = sum(shares[:rank])
-        mine = slice(start, start + shares[rank])
-        y = self.dispatch(x[mine], expert_ids[mine], expert_weights[mine])  # [share, D]
-        width = max(shares)
-        padded = torch.cat([y, y.new_zeros(width - y.shape[0], y.shape[1])])
-        gathered = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(gathered, padded, group=group)
-        return torch.cat([g[:n] for g, n in zip(gathered, shares)])
+            return slice(0, T)
+        _, rank, size = self.tp
+        r = split_range(T, rank, size)
+        return slice(r.start, r.stop)
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens to the experts' ranks and back: [T, D] gate-weighted expert outputs."""
-        T, k = expert_ids.shape
-        P, E_local = self.size, self.per_rank
-        dest = expert_ids // E_local  # [T, k] destination rank of each selected expert
-        token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, k)
-        # one row per (destination rank, token): sorted by rank, so rows for each rank are contiguous
-        pair, slot_row = torch.unique((dest * T + token).flatten(), return_inverse=True)  # [n_send], [T*k]
-        send_token, send_rank = pair % max(T, 1), pair // max(T, 1)
-        send_counts = torch.bincount(send_rank, minlength=P)  # [P]
-        # per row, the k slots it carries: local expert id (or -1) and gate weight
-        local_ids = torch.full((pair.numel(), k), -1, dtype=torch.long, device=x.device)
-        weights = torch.zeros((pair.numel(), k), dtype=expert_weights.dtype, device=x.device)
-        slot = torch.arange(k, device=x.device).repeat(T)
-        local_ids[slot_row, slot] = (expert_ids % E_local).flatten()
-        weights[slot_row, slot] = expert_weights.flatten()
+    def _start(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> Callable:
+        """Send this rank's tokens (asynchronously); returns finish() -> their gate-weighted outputs [T, D]."""
+        P, T, D = self.size, x.shape[0], x.shape[1]
+        capacity = self.plan.capacity if self.plan is not None and self.hierarchy is None else None
+        if capacity is not None:
+            assert T <= capacity, "the dispatch plan was agreed for fewer tokens than this layer got"
+            sends = static_rows(x, expert_ids, expert_weights, self.per_rank, P, capacity)  # [P*C, D|k|k]
+            inflight = [self._exchange(t) for t in sends]
 
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()
-        h = self.hierarchy
-        x_recv = _exchange(x[send_token], sc, rc, self.group, h)  # [n_recv, D]
-        ids_recv = _exchange(local_ids, sc, rc, self.group, h)  # [n_recv, k]
-        w_recv = _exchange(weights, sc, rc, self.group, h)
+            def finish_static():
+                y_back = self._wait(self._exchange(self._local_experts(*map(self._wait, inflight))))  # [P*C, D]
+                return y_back.view(P, capacity, D).sum(0)[:T].to(x.dtype)  # sum the ranks' partial outputs
 
-        y_recv = self._local_experts(x_recv, ids_recv, w_recv)  # [n_recv, D], already gate-weighted
-        y_back = _exchange(y_recv, rc, sc, self.group, h)  # [n_send, D]
-        return torch.zeros_like(x).index_add_(0, send_token, y_back.to(x.dtype))
+            return finish_static
+        rows = dynamic_rows(expert_ids, expert_weights, self.per_rank, P)
+        recv_counts = torch.empty_like(rows.counts)
+        dist.all_to_all_single(recv_counts, rows.counts, group=self.group)
+        sc, rc = rows.counts.tolist(), recv_counts.tolist()  # the dynamic mode's host sync
+        inflight = [self._exchange(t, sc, rc) for t in (x[rows.token], rows.local_ids, rows.weights)]
+
+        def finish_dynamic():
+            y_back = self._wait(self._exchange(self._local_experts(*map(self._wait, inflight)), rc, sc))  # [n, D]
+            return torch.zeros_like(x).index_add_(0, rows.token, y_back.to(x.dtype))
+
+        return finish_dynamic
+
+    def _exchange(self, send: torch.Tensor, send_counts: list[int] | None = None,
+                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, object]:
+        """Start an all-to-all (equal splits when no counts): (receive buffer, work to wait on or None)."""
+        send = send.contiguous()
+        if self.hierarchy is not None:  # synchronous: (ranks per node, intra-node group, inter-node group)
+            return hierarchical_all_to_all(send, send_counts, *self.hierarchy), None
+        recv = torch.empty_like(send) if recv_counts is None else send.new_empty((sum(recv_counts), *send.shape[1:]))
+        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=True)
+        return recv, work
+
+    @staticmethod
+    def _wait(pending: tuple[torch.Tensor, object]) -> torch.Tensor:
+        recv, work = pending
+        if work is not None:
+            work.wait()
+        return recv
 
     def _local_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        row, slot = (ids >= 0).nonzero(as_tuple=True)  # the (row, slot) pairs meant for this rank
-        table = build_routing_table(ids[row, slot].unsqueeze(1), weights[row, slot].unsqueeze(1), self.per_rank)
-        x_pairs = x[row]
-        y_pairs = combine(self.local.run_sorted(x_pairs[table.token_ids], table), table, row.numel(), x.dtype)
-        return torch.zeros_like(x).index_add_(0, row, y_pairs)
+        """Received rows x [N, D] with their slots ids/weights [N, k] (-1: not here) -> [N, D] gate-weighted.
+
+        No nonzero(): slots that are not here go to a sentinel expert past the last, which sorts them to the
+        end where the experts never read them, so shapes do not depend on the routing."""
+        N, k = ids.shape
+        here = ids >= 0  # [N, k]
+        table = build_routing_table(torch.where(here, ids, self.per_rank), weights * here, self.per_rank + 1)
+        real = RoutingTable(table.token_ids, table.weights, table.counts[:-1], table.offsets[:-1], table.num_tokens)
+        y = self.local.run_sorted(x[table.token_ids], real)  # [N*k, D]; rows past the real slots are unset
+        y = torch.where((torch.arange(N * k, device=x.device) < real.offsets[-1])[:, None], y, 0)
+        return combine(y, table, N, x.dtype)
 
 
 def enable_expert_parallel(model, group, group_rank: int, group_size: int, hierarchy: tuple | None = None,
-                           tp: tuple | None = None) -> None:
-    """Keep this rank's slice of every MoE layer's experts and route through all-to-all."""
+                           tp: tuple | None = None, static_max_tokens: int = STATIC_MAX_TOKENS) -> None:
+    """Keep this rank's slice of every MoE layer's experts and route through all-to-all. Works on a model whose
+    experts are still on the meta device (sharded loading fills them in afterwards).
+
+    static_max_tokens: tokens per rank up to which dispatch uses static buffers (0 = always dynamic)."""
     from moeserve.model.experts import ResidentExperts
     from moeserve.parallel.groups import check_experts
 
     per_rank = check_experts(model.spec.num_experts, group_size)
     lo = group_rank * per_rank
+    plan = DispatchPlan(group, model.device, static_max_tokens, tp[2] if tp is not None else 1)
+    plan.install(model)
     for layer in model.model.layers:
         full = getattr(layer.mlp, "experts", None)
         if full is None:
             continue
-        local = ResidentExperts(per_rank, model.spec.hidden_size, model.spec.expert_ffn)
+        with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
+            local = ResidentExperts(per_rank, model.spec.hidden_size, model.spec.expert_ffn)
         local.gate_up_proj = nn.Parameter(full.gate_up_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
         local.down_proj = nn.Parameter(full.down_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
         layer.mlp.experts = ExpertParallelExperts(local, model.spec.num_experts, group, group_rank, group_size,
-                                                  hierarchy, tp)
+                                                  hierarchy, tp, plan)

@@ -44,9 +44,17 @@ class RankGrid:
 def check_experts(num_experts: int, ep: int) -> int:
     """Experts per rank; an error when they do not split evenly."""
     if num_experts % ep:
-        raise MoeserveError(f"{num_experts} experts cannot be split over {ep} expert-parallel ranks "
-                            f"(needs a divisor of {num_experts}; expert slicing is not available yet)")
+        raise MoeserveError(f"{num_experts} experts cannot be split over {ep} expert-parallel ranks (needs a "
+                            f"divisor of {num_experts}; use --tp to slice each expert over more ranks instead)")
     return num_experts // ep
+
+
+def split_range(n: int, rank: int, size: int) -> range:
+    """The share of `rank` in n items split over `size` ranks: contiguous, sizes differing by at most one,
+    the larger ones first (torch.tensor_split's split)."""
+    per, extra = divmod(n, size)
+    start = rank * per + min(rank, extra)
+    return range(start, start + per + (rank < extra))
 
 
 def new_groups(grid: RankGrid, rank: int):

@@ -1,6 +1,7 @@
 """Tensor slicing (Megatron style, as DeepSpeed-MoE uses for the dense part): attention by heads, dense
 and shared-expert FFNs by columns then rows, routed experts by their FFN dimension (expert slicing);
-each block ends with one all-reduce. Routers, norms, embedding and head stay replicated."""
+each block ends with one all-reduce; embedding and head by vocabulary rows (vocab_parallel.py). Routers and
+norms stay replicated."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import MLP, Attention
+from moeserve.parallel.vocab_parallel import enable_vocab_parallel
 
 
 class RowParallelLinear(nn.Module):
@@ -109,6 +111,7 @@ def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bo
             mlp.experts = _slice_experts(mlp.experts, rank, size, group)
         if mlp.shared_expert is not None:
             _slice_mlp(mlp.shared_expert, rank, size, group)
+    enable_vocab_parallel(model, group, rank, size)
     # the KV cache holds this rank's heads only
     model.spec = dataclasses.replace(model.spec, num_heads=model.spec.num_heads // size,
                                      num_kv_heads=model.spec.num_kv_heads // size)

@@ -1,0 +1,68 @@
+"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token.
+
+At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
+launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
+fixed shapes that never reads the device from the host: the static decode step over a KV cache (write
+slot and masks on the device), and expert backends that say `graph_safe` (resident experts on the fused
+Triton or grouped-GEMM paths; not the CPU loop, nor offloading, which read routing on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.engine.kv_cache import KVCache
+
+
+def graph_safe(model, batch: int) -> bool:
+    """Whether the decode step of `model` at `batch` tokens can be captured: CUDA, and every expert backend
+    sync-free at that size (a backend without a `graph_safe` method is taken to sync)."""
+    if model.device.type != "cuda":
+        return False
+    x = torch.empty(batch, model.spec.hidden_size, device=model.device, dtype=model.dtype)  # [B, D] probe
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not (hasattr(experts, "graph_safe") and experts.graph_safe(x)):
+            return False
+    return True
+
+
+class StaticDecoder:
+    """One decode step over a fixed KV cache: `model.decode_step`, eagerly or as a CUDA graph captured on the
+    first call (warm-up on a side stream, then capture) and replayed after, reading fresh inputs from static
+    buffers. Either way a call advances the cache by one slot, as `model(tokens, positions, kv=kv, ...)` does.
+    """
+
+    def __init__(self, model, kv: KVCache, graph: bool, warmup: int = 2):
+        self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: list[torch.Tensor] = []  # static tokens, positions, valid [B, 1] (once captured)
+        self.logits: torch.Tensor | None = None  # [B, 1, V] static output, overwritten by every replay
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with a graph: valid until the next call)."""
+        self.kv.reserve_step()
+        if not self.use_graph:
+            logits = self.model.decode_step(tokens, positions, valid, self.kv)
+        else:
+            if self.graph is None:
+                self._capture(tokens, positions, valid)
+            for buf, x in zip(self.inputs, (tokens, positions, valid)):
+                buf.copy_(x)
+            self.graph.replay()
+            logits = self.logits
+        self.kv.commit()
+        return logits
+
+    def _capture(self, *inputs: torch.Tensor) -> None:
+        """Warm-up runs (Triton compiles, allocator fills) write only the slot this step writes anyway."""
+        self.inputs = [x.clone() for x in inputs]
+        side = torch.cuda.Stream(device=self.kv.index.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.model.decode_step(*self.inputs, self.kv)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.model.decode_step(*self.inputs, self.kv)

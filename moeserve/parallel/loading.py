@@ -1,0 +1,98 @@
+"""A parallel model from a checkpoint, each rank reading only its own routed experts (its EP share, or its
+FFN slice of every expert under expert slicing) straight from the safetensors memory map, so no rank ever
+holds a copy of all experts. Dense weights (attention, shared experts, embedding, head: a few percent of an
+MoE model) are read whole and sliced in memory.
+
+Errors a user can cause surface on every rank as one line: layout errors are the same on all ranks, and
+loading ends with a collective in which the ranks that failed tell the others (see collectives.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.checkpoint import CheckpointReader, per_expert_names
+from moeserve.errors import MoeserveError
+from moeserve.loader import resolve_device
+from moeserve.model.experts import ResidentExperts
+from moeserve.parallel.collectives import raise_if_any_failed
+from moeserve.parallel.groups import RankGrid, check_experts, new_groups
+from moeserve.parallel.plan import STATIC_MAX_TOKENS
+
+
+def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
+                      ffn: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts `experts` of `layer`, rows `ffn` of their FFN dimension: (gate_up [n, 2f, D], down [n, D, f]),
+    from fused (transformers 5) or per-expert (classic HF) tensors; nothing else is read."""
+    f = slice(ffn.start, ffn.stop)
+    fused = f"model.layers.{layer}.mlp.experts"
+    if f"{fused}.gate_up_proj" in reader:  # [E, 2F, D]: gate rows, then up rows
+        e = slice(experts.start, experts.stop)
+        gate = reader.get_slice(f"{fused}.gate_up_proj", (e, f))
+        up = reader.get_slice(f"{fused}.gate_up_proj", (e, slice(ffn_size + ffn.start, ffn_size + ffn.stop)))
+        return torch.cat([gate, up], 1), reader.get_slice(f"{fused}.down_proj", (e, slice(None), f))
+    names = [per_expert_names(layer, family, j) for j in experts]
+    gate_up = torch.stack([torch.cat([reader.get_slice(g, (f,)), reader.get_slice(u, (f,))]) for g, u, _ in names])
+    return gate_up, torch.stack([reader.get_slice(d, (slice(None), f)) for _, _, d in names])
+
+
+def fill_experts(model, reader: CheckpointReader, experts: range, ffn: range, device, dtype) -> None:
+    """Read this rank's experts into the (meta) expert backends the parallel wrappers hold."""
+    spec = model.spec
+    for i, layer in enumerate(model.model.layers):
+        backend = getattr(layer.mlp, "experts", None)
+        if backend is None:
+            continue
+        leaf = next(m for m in backend.modules() if isinstance(m, ResidentExperts))
+        for name, t in zip(("gate_up_proj", "down_proj"),
+                           read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)):
+            want = tuple(getattr(leaf, name).shape)
+            if tuple(t.shape) != want:
+                raise MoeserveError(f"layer {i} experts {experts.start}..{experts.stop - 1}: {name} has shape "
+                                    f"{tuple(t.shape)} in the checkpoint, config.json implies {want}")
+            setattr(leaf, name, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+
+
+def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
+                        hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
+                        reader: CheckpointReader | None = None):
+    """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both.
+    Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
+    import moeserve
+    from moeserve.parallel.expert_parallel import enable_expert_parallel
+    from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel
+
+    device = resolve_device(device)
+    grid = RankGrid(world=world, tp=tp, ep=ep)
+    spec = moeserve.ModelSpec.from_dir(path)
+    if ep > 1:
+        check_experts(spec.num_experts, ep)
+    if tp > 1:
+        check_tensor_parallel(spec, tp)
+    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
+    hierarchy = None
+    if hierarchical:
+        from moeserve.parallel.hierarchical import node_groups
+
+        if ep != world or world % hierarchical:
+            raise MoeserveError("a hierarchical all-to-all with G ranks per node needs EP over all ranks and G "
+                                "dividing the rank count")
+        hierarchy = (hierarchical, *node_groups(world, hierarchical, rank))
+    tp_rank, ep_rank = tp_ranks.index(rank), ep_ranks.index(rank)
+    error, model = None, None
+    try:
+        model = moeserve.load_model(path, device=device, dtype=dtype, progress=progress, routed_experts=False)
+        if tp > 1:
+            enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
+        if ep > 1:
+            enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
+                                   (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
+        per, f = spec.num_experts // ep, spec.expert_ffn // (tp if ep == 1 else 1)
+        ffn = range(tp_rank * f, (tp_rank + 1) * f) if ep == 1 else range(spec.expert_ffn)
+        fill_experts(model, reader or CheckpointReader(path), range(ep_rank * per, (ep_rank + 1) * per), ffn,
+                     model.device, model.dtype)
+    except MoeserveError as e:
+        error = e
+    raise_if_any_failed(error, device)
+    return model

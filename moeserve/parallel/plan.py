@@ -1,0 +1,38 @@
+"""Static or dynamic dispatch, agreed once per forward pass (DeepSpeed-MoE's small-batch inference).
+
+At decode sizes the all-to-all is latency-bound, and reading split sizes back to the host in every MoE layer
+stalls the device. So when every rank of an expert-parallel group dispatches at most `threshold` tokens, all
+layers of that pass use static buffers of `capacity` = the largest count rows per destination. The ranks agree
+on that number with one all-reduce per forward pass (a host sync per pass, not per layer); they must, or one
+would call the static all-to-all while another waits in the dynamic one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+STATIC_MAX_TOKENS = 128  # tokens per rank up to which dispatch uses static buffers
+
+
+class DispatchPlan:
+    def __init__(self, group, device: torch.device, threshold: int = STATIC_MAX_TOKENS, tp_size: int = 1):
+        """tp_size: under coordinated TP x EP each TP rank dispatches 1/tp of the tokens."""
+        self.group, self.device, self.threshold, self.tp_size = group, device, threshold, tp_size
+        self.capacity: int | None = None  # rows per destination this pass; None = dynamic
+
+    def begin(self, num_tokens: int) -> None:
+        """Collective over the group: call with this rank's token count before every forward pass."""
+        rows = -(-num_tokens // self.tp_size)  # this rank's share (the first TP rank's, the largest)
+        most = torch.tensor([rows], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        most = int(most.item())
+        self.capacity = most if most <= self.threshold else None
+
+    def install(self, model) -> None:
+        """Begin every forward pass of `model` (tokens [B, S], first argument) with the agreement."""
+        def hook(_, args, kwargs):
+            tokens = args[0] if args else kwargs["tokens"]
+            self.begin(tokens.numel())
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,97 @@
+"""The static decode step (what CUDA graphs capture) must compute what the dynamic forward computes.
+
+On the CPU the static step runs eagerly; tests/test_gpu.py replays it as a graph."""
+
+import pytest
+import torch
+
+import moeserve
+from conftest import FAMILIES
+from moeserve.cli import DEMO_DIR
+from moeserve.engine import generate as generate_mod
+from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
+from moeserve.engine.generate import generate
+from moeserve.engine.kv_cache import KVCache
+from moeserve.engine.sampling import SamplingParams
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, valid, positions [B, S] for prompts of different lengths (pads: token 0, invalid)."""
+    S = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), S, dtype=torch.long)
+    valid = torch.zeros(len(prompts), S, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, S - len(p):], valid[b, S - len(p):] = torch.tensor(p), True
+    return tokens, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_decode_step_matches_dynamic_forward(family, hf_checkpoints):
+    """Left-padded prompts of 9, 4 and 1 tokens, 8 decode steps (past mixtral_sliding's window of 5);
+    sequence 1 finishes after step 2 (its later slots are invalid, as generate marks them)."""
+    model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 4, 1)]
+    tokens, valid, positions = left_padded(prompts)
+    steps = torch.randint(3, 97, (8, 3, 1), generator=g)  # [steps, B, 1] teacher-forced decode tokens
+    caches = [KVCache(model.spec, 3, tokens.shape[1] + 8, "cpu", torch.float32) for _ in range(2)]
+    static = StaticDecoder(model, caches[1], graph=False)
+    alive = torch.ones(3, 1, dtype=torch.bool)
+    with torch.inference_mode():
+        first = [model(tokens, positions, kv=kv, valid=valid, last_only=True) for kv in caches]
+        assert torch.equal(first[0], first[1])
+        pos = positions[:, -1:] + 1  # [B, 1]
+        for i, tok in enumerate(steps):
+            alive[1] = i < 3
+            dynamic = model(tok, pos, kv=caches[0], valid=alive, last_only=True)  # [B, 1, V]
+            torch.testing.assert_close(static(tok, pos, alive), dynamic, rtol=1e-5, atol=1e-5)
+            pos = pos + 1
+    assert caches[0].length == caches[1].length == tokens.shape[1] + 8
+    assert torch.equal(caches[0].valid, caches[1].valid)
+
+
+def static_decoding(monkeypatch) -> None:
+    """Make generate() decode through the static step (eagerly), as it does through a graph on a GPU."""
+    monkeypatch.setattr(generate_mod, "_decoder",
+                        lambda model, kv, batch, cuda_graph: StaticDecoder(model, kv, graph=False))
+
+
+def test_generate_static_equals_dynamic_with_padding_and_early_finish(hf_checkpoints, monkeypatch):
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], dtype=torch.float32)
+    prompts = [[5, 17, 33, 8, 61, 12, 9], [44, 3], [70, 71, 72, 73]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    dynamic = generate(model, prompts, params)
+    eos = dynamic[1].token_ids[3]  # sequence 1 ends early on this token (others may too)
+    dynamic = generate(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[eos])
+    assert dynamic[1].finish_reason == "eos" and len(dynamic[1].token_ids) <= 3
+    static_decoding(monkeypatch)
+    static = generate(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[eos])
+    assert [(g.token_ids, g.finish_reason) for g in static] == [(g.token_ids, g.finish_reason) for g in dynamic]
+
+
+def test_demo_greedy_tokens_static_equal_dynamic_fp32(monkeypatch):
+    model = moeserve.load_model(DEMO_DIR, device="cpu", dtype=torch.float32)
+    prompts = [list(b"HAMLET. To be, or not"), list(b"KING.")]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    dynamic = generate(model, prompts, params)
+    static_decoding(monkeypatch)
+    assert [g.token_ids for g in generate(model, prompts, params)] == [g.token_ids for g in dynamic]
+
+
+def test_graph_safe_needs_cuda_and_sync_free_experts(hf_checkpoints):
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], dtype=torch.float32)
+    assert not graph_safe(model, 1)  # CPU: the expert loop reads routing counts on the host
+    x = torch.empty(1, model.spec.hidden_size)
+    assert not model.model.layers[0].mlp.experts.graph_safe(x)
+
+
+def test_static_step_refuses_a_full_cache(hf_checkpoints):
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], dtype=torch.float32)
+    kv = KVCache(model.spec, 1, 2, "cpu", torch.float32)
+    step = StaticDecoder(model, kv, graph=False)
+    one = torch.ones(1, 1, dtype=torch.long)
+    with torch.inference_mode():
+        step(one, one * 0, one.bool())
+        step(one, one, one.bool())
+        with pytest.raises(ValueError, match="KV cache full"):
+            step(one, one * 2, one.bool())
