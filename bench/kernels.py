@@ -1,10 +1,13 @@
 """Low-bit linear (Triton, W{4,3}A16, dequantized in registers) vs bf16 cuBLAS and vs the HBM floor.
 
-    python bench/kernels.py            # H100: Mixtral-size matrices, 1/16/64 rows
+    python bench/kernels.py            # H100: Mixtral-size matrices, 1/16/64 rows, tuned launch configs
     python bench/kernels.py --quick    # tiny shapes in the Triton interpreter on a CPU (smoke run)
 
-Weights rotate through enough copies to exceed L2. Floor = bytes read (packed weight + fp16 scale/zero,
-or the bf16 weight) over the measured HBM copy bandwidth.
+Each run first checks the kernel against dequantize + float32 matmul (real and odd shapes, compensator on),
+then times a small sweep of launch configs per (bits, shape, rows) and reports the best, which is also
+written as the "lowbit" table that kernels/triton/configs/<gpu>.json holds.
+Weights rotate through enough copies to exceed L2. Floor = bytes read (packed weight + fp16 scale/zero, or
+the bf16 weight) over the measured HBM copy bandwidth (read + write bytes per second).
 """
 
 from __future__ import annotations
@@ -21,56 +24,139 @@ if "--quick" in sys.argv and not torch.cuda.is_available():
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, result_record, time_fn, write_result  # noqa: E402
 
+from moeserve.kernels.triton.configs import lowbit_config, lowbit_shape_key, split_for  # noqa: E402
 from moeserve.kernels.triton.lowbit_linear import lowbit_linear  # noqa: E402
+from moeserve.quant import milo  # noqa: E402
 from moeserve.quant.hqq import QuantizedWeight  # noqa: E402
 from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # 5x the H100's L2
+GROUP = 64
+GEMV_SWEEP = [(16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8)]  # BLOCK_N, BLOCK_K, warps
+DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
-def random_layer(N: int, K: int, bits: int, device) -> QuantizedLinear:
+def random_layer(N: int, K: int, bits: int, device, rank: int = 0) -> QuantizedLinear:
+    """Random codes, scales and zeros (never zeros: each call draws fresh ones), optional bf16 compensator."""
     qw = QuantizedWeight(codes=torch.randint(0, 1 << bits, (N, K), dtype=torch.uint8),
-                         scale=(torch.rand(N, K // 64) * 0.01 + 1e-3).half(),
-                         zero=(torch.rand(N, K // 64) * ((1 << bits) - 1)).half(), bits=bits, group=64, shape=(N, K))
-    return QuantizedLinear.from_quantized(qw).to(device)
+                         scale=(torch.rand(N, K // GROUP) * 0.01 + 1e-3).half(),
+                         zero=(torch.rand(N, K // GROUP) * ((1 << bits) - 1)).half(), bits=bits, group=GROUP,
+                         shape=(N, K))
+    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.01, torch.randn(rank, K) * 0.01, 16) if rank else None
+    return QuantizedLinear.from_quantized(qw, comp, rank, 16).to(device)
+
+
+def call(layer: QuantizedLinear, x: torch.Tensor, config: dict | None = None, lowrank: bool = False):
+    return lowbit_linear(x, layer.qweight, layer.scale, layer.zero, layer.bits, layer.group, layer.in_features,
+                         lowrank=layer.cached_compensator(x.dtype) if lowrank else None, config=config)
+
+
+def check(shapes, rows_list, device, dtype) -> list[dict]:
+    """Max relative error against dequantize + float32 matmul, with and without a compensator."""
+    out = []
+    for N, K in shapes:
+        for bits, rank in ((2, 0), (3, 0), (4, 0), (3, 32)):
+            layer = random_layer(N, K, bits, device, rank)
+            w = layer.weight(torch.float32)
+            uv = layer.compensator(torch.float32)
+            for M in rows_list:
+                x = torch.randn(M, K, device=device, dtype=dtype)
+                ref = x.float() @ w.T + ((x.float() @ uv[1].T) @ uv[0].T if uv else 0)
+                y = call(layer, x, lowrank=bool(rank)).float()
+                err = float((y - ref).norm() / ref.norm())
+                out.append({"N": N, "K": K, "bits": bits, "rank": rank, "rows": M, "rel_err": err,
+                            "nan": bool(y.isnan().any())})
+                if err > (1e-5 if dtype == torch.float32 else 1e-2) or out[-1]["nan"]:
+                    print(f"CHECK FAILED {out[-1]}", flush=True)
+    print(f"correctness: {len(out)} cases, worst rel err {max(r['rel_err'] for r in out):.2e}", flush=True)
+    return out
+
+
+def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
+    """Launch configs to time: block shapes x split-K around the one that fills the GPU."""
+    sweep = (GEMV_SWEEP if M == 1 else DOT_SWEEP)[:1 if quick else None]
+    out = []
+    for bn, bk, warps in sweep:
+        auto = split_for(-(-N // bn), -(-K // bk))
+        for split in sorted(({auto, 2 * auto} if M == 1 else {1, auto}) if not quick else {auto}):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=min(split, 16))
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def bench(N, K, bits, M, layers, dense, x, bw, device, quick) -> tuple[dict, dict]:
+    nbytes = sum(b.numel() * b.element_size() for b in (layers[0].qweight, layers[0].scale, layers[0].zero))
+    best_ms, best = float("inf"), None
+    for cfg in candidates(M, N, K, quick):
+        ms = time_fn(lambda l: call(l, x, cfg), layers, device)
+        if ms < best_ms:
+            best_ms, best = ms, cfg
+    default_ms = time_fn(lambda l: call(l, x), layers, device)  # what the dispatch picks (table or default)
+    bf16 = time_fn(lambda w: torch.nn.functional.linear(x, w), dense, device)
+    floor = nbytes / bw["bytes_per_s"] * 1e3
+    row = {"N": N, "K": K, "bits": bits, "rows": M, "ours_ms": best_ms, "config": best, "dispatch_ms": default_ms,
+           "bf16_ms": bf16, "weight_bytes": nbytes, "floor_ms": floor, "bf16_floor_ms": N * K * 2 / bw["bytes_per_s"] * 1e3,
+           "achieved_GBps": nbytes / best_ms / 1e6, "hbm_share": floor / best_ms, "speedup_vs_bf16": bf16 / best_ms}
+    print(f"{N}x{K} {bits}-bit M={M}: {best_ms:.4f} ms ({row['achieved_GBps']:.0f} GB/s, {100 * row['hbm_share']:.0f}% "
+          f"of HBM) dispatch {default_ms:.4f} | bf16 {bf16:.4f} ms -> {row['speedup_vs_bf16']:.2f}x | {best}", flush=True)
+    return row, {**best, "ms": round(best_ms, 4)}
+
+
+def compensator_overhead(shapes, ranks, device, dtype, rotate) -> list[dict]:
+    """One row, 4-bit: fused compensator (x V^T matmul + U^T in the epilogue) vs the same call without it."""
+    out = []
+    for N, K in shapes:
+        for r in ranks:
+            layers = [random_layer(N, K, 4, device, r) for _ in range(rotate)]
+            x = torch.randn(1, K, device=device, dtype=dtype)
+            base = time_fn(lambda l: call(l, x), layers, device)
+            with_lr = time_fn(lambda l: call(l, x, lowrank=True), layers, device)
+            comp_bytes = (N + K) * r * 2
+            out.append({"N": N, "K": K, "rank": r, "base_ms": base, "with_compensator_ms": with_lr,
+                        "overhead_ms": with_lr - base, "compensator_bytes_bf16": comp_bytes})
+            print(f"{N}x{K} rank {r}: {base:.4f} -> {with_lr:.4f} ms (+{with_lr - base:.4f}; reads "
+                  f"{comp_bytes / 1e6:.1f} MB more)", flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = [(64, 128)] if args.quick else [(14336, 4096), (4096, 14336)]
-    rows_list = (1, 5) if args.quick else (1, 16, 64)
+    shapes = [(64, 256)] if args.quick else [(14336, 4096), (4096, 14336)]
+    rows_list = (1, 16) if args.quick else (1, 16, 64)
     bw = measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)
-    record = result_record("kernels", {"quick": args.quick, "group": 64, "dtype": str(dtype).removeprefix("torch.")},
-                           device=device)
+    record = result_record("kernels", {"quick": args.quick, "group": GROUP, "dtype": str(dtype).removeprefix("torch."),
+                                       "timing": "do_bench median, rotating weights > L2"}, device=device)
     record["floor_rates"] = {"copy_bandwidth": bw}
-    rows = []
+    record["correctness"] = check([(96, 320)] if args.quick else [shapes[0], (1000, 4160)],
+                                  (1, 3) if args.quick else (1, 3, 17, 64), device, dtype)
+    rows, table = [], {}
     for N, K in shapes:
         dense = [torch.randn(N, K, device=device, dtype=dtype) * K ** -0.5
-                 for _ in range(max(2, ROTATE_BYTES // (N * K * 2)) if not args.quick else 2)]
+                 for _ in range(2 if args.quick else max(2, ROTATE_BYTES // (N * K * 2)))]
         for bits in (4, 3):
-            layers = [random_layer(N, K, bits, device) for _ in range(max(2, ROTATE_BYTES * 8 // (N * K * bits))
-                                                                      if not args.quick else 2)]
-            nbytes = sum(b.numel() * b.element_size() for b in (layers[0].qweight, layers[0].scale, layers[0].zero))
+            layers = [random_layer(N, K, bits, device)
+                      for _ in range(2 if args.quick else max(2, ROTATE_BYTES * 8 // (N * K * bits)))]
             for M in rows_list:
                 x = torch.randn(M, K, device=device, dtype=dtype)
-                ours = time_fn(lambda l: lowbit_linear(x, l.qweight, l.scale, l.zero, bits, 64, K), layers, device)
-                bf16 = time_fn(lambda w: torch.nn.functional.linear(x, w), dense, device)
-                deq = time_fn(lambda l: torch.nn.functional.linear(x, l.weight(dtype)), layers[:2], device)
-                floor = nbytes / bw["bytes_per_s"] * 2 * 1e3  # copy bandwidth counts read+write
-                bf16_floor = N * K * 2 / bw["bytes_per_s"] * 2 * 1e3
-                rows.append({"N": N, "K": K, "bits": bits, "rows": M, "ours_ms": ours, "bf16_ms": bf16,
-                             "dequant_matmul_ms": deq, "weight_bytes": nbytes, "floor_ms": floor,
-                             "bf16_floor_ms": bf16_floor, "ours_over_floor": ours / floor,
-                             "speed_vs_bf16": bf16 / ours, "hbm_share": floor / ours})
-                print(f"{N}x{K} {bits}-bit M={M}: {ours:.4f} ms (floor {floor:.4f}, {100 * floor / ours:.0f}% of HBM) | "
-                      f"bf16 {bf16:.4f} ms (floor {bf16_floor:.4f}) | dequant+matmul {deq:.3f} ms", flush=True)
+                row, best = bench(N, K, bits, M, layers, dense, x, bw, device, args.quick)
+                rows.append(row)
+                table.setdefault(lowbit_shape_key(bits, N, K), {})[str(M)] = best
+            del layers
     record["rows"] = rows
-    write_result(record, args.out)
+    record["lowbit_config_table"] = table  # copy into kernels/triton/configs/<gpu>.json under "lowbit"
+    record["compensator"] = compensator_overhead(shapes, (16,) if args.quick else (16, 32, 512), device, dtype,
+                                                 2 if args.quick else 8)
+    lowbit_config.cache_clear()
+    print(f"\nwrote {write_result(record, args.out)}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ Floor per token count = max(bytes, FLOPs):
   FLOPs: 2 * T * k * 3 * D * F (+ router) over the measured dense matmul rate.
 Intermediate activations (the [T*k, 2F] gate/up output) are not in the floor: a fused kernel keeps them on chip.
 
+Low-bit experts (4-bit and 3-bit, group 64, random codes; QuantizedExperts -> Triton low-bit fused MoE on CUDA)
+are timed for the decode token counts (<= 64) next to bf16, eager and, on CUDA, replaying a CUDA graph of the
+whole block (captured once on a static input): at 1 token the eager block is bound by kernel launches.
+Their floor counts the packed experts hit (weights + fp16 scale/zero) instead of bf16 ones.
+
     python bench/moe_block.py            # GPU (bf16), writes bench/results/moe_block-<device>-<date>.json
     python bench/moe_block.py --quick    # tiny shapes on the CPU, seconds
 """
@@ -25,10 +30,12 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, measure_matmul_flops, result_record, time_fn, write_result  # noqa: E402
+from kernels import random_layer  # noqa: E402
 
 from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name  # noqa: E402
 from moeserve.model.experts import fused_moe_available, grouped_mm_available  # noqa: E402
 from moeserve.model.moe import MoEBlock  # noqa: E402
+from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
 
 # name -> (HF family, E, k, D, F)
@@ -45,6 +52,8 @@ QUICK_TOKENS = (1, 8)
 INPUT_SETS = 8  # rotating inputs per token count
 QUICK_INPUT_SETS = 2
 WEIGHT_STD = 0.02
+LOWBIT = (4, 3)
+LOWBIT_MAX_TOKENS = 64
 
 
 @contextmanager
@@ -194,12 +203,59 @@ def bench_shape(name, family, E, k, D, F, tokens, device, dtype, bw, flops, reps
               f"HF eager {eager_ms:8.3f}  HF grouped_mm {grouped_ms:8.3f}  floor {fl['floor_ms']:8.3f} "
               f"({fl['floor_bound']})")
         del xs, x3
+    lowbit = lowbit_rows(ours, [t for t in tokens if t <= LOWBIT_MAX_TOKENS], E, D, F, device, dtype, bw, reps, gen)
     del ours, hf, ref, hf_grouped, x
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"shape": name, "family": family, "num_experts": E, "top_k": k, "hidden": D, "ffn": F,
-            "dtype": str(dtype).removeprefix("torch."), "correctness": correctness, **info, "rows": rows}
+            "dtype": str(dtype).removeprefix("torch."), "correctness": correctness, **info, "rows": rows,
+            "lowbit": lowbit}
+
+
+def graph_time(block, x: torch.Tensor, device, reps: int) -> float | None:
+    """Median ms of replaying a CUDA graph of block(x) (static input; routing has no host sync). None on a CPU."""
+    if device.type != "cuda":
+        return None
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream (Triton compiles, lazy stacking), as capture requires
+            block(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block(static)
+    return time_fn(lambda _: graph.replay(), [None], device, reps=reps)
+
+
+def lowbit_rows(block, tokens, E, D, F, device, dtype, bw, reps, gen) -> list[dict]:
+    """The block with bf16 experts, then with 4-bit and 3-bit ones: eager and CUDA-graph ms vs the byte floor."""
+    out = []
+    if D % 64 or F % 64:  # random_layer's group of 64 must divide both input dimensions
+        return out
+    bf16_experts = block.experts
+    for bits in (16, *LOWBIT):
+        if bits != 16:
+            block.experts = QuantizedExperts([random_layer(2 * F, D, bits, device) for _ in range(E)],
+                                             [random_layer(D, F, bits, device) for _ in range(E)])
+        expert_bytes = (3 * D * F * 2 if bits == 16 else
+                        sum(t.numel() * t.element_size() for m in (block.experts.gate_up[0], block.experts.down[0])
+                            for t in (m.qweight, m.scale, m.zero)))
+        for T in tokens:
+            xs = [torch.randn(T, D, device=device, dtype=dtype, generator=gen) for _ in range(2)]
+            distinct = statistics.mean(int(block.gate(v)[0].unique().numel()) for v in xs)
+            eager = time_fn(block, xs, device, reps=reps)
+            graph = graph_time(block, xs[0], device, reps)
+            floor = (distinct * expert_bytes + E * D * 2) / bw * 1e3
+            out.append({"experts": "bf16" if bits == 16 else f"{bits}-bit", "tokens": T, "eager_ms": eager,
+                        "cuda_graph_ms": graph, "floor_ms": floor, "distinct_experts": distinct,
+                        "expert_bytes": expert_bytes, "path": type(block.experts).__name__})
+            print(f"  {out[-1]['experts']:>6} T={T:3d}: eager {eager:.3f} ms, CUDA graph "
+                  f"{'-' if graph is None else f'{graph:.3f}'} ms, floor {floor:.3f} ms", flush=True)
+    block.experts = bf16_experts
+    return out
 
 
 def print_table(shapes: list[dict]) -> None:

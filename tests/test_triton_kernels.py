@@ -43,12 +43,7 @@ def poisoned_outputs(monkeypatch):
 def test_fused_experts_match_the_loop(poisoned_outputs, T, routing, E, k, D, F):
     ex = experts(E, D, F)
     x = torch.randn(T, D, device=DEVICE)
-    if routing == "random":
-        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
-    elif routing == "one_expert":  # one expert gets every token (more rows than BLOCK_M): chunks loop
-        ids = torch.stack([torch.cat([torch.tensor([E - 1]), torch.randperm(E - 1)[:k - 1]]) for _ in range(T)])
-    else:  # only two experts used, the others get zero rows
-        ids = torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)
+    ids = routing_ids(T, E, k, routing)
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = x[table.token_ids]
     got = fused_experts(x_sorted, ex.gate_up_proj.data, ex.down_proj.data, table, SMALL)
@@ -68,18 +63,115 @@ def _loop(ex, x_sorted, table):
     return out
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("N,K,group", [(40, 96, 32), (70, 48, 16), (33, 128, 128)])  # K=48: padded packed rows
-def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group):
-    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
-    from moeserve.quant import hqq
+def quantized(N, K, bits, group, rank=0, comp_bits=16):
+    """A random QuantizedLinear (HQQ codes, and a random rank-r compensator at comp_bits) on DEVICE."""
+    from moeserve.quant import hqq, milo
     from moeserve.quant.qlinear import QuantizedLinear
 
-    qw = hqq.quantize_hqq(torch.randn(N, K), bits, group)
-    layer = QuantizedLinear.from_quantized(qw).to(DEVICE)
-    for M in (1, 5, 20):  # 20 rows: the 64-row block
+    qw = hqq.quantize_hqq(torch.randn(N, K) * K ** -0.5, bits, group)  # outputs of order 1
+    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.1, torch.randn(rank, K) * 0.1, comp_bits) if rank else None
+    return QuantizedLinear.from_quantized(qw, comp, rank, comp_bits).to(DEVICE)
+
+
+def reference(layer, x):
+    """float64: x dequant(W)^T + (x V^T) U^T."""
+    y = x.double() @ layer.weight(torch.float64).T
+    uv = layer.compensator(torch.float64)
+    return y if uv is None else y + (x.double() @ uv[1].T) @ uv[0].T
+
+
+SPLIT = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, SPLIT_K=3)  # fp32 atomics over 3 K slices
+WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("N,K,group,config", [(40, 96, 32, SPLIT), (70, 48, 16, WHOLE),  # K=48: padded rows
+                                               (33, 320, 64, SPLIT), (33, 320, 64, WHOLE)])
+def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
+
+    if not supported(bits, group):
+        pytest.skip("3-bit groups hold whole 32-value units")
+    layer = quantized(N, K, bits, group)
+    for M in (1, 3, 16, 17):  # 1: CUDA-core GEMV; more: tensor-core tiles of 16 / 32 rows
         x = torch.randn(M, K, device=DEVICE)
-        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, group, K, block_n=32, block_k=32)
-        ref = x.double() @ hqq.dequantize(qw, torch.float64).to(DEVICE).T
+        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, group, K, config=config)
         assert not y.isnan().any()
-        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y.double(), reference(layer, x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("comp_bits", [16, 8, 3])
+@pytest.mark.parametrize("M", [1, 5])
+def test_lowbit_linear_fuses_the_compensator(poisoned_outputs, comp_bits, M):
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+    layer = quantized(48, 128, 3, 64, rank=40, comp_bits=comp_bits)  # rank 40: two BLOCK_R chunks, one masked
+    x = torch.randn(M, 128, device=DEVICE)
+    y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, 3, 64, 128, lowrank=layer.compensator(x.dtype),
+                      config=SPLIT)
+    assert not y.isnan().any()
+    torch.testing.assert_close(y.double(), reference(layer, x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("problem,call", [
+    ("bits", lambda l, x: (x, l.qweight, l.scale, l.zero, 5, 64, 128)),
+    ("group", lambda l, x: (x, l.qweight, l.scale, l.zero, 4, 48, 128)),
+    ("dtype", lambda l, x: (x.to(torch.float64), l.qweight, l.scale, l.zero, 4, 64, 128)),
+    ("features", lambda l, x: (x[:, :96], l.qweight, l.scale, l.zero, 4, 64, 128)),
+    ("qweight", lambda l, x: (x, l.qweight[:, :-1], l.scale, l.zero, 4, 64, 128)),
+    ("scale", lambda l, x: (x, l.qweight, l.scale.float(), l.zero, 4, 64, 128)),
+])
+def test_lowbit_linear_rejects_what_it_cannot_run(problem, call):
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+    layer = quantized(16, 128, 4, 64)
+    with pytest.raises(ValueError):
+        lowbit_linear(*call(layer, torch.randn(2, 128, device=DEVICE)))
+    with pytest.raises(ValueError, match="group"):
+        lowbit_linear(torch.randn(2, 128, device=DEVICE), quantized(16, 128, 3, 16).qweight, *[None] * 2, 3, 16, 128)
+
+
+def quantized_experts(E, D, F, bits, ranks):
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    return QuantizedExperts([quantized(2 * F, D, bits, 32, r) for r in ranks],
+                            [quantized(D, F, bits, 32, r) for r in ranks])
+
+
+@pytest.mark.parametrize("bits,T,routing", [(4, 1, "random"), (3, 1, "random"), (3, 3, "random"),
+                                             (2, 17, "one_expert"), (4, 17, "one_expert"), (3, 5, "two_experts")])
+def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing):
+    from moeserve.kernels.triton.configs import lowbit_moe_config
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+    from moeserve.model.experts import LoopedExperts
+
+    E, k, D, F = 4, 2, 64, 96
+    ex = quantized_experts(E, D, F, bits, ranks=[0, 8, 0, 20] if T != 3 else [0] * E)  # padded ranks, or none
+    ids = routing_ids(T, E, k, routing)
+    table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
+    x_sorted = torch.randn(T, D, device=DEVICE)[table.token_ids]
+    config = lowbit_moe_config("cpu", bits, E, D, F, T)
+    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32}, "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2}}
+    got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, config)
+    ex64 = quantized_experts_as_float64(ex)
+    ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def quantized_experts_as_float64(ex):
+    """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
+    dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)
+    with torch.no_grad():
+        for e in range(ex.num_experts):
+            dense.gate_up_proj[e] = reference(ex.gate_up[e], torch.eye(dense.gate_up_proj.shape[2], device=DEVICE)).T
+            dense.down_proj[e] = reference(ex.down[e], torch.eye(dense.down_proj.shape[2], device=DEVICE)).T
+    return dense
+
+
+def routing_ids(T, E, k, routing):
+    if routing == "random":
+        return torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    if routing == "one_expert":  # one expert gets every token (more rows than BLOCK_M): chunks loop
+        return torch.stack([torch.cat([torch.tensor([E - 1]), torch.randperm(E - 1)[:k - 1]]) for _ in range(T)])
+    return torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)  # only two experts used, the others get no rows

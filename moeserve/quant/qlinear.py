@@ -1,9 +1,12 @@
 """QuantizedLinear: packed low-bit weight + group scale/zero + optional low-rank compensator (U, V).
 
 forward(x) = x @ dequant(W)^T + (x @ V^T) @ U^T (+ bias). On a CPU, up to 16 rows go through the
-generated low-bit kernels (kernels/cpu); on a GPU, up to 64 rows of 2/4/8-bit weights through the
-Triton low-bit linear;
-otherwise the plain-PyTorch path dequantizes the weight on every call (and is the reference).
+generated low-bit kernels (kernels/cpu); on a GPU, up to 64 rows through the Triton low-bit kernel, with
+the compensator's U^T applied in its epilogue; otherwise the plain-PyTorch path dequantizes the weight on
+every call (and is the reference).
+
+GPU compensators are dequantized once into the activation dtype and cached: (out + in) * r * 2 bytes per
+layer in bf16 (int8/int3 storage is 2x/5x smaller than that cache).
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, padded_length, unpack
 
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
-TRITON_BITS = (2, 4, 8)  # 3-bit unpacking in the Triton kernel measured slower than dequantize + cuBLAS
+
+
+def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int) -> bool:
+    """CUDA activations of a float dtype, few rows, and a layout the Triton low-bit kernels read."""
+    if not (x.is_cuda and rows <= TRITON_MAX_ROWS and triton_available()):
+        return False
+    from moeserve.kernels.triton.lowbit_linear import DTYPES, supported
+
+    return x.dtype in DTYPES and supported(bits, group) and in_features % group == 0
 
 
 class QuantizedLinear(nn.Module):
@@ -69,13 +80,24 @@ class QuantizedLinear(nn.Module):
                                              self.rank)
         return u.to(dtype), v.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_gemv.quantized_linear(self, x)  # generated CPU kernel for a few rows, else None
-        if y is None and x.is_cuda and x.numel() // self.in_features <= TRITON_MAX_ROWS and triton_available():
-            from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
+    def cached_compensator(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """compensator(dtype), dequantized once per (dtype, storage) and kept (see the module docstring)."""
+        if not self.rank:
+            return None
+        key = (dtype, self.comp_v.data_ptr() if self.compensator_bits == 16 else self.comp_v_q.data_ptr())
+        cached = getattr(self, "_uv_cache", None)
+        if cached is None or cached[0] != key:
+            self._uv_cache = cached = (key, tuple(t.contiguous() for t in self.compensator(dtype)))
+        return cached[1]
 
-            if supported(self.group) and self.bits in TRITON_BITS:
-                y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_applies(x, x.numel() // self.in_features, self.bits, self.group, self.in_features):
+            from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+            y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features,
+                              lowrank=self.cached_compensator(x.dtype))
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = cpu_gemv.quantized_linear(self, x)  # generated CPU kernel for a few rows, else None
         if y is None:
             y = F.linear(x, self.weight(x.dtype))
         if self.bias is not None:
@@ -91,12 +113,66 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedExperts(LoopedExperts):
-    """An expert backend over per-expert QuantizedLinear pairs (ranks may differ per expert)."""
+    """An expert backend over per-expert QuantizedLinear pairs (ranks may differ per expert).
+
+    On CUDA, for decode-sized batches, when all experts share bits and group: the Triton low-bit fused MoE
+    over stacked weights. Stacking happens on first use; each expert's buffers then become views into the
+    stack (no second copy). Compensators are zero-padded to the largest rank and cached in the activation
+    dtype (cost: E * r_max * (N + K) * 2 bytes per projection in bf16)."""
 
     def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear]):
         super().__init__()
         self.num_experts = len(gate_up)
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self._stacked = None
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return self.down[e](swiglu(self.gate_up[e](rows)))
+
+    def fused_applies(self, x_sorted: torch.Tensor, num_tokens: int) -> bool:
+        layers = [*self.gate_up, *self.down]
+        if len({(m.bits, m.group) for m in layers}) != 1:
+            return False
+        return all(triton_applies(x_sorted, num_tokens, m.bits, m.group, m.in_features)
+                   for m in (self.gate_up[0], self.down[0]))
+
+    def stacked(self, dtype: torch.dtype):
+        """(gate_up, down) StackedLowbit, rebuilt when the weights moved or the activation dtype changed."""
+        from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit
+
+        def key():  # stacking moves the buffers, so this is read again after it
+            return dtype, self.gate_up[0].qweight.data_ptr(), self.down[0].qweight.data_ptr()
+
+        if self._stacked is None or self._stacked[0] != key():
+            stacks = tuple(StackedLowbit(**stack_layers(mods, dtype)) for mods in (self.gate_up, self.down))
+            self._stacked = (key(), stacks)
+        return self._stacked[1]
+
+    def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
+        if not self.fused_applies(x_sorted, table.num_tokens):
+            return super().run_sorted(x_sorted, table)
+        from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+
+        return lowbit_experts(x_sorted, *self.stacked(x_sorted.dtype), table)  # [T*k, D] fp32
+
+
+def stack_layers(mods: nn.ModuleList, dtype: torch.dtype) -> dict:
+    """Stack the experts' packed buffers (and re-point each expert's buffers to views of the stack) and their
+    compensators zero-padded to the largest rank: the fields of a StackedLowbit."""
+    stacks = {}
+    for name in ("qweight", "scale", "zero"):
+        stacks[name] = torch.stack([getattr(m, name) for m in mods])  # [E, N, ...]
+        for e, m in enumerate(mods):
+            setattr(m, name, stacks[name][e])
+    first = mods[0]
+    r = max(m.rank for m in mods)
+    u = v = None
+    if r:
+        E, N, K = len(mods), first.out_features, first.in_features
+        u = torch.zeros(E, N, r, dtype=dtype, device=first.qweight.device)  # [E, N, r]
+        v = torch.zeros(E, r, K, dtype=dtype, device=first.qweight.device)  # [E, r, K]
+        for e, m in enumerate(mods):
+            if m.rank:
+                u[e, :, :m.rank], v[e, :m.rank] = m.compensator(dtype)
+        v = v.reshape(E * r, K)
+    return dict(**stacks, bits=first.bits, group=first.group, in_features=first.in_features, u=u, v=v)

@@ -53,3 +53,44 @@ def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> d
     counts = sorted(int(t) for t in by_tokens)
     chosen = max((t for t in counts if t <= tokens), default=counts[0])
     return by_tokens[str(chosen)]
+
+
+# ---- low-bit matmul (kernels/triton/lowbit_linear.py) ---------------------------------------------
+LOWBIT_GEMV = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)  # one row: CUDA cores
+LOWBIT_DOT = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # rows padded to >= 16: tensor cores
+TARGET_PROGRAMS = 264  # two per SM on a 132-SM H100: split K until the grid has about this many programs
+MAX_SPLIT_K = 8
+
+
+def lowbit_shape_key(bits: int, N: int, K: int) -> str:
+    return f"b{bits}_N{N}_K{K}"
+
+
+def split_for(programs: int, steps: int) -> int:
+    """K slices so that `programs` output blocks become about TARGET_PROGRAMS programs (1 when already many)."""
+    return max(1, min(MAX_SPLIT_K, steps, -(-TARGET_PROGRAMS // max(programs, 1))))
+
+
+@functools.cache
+def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dict:
+    """Tuned config for the largest tuned row count <= rows, else a default with SPLIT_K from the shape."""
+    by_rows = _table(device_name).get("lowbit", {}).get(lowbit_shape_key(bits, N, K))
+    if by_rows:
+        counts = sorted(int(r) for r in by_rows)
+        return by_rows[str(max((r for r in counts if r <= rows), default=counts[0]))]
+    cfg = dict(LOWBIT_GEMV if rows == 1 else LOWBIT_DOT)
+    return {**cfg, "SPLIT_K": split_for(-(-N // cfg["BLOCK_N"]), -(-K // cfg["BLOCK_K"]))}
+
+
+@functools.cache
+def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int) -> dict:
+    """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens)
+    or defaults; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
+    by_tokens = _table(device_name).get("lowbit_moe", {}).get(f"b{bits}_{shape_key(E, D, F)}")
+    if by_tokens:
+        counts = sorted(int(t) for t in by_tokens)
+        return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
+    base = LOWBIT_GEMV if tokens == 1 else LOWBIT_DOT
+    active = min(E, 2 * tokens)  # experts with rows, at top-2
+    return {"gate_up": {**base, "SPLIT_K": 1},
+            "down": {**base, "SPLIT_K": split_for(active * -(-D // base["BLOCK_N"]), -(-F // base["BLOCK_K"]))}}

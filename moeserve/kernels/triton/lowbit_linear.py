@@ -1,9 +1,19 @@
-"""W{2,3,4,8}A16 linear in Triton: y = x dequant(W)^T with W in the pack.py layout, dequantized in registers.
+"""W{2,3,4,8}A16 matmul in Triton for decode (1..64 rows), dense or over expert-sorted rows, on the pack.py layout.
 
-One program per (row block of x, block of BLOCK_N outputs); it walks the input dimension in BLOCK_K
-steps, loads the packed words of its outputs once, unpacks them with shifts (3-bit: the 10+10+10 and
-top-bit-pairs layout), applies the group's scale and zero and multiplies on tensor cores. Each weight
-byte is read once per row block, so for decode (M <= BLOCK_M) once in total.
+Each program owns BLOCK_N outputs and one of SPLIT_K slices of the input dimension (so that a 4096-output
+matrix still fills every SM). Per step it reads C *columns* of its packed rows as [BLOCK_N, C] int32 tiles
+(contiguous, coalesced): a column is one word (2/4/8 bits) or one 32-value 3-bit unit, read as its three
+stored words (values 10t..10t+7 in bits 0..23) plus a fourth rebuilt from their bits 24..31 (values 8, 9,
+18, 19, 28, 29, 30, 31). Value i of a word is one shift and mask away, and x is gathered in that order
+instead of reordering codes. A column never spans two groups, so scale and zero are read per column.
+
+    GEMV (one row, CUDA cores): acc[n, c] += s * (sum_i q_i x_i - z * sum_i x_i), summed over c at the end
+    DOT  (rows padded to BLOCK_M >= 16): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one dot per i
+
+All tensors stay 2-D in one layout (no reshapes). Codes become floats with the exponent trick
+(q | 0x4B000000 is the float 2^23 + q), not a quarter-rate int->float conversion. SPLIT_K > 1 accumulates with
+fp32 atomics into a zeroed output. An optional low-rank compensator adds (x V^T) U^T in the epilogue of the
+first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the kernel reads U once per output block.
 """
 
 from __future__ import annotations
@@ -12,72 +22,314 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _codes(w_ptr, row_base, offs_k, k_mask, BITS: tl.constexpr):
-    """Codes [BLOCK_N, BLOCK_K] (int32) of inputs offs_k for the rows at row_base (word pointers)."""
-    if BITS == 3:
-        unit, j = offs_k // 32, offs_k % 32
-        word = unit * 3 + tl.minimum(j // 10, 2)
-        body = (tl.load(row_base[:, None] + word[None, :], mask=k_mask[None, :], other=0)
-                >> ((j % 10) * 3)[None, :]) & 7
-        # values 30, 31: the 6-bit remainder spread over the top bit pairs of the unit's three words
-        top = tl.zeros(body.shape, dtype=tl.int32)
-        for t in tl.static_range(3):
-            wt = tl.load(row_base[:, None] + (unit * 3 + t)[None, :], mask=k_mask[None, :] & (j >= 30)[None, :],
-                         other=0)
-            top |= ((wt >> 30) & 3) << (2 * t)
-        rest = tl.where((j == 30)[None, :], top & 7, (top >> 3) & 7)
-        return tl.where((j >= 30)[None, :], rest, body)
-    PER_WORD: tl.constexpr = 32 // BITS
-    words = tl.load(row_base[:, None] + (offs_k // PER_WORD)[None, :], mask=k_mask[None, :], other=0)
-    return (words >> ((offs_k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
+BITS = (2, 3, 4, 8)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _lowbit_linear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, words_per_row, groups_per_row,
-                          BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    row_base = w_ptr + rows * words_per_row  # [BLOCK_N] pointers to each output's packed row
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP: one scale and zero per output per step
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        q = _codes(w_ptr, row_base, offs_k, k_mask, BITS).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        g = rows * groups_per_row + k0 // GROUP  # [BLOCK_N]
-        s = tl.load(s_ptr + g).to(tl.float32)
-        z = tl.load(z_ptr + g).to(tl.float32)
-        w = ((q - z[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+def _code(word, i: tl.constexpr, BITS: tl.constexpr):
+    """Value i of each word as a float: the exponent trick, no int->float conversion (quarter rate)."""
+    q = ((word >> (i * BITS)) & ((1 << BITS) - 1)) | 0x4B000000  # the float 2^23 + q
+    return q.to(tl.float32, bitcast=True) - 8388608.0
 
 
-def supported(group: int) -> bool:
-    """Input steps divide the group, so the group must be a power of two of at least 16 (tl.dot's K)."""
-    return group >= 16 and group & (group - 1) == 0
+@triton.jit
+def _offset(base, T: tl.constexpr, i: tl.constexpr):
+    """Input index of value i of word T of each column (T = -1: a 2/4/8-bit word; 0..3: a 3-bit unit's words)."""
+    if T < 0:
+        off = base + i
+    elif T < 3:
+        off = base + (10 * T + i)
+    elif i < 6:
+        off = base + (10 * (i // 2) + 8 + i % 2)  # values 8, 9, 18, 19, 28, 29
+    else:
+        off = base + (24 + i)  # values 30, 31
+    return off
+
+
+@triton.jit
+def _load_words(row_ptr, n_mask, col, words_per_row, STRIDE: tl.constexpr, T: tl.constexpr):
+    """Word T of each column `col` [C] (STRIDE words per column) of the packed rows: [BLOCK_N, C] int32."""
+    idx = col * STRIDE + T
+    return tl.load(row_ptr[:, None] + idx[None, :], mask=n_mask[:, None] & (idx < words_per_row)[None, :], other=0)
+
+
+@triton.jit
+def _unit_words(row_ptr, n_mask, col, words_per_row):
+    """The 3-bit units `col`: their 3 stored words (values 10t..10t+7 in bits 0..23) and a rebuilt fourth
+    from bits 24..31 (values 8, 9, 18, 19, 28, 29 from bits 24..29, then the top pairs = values 30, 31)."""
+    w0 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 0)
+    w1 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 1)
+    w2 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 2)
+    top = ((w0 >> 24) & 0x3F) | (((w1 >> 24) & 0x3F) << 6) | (((w2 >> 24) & 0x3F) << 12)
+    top |= (((w0 >> 30) & 3) << 18) | (((w1 >> 30) & 3) << 20) | (((w2 >> 30) & 3) << 22)
+    return w0, w1, w2, top
+
+
+@triton.jit
+def _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP: tl.constexpr):
+    """Scale and zero [BLOCK_N, C] of the group holding each column (a column never spans two groups)."""
+    g = base // GROUP
+    mask = n_mask[:, None] & (g < groups_per_row)[None, :]
+    s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _word_gemv(word, x_row, base, K, T: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+    """(sum_i q_i x_i [BLOCK_N, C], sum_i x_i [C]) over the PER values of word T of each column."""
+    qx = tl.zeros(word.shape, dtype=tl.float32)
+    xs = tl.zeros(base.shape, dtype=tl.float32)
+    for i in tl.static_range(PER):
+        off = _offset(base, T, i)
+        x = tl.load(x_row + off, mask=off < K, other=0.0).to(tl.float32)  # [C]
+        qx += _code(word, i, BITS) * x[None, :]
+        xs += x
+    return qx, xs
+
+
+@triton.jit
+def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, T: tl.constexpr, BITS: tl.constexpr,
+              PER: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += dequant(value i of word T) x^T, one tensor-core dot per i (K = C columns)."""
+    for i in tl.static_range(PER):
+        off = _offset(base, T, i)
+        w = (_code(word, i, BITS) * s - zs).to(x_ptr.dtype.element_ty)  # [BLOCK_N, C]
+        xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
+                     other=0.0)  # [C, BLOCK_M]
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gemv(x_row, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row, groups_per_row,
+          BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+    """One row of x (pointer x_row) times steps [step0, step1) of the weight: [BLOCK_N] fp32.
+
+    Per column: s * (sum q x - z * sum x), the zero applied once per column; summed over columns at the end."""
+    acc = tl.zeros((BLOCK_N, C), dtype=tl.float32)
+    for step in range(step0, step1):
+        col = step * C + tl.arange(0, C)
+        base = col * VPC  # [C] first input of each column
+        if BITS == 3:
+            w0, w1, w2, top = _unit_words(row_ptr, n_mask, col, words_per_row)
+            qx, xs = _word_gemv(w0, x_row, base, K, 0, BITS, 8)
+            q1, x1 = _word_gemv(w1, x_row, base, K, 1, BITS, 8)
+            q2, x2 = _word_gemv(w2, x_row, base, K, 2, BITS, 8)
+            q3, x3 = _word_gemv(top, x_row, base, K, 3, BITS, 8)
+            qx, xs = qx + q1 + q2 + q3, xs + x1 + x2 + x3
+        else:
+            qx, xs = _word_gemv(_load_words(row_ptr, n_mask, col, words_per_row, 1, 0), x_row, base, K, -1, BITS,
+                                VPC)
+        s, z = _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP)
+        acc += s * (qx - z * xs[None, :])
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
+         groups_per_row, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(step0, step1):
+        col = step * C + tl.arange(0, C)
+        base = col * VPC
+        s, z = _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP)
+        zs = z * s
+        if BITS == 3:
+            w0, w1, w2, top = _unit_words(row_ptr, n_mask, col, words_per_row)
+            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, 0, BITS, 8, PRECISION)
+            acc = _word_dot(acc, w1, s, zs, x_ptr, rows, r_mask, base, K, 1, BITS, 8, PRECISION)
+            acc = _word_dot(acc, w2, s, zs, x_ptr, rows, r_mask, base, K, 2, BITS, 8, PRECISION)
+            acc = _word_dot(acc, top, s, zs, x_ptr, rows, r_mask, base, K, 3, BITS, 8, PRECISION)
+        else:
+            word = _load_words(row_ptr, n_mask, col, words_per_row, 1, 0)
+            acc = _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, -1, BITS, VPC, PRECISION)
+    return acc
+
+
+@triton.jit
+def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(x V^T) U^T for these outputs and rows: U [N, R] (rows of u_ptr), xv [rows, R] -> [BLOCK_N, BLOCK_M] fp32."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        u = tl.load(u_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], mask=n_mask[:, None] & r_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_R]
+        xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * R + offs_r[:, None], mask=r_ok[:, None] & r_mask[None, :],
+                     other=0.0)  # [BLOCK_R, BLOCK_M]
+        if USE_DOT:
+            acc = tl.dot(u, xv.to(u.dtype), acc, input_precision=PRECISION)
+        else:
+            acc += tl.sum(u.to(tl.float32)[:, :, None] * xv.to(tl.float32)[None, :, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1, K, words_per_row, groups_per_row,
+          BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+    """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows offs_n: (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < end
+    n = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    row_ptr = w_base + n * words_per_row  # [BLOCK_N]
+    grp = n * groups_per_row
+    if USE_DOT:
+        acc = _dot(x_ptr, rows, r_mask, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K, words_per_row,
+                   groups_per_row, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
+    else:  # BLOCK_M == 1
+        acc = _gemv(x_ptr + row0.to(tl.int64) * K, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K,
+                    words_per_row, groups_per_row, BITS, GROUP, BLOCK_N, C, VPC)[:, None]
+    return acc, rows, r_mask
+
+
+@triton.jit
+def _row_range(offsets_ptr, counts_ptr, M, IS_MOE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's rows [start, end) and expert (grid axis 2): an expert's sorted rows, or a block of rows."""
+    pid = tl.program_id(2)
+    if IS_MOE:
+        end = tl.load(offsets_ptr + pid)
+        start = end - tl.load(counts_ptr + pid)
+        e = pid.to(tl.int64)
+    else:
+        start = pid * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, M)
+        e = pid.to(tl.int64) * 0
+    return start, end, e
+
+
+@triton.jit
+def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
+                   M, N, K, R, words_per_row, groups_per_row, steps_per_split,
+                   BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
+                   HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
+    VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
+    C: tl.constexpr = BLOCK_K // VPC
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    start, end, e = _row_range(offsets_ptr, counts_ptr, M, IS_MOE, BLOCK_M)
+    step0 = tl.program_id(1) * steps_per_split
+    step1 = tl.minimum(step0 + steps_per_split, tl.cdiv(K, BLOCK_K))
+    for c in tl.static_range(CHUNKS):  # an expert has at most CHUNKS * BLOCK_M rows: no host sync
+        row0 = start + c * BLOCK_M
+        if row0 < end:
+            acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
+                                      z_ptr + e * N * groups_per_row, offs_n, n_mask, step0, step1, K, words_per_row,
+                                      groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
+            if HAS_LR:
+                if tl.program_id(1) == 0:
+                    acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
+                                     BLOCK_N, BLOCK_M, BLOCK_R)
+            y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+            mask = n_mask[:, None] & r_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(y, acc, mask=mask, sem="relaxed")
+            else:
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launch ----------------------------------------------------------------------------------------------
+
+
+def supported(bits: int, group: int) -> bool:
+    """Power-of-two groups of >= 16 values (>= 32 at 3 bits: a group must hold whole 32-value units)."""
+    return bits in BITS and group >= (32 if bits == 3 else 16) and group & (group - 1) == 0
+
+
+def check_activation(x: torch.Tensor, in_features: int) -> None:
+    """Raise ValueError naming the problem for activations the kernels cannot take."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"low-bit kernels take float16/bfloat16/float32 activations, got {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {in_features}")
+
+
+def check_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                 in_features: int) -> None:
+    """Raise ValueError naming the problem for a packed weight ([..., N, words]) the kernels cannot read."""
+    if bits not in BITS:
+        raise ValueError(f"low-bit kernels support {BITS} bits, got {bits}")
+    if not supported(bits, group):
+        raise ValueError(f"low-bit kernels need a power-of-two group >= {32 if bits == 3 else 16} at {bits} bits, "
+                         f"got {group}")
+    if in_features % group:
+        raise ValueError(f"group {group} does not divide the input dimension {in_features}")
+    words = -(-in_features // 32) * bits  # padded to whole 32-value units
+    if qweight.dtype != torch.int32 or qweight.shape[-1] != words or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous int32 [..., {words}] for {in_features} {bits}-bit inputs, got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    groups = (*qweight.shape[:-1], in_features // group)
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != torch.float16 or tuple(t.shape) != groups or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float16 {groups}, got {t.dtype} {tuple(t.shape)}")
+
+
+def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]:
+    """(use tensor cores, BLOCK_M, BLOCK_K) for `rows` rows per block: BLOCK_K holds whole words and units."""
+    use_dot = rows > 1
+    per_column = 32 if bits == 3 else 32 // bits
+    block_k = max(cfg["BLOCK_K"], per_column * (16 if use_dot else 2))  # a dot's K (= columns) is >= 16
+    return use_dot, (max(16, triton.next_power_of_2(rows)) if use_dot else 1), block_k
+
+
+def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
+           bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing: tuple | None = None) -> None:
+    """Run the kernel: x [rows, K] -> y [rows, N] (fp32 and zeroed when cfg SPLIT_K > 1).
+
+    routing = (offsets, counts) of expert-sorted rows (grid axis 2 = expert, weights stacked [E, N, ...]);
+    without it, grid axis 2 walks blocks of rows_per_block rows of a dense matmul."""
+    N = qweight.shape[-2]
+    use_dot, block_m, block_k = blocks(bits, group, rows_per_block, cfg)
+    steps = triton.cdiv(K, block_k)
+    split = min(cfg["SPLIT_K"], steps)
+    per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, per_split)
+    if split > 1 and y.dtype != torch.float32:
+        raise ValueError("split-K accumulates with fp32 atomics: the output must be float32 (and zeroed)")
+    u, xv = lowrank if lowrank is not None else (y, y)
+    R = xv.shape[-1] if lowrank is not None else 0
+    offsets, counts = routing if routing is not None else (y, y)
+    chunks = triton.cdiv(rows_per_block, block_m)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
+    _lowbit_kernel[grid](
+        x, qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
+        per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None, USE_DOT=use_dot, HAS_LR=lowrank is not None,
+        ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                  group: int, in_features: int, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                  num_stages: int = 2) -> torch.Tensor:
-    """x [..., K] @ dequant(W)^T -> [..., N]; qweight [N, padded K * bits / 32] int32, scale/zero [N, K / group]."""
-    if not supported(group):
-        raise ValueError(f"the Triton low-bit linear needs a power-of-two group >= 16, got {group}")
+                  group: int, in_features: int, lowrank: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(W)^T (+ (x V^T) U^T) -> [..., N] in x's dtype.
+
+    qweight [N, padded K * bits / 32] int32, scale/zero [N, K / group] fp16; lowrank = (U [N, r], V [r, K])
+    in x's dtype (x V^T is a tiny matmul here, U^T is applied in the kernel's epilogue)."""
+    check_activation(x, in_features)
+    check_weight(qweight, scale, zero, bits, group, in_features)
+    from moeserve.kernels.triton.configs import gpu_name, lowbit_config
+
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_features).contiguous()
+    x2 = x.reshape(-1, in_features).contiguous()  # [M, K]
     M, N = x2.shape[0], qweight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _lowbit_linear_kernel[grid](x2, qweight, scale, zero, y, M, N, in_features, qweight.shape[1], scale.shape[1],
-                                BITS=bits, GROUP=group, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, group), num_warps=num_warps,
-                                num_stages=num_stages)
-    return y.reshape(*lead, N)
+    if config is None:
+        config = lowbit_config(gpu_name(x.device.index or 0) if x.is_cuda else "cpu", bits, M, N, in_features)
+    lr = None
+    if lowrank is not None:
+        u, v = lowrank
+        lr = (u.contiguous(), torch.nn.functional.linear(x2, v).contiguous())  # U [N, r], xv [M, r]
+    split = config["SPLIT_K"] > 1
+    y = (torch.zeros if split else torch.empty)(M, N, dtype=torch.float32 if split else x.dtype, device=x.device)
+    rows_per_block = M if M == 1 else min(M, 64)
+    launch(x2, qweight, scale, zero, y, bits, group, in_features, config, rows_per_block,
+           triton.cdiv(M, rows_per_block), lowrank=lr)
+    return y.to(x.dtype).reshape(*lead, N)
