@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import measure_hbm_bandwidth, measure_matmul_flops, result_record, time_fn, write_result  # noqa: E402
+from common import (measure_hbm_bandwidth, measure_matmul_flops, result_record, time_cuda_graph, time_fn,  # noqa: E402
+                    write_result)
 from kernels import random_layer  # noqa: E402
 
 from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name  # noqa: E402
@@ -215,19 +216,7 @@ def bench_shape(name, family, E, k, D, F, tokens, device, dtype, bw, flops, reps
 
 def graph_time(block, x: torch.Tensor, device, reps: int) -> float | None:
     """Median ms of replaying a CUDA graph of block(x) (static input; routing has no host sync). None on a CPU."""
-    if device.type != "cuda":
-        return None
-    static = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up on a side stream (Triton compiles, lazy stacking), as capture requires
-            block(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        block(static)
-    return time_fn(lambda _: graph.replay(), [None], device, reps=reps)
+    return time_cuda_graph(block, [x.clone()], reps) if device.type == "cuda" else None
 
 
 def lowbit_rows(block, tokens, E, D, F, device, dtype, bw, reps, gen) -> list[dict]:
