@@ -157,3 +157,23 @@ def test_store_pinning_falls_back_to_mapped_memory(tiny, monkeypatch):
         assert store.pin() == 1
     for a, b in zip(before, store.host_parts(2, 3, low=True)):
         assert torch.equal(a, b)
+
+
+def test_prefetch_stops_when_predictions_are_mostly_wrong(tiny):
+    """A predictor naming every expert of the next layer is right for top_k / E of them: the adaptive gate
+    cuts prefetching down, and wrong guesses are released for eviction once their layer has run."""
+    path, store_dir = tiny
+    prompts = [torch.randint(3, 97, (5,)).tolist()]
+    runs = {}
+    for min_accuracy in (0.0, 0.5):
+        model = moeserve.load_model(path, routed_experts=False)
+        cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=6, mixed=False, prefetch_layers=1,
+                               prefetch_min_accuracy=min_accuracy)
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            ex.predict_next = lambda x, ex=ex: [(ex.next_layers[0], e) for e in range(ex.num_experts)] \
+                if ex.next_layers else []
+        runs[min_accuracy] = (greedy(model, prompts, n=12), cache)
+        assert not cache.state.pinned - cache._unused_prefetches  # settled guesses are evictable
+    assert runs[0.0][0] == runs[0.5][0]
+    assert runs[0.5][1].prefetched < runs[0.0][1].prefetched / 2

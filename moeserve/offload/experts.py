@@ -3,7 +3,7 @@ ExpertStore (slow memory), each selected expert in high or low precision or skip
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from moeserve.offload.transfer import Copier
 from moeserve.offload.trace import RoutingTrace
 
 
+PREFETCH_WINDOW = 32  # recent prefetch outcomes the adaptive gate looks at
+PREFETCH_PROBE_EVERY = 8  # while gated off, still prefetch at every 8th layer to notice better predictions
+
+
 class ExpertCache:
     """Fast-memory expert slots (two pools), decisions by CacheState (as the simulator makes them), loads
     on a copy stream, and optionally the CPU computing some misses instead (cooperative mode).
@@ -31,7 +35,7 @@ class ExpertCache:
 
     def __init__(self, store: ExpertStore, policy: Policy, high_slots: int, low_slots: int, device, dtype,
                  mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, reserve: int = 2,
-                 cooperative: bool = False, bandwidth: float | None = None):
+                 cooperative: bool = False, bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5):
         self.store, self.device, self.dtype = store, torch.device(device), dtype
         self.state = CacheState(policy, high_slots, low_slots if mixed else 0)
         high_parts = [(shape, dtype) for shape, _ in store.part_shapes(low=False)]
@@ -45,6 +49,8 @@ class ExpertCache:
         self.sequence = 0
         self.prefetched = self.prefetch_used = self.cpu_experts = 0
         self._unused_prefetches: set = set()
+        self._outcomes: deque = deque(maxlen=PREFETCH_WINDOW)  # recent prefetches: used (True) or not
+        self.prefetch_min_accuracy, self._gated_calls = prefetch_min_accuracy, 0
         self._streamed: list[tuple[int, int]] = []  # (tier, slot) loaded for one use, freed after the chunk
         self._log: list[tuple] = []
 
@@ -68,6 +74,7 @@ class ExpertCache:
         if key in self._unused_prefetches and self.state.cached_tier(key, precision) is not None:
             self._unused_prefetches.discard(key)
             self.prefetch_used += 1
+            self._outcomes.append(True)
         low = precision != HIGH
         on_cpu = (self.cpu is not None and self.state.cached_tier(key, precision) is None
                   and self._cpu_is_faster(low, rows, cpu_busy))
@@ -114,9 +121,28 @@ class ExpertCache:
         for pool in self.pools.values():
             pool.release(None)
 
+    def settle_prefetches(self, layer: int) -> None:
+        """After `layer` ran: the experts predicted for it that it did not use were wrong guesses; they
+        count against the prediction accuracy and may be evicted from now on."""
+        wrong = {k for k in self._unused_prefetches if k[0] == layer}
+        self._unused_prefetches -= wrong
+        self.state.pinned -= wrong
+        self._outcomes.extend([False] * len(wrong))
+
+    def prefetch_worthwhile(self) -> bool:
+        """Adaptive prefetch: a wrong guess costs link time that demand loads need, so prefetch while at least
+        `prefetch_min_accuracy` of the recent guesses were used; otherwise probe at every 8th layer only."""
+        n = len(self._outcomes)
+        if n < PREFETCH_PROBE_EVERY or sum(self._outcomes) >= self.prefetch_min_accuracy * n:
+            return True
+        self._gated_calls += 1
+        return self._gated_calls % PREFETCH_PROBE_EVERY == 0
+
     def prefetch(self, keys: list, needed: set) -> None:
         """Load predicted experts ahead of use, in low precision when there are low slots (a wrong guess
-        then costs less), and keep them from eviction until used."""
+        then costs less), and keep them from eviction until their layer has run."""
+        if not keys or not self.prefetch_worthwhile():
+            return
         tier = LOW if self.state.capacity[LOW] > 0 else HIGH
         for key in keys:  # after chunk_done, an admission always finds a free slot (the reserve)
             d = self.state.prefetch(key, tier, needed)
@@ -193,6 +219,7 @@ class OffloadedExperts(LoopedExperts):
                     cpu_busy += cache.cpu.cost(source[1] == LOW, rows[e])
                 planned.append((t, j, e, w[j], source))
         flush()
+        cache.settle_prefetches(self.layer)
         if self.next_layers:
             cache.prefetch(self.predict_next(x), needed={(self.layer, e) for e in expert_ids.flatten().tolist()})
         return out
@@ -247,19 +274,20 @@ class OffloadedExperts(LoopedExperts):
 def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
                    weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9,
                    prefetch_layers: int = 0, cooperative: bool = False, pin: bool = True,
-                   bandwidth: float | None = None) -> ExpertCache:
+                   bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5) -> ExpertCache:
     """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
 
     high_slots / low_slots are the cache's capacities; each pool gets top_k more slots for experts used
     once and for frees deferred while a chunk is in flight (budget.plan_slots counts them).
     prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
-    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch). cooperative: misses
+    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch), while at least
+    prefetch_min_accuracy of the recent predictions are used (0: always). cooperative: misses
     may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
     if pin and model.device.type == "cuda":
         store.pin(progress=True)
     cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
                         model.device, model.dtype, mixed, t1, t2, reserve=model.spec.top_k,
-                        cooperative=cooperative, bandwidth=bandwidth)
+                        cooperative=cooperative, bandwidth=bandwidth, prefetch_min_accuracy=prefetch_min_accuracy)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     for n, i in enumerate(moe):
         following = moe[n + 1:n + 1 + prefetch_layers]
