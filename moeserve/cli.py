@@ -36,6 +36,40 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "share a TP rank; without, each expert is sliced over the TP ranks)")
 
 
+def _batch_parser(sub) -> None:
+    b = sub.add_parser("batch", help="throughput generation for a JSONL file of prompts (resumable)",
+                       description="Generate for every {\"id\": ..., \"prompt\": \"...\"} line of INPUT with the "
+                                   "CGOPipe pipeline (MoE-Lightning: balanced micro-batches, CPU attention over a host "
+                                   "KV cache, layer weights streamed from pinned host memory), appending one JSON line "
+                                   "per finished request to OUTPUT. Rerunning skips the ids already in OUTPUT.")
+    _model_args(b)
+    b.add_argument("--input", required=True,
+                   help="JSONL prompts: {\"id\": ..., \"prompt\": \"...\"} (id default: line number)")
+    b.add_argument("--output", required=True, help="JSONL results, appended (id, text, finish_reason, token counts)")
+    b.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip",
+                   help="a malformed input line is reported and skipped (default) or stops the run")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    b.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    b.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    pol = b.add_argument_group("policy", "what runs where (by hand, or --auto for the planner's choice)")
+    pol.add_argument("--auto", action="store_true", help="let the planner choose the policy (`moeserve plan`)")
+    pol.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                     help="GPU memory budget (e.g. 16GiB): the resident weight fraction is fitted to it")
+    pol.add_argument("--batch-size", type=int, default=64, help="sequences decoded together, N (default 64)")
+    pol.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch, n (default 16)")
+    pol.add_argument("--cpu-attention", action=argparse.BooleanOptionalAction, default=True,
+                     help="attention on the CPU over a host KV cache (default; --no-cpu-attention: on the GPU)")
+    pol.add_argument("--cpu-ffn", action="store_true", help="MoE FFN on the CPU from host weights")
+    pol.add_argument("--weights-gpu-fraction", type=float, default=None,
+                     help="share of the layers resident on the GPU, the rest streamed (default: fit --gpu-memory, "
+                          "else 1)")
+    pol.add_argument("--kv-gpu-fraction", type=float, default=None,
+                     help="share of the micro-batches whose KV cache stays on the GPU (default 0 with CPU "
+                          "attention, else 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
@@ -154,6 +188,33 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "simulate":
             sp.add_argument("--policy", default="hobbit", help="lru, lfu, lhu, fld or hobbit (default hobbit)")
             sp.add_argument("--weights", default=None, help="w_lru,w_lfu,w_lhu,w_fld for a custom priority")
+
+    _batch_parser(sub)
+
+    pf = sub.add_parser("profile", help="measure this machine's FLOP/s and bandwidths (cached)",
+                        description="Measure matmul FLOP/s, memory bandwidths and the host<->GPU link (a few seconds; "
+                                    "GPU figures only with CUDA) for `moeserve plan`. The profile is cached per "
+                                    "machine under ~/.cache/moeserve/hardware (MOESERVE_CACHE moves it).")
+    pf.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    pf.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    pl = sub.add_parser("plan", help="choose a throughput policy (MoE-Lightning) from a hierarchical roofline model",
+                        description="Search batch size, micro-batch, attention/FFN placement and the share of weights "
+                                    "and KV cache kept on the GPU for the highest predicted tokens/s that fits the "
+                                    "memory budgets. Needs only config.json, no weights.")
+    pl.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
+    pl.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                    help="GPU memory budget, e.g. 16GiB (default: 90%% of the profile's GPU memory)")
+    pl.add_argument("--cpu-memory", default=None, metavar="SIZE",
+                    help="host memory budget, e.g. 100GiB (default: 90%% of the profile's RAM)")
+    pl.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    pl.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (default 128)")
+    pl.add_argument("--max-batch", type=int, default=4096, help="largest batch size to consider (default 4096)")
+    pl.add_argument("--profile", default=None, metavar="FILE",
+                    help="hardware profile JSON (default: this machine's, measured once and cached)")
+    pl.add_argument("--plot", default=None, metavar="PNG", help="write the roofline with the operators to PNG "
+                    "(needs matplotlib)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -407,10 +468,145 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def _print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def cmd_profile(args) -> int:
+    from moeserve.plan.hardware import load_or_measure
+
+    profile = load_or_measure(refresh=args.refresh)
+    if args.json:
+        print(json.dumps(profile.as_dict(), indent=2))
+        return 0
+
+    def rate(v, unit):
+        return "-" if v is None else f"{v / 1e9:,.1f} G{unit}"
+
+    chunks = lambda d: ", ".join(f"{k} MiB: {v / 1e9:.1f}" for k, v in sorted(d.items())) or "-"  # noqa: E731
+    _print_table([
+        ("GPU", profile.gpu_name or "none (CUDA not available)"),
+        ("GPU bf16 matmul", rate(profile.gpu_flops, "FLOP/s")),
+        ("HBM copy (read+write)", rate(profile.hbm_bandwidth, "B/s")),
+        ("GPU memory", "-" if profile.gpu_memory_bytes is None else format_bytes(profile.gpu_memory_bytes)),
+        ("CPU", f"{profile.cpu_name} ({profile.cpu_cores} cores)"),
+        ("CPU fp32 / bf16 matmul", f"{rate(profile.cpu_fp32_flops, 'FLOP/s')} / {rate(profile.cpu_bf16_flops, 'FLOP/s')}"),
+        ("DRAM copy (read+write)", rate(profile.dram_bandwidth, "B/s")),
+        ("RAM", format_bytes(profile.ram_bytes)),
+        ("host->device pinned", rate(profile.h2d_bandwidth, "B/s") + f" (GB/s by chunk: {chunks(profile.h2d_chunk_bandwidth)})"),
+        ("device->host pinned", rate(profile.d2h_bandwidth, "B/s") + f" (GB/s by chunk: {chunks(profile.d2h_chunk_bandwidth)})"),
+        ("host->device pageable", rate(profile.h2d_pageable_bandwidth, "B/s")),
+        ("measured", profile.measured or "-"),
+    ])
+    return 0
+
+
+def _budget(text: str | None, flag: str, default: float | None, what: str) -> float:
+    if text is None:
+        if not default:
+            raise MoeserveError(f"the hardware profile does not give the {what}; pass {flag} SIZE")
+        return 0.9 * default
+    size = parse_bytes(text)
+    if size is None:
+        raise MoeserveError(f"{flag} {text!r} is not a size like 16GiB")
+    return size
+
+
+def cmd_plan(args) -> int:
+    from moeserve.plan.hardware import HardwareProfile, load_or_measure
+    from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
+    from moeserve.plan.search import search
+    from moeserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
+    gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")
+    host = _budget(args.cpu_memory, "--cpu-memory", hw.ram_bytes, "host memory")
+    if args.max_batch < 1:
+        raise MoeserveError("--max-batch must be positive")
+    wl = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len)
+    plan = search(spec, hw, wl, gpu, host, max_batch=args.max_batch)
+    rows = operator_table(spec, wl, hw, plan.policy)
+    if args.plot:
+        plot_roofline(rows, hw, args.plot, title=f"{Path(args.model).name}: N={plan.policy.batch_size}, "
+                                                 f"n={plan.policy.micro_batch}, {plan.tokens_per_s:.0f} tokens/s")
+    if args.json:
+        print(json.dumps({"policy": plan.policy.as_dict(), **{k: v for k, v in dataclasses.asdict(plan).items()
+                                                               if k != "policy"},
+                          "operators": rows, "turning_points": turning_points(hw), "device": hw.gpu_name}, indent=2))
+        return 0
+    p = plan.policy
+    _print_table([
+        ("model", f"{args.model} ({spec.family}, {spec.num_layers} layers)"),
+        ("hardware", f"{hw.gpu_name} + {hw.cpu_name}; budgets GPU {format_bytes(gpu)}, host {format_bytes(host)}"),
+        ("policy", f"batch N={p.batch_size}, micro-batch n={p.micro_batch}, attention on "
+                   f"{'GPU' if p.attention_on_gpu else 'CPU'}, FFN on {'GPU' if p.ffn_on_gpu else 'CPU'}, "
+                   f"{p.weights_gpu_fraction:.0%} of weights and {p.kv_gpu_fraction:.0%} of KV on the GPU"),
+        ("predicted", f"{plan.tokens_per_s:,.1f} tokens/s ({plan.decode_tokens_per_s:,.1f} in decode; step "
+                      f"{plan.step_s * 1e3:.1f} ms, prefill {plan.prefill_s:.2f} s)"),
+        ("bottleneck", plan.bottleneck),
+        ("GPU memory", f"{format_bytes(sum(plan.gpu_bytes.values()))}: " + ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in plan.gpu_bytes.items() if v)),
+        ("host memory", f"{format_bytes(sum(plan.host_bytes.values()))}: " + ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in plan.host_bytes.items() if v)),
+        ("search", f"{plan.evaluated:,} candidates, {plan.feasible:,} fit, {plan.seconds * 1e3:.0f} ms"),
+    ])
+    print(f"\n{'operator (decode, per micro-batch)':<36}{'device':>7}{'GFLOP':>9}{'MB mem':>9}{'MB link':>9}"
+          f"{'FLOP/B':>8}{'TFLOP/s':>9}{'ms':>8}  bound")
+    for r in rows:
+        print(f"{r['operator']:<36}{r['device']:>7}{r['flops'] / 1e9:>9.2f}{r['mem_bytes'] / 1e6:>9.1f}"
+              f"{r['link_bytes'] / 1e6:>9.2f}{r['intensity']:>8.1f}{r['flop_per_s'] / 1e12:>9.2f}"
+              f"{r['seconds'] * 1e3:>8.3f}  {r['bound']}")
+    if args.plot:
+        print(f"\nroofline plot: {args.plot}")
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from moeserve.engine.sampling import SamplingParams
+    from moeserve.loader import load_model, resolve_device, resolve_dtype
+    from moeserve.plan.batch import auto_policy, policy_for_budget, read_requests, run_batch
+    from moeserve.plan.pipeline import Pipeline
+    from moeserve.plan.policy import Policy
+    from moeserve.tokenizer import load_tokenizer
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    requests = read_requests(args.input, args.on_bad_line, lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(args.model, device="cpu", dtype=dtype, progress=True)
+    tok = load_tokenizer(args.model, model.spec.bos_token_id, model.spec.eos_token_ids[0] if model.spec.eos_token_ids
+                         else None)
+    prompt_len = max((len(tok.encode(r.prompt)) for r in requests), default=1)
+    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    if args.auto:
+        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
+    else:
+        gpu_attention = not args.cpu_attention
+        kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)
+        policy = Policy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
+                        1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
+        if budget is not None and args.weights_gpu_fraction is None:
+            policy = policy_for_budget(model.spec, policy, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
+    print(f"[policy: {policy.as_dict()}]", file=sys.stderr)
+    pipeline = Pipeline(model, policy, device)
+    try:
+        st = run_batch(pipeline, tok, requests, params, args.output, progress=sys.stderr.isatty())
+    finally:
+        pipeline.close()
+    print(f"[{st['requests']} requests ({st['skipped']} already done), {st['tokens']} tokens in {st['seconds']:.2f} s, "
+          f"{st['tokens'] / max(st['seconds'], 1e-9):.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
-               "trace": cmd_trace, "offload-prepare": cmd_offload_prepare}[args.command]
+               "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
+               "plan": cmd_plan}[args.command]
     status = 1
     try:
         status = command(args)

@@ -101,3 +101,18 @@ def test_offload_bench_quick(tmp_path):
         assert r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1
         if r["method"] == "naive":
             assert r["hit_rate"] == 0 and r["high_slots"] == 0
+
+
+def test_throughput_bench_quick(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "throughput.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = tmp_path.glob("throughput-*.json")
+    result = json.loads(path.read_text())
+    for f in COMMON_FIELDS:
+        assert f in result, f
+    runs = [r for r in result["results"] if "schedule" in r]
+    assert {r["schedule"] for r in runs} == {"cgopipe", "zero", "flexgen", "planned"}
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in runs)
+    assert {r["ratio"] for r in result["results"] if "ratio" in r} == {"cgopipe_over_zero", "cgopipe_over_flexgen"}

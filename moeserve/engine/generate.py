@@ -61,7 +61,12 @@ def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=N
             on_text: Callable[[int, str], None] | None = None,
             cuda_graph: bool = True) -> Iterator[tuple[list[Generation], torch.Tensor]]:
     """Check the request now (errors before any output), then yield (generations, new_tokens [B]) per step."""
-    spec = model.spec
+    check_request(model.spec, prompts, params, tokenizer)
+    return _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph)
+
+
+def check_request(spec, prompts: list[list[int]], params: SamplingParams, tokenizer=None) -> None:
+    """Raise MoeserveError for a batch no engine can run: empty prompts, too long, ids outside the vocabulary."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise MoeserveError("every prompt needs at least one token")
     if params.stop and tokenizer is None:
@@ -73,7 +78,6 @@ def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=N
     for b, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= spec.vocab_size:
             raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
-    return _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph)
 
 
 def _decoder(model, kv: KVCache, batch: int, cuda_graph: bool) -> Callable:

@@ -62,6 +62,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, kv=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None (static decode:
         S_total = all of kv.max_len)."""
+        q, k, v = self.qkv(x, cos, sin)
+        if kv is not None:
+            k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
+        return self.o_proj(self.attend(q, k, v, mask))
+
+    def qkv(self, x, cos, sin):
+        """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated).
+        A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
         B, S, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
@@ -74,11 +82,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, Dh]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
-        v = v.view(B, S, self.Hkv, self.Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
-        if kv is not None:
-            k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
+        return q, k, v.view(B, S, self.Hkv, self.Dh).transpose(1, 2)  # v [B, Hkv, S, Dh]
+
+    def attend(self, q, k, v, mask):
+        """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
+        B, _, S, _ = q.shape
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.H * self.Dh))
+        return out.transpose(1, 2).reshape(B, S, self.H * self.Dh)
 
 
 class MLP(nn.Module):

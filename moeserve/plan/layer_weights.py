@@ -1,0 +1,98 @@
+"""Decoder-layer weights on the GPU under a policy: the resident layers copied once, the others streamed from
+pinned host memory into two GPU buffers per layer kind (double buffering), the next one copied on the copy
+stream while the current one computes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.model.transformer import DecoderLayer
+from moeserve.offload.transfer import Copier
+
+
+def device_layer(host: DecoderLayer, spec, device, with_ffn: bool) -> DecoderLayer:
+    """An uninitialised GPU twin of a host layer (its FFN left out when the FFN runs on the CPU)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(spec, host.self_attn.layer_idx).to(host.input_layernorm.weight.dtype)
+    if not with_ffn:
+        layer.mlp = nn.Identity()
+    return layer.to_empty(device=device).eval()
+
+
+def param_pairs(dst: nn.Module, src: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destination, source) tensors of every parameter of dst, matched by name."""
+    src_params = dict(src.named_parameters())
+    names = [n for n, _ in dst.named_parameters()]
+    return [dst.get_parameter(n).data for n in names], [src_params[n].data for n in names]
+
+
+def pin_host_weights(layers: nn.ModuleList) -> None:
+    """Page-lock the host layers' parameters (once per storage: layers may share tensors) for async DMA."""
+    pinned: dict[int, torch.Tensor] = {}
+    for p in layers.parameters():
+        if not p.data.is_pinned():
+            key = p.data.data_ptr()
+            pinned.setdefault(key, p.data.pin_memory())
+            p.data = pinned[key]
+
+
+class LayerWeights:
+    def __init__(self, layers: nn.ModuleList, spec, resident: int, device, with_ffn: bool):
+        """layers: the host model's decoder layers; the first `resident` of them stay on the GPU."""
+        self.host, self.spec, self.device, self.with_ffn = layers, spec, torch.device(device), with_ffn
+        self.cuda = self.device.type == "cuda"
+        self.copier = Copier(self.device)
+        self.resident = {i: self._copy_now(i) for i in range(resident)}
+        self.streamed = list(range(resident, len(layers)))
+        self.buffers: dict[tuple[int, str], list] = {}  # (slot, kind) -> [module, layer held, loaded, freed]
+        self.bytes_streamed = 0
+
+    def _copy_now(self, i: int) -> DecoderLayer:
+        layer = device_layer(self.host[i], self.spec, self.device, self.with_ffn)
+        for d, s in zip(*param_pairs(layer, self.host[i])):
+            d.copy_(s)
+        return layer
+
+    def _buffer(self, i: int) -> list:
+        slot = self.streamed.index(i) % 2
+        kind = type(self.host[i].mlp).__name__
+        if (slot, kind) not in self.buffers:
+            module = device_layer(self.host[i], self.spec, self.device, self.with_ffn)
+            self.buffers[slot, kind] = [module, None, self._event(), self._event()]
+        return self.buffers[slot, kind]
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _load(self, i: int) -> None:
+        """Queue the copy of host layer i into its buffer, after the compute that last read the buffer."""
+        buf = self._buffer(i)
+        if buf[1] == i:
+            return
+        dst, src = param_pairs(buf[0], self.host[i])
+        self.copier.load(dst, src, after=buf[3], done=buf[2])
+        self.bytes_streamed += sum(s.nbytes for s in src)
+        buf[1] = i
+
+    def get(self, i: int) -> DecoderLayer:
+        """Layer i ready for the compute stream; starts copying the next streamed layer (cyclically)."""
+        if i in self.resident:
+            return self.resident[i]
+        self._load(i)
+        buf = self._buffer(i)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(buf[2])
+        nxt = self.streamed[(self.streamed.index(i) + 1) % len(self.streamed)]
+        if self._buffer(nxt) is not buf:  # an odd count wraps onto the busy buffer: that one loads when needed
+            self._load(nxt)
+        return buf[0]
+
+    def release(self, i: int) -> None:
+        """The compute queued so far is the last to read layer i: its buffer may be refilled after it."""
+        if i not in self.resident and self.cuda:
+            self._buffer(i)[3].record(torch.cuda.current_stream(self.device))

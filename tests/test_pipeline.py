@@ -1,0 +1,128 @@
+"""CGOPipe executor (plan/pipeline.py): same tokens and logits as the plain engine under every schedule;
+balanced micro-batches; `moeserve batch` end to end (bad lines, resume, a cut-off last line)."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import moeserve
+from moeserve.cli import main
+from moeserve.engine.generate import iterate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.scheduler import balanced_micro_batches
+from moeserve.plan.cpu_attention import gqa_attention
+from moeserve.plan.pipeline import SCHEDULES, Pipeline
+from moeserve.plan.policy import Policy
+
+PROMPTS = [[5, 9, 13, 7, 21, 3, 8], [11, 4], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [6, 17, 19, 23]]
+
+
+def plain(model, prompts, params):
+    """Greedy tokens and the logits [B, V] of every step from engine.generate."""
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, out: logits.append(out[:, -1].clone()))
+    for gens, _ in iterate(model, prompts, params):
+        pass
+    hook.remove()
+    return [g.token_ids for g in gens], logits
+
+
+def piped(model, policy, prompts, params):
+    pipeline = Pipeline(model, policy, "cpu")
+    logits = []
+    for gens, _, step_logits in pipeline.generate(prompts, params):
+        logits.append(step_logits.clone())
+    pipeline.close()
+    return [g.token_ids for g in gens], logits
+
+
+@pytest.mark.parametrize("family", ["mixtral", "mixtral_sliding", "qwen2_moe"])
+def test_pipeline_matches_plain_engine(hf_checkpoints, family):
+    model = moeserve.load_model(hf_checkpoints[family][1], device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    ref_tokens, ref_logits = plain(model, PROMPTS, params)
+    cases = [(s, f, n) for s in SCHEDULES for f, n in ((0.0, 1), (0.5, 2), (1.0, 2))] + [("cgopipe", 0.0, 4)]
+    for schedule, fraction, n in cases:
+        policy = Policy(batch_size=4, micro_batch=n, weights_gpu_fraction=fraction, **SCHEDULES[schedule])
+        tokens, logits = piped(model, policy, PROMPTS, params)
+        assert tokens == ref_tokens, (schedule, fraction, n)
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_pipeline_cpu_ffn_and_mixed_kv(hf_checkpoints):
+    """The FFN on the CPU, and half of the micro-batches keeping their KV cache on the GPU."""
+    model = moeserve.load_model(hf_checkpoints["qwen3_moe"][1], device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    ref_tokens, _ = plain(model, PROMPTS, params)
+    for policy in (Policy(4, 2, False, False, 0.5, 0.0), Policy(4, 1, False, True, 0.0, 0.5),
+                   Policy(4, 2, True, True, 0.5, 0.5)):
+        assert piped(model, policy, PROMPTS, params)[0] == ref_tokens, policy
+
+
+def test_pipeline_sampling_and_eos_match(hf_checkpoints):
+    """Seeded sampling draws over the whole batch in request order, as the plain engine does; EOS stops."""
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    policy = Policy(4, 2, False, True, 0.5, 0.0)
+    assert piped(model, policy, PROMPTS, params)[0] == plain(model, PROMPTS, params)[0]
+
+
+def test_gqa_attention_equals_sdpa():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    mask = torch.rand(3, 1, 1, 9) > 0.3
+    mask[..., -1] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref.transpose(1, 2).reshape(3, 1, 128))
+
+
+def test_balanced_micro_batches_bound():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 5)
+        lengths = [rng.choice((rng.randint(1, 8), rng.randint(1, 600))) for _ in range(rng.randint(1, 24))]
+        groups = balanced_micro_batches(lengths, n)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert len(groups) == -(-len(lengths) // n) and all(1 <= len(g) <= n for g in groups)
+        fullest = max(sum(lengths[i] for i in g) for g in groups)
+        assert fullest <= sum(lengths) / len(groups) + max(lengths)
+    assert balanced_micro_batches([100, 90, 10, 5], 2) == [[0, 3], [1, 2]]
+
+
+def _batch(tmp_path, capsys, *extra):
+    status = main(["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                   "--device", "cpu", "--max-new-tokens", "5", "--batch-size", "2", "--micro-batch", "1",
+                   "--ignore-eos", *extra])
+    return status, capsys.readouterr().err
+
+
+def _lines(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+
+def test_batch_cli_bad_lines_and_resume(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "To be"}\n{"prompt": "HAMLET."}\n{"prompt": 3}\n'
+                                       '{broken\n\n{"id": 9, "prompt": "Words, words"}\n')
+    status, err = _batch(tmp_path, capsys, "--on-bad-line", "stop")
+    assert status == 2 and "in.jsonl:3:" in err and not (tmp_path / "out.jsonl").exists()
+
+    status, err = _batch(tmp_path, capsys)
+    assert status == 0 and "in.jsonl:3:" in err and "in.jsonl:4:" in err
+    first = _lines(tmp_path)
+    assert sorted(map(str, (r["id"] for r in first))) == ["2", "9", "a"]
+    assert all(r["completion_tokens"] == 5 and r["finish_reason"] == "length" for r in first)
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in first[:-1]))  # the last request is lost
+    status, err = _batch(tmp_path, capsys)
+    assert status == 0 and "1 requests (2 already done)" in err
+    assert _lines(tmp_path) == first
+
+    text = out.read_text()
+    out.write_text(text[:-20])  # a write cut short: a partial last line
+    status, err = _batch(tmp_path, capsys)
+    assert status == 0 and "1 requests (2 already done)" in err
+    assert _lines(tmp_path) == first
