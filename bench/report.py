@@ -166,12 +166,28 @@ def offload_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def throughput_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**Batch throughput, Mixtral-8x7B shape** (random bf16 weights in pinned host memory, prompt {c['prompt']}, "
+             f"KV sized for {c['gen']} new tokens, {c['timed_steps']} decode steps timed, N <= {c['max_batch']}; "
+             f"{_source(rec)})", "",
+             "| GPU budget | schedule | N / n | CPU attention | weights on GPU | decode tok/s | predicted tok/s | "
+             "measured / predicted |", "|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in (r for r in rec["results"] if "schedule" in r):  # the others are cgopipe/baseline ratio rows
+        p = r["policy"]
+        lines.append(f"| {r['budget_bytes'] / 2 ** 30:.0f} GiB | {r['schedule']} | {p['batch_size']} / {p['micro_batch']} | "
+                     f"{'yes' if not p['attention_on_gpu'] else 'no'} | {p['weights_gpu_fraction']:.0%} | "
+                     f"{r['decode_tokens_per_s']:.1f} | {r['predicted_decode_tokens_per_s']:.1f} | "
+                     f"{r['measured_over_predicted']:.2f} |")
+    return lines + [""]
+
+
 def report(results_dir: Path) -> str:
     lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
                   "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables,
-                  "offload": offload_table}.get(rec["name"], lambda r: [])(rec)
+                  "offload": offload_table, "throughput": throughput_table}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 
