@@ -21,7 +21,8 @@ def newest_runs(results_dir: Path) -> list[dict]:
         rec = json.loads(path.read_text())
         if rec.get("config", {}).get("quick"):
             continue
-        key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None)
+        key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
+               json.dumps(rec["config"].get("tokens")))  # a run over fewer token counts does not hide a full one
         if key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
@@ -45,6 +46,12 @@ def moe_block_tables(rec: dict) -> list[str]:
                          f" | {r['floor_ms']:.3f} ({r['floor_bound']}) | {r['ours_over_floor']:.2f} | "
                          f"{r['ours_over_hf_grouped_mm']:.2f} |")
         lines.append("")
+        if shape.get("lowbit"):
+            lines += ["| experts | tokens | eager ms | CUDA graph ms | byte floor ms | graph / floor |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {r['experts']} | {r['tokens']} | {r['eager_ms']:.3f} | {r['cuda_graph_ms']:.3f} | "
+                      f"{r['floor_ms']:.3f} | {r['cuda_graph_ms'] / r['floor_ms']:.2f} |" for r in shape["lowbit"]]
+            lines.append("")
     return lines
 
 
