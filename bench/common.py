@@ -176,6 +176,20 @@ def time_cuda_graph(fn: Callable, inputs: Sequence, reps: int = 20) -> float:
     return time_fn(lambda _: graph.replay(), [None], "cuda", reps=reps) / len(inputs)
 
 
+def add_run_args(ap) -> None:
+    """--threads and --out, as every bench script takes them."""
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+
+
+def run_device(args) -> tuple[torch.device, torch.dtype]:
+    """Apply --threads; (device, dtype): bf16 on a GPU unless --quick, else fp32 on the CPU."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available() and not args.quick
+    return torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+
+
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import result_record, sync, write_result  # noqa: E402
+from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
 
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
@@ -272,13 +272,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
     ap.add_argument("--hf-layers", type=int, default=2, help="layers of the transformers baseline (0 = skip it)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available() and not args.quick
-    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    device, dtype = run_device(args)
+    cuda = device.type == "cuda"
     shape = QUICK if args.quick else MIXTRAL
     if args.quick:
         args.new_tokens, args.warmup, args.prompt, args.hf_layers = 6, 2, 4, 0

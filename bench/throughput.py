@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import result_record, sync, write_result  # noqa: E402
+from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
 from offload import MIXTRAL, QUICK, STD, model_spec  # noqa: E402
 
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
@@ -129,13 +129,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="decode steps run (the first is not timed)")
     ap.add_argument("--max-batch", type=int, default=128, help="largest batch N tried")
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random weights in host memory")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available() and not args.quick
-    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    device, dtype = run_device(args)
+    cuda = device.type == "cuda"
     if args.quick:
         args.prompt, args.gen, args.steps = 16, 8, 3
     spec = model_spec(QUICK if args.quick else MIXTRAL)

@@ -86,15 +86,21 @@ def test_bench_quick_runs_write_json(tmp_path):
     assert top8 and all(r["per_expert_over_per_rank"] >= 2 for r in top8)  # the issue's claim at top-8
 
 
-def test_offload_bench_quick(tmp_path):
+def quick_json(script: str, tmp_path) -> dict:
+    """Run one bench script with --quick on one thread; its result JSON, with the common fields checked."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH / "offload.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (path,) = tmp_path.glob("offload-*.json")
+    (path,) = tmp_path.glob(f"{script}-*.json")
     result = json.loads(path.read_text())
     for f in COMMON_FIELDS:
         assert f in result, f
+    return result
+
+
+def test_offload_bench_quick(tmp_path):
+    result = quick_json("offload", tmp_path)
     methods = {r["method"] for r in result["results"]}
     assert methods == {"naive", "lru", "hobbit", "hobbit+cpu"}
     for r in result["results"]:
@@ -104,14 +110,7 @@ def test_offload_bench_quick(tmp_path):
 
 
 def test_throughput_bench_quick(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH / "throughput.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (path,) = tmp_path.glob("throughput-*.json")
-    result = json.loads(path.read_text())
-    for f in COMMON_FIELDS:
-        assert f in result, f
+    result = quick_json("throughput", tmp_path)
     runs = [r for r in result["results"] if "schedule" in r]
     assert {r["schedule"] for r in runs} == {"cgopipe", "zero", "flexgen", "planned"}
     assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in runs)
