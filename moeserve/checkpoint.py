@@ -111,13 +111,15 @@ def _classic_moe_prefix(name: str, family: str) -> str:
     return name.replace(".mlp.", f".{_PER_EXPERT.get(family, _PER_EXPERT['default'])[0]}.", 1)
 
 
-def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: int) -> torch.Tensor:
-    """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses."""
-    if name in reader:
-        return reader.get(name)
-    alt = _classic_moe_prefix(name, family)
-    if alt in reader:  # e.g. Mixtral's block_sparse_moe.gate.weight
-        return reader.get(alt)
+def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: int,
+                index: tuple | None = None) -> torch.Tensor:
+    """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses.
+
+    index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
+    slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
+    for stored in (name, _classic_moe_prefix(name, family)):  # the latter e.g. Mixtral's block_sparse_moe.gate
+        if stored in reader:
+            return reader.get(stored) if index is None else reader.get_slice(stored, index)
     m = _FUSED.match(name)
     if m is None:
         return reader.get(name)  # raises a clear "lacks the tensor" error

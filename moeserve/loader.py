@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -44,22 +45,67 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
+    """A Parameter is set as it is, so that the names of a tied tensor keep sharing one."""
     *path, leaf = name.split(".")
     module = model.get_submodule(".".join(path))
-    setattr(module, leaf, value if is_buffer else nn.Parameter(value, requires_grad=False))
+    keep = is_buffer or isinstance(value, nn.Parameter)
+    setattr(module, leaf, value if keep else nn.Parameter(value, requires_grad=False))
 
 
-def _tensors_to_load(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-    """(name, meta tensor, is_buffer): every parameter, plus the packed buffers of quantized layers."""
-    out = [(n, p, False) for n, p in model.named_parameters()]  # tied lm_head appears once
+def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:
+    """(names, meta tensor, is_buffer): every parameter once, under all the names it has (a tied head shares
+    the embedding's, also after vocab-parallel surgery), plus the packed buffers of quantized layers."""
+    names: dict[int, list[str]] = {}
+    params = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    out = [(names[i], p, False) for i, p in params.items()]
     for prefix, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
-            out += [(f"{prefix}.{n}", b, True) for n, b in module.named_buffers()]
+            out += [([f"{prefix}.{n}"], b, True) for n, b in module.named_buffers()]
     return out
 
 
 def _is_routed_expert(name: str) -> bool:
-    return name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+    """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj)."""
+    return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)$", name) is not None
+
+
+def meta_model(path: str | Path) -> MoETransformer:
+    """The model of checkpoint `path` with every tensor on the meta device: shapes only, nothing read yet
+    (parallel loading cuts it to a rank's part before reading, see moeserve.parallel.loading)."""
+    spec = ModelSpec.from_dir(path)
+    manifest = read_manifest(Path(path))
+    with torch.device("meta"):
+        model = MoETransformer(spec)
+        if manifest:
+            install_quantized_modules(model, manifest)
+    return model
+
+
+def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.device, dtype: torch.dtype,
+                 skip=None, index_of=None, progress: bool = False) -> MoETransformer:
+    """Fill the meta tensors of `model` from the checkpoint on `device` and return it ready to run.
+
+    skip(name): leave that tensor on the meta device (a backend brings its own). index_of(name): the part
+    (a tuple of slices) of the stored tensor to read, None for all of it: a tensor-parallel rank reads only
+    its slice, and the tensor's meta shape is that of the slice."""
+    spec = model.spec
+    tensors = [t for t in _tensors_to_load(model) if skip is None or not skip(t[0][0])]
+    for names, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
+                                       leave=False, delay=1.0):
+        name = names[0]
+        t = read_tensor(reader, name, spec.family, spec.num_experts, None if index_of is None else index_of(name))
+        if tuple(t.shape) != tuple(meta.shape):
+            raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
+        # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
+        t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
+        t = t if is_buffer else nn.Parameter(t, requires_grad=False)
+        for alias in names:
+            _set_tensor(model, alias, t, is_buffer)
+    model.rotary = RotaryEmbedding(spec).to(device)
+    return model.eval()
 
 
 def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
@@ -67,23 +113,7 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
     """routed_experts=False leaves the routed expert weights unread (on the meta device) for a backend
     that brings its own, e.g. offload.enable_offload."""
     device = resolve_device(device)
-    spec = ModelSpec.from_dir(path)
+    model = meta_model(path)
     dtype = resolve_dtype(dtype, device)
-    reader = CheckpointReader(path)
-    manifest = read_manifest(Path(path))
-    with torch.device("meta"):
-        model = MoETransformer(spec)
-        if manifest:
-            install_quantized_modules(model, manifest)
-    tensors = [t for t in _tensors_to_load(model) if routed_experts or not _is_routed_expert(t[0])]
-    for name, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
-                                      leave=False, delay=1.0):
-        t = read_tensor(reader, name, spec.family, spec.num_experts)
-        if tuple(t.shape) != tuple(meta.shape):
-            raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
-        # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
-        _set_tensor(model, name, t.to(device=device, dtype=meta.dtype if is_buffer else dtype), is_buffer)
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(spec).to(device)
-    return model.eval()
+    return read_weights(model, CheckpointReader(path), device, dtype, None if routed_experts else _is_routed_expert,
+                        progress=progress)

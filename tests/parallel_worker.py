@@ -4,6 +4,7 @@ One spawn per world size runs every case in one process group (a spawn costs sec
 case names itself in the error."""
 
 import datetime
+import re
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.expert_parallel import ExpertParallelExperts
+from moeserve.parallel.groups import split_range
 from moeserve.parallel.loading import load_parallel_model
 from moeserve.parallel.plan import DispatchPlan
 
@@ -40,14 +42,21 @@ def suite(rank: int, world: int, rendezvous: str, cases: list, paths: dict) -> N
 
 
 class CountingReader(CheckpointReader):
-    """Counts the bytes of the tensor slices a rank materialises."""
+    """Counts the bytes a rank materialises, per stored tensor, read whole or in part."""
 
-    bytes_read = 0
+    def __init__(self, path):
+        super().__init__(path)
+        self.bytes_read: dict[str, int] = {}
+
+    def _count(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
+        return t
+
+    def get(self, name):
+        return self._count(name, super().get(name))
 
     def get_slice(self, name, index):
-        t = super().get_slice(name, index)
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        return self._count(name, super().get_slice(name, index))
 
 
 def layer_case(rank: int, world: int, _paths, routing: str) -> None:
@@ -93,9 +102,23 @@ def _reference(path: str, tokens: torch.Tensor, prompts: list, params: SamplingP
     return logits, [r.token_ids for r in generate(model, prompts, params)]
 
 
-def _expert_bytes(path: str) -> int:
+def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
+    """The bytes (fp32) a rank should read: {"experts": its EP share or FFN slice, "dense": 1/tp of the
+    TP-sliced tensors (its vocabulary rows of embedding and head) plus the replicated ones whole}."""
     reader = CheckpointReader(path)
-    return sum(4 * torch.Size(s).numel() for n, s in reader.shapes.items() if ".experts." in n)  # fp32
+    vocab = reader.shapes["model.embed_tokens.weight"][0]
+    out = {"experts": 0, "dense": 0}
+    for name, shape in reader.shapes.items():
+        size = 4 * torch.Size(shape).numel()
+        if ".experts." in name:
+            out["experts"] += size // (ep if ep > 1 else tp)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
+        elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name):  # attention, dense and shared-expert FFNs
+            out["dense"] += size // tp
+        else:  # norms, routers
+            out["dense"] += size
+    return out
 
 
 def model_case(rank: int, world: int, paths: dict, families: list, tp: int, ep: int, static_max_tokens: int) -> None:
@@ -113,8 +136,9 @@ def model_case(rank: int, world: int, paths: dict, families: list, tp: int, ep: 
         reader = CountingReader(path)
         model = load_parallel_model(path, rank, world, tp=tp, ep=ep, static_max_tokens=static_max_tokens,
                                     reader=reader)
-        share = _expert_bytes(path) // (ep if ep > 1 else tp)  # EP: its experts; expert slicing: its FFN rows
-        assert reader.bytes_read == share, (reader.bytes_read, share)
+        read = {kind: sum(n for name, n in reader.bytes_read.items() if (".experts." in name) == (kind == "experts"))
+                for kind in ("experts", "dense")}
+        assert read == _shares(path, rank % tp, tp, ep), (read, _shares(path, rank % tp, tp, ep))
         with torch.no_grad():
             torch.testing.assert_close(model(tokens), ref_logits, atol=1e-5, rtol=1e-5)
         assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens

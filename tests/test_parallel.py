@@ -17,7 +17,7 @@ MODEL_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]  # + shared expert (overl
 CASES = {
     2: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral"], 1, 2, 128), ("model", ["mixtral"], 1, 2, 0),  # EP: static / dynamic dispatch
-        ("model", MODEL_FAMILIES, 2, 1, 128),  # TP: vocab-parallel, heads, expert slicing
+        ("model", [*MODEL_FAMILIES, "fused_tied"], 2, 1, 128),  # TP: vocab-parallel, heads, expert slicing
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
@@ -28,7 +28,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def checkpoint_paths(hf_checkpoints, tmp_path_factory):
-    """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0."""
+    """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0, and
+    `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored)."""
+    import moeserve
     from safetensors.torch import load_file, save_file
 
     paths = {fam: str(path) for fam, (_, path) in hf_checkpoints.items()}
@@ -38,6 +40,13 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     del state["model.layers.0.block_sparse_moe.experts.7.w1.weight"]
     save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
     paths["missing_expert"] = str(broken)
+    fused = tmp_path_factory.mktemp("fused_tied")
+    config = json.loads((hf_checkpoints["qwen3_moe"][1] / "config.json").read_text())
+    (fused / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = moeserve.load_model(hf_checkpoints["qwen3_moe"][1]).state_dict()
+    del state["lm_head.weight"]
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    paths["fused_tied"] = str(fused)
     return paths
 
 
@@ -136,3 +145,23 @@ def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 4)
     with pytest.raises(MoeserveError, match="all heads"):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)
+
+
+def test_tp_index_says_what_a_rank_keeps():
+    """The one rule for slicing and sharded reads: opening projections by output rows, closing ones by input
+    columns (their bias whole), vocabulary rows unevenly, everything else replicated."""
+    from moeserve.parallel.tensor_parallel import tp_index
+
+    def index(name, shape, rank=1, size=2):
+        return tp_index(f"model.layers.0.{name}", shape, rank, size)
+
+    assert index("self_attn.k_proj.bias", (8,)) == (slice(4, 8),)
+    assert index("mlp.shared_expert.up_proj.weight", (6, 3)) == (slice(3, 6),)
+    assert index("self_attn.o_proj.weight", (3, 8)) == (slice(None), slice(4, 8))
+    assert index("mlp.down_proj.weight", (3, 6), rank=0) == (slice(None), slice(0, 3))
+    assert index("self_attn.o_proj.bias", (3,)) is None
+    replicated = ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "self_attn.q_norm.weight", "norm.weight")
+    for name in replicated:
+        assert index(name, (4,)) is None
+    assert [tp_index("lm_head.weight", (97, 3), r, 4) for r in (0, 3)] == [(slice(0, 25),), (slice(73, 97),)]
+    assert tp_index("model.embed_tokens.weight", (97, 3), 1, 2) == (slice(49, 97),)

@@ -1,7 +1,8 @@
-"""A parallel model from a checkpoint, each rank reading only its own routed experts (its EP share, or its
-FFN slice of every expert under expert slicing) straight from the safetensors memory map, so no rank ever
-holds a copy of all experts. Dense weights (attention, shared experts, embedding, head: a few percent of an
-MoE model) are read whole and sliced in memory.
+"""A parallel model from a checkpoint, each rank reading only its own part straight from the safetensors memory
+map, so no rank ever holds a full copy: its routed experts (its EP share, or its FFN slice of every expert
+under expert slicing), and under TP its slices of the dense weights (attention, dense and shared-expert FFNs,
+embedding, head; tensor_parallel.tp_index says which). The model is built and cut to this rank's part on the
+meta device first, then filled; replicated tensors (norms, routers, closing biases) are read whole.
 
 Errors a user can cause surface on every rank as one line: layout errors are the same on all ranks, and
 loading ends with a collective in which the ranks that failed tell the others (see collectives.py).
@@ -60,8 +61,9 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both.
     Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
     import moeserve
+    from moeserve.loader import _is_routed_expert, meta_model, read_weights, resolve_dtype
     from moeserve.parallel.expert_parallel import enable_expert_parallel
-    from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel
+    from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
@@ -82,16 +84,19 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     tp_rank, ep_rank = tp_ranks.index(rank), ep_ranks.index(rank)
     error, model = None, None
     try:
-        model = moeserve.load_model(path, device=device, dtype=dtype, progress=progress, routed_experts=False)
+        reader = reader or CheckpointReader(path)
+        model = meta_model(path)
+        full = {name: p.shape for name, p in model.named_parameters()}  # before slicing: what the checkpoint holds
         if tp > 1:
             enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
+        read_weights(model, reader, device, resolve_dtype(dtype, device), _is_routed_expert,
+                     lambda name: tp_index(name, full[name], tp_rank, tp), progress)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
         per, f = spec.num_experts // ep, spec.expert_ffn // (tp if ep == 1 else 1)
         ffn = range(tp_rank * f, (tp_rank + 1) * f) if ep == 1 else range(spec.expert_ffn)
-        fill_experts(model, reader or CheckpointReader(path), range(ep_rank * per, (ep_rank + 1) * per), ffn,
-                     model.device, model.dtype)
+        fill_experts(model, reader, range(ep_rank * per, (ep_rank + 1) * per), ffn, model.device, model.dtype)
     except MoeserveError as e:
         error = e
     raise_if_any_failed(error, device)

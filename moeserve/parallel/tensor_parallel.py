@@ -6,6 +6,8 @@ norms stay replicated."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import MLP, Attention
-from moeserve.parallel.vocab_parallel import enable_vocab_parallel
+from moeserve.parallel.vocab_parallel import enable_vocab_parallel, split_index, vocab_index
 
 
 class RowParallelLinear(nn.Module):
@@ -45,33 +47,53 @@ class SlicedExperts(nn.Module):
         return y
 
 
-def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
-    out = nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None)
-    out.weight = nn.Parameter(linear.weight[start:stop].detach().clone(), requires_grad=False)
+# Outputs split (dim 0): q/k/v (whole heads, as the head counts divide) and gate/up of dense MLPs and shared
+# experts, biases with them. Inputs split (dim 1): o/down; their bias is added once after the all-reduce.
+_OPENING = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)$")
+_CLOSING = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
+
+
+def tp_index(name: str, shape, rank: int, size: int) -> tuple[slice, ...] | None:
+    """The part of the full dense tensor `name` (moeserve's name, also the checkpoint's) of `shape` that TP rank
+    `rank` keeps; None: all of it (norms, routers, closing biases). The one rule that both the slicing below
+    and sharded loading (loading.py, reading only this part) follow; routed experts: _slice_experts."""
+    if _OPENING.search(name):
+        return split_index(shape, 0, rank, size)
+    if _CLOSING.search(name):
+        return split_index(shape, 1, rank, size)
+    return vocab_index(name, shape, rank, size)
+
+
+def _keep(t: torch.Tensor, name: str, rank: int, size: int) -> nn.Parameter:
+    """This rank's part of the full tensor `name`, a copy (the full one can go; on meta, shapes only)."""
+    index = tp_index(name, t.shape, rank, size)
+    return nn.Parameter((t if index is None else t[index]).detach().clone(), requires_grad=False)
+
+
+def _opening(linear: nn.Linear, name: str, keep) -> None:
+    """Keep this rank's output rows of `linear`, in place."""
+    linear.weight = keep(linear.weight, f"{name}.weight")
     if linear.bias is not None:
-        out.bias = nn.Parameter(linear.bias[start:stop].detach().clone(), requires_grad=False)
-    return out.to(linear.weight.device)
+        linear.bias = keep(linear.bias, f"{name}.bias")
+    linear.out_features = linear.weight.shape[0]
 
 
-def _closing(linear: nn.Linear, start: int, stop: int, group) -> RowParallelLinear:
-    return RowParallelLinear(linear.weight[:, start:stop].detach().clone(),
-                             None if linear.bias is None else linear.bias.detach().clone(), group)
+def _closing(linear: nn.Linear, name: str, keep, group) -> RowParallelLinear:
+    return RowParallelLinear(keep(linear.weight, f"{name}.weight"),
+                             None if linear.bias is None else keep(linear.bias, f"{name}.bias"), group)
 
 
-def _slice_attention(attn: Attention, rank: int, size: int, group) -> None:
-    h, hkv, dh = attn.H // size, attn.Hkv // size, attn.Dh
-    attn.q_proj = _rows(attn.q_proj, rank * h * dh, (rank + 1) * h * dh)
-    attn.k_proj = _rows(attn.k_proj, rank * hkv * dh, (rank + 1) * hkv * dh)
-    attn.v_proj = _rows(attn.v_proj, rank * hkv * dh, (rank + 1) * hkv * dh)
-    attn.o_proj = _closing(attn.o_proj, rank * h * dh, (rank + 1) * h * dh, group)
-    attn.H, attn.Hkv = h, hkv
+def _slice_attention(attn: Attention, name: str, keep, group) -> None:
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        _opening(getattr(attn, proj), f"{name}.{proj}", keep)
+    attn.o_proj = _closing(attn.o_proj, f"{name}.o_proj", keep, group)
+    attn.H, attn.Hkv = attn.q_proj.out_features // attn.Dh, attn.k_proj.out_features // attn.Dh
 
 
-def _slice_mlp(mlp: MLP, rank: int, size: int, group) -> None:
-    f = mlp.gate_proj.out_features // size
-    mlp.gate_proj = _rows(mlp.gate_proj, rank * f, (rank + 1) * f)
-    mlp.up_proj = _rows(mlp.up_proj, rank * f, (rank + 1) * f)
-    mlp.down_proj = _closing(mlp.down_proj, rank * f, (rank + 1) * f, group)
+def _slice_mlp(mlp: MLP, name: str, keep, group) -> None:
+    for proj in ("gate_proj", "up_proj"):
+        _opening(getattr(mlp, proj), f"{name}.{proj}", keep)
+    mlp.down_proj = _closing(mlp.down_proj, f"{name}.down_proj", keep, group)
 
 
 def _slice_experts(experts, rank: int, size: int, group) -> SlicedExperts:
@@ -99,18 +121,20 @@ def check_tensor_parallel(spec, size: int) -> None:
 def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bool = True) -> None:
     """Keep this rank's slice of every layer; the model then computes the same logits on every TP rank.
 
-    slice_experts=False leaves the routed experts whole (for expert parallelism across TP groups)."""
+    slice_experts=False leaves the routed experts whole (for expert parallelism across TP groups). Works on a
+    model still on the meta device too: sharded loading then reads just the slices (tp_index)."""
     check_tensor_parallel(model.spec, size)
-    for layer in model.model.layers:
-        _slice_attention(layer.self_attn, rank, size, group)
+    keep = functools.partial(_keep, rank=rank, size=size)
+    for i, layer in enumerate(model.model.layers):
+        _slice_attention(layer.self_attn, f"model.layers.{i}.self_attn", keep, group)
         mlp = layer.mlp
         if isinstance(mlp, MLP):
-            _slice_mlp(mlp, rank, size, group)
+            _slice_mlp(mlp, f"model.layers.{i}.mlp", keep, group)
             continue
         if slice_experts:
             mlp.experts = _slice_experts(mlp.experts, rank, size, group)
         if mlp.shared_expert is not None:
-            _slice_mlp(mlp.shared_expert, rank, size, group)
+            _slice_mlp(mlp.shared_expert, f"model.layers.{i}.mlp.shared_expert", keep, group)
     enable_vocab_parallel(model, group, rank, size)
     # the KV cache holds this rank's heads only
     model.spec = dataclasses.replace(model.spec, num_heads=model.spec.num_heads // size,

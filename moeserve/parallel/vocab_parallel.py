@@ -13,6 +13,8 @@ from torch import nn
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.groups import split_range
 
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # [V, D] each: split by vocabulary rows
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, rows: range, group):
@@ -39,11 +41,26 @@ class VocabParallelHead(nn.Module):
         return all_gather_uneven(F.linear(x, self.weight), sizes, self.group)  # [.., V_r] -> [.., V]
 
 
+def split_index(shape, dim: int, rank: int, size: int) -> tuple[slice, ...]:
+    """The index of `rank`'s share of a tensor of `shape` split along `dim` over `size` ranks (split_range's
+    split: uneven sizes need no padding)."""
+    part = split_range(shape[dim], rank, size)
+    return (slice(None),) * dim + (slice(part.start, part.stop),)
+
+
+def vocab_index(name: str, shape, rank: int, size: int) -> tuple[slice] | None:
+    """The vocabulary rows of the embedding or head `name` that TP rank `rank` keeps; None for other tensors."""
+    return split_index(shape, 0, rank, size) if name in VOCAB_PARALLEL else None
+
+
 def enable_vocab_parallel(model, group, rank: int, size: int) -> None:
     """Keep this rank's vocabulary rows of the embedding and the head (one shared slice when they are tied)."""
-    rows = split_range(model.spec.vocab_size, rank, size)
-    embed = model.model.embed_tokens
-    tied = model.lm_head.weight is embed.weight
-    model.model.embed_tokens = VocabParallelEmbedding(embed.weight[rows.start:rows.stop].detach().clone(), rows, group)
-    head = model.model.embed_tokens.weight if tied else model.lm_head.weight[rows.start:rows.stop].detach().clone()
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight  # [V, D] each
+    (rows,) = vocab_index("model.embed_tokens.weight", embed.shape, rank, size)
+    model.model.embed_tokens = VocabParallelEmbedding(embed[rows].detach().clone(), range(rows.start, rows.stop),
+                                                      group)
+    if head is embed:  # tied: one shared slice
+        head = model.model.embed_tokens.weight
+    else:
+        head = head[vocab_index("lm_head.weight", head.shape, rank, size)].detach().clone()
     model.lm_head = VocabParallelHead(head, model.spec.vocab_size, group, size)
