@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
+from moeserve.parallel.plan import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -34,6 +35,10 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (under torchrun; with --ep, experts are spread over ranks that "
                         "share a TP rank; without, each expert is sliced over the TP ranks)")
+    p.add_argument("--static-dispatch-tokens", type=int, default=STATIC_MAX_TOKENS, metavar="T",
+                   help=f"with --ep: when no rank has more than T tokens in a forward pass, dispatch with static "
+                        f"padded buffers (no host sync per layer; decode) instead of exchanged split sizes "
+                        f"(default {STATIC_MAX_TOKENS}; 0 = always dynamic)")
 
 
 def _batch_parser(sub) -> None:
@@ -292,7 +297,8 @@ def _load_parallel(args):
     if args.tp * args.ep != world:
         raise MoeserveError(f"--tp {args.tp} x --ep {args.ep} must equal the number of ranks ({world})")
     model = load_parallel_model(args.model, rank, world, tp=args.tp, ep=args.ep, device=device, dtype=args.dtype,
-                                hierarchical=args.hierarchical_a2a, progress=rank == 0)
+                                hierarchical=args.hierarchical_a2a, progress=rank == 0,
+                                static_max_tokens=max(args.static_dispatch_tokens, 0))
     if getattr(args, "seed", 0) is None:  # every rank must sample the same tokens: rank 0 picks the seed
         import torch.distributed as dist
 

@@ -107,6 +107,7 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
     TP-sliced tensors (its vocabulary rows of embedding and head) plus the replicated ones whole}."""
     reader = CheckpointReader(path)
     vocab = reader.shapes["model.embed_tokens.weight"][0]
+    full_qk_norm = moeserve.ModelSpec.from_dir(path).qk_norm == "full"
     out = {"experts": 0, "dense": 0}
     for name, shape in reader.shapes.items():
         size = 4 * torch.Size(shape).numel()
@@ -114,7 +115,8 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
             out["experts"] += size // (ep if ep > 1 else tp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
-        elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name):  # attention, dense and shared-expert FFNs
+        elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name) or (  # attention, dense and shared FFNs
+                full_qk_norm and re.search(r"[qk]_norm\.weight$", name)):  # OLMoE's qk-norm splits with the heads
             out["dense"] += size // tp
         else:  # norms, routers
             out["dense"] += size

@@ -17,7 +17,8 @@ MODEL_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]  # + shared expert (overl
 CASES = {
     2: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral"], 1, 2, 128), ("model", ["mixtral"], 1, 2, 0),  # EP: static / dynamic dispatch
-        ("model", [*MODEL_FAMILIES, "fused_tied"], 2, 1, 128),  # TP: vocab-parallel, heads, expert slicing
+        ("model", [*MODEL_FAMILIES, "olmoe", "fused_tied"], 2, 1, 128),  # TP: vocab-parallel, heads, expert
+        # slicing, OLMoE's qk-norm over all heads (sharded) and clip_qkv
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
@@ -143,8 +144,7 @@ def test_tensor_parallel_rejects_what_it_cannot_slice(hf_checkpoints):
     check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 2)
     with pytest.raises(MoeserveError, match="KV heads 2"):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["mixtral"][1]), 4)
-    with pytest.raises(MoeserveError, match="all heads"):
-        check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)
+    check_tensor_parallel(moeserve.ModelSpec.from_dir(hf_checkpoints["olmoe"][1]), 2)  # sharded qk-norm
 
 
 def test_tp_index_says_what_a_rank_keeps():

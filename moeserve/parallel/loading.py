@@ -90,7 +90,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
         if tp > 1:
             enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
         read_weights(model, reader, device, resolve_dtype(dtype, device), _is_routed_expert,
-                     lambda name: tp_index(name, full[name], tp_rank, tp), progress)
+                     lambda name: tp_index(name, full[name], tp_rank, tp, spec.qk_norm == "full"), progress)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)

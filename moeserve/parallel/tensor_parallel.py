@@ -51,22 +51,40 @@ class SlicedExperts(nn.Module):
 # experts, biases with them. Inputs split (dim 1): o/down; their bias is added once after the all-reduce.
 _OPENING = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)$")
 _CLOSING = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
+# A qk-norm over all heads (OLMoE) has one weight per q/k feature: split with the heads.
+_FULL_QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
 
 
-def tp_index(name: str, shape, rank: int, size: int) -> tuple[slice, ...] | None:
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over features split across the TP ranks (OLMoE's qk-norm over all heads): each rank holds its
+    heads' features and weights; one all-reduce of the per-row sum of squares gives the full mean."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, full_dim: int, group):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.eps, self.full_dim, self.group = eps, full_dim, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        sum_sq = x32.pow(2).sum(-1, keepdim=True)  # [.., 1] this rank's features
+        dist.all_reduce(sum_sq, group=self.group)
+        return self.weight * (x32 * torch.rsqrt(sum_sq / self.full_dim + self.eps)).to(x.dtype)
+
+
+def tp_index(name: str, shape, rank: int, size: int, full_qk_norm: bool = False) -> tuple[slice, ...] | None:
     """The part of the full dense tensor `name` (moeserve's name, also the checkpoint's) of `shape` that TP rank
     `rank` keeps; None: all of it (norms, routers, closing biases). The one rule that both the slicing below
     and sharded loading (loading.py, reading only this part) follow; routed experts: _slice_experts."""
-    if _OPENING.search(name):
+    if _OPENING.search(name) or (full_qk_norm and _FULL_QK_NORM.search(name)):
         return split_index(shape, 0, rank, size)
     if _CLOSING.search(name):
         return split_index(shape, 1, rank, size)
     return vocab_index(name, shape, rank, size)
 
 
-def _keep(t: torch.Tensor, name: str, rank: int, size: int) -> nn.Parameter:
+def _keep(t: torch.Tensor, name: str, rank: int, size: int, full_qk_norm: bool) -> nn.Parameter:
     """This rank's part of the full tensor `name`, a copy (the full one can go; on meta, shapes only)."""
-    index = tp_index(name, t.shape, rank, size)
+    index = tp_index(name, t.shape, rank, size, full_qk_norm)
     return nn.Parameter((t if index is None else t[index]).detach().clone(), requires_grad=False)
 
 
@@ -84,10 +102,15 @@ def _closing(linear: nn.Linear, name: str, keep, group) -> RowParallelLinear:
 
 
 def _slice_attention(attn: Attention, name: str, keep, group) -> None:
+    full = {"q_norm": attn.H * attn.Dh, "k_norm": attn.Hkv * attn.Dh}  # features a full qk-norm spans
     for proj in ("q_proj", "k_proj", "v_proj"):
         _opening(getattr(attn, proj), f"{name}.{proj}", keep)
     attn.o_proj = _closing(attn.o_proj, f"{name}.o_proj", keep, group)
     attn.H, attn.Hkv = attn.q_proj.out_features // attn.Dh, attn.k_proj.out_features // attn.Dh
+    if attn.qk_norm == "full":
+        for norm, dim in full.items():
+            old = getattr(attn, norm)
+            setattr(attn, norm, ShardedRMSNorm(keep(old.weight, f"{name}.{norm}.weight"), old.eps, dim, group))
 
 
 def _slice_mlp(mlp: MLP, name: str, keep, group) -> None:
@@ -114,8 +137,6 @@ def check_tensor_parallel(spec, size: int) -> None:
                                               ("shared expert FFN", spec.shared_expert_ffn)) if n % size]
     if problems:
         raise MoeserveError(f"tensor-parallel size {size} does not divide: {', '.join(problems)}")
-    if spec.qk_norm == "full":
-        raise MoeserveError("tensor parallelism does not support a qk-norm over all heads (OLMoE) yet")
 
 
 def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bool = True) -> None:
@@ -124,7 +145,7 @@ def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bo
     slice_experts=False leaves the routed experts whole (for expert parallelism across TP groups). Works on a
     model still on the meta device too: sharded loading then reads just the slices (tp_index)."""
     check_tensor_parallel(model.spec, size)
-    keep = functools.partial(_keep, rank=rank, size=size)
+    keep = functools.partial(_keep, rank=rank, size=size, full_qk_norm=model.spec.qk_norm == "full")
     for i, layer in enumerate(model.model.layers):
         _slice_attention(layer.self_attn, f"model.layers.{i}.self_attn", keep, group)
         mlp = layer.mlp
