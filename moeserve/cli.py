@@ -60,6 +60,8 @@ def _batch_parser(sub) -> None:
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     pol = b.add_argument_group("policy", "what runs where (by hand, or --auto for the planner's choice)")
     pol.add_argument("--auto", action="store_true", help="let the planner choose the policy (`moeserve plan`)")
+    pol.add_argument("--profile", default=None, metavar="FILE",
+                     help="with --auto: hardware profile JSON (default: this machine's, measured once and cached)")
     pol.add_argument("--gpu-memory", default=None, metavar="SIZE",
                      help="GPU memory budget (e.g. 16GiB): the resident weight fraction is fitted to it")
     pol.add_argument("--batch-size", type=int, default=64, help="sequences decoded together, N (default 64)")
@@ -589,7 +591,7 @@ def cmd_batch(args) -> int:
     prompt_len = max((len(tok.encode(r.prompt)) for r in requests), default=1)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     if args.auto:
-        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
+        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget, args.profile)
     else:
         gpu_attention = not args.cpu_attention
         kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)

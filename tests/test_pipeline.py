@@ -126,3 +126,14 @@ def test_batch_cli_bad_lines_and_resume(tmp_path, capsys):
     status, err = _batch(tmp_path, capsys)
     assert status == 0 and "1 requests (2 already done)" in err
     assert _lines(tmp_path) == first
+
+
+def test_batch_cli_auto_policy_from_a_profile(tmp_path, capsys):
+    """--auto plans with a hardware profile (here the H100's, from a file) and runs what it planned."""
+    from test_plan import H100
+
+    (tmp_path / "h100.json").write_text(json.dumps(H100))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("KING.", "To be", "Ay")))
+    status, err = _batch(tmp_path, capsys, "--auto", "--profile", str(tmp_path / "h100.json"), "--gpu-memory", "2GiB")
+    assert status == 0, err
+    assert "[policy: {'batch_size'" in err and len(_lines(tmp_path)) == 3

@@ -125,13 +125,14 @@ def run_batch(pipeline, tokenizer, requests: list[Request], params: SamplingPara
     return {"requests": len(todo), "skipped": len(requests) - len(todo), "tokens": tokens, "seconds": seconds}
 
 
-def auto_policy(spec, prompt_len: int, gen_len: int, dtype_bytes: int, gpu_budget: int | None) -> Policy:
-    """The planner's choice for this workload on this machine's (cached) hardware profile."""
-    from moeserve.plan.hardware import load_or_measure
+def auto_policy(spec, prompt_len: int, gen_len: int, dtype_bytes: int, gpu_budget: int | None,
+                profile: str | None = None) -> Policy:
+    """The planner's choice for this workload on a hardware profile (a JSON file, or this machine's, cached)."""
+    from moeserve.plan.hardware import HardwareProfile, load_or_measure
     from moeserve.plan.roofline import Workload
     from moeserve.plan.search import search
 
-    hw = load_or_measure()
+    hw = HardwareProfile.load(profile) if profile else load_or_measure()
     budget = gpu_budget or hw.gpu_memory_bytes
     if budget is None:
         raise MoeserveError("--auto needs a GPU (or --gpu-memory) to plan for")
