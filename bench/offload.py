@@ -2,8 +2,8 @@
 bf16, random weights) whose experts live in pinned host memory, under GPU memory budgets, per method:
 
   naive      every selected expert copied on demand, nothing cached (top_k slots in flight); measured once
-  lru        a high-precision LRU cache over all layers filling the budget (mixtral-offloading keeps
-             one LRU per layer instead)
+  lru        a high-precision LRU cache over all layers filling the budget
+  lru-per-layer  the same slots split evenly over the layers, one LRU each (mixtral-offloading's layout)
   hobbit     mixed precision (bf16 + 4-bit HQQ, T1 0.6 / T2 0.9), HOBBIT's policy, stacked-gate prefetch
   hobbit+cpu the same, misses computed on the CPU when that is predicted to finish first
   hf-accelerate  transformers + accelerate `device_map` with the MoE blocks on the CPU (what users do today)
@@ -58,6 +58,7 @@ QUICK = dict(vocab_size=258, hidden_size=128, num_layers=4, num_heads=4, num_kv_
 METHODS = {  # name -> enable_offload options (slots come from the budget)
     "naive": dict(policy="lru", mixed=False, prefetch_layers=0, naive=True),
     "lru": dict(policy="lru", mixed=False, prefetch_layers=0),
+    "lru-per-layer": dict(policy="lru", mixed=False, prefetch_layers=0, per_layer=True),
     "hobbit": dict(policy="hobbit", mixed=True, prefetch_layers=1),
     "hobbit+cpu": dict(policy="hobbit", mixed=True, prefetch_layers=1, cooperative=True),
 }

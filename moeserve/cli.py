@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--low-slots", type=int, default=0, help="low-precision cache slots (with --high-slots)")
     o.add_argument("--policy", default="hobbit", help="cache policy: lru, lfu, lhu, fld or hobbit (default)")
     o.add_argument("--all-high", action="store_true", help="no mixed precision: every expert high, none skipped")
+    o.add_argument("--per-layer-cache", action="store_true",
+                   help="split the slots evenly over the layers, each evicting only its own experts "
+                        "(mixtral-offloading's layout; default: one pool for all layers)")
     o.add_argument("--t1", type=float, default=0.6, help="high/low threshold (default 0.6)")
     o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
     o.add_argument("--prefetch", type=int, default=1, metavar="N",
@@ -189,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--high-slots", type=int, required=True, help="cache slots for high-precision experts")
         sp.add_argument("--low-slots", type=int, default=0, help="cache slots for low-precision experts (default 0)")
         sp.add_argument("--all-high", action="store_true", help="request every expert in high precision, no skips")
+        sp.add_argument("--per-layer-cache", action="store_true", help="an even share of the slots per layer")
         sp.add_argument("--t1", type=float, default=0.6, help="high/low threshold on unimportance (default 0.6)")
         sp.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
         sp.add_argument("--bits-low", type=int, default=4, help="low precision bits, for the penalty (default 4)")
@@ -343,7 +347,7 @@ def _enable_offload(model, args):
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
                               t1=args.t1, t2=args.t2, prefetch_layers=max(args.prefetch, 0),
-                              cooperative=args.cooperative, pin=not args.no_pin)
+                              cooperative=args.cooperative, pin=not args.no_pin, per_layer=args.per_layer_cache)
     except ValueError as e:
         raise MoeserveError(str(e)) from None
 
@@ -461,7 +465,8 @@ def cmd_trace(args) -> int:
         raise MoeserveError(f"trace file {args.trace!r} not found")
     _check_cache_args(args.high_slots, args.low_slots, args.t1, args.t2)
     trace = RoutingTrace.load(args.trace)
-    sim_kw = dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low)
+    sim_kw = dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low,
+                  per_layer=args.per_layer_cache)
     if args.trace_command == "fit":
         weights, penalty = fit_policy_weights(trace, args.high_slots, args.low_slots, **sim_kw)
         print(json.dumps({"weights": dict(zip(("lru", "lfu", "lhu", "fld"), weights)), "miss_penalty": penalty}))

@@ -102,7 +102,7 @@ def quick_json(script: str, tmp_path) -> dict:
 def test_offload_bench_quick(tmp_path):
     result = quick_json("offload", tmp_path)
     methods = {r["method"] for r in result["results"]}
-    assert methods == {"naive", "lru", "hobbit", "hobbit+cpu"}
+    assert methods == {"naive", "lru", "lru-per-layer", "hobbit", "hobbit+cpu"}
     for r in result["results"]:
         assert r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1
         if r["method"] == "naive":

@@ -177,3 +177,14 @@ def test_prefetch_stops_when_predictions_are_mostly_wrong(tiny):
         assert not cache.state.pinned - cache._unused_prefetches  # settled guesses are evictable
     assert runs[0.0][0] == runs[0.5][0]
     assert runs[0.5][1].prefetched < runs[0.0][1].prefetched / 2
+
+
+def test_per_layer_cache_equals_resident_and_keeps_each_layers_share(tiny):
+    path, store_dir = tiny
+    tokens = torch.randint(3, 97, (2, 7))
+    expected = moeserve.load_model(path)(tokens)
+    model = moeserve.load_model(path, routed_experts=False)
+    cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=4, policy="lru", mixed=False, per_layer=True)
+    torch.testing.assert_close(model(tokens), expected, atol=1e-5, rtol=1e-5)
+    per_layer = [sum(1 for k in cache.resident[0] if k[0] == layer) for layer in range(model.spec.num_layers)]
+    assert per_layer == [2, 1, 1]  # 4 slots over 3 layers

@@ -66,6 +66,18 @@ def test_simulator_counts_hand_worked():
     assert simulate(tr, lru, high_slots=1, low_slots=1, mixed=False).low_misses == 0
 
 
+def test_per_layer_cache_hand_worked():
+    """Two layers, 3 slots: one pool keeps the 3 most recent experts of either layer; per layer, layer 0 gets
+    2 slots (the remainder goes to the first layers) and layer 1 one, each evicting only its own."""
+    layers, ids = [0, 1, 0, 1, 0, 1, 0, 1], [0, 5, 1, 6, 0, 5, 1, 6]
+    trace = RoutingTrace(np.zeros(8, np.int32), np.asarray(layers, np.int16), np.asarray(ids, np.int16)[:, None],
+                         np.ones((8, 1), np.float32), num_layers=2, num_experts=8)
+    lru = Policy.named("lru", 2)
+    assert simulate(trace, lru, high_slots=3, mixed=False).hits == 0  # a cycle of 4 through 3 LRU slots
+    r = simulate(trace, lru, high_slots=3, mixed=False, per_layer=True)
+    assert (r.hits, r.high_misses) == (2, 6)  # layer 0's experts 0 and 1 stay; layer 1 thrashes its one slot
+
+
 def test_frequency_counters_reset_per_sequence():
     lfu = Policy.named("lfu", 1)
     # sequence 0 uses expert 0 often; sequence 1 alternates 1 and 2 with one slot left after expert 3

@@ -25,8 +25,10 @@ class Decision:
 
 
 class CacheState:
-    def __init__(self, policy: Policy, high_slots: int, low_slots: int):
-        self.policy = policy
+    def __init__(self, policy: Policy, high_slots: int, low_slots: int, per_layer: bool = False):
+        """per_layer: each layer gets an even share of each pool's slots and evicts only its own experts (the
+        per-layer caches of mixtral-offloading); otherwise one pool serves all layers."""
+        self.policy, self.per_layer = policy, per_layer
         self.capacity = {HIGH: high_slots, 1: low_slots}
         self.pools: dict[int, dict[Key, None]] = {HIGH: {}, 1: {}}  # dicts: deterministic order
         self.stats: dict[Key, ExpertStats] = {}
@@ -71,11 +73,16 @@ class CacheState:
 
     def _admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
         pool = self.pools[tier]
-        if self.capacity[tier] <= 0:
+        capacity, rivals = self.capacity[tier], list(pool)
+        if self.per_layer:  # slots spread evenly, the first layers taking the remainder
+            L = self.policy.num_layers
+            capacity = capacity // L + (key[0] % L < capacity % L)
+            rivals = [k for k in pool if k[0] == key[0]]
+        if capacity <= 0:
             return Decision(False, tier, False, None)
         evicted = None
-        if len(pool) >= self.capacity[tier]:
-            evicted = self.policy.victim({k: self.stats[k] for k in pool}, self.now, key[0],
+        if len(rivals) >= capacity:
+            evicted = self.policy.victim({k: self.stats[k] for k in rivals}, self.now, key[0],
                                          protected=needed | self.pinned)
             if evicted is None:
                 return Decision(False, tier, False, None)

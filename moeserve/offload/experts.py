@@ -35,9 +35,10 @@ class ExpertCache:
 
     def __init__(self, store: ExpertStore, policy: Policy, high_slots: int, low_slots: int, device, dtype,
                  mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, reserve: int = 2,
-                 cooperative: bool = False, bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5):
+                 cooperative: bool = False, bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5,
+                 per_layer: bool = False):
         self.store, self.device, self.dtype = store, torch.device(device), dtype
-        self.state = CacheState(policy, high_slots, low_slots if mixed else 0)
+        self.state = CacheState(policy, high_slots, low_slots if mixed else 0, per_layer)
         high_parts = [(shape, dtype) for shape, _ in store.part_shapes(low=False)]
         self.pools = {HIGH: SlotPool(high_slots + reserve, high_parts, device, tuple),
                       LOW: SlotPool(low_slots + reserve if mixed else 0, store.part_shapes(low=True), device,
@@ -274,20 +275,23 @@ class OffloadedExperts(LoopedExperts):
 def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
                    weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9,
                    prefetch_layers: int = 0, cooperative: bool = False, pin: bool = True,
-                   bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5) -> ExpertCache:
+                   bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5,
+                   per_layer: bool = False) -> ExpertCache:
     """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
 
     high_slots / low_slots are the cache's capacities; each pool gets top_k more slots for experts used
     once and for frees deferred while a chunk is in flight (budget.plan_slots counts them).
     prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
     input and prefetches the experts they would pick (HOBBIT's adaptive prefetch), while at least
-    prefetch_min_accuracy of the recent predictions are used (0: always). cooperative: misses
+    prefetch_min_accuracy of the recent predictions are used (0: always). per_layer: each layer gets its own
+    share of the slots (mixtral-offloading's per-layer caches) instead of one pool. cooperative: misses
     may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
     if pin and model.device.type == "cuda":
         store.pin(progress=True)
     cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
                         model.device, model.dtype, mixed, t1, t2, reserve=model.spec.top_k,
-                        cooperative=cooperative, bandwidth=bandwidth, prefetch_min_accuracy=prefetch_min_accuracy)
+                        cooperative=cooperative, bandwidth=bandwidth, prefetch_min_accuracy=prefetch_min_accuracy,
+                        per_layer=per_layer)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     for n, i in enumerate(moe):
         following = moe[n + 1:n + 1 + prefetch_layers]

@@ -52,11 +52,12 @@ class SimResult:
 
 def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: int = 0, *, mixed: bool = True,
              t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, bits_low: int = 4,
-             expert_bytes: float = 1.0) -> SimResult:
-    """Replay `trace`; mixed=False requests every selected expert in high precision (no skipping)."""
+             expert_bytes: float = 1.0, per_layer: bool = False) -> SimResult:
+    """Replay `trace`; mixed=False requests every selected expert in high precision (no skipping);
+    per_layer: the slots are split evenly over the layers (see CacheState)."""
     precision = (choose_precision(torch.from_numpy(trace.weights), t1, t2).numpy() if mixed
                  else np.zeros(trace.weights.shape, dtype=np.int64))
-    state = CacheState(policy, high_slots, low_slots)
+    state = CacheState(policy, high_slots, low_slots, per_layer)
     r = SimResult()
     for seq, layer, ids, prec in zip(trace.sequence, trace.layer, trace.expert_ids, precision):
         state.start_event(int(seq))
