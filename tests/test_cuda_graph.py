@@ -95,3 +95,21 @@ def test_static_step_refuses_a_full_cache(hf_checkpoints):
         step(one, one, one.bool())
         with pytest.raises(ValueError, match="KV cache full"):
             step(one, one * 2, one.bool())
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(hf_checkpoints, monkeypatch):
+    """If capturing raises (a backend was not sync-free after all), the step warns once and runs eagerly."""
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], dtype=torch.float32)
+    kvs = [KVCache(model.spec, 1, 4, "cpu", torch.float32) for _ in range(2)]
+    eager, graphed = StaticDecoder(model, kvs[0], graph=False), StaticDecoder(model, kvs[1], graph=True)
+
+    def capture(*inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed, "_capture", capture)
+    tok = torch.randint(3, 97, (1, 1))
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match="capture of the decode step failed"):
+            torch.testing.assert_close(graphed(tok, tok * 0, tok.bool()), eager(tok, tok * 0, tok.bool()))
+        torch.testing.assert_close(graphed(tok, tok * 0 + 1, tok.bool()), eager(tok, tok * 0 + 1, tok.bool()))
+    assert not graphed.use_graph and graphed.graph is None

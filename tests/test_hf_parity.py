@@ -40,7 +40,9 @@ def test_logits_match_hf_bf16(family, hf_checkpoints):
     hf32, path = hf_checkpoints[family]
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     ours = moeserve.load_model(path, dtype=torch.bfloat16)
-    tokens = torch.randint(3, 97, (2, 16))
+    # 512 tokens: a router flip is a discrete event, so over 32 tokens the mean error of either bf16 run swings
+    # (the 1.5x bound failed ~4% of draws); over 512 the worst of 150 draws was 0.77x the bound
+    tokens = torch.randint(3, 97, (32, 16))
     with torch.no_grad():
         ref, theirs, out = hf32(tokens).logits, hf16(tokens).logits.float(), ours(tokens).float()
     scale = ref.abs().max()

@@ -9,6 +9,8 @@ Triton or grouped-GEMM paths; not the CPU loop, nor offloading, which read routi
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from moeserve.engine.kv_cache import KVCache
@@ -42,17 +44,27 @@ class StaticDecoder:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with a graph: valid until the next call)."""
         self.kv.reserve_step()
-        if not self.use_graph:
+        if not self.use_graph or (self.graph is None and not self._captured(tokens, positions, valid)):
             logits = self.model.decode_step(tokens, positions, valid, self.kv)
         else:
-            if self.graph is None:
-                self._capture(tokens, positions, valid)
             for buf, x in zip(self.inputs, (tokens, positions, valid)):
                 buf.copy_(x)
             self.graph.replay()
             logits = self.logits
         self.kv.commit()
         return logits
+
+    def _captured(self, *inputs: torch.Tensor) -> bool:
+        """Capture the step; if that fails (a backend that claimed to be sync-free is not), say so once and
+        decode eagerly from then on rather than stop the generation."""
+        try:
+            self._capture(*inputs)
+            return True
+        except RuntimeError as e:
+            warnings.warn(f"moeserve: CUDA-graph capture of the decode step failed ({str(e).splitlines()[0]}); "
+                          "decoding without a graph (--no-cuda-graph silences this)", stacklevel=3)
+            self.use_graph, self.graph = False, None
+            return False
 
     def _capture(self, *inputs: torch.Tensor) -> None:
         """Warm-up runs (Triton compiles, allocator fills) write only the slot this step writes anyway."""

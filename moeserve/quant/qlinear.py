@@ -136,6 +136,10 @@ class QuantizedExperts(LoopedExperts):
         return all(triton_applies(x_sorted, num_tokens, m.bits, m.group, m.in_features)
                    for m in (self.gate_up[0], self.down[0]))
 
+    def graph_safe(self, x: torch.Tensor) -> bool:
+        """The fused low-bit path never reads the device from the host (captured in bench/moe_block.py)."""
+        return self.fused_applies(x, x.shape[0])
+
     def stacked(self, dtype: torch.dtype):
         """(gate_up, down) StackedLowbit, rebuilt when the weights moved or the activation dtype changed."""
         from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit
