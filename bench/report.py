@@ -189,12 +189,24 @@ def throughput_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def lowbit_decode_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**Decode, Mixtral-8x7B shape, {c['bits']}-bit experts + rank-{c['rank']} compensators, batch 1** "
+             f"(random weights, resident; floor {rec['floor_tokens_per_s']:.0f} tok/s = HBM bandwidth / "
+             f"{rec['weight_bytes_per_token'] / 1e9:.1f} GB read per token; {_source(rec)})", "",
+             "| run | tokens/s | share of floor |", "|---|---:|---:|"]
+    for name, r in rec["results"].items():
+        if "tokens_per_s" in r:
+            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['tokens_per_s'] / rec['floor_tokens_per_s']:.0%} |")
+    return lines + [""]
+
+
 def report(results_dir: Path) -> str:
     lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
     for rec in newest_runs(results_dir):
         lines += {"moe_block": moe_block_tables, "decode": decode_table,
                   "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables,
-                  "offload": offload_table, "throughput": throughput_table}.get(rec["name"], lambda r: [])(rec)
+                  "offload": offload_table, "throughput": throughput_table, "lowbit_decode": lowbit_decode_table}.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -115,3 +115,9 @@ def test_throughput_bench_quick(tmp_path):
     assert {r["schedule"] for r in runs} == {"cgopipe", "zero", "flexgen", "planned"}
     assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in runs)
     assert {r["ratio"] for r in result["results"] if "ratio" in r} == {"cgopipe_over_zero", "cgopipe_over_flexgen"}
+
+
+def test_lowbit_decode_bench_quick(tmp_path):
+    result = quick_json("lowbit_decode", tmp_path)
+    assert result["config"]["bits"] == 3 and result["weight_bytes_per_token"] > 0
+    assert result["results"]["eager"]["tokens_per_s"] > 0 and result["floor_tokens_per_s"] > 0

@@ -1,0 +1,130 @@
+"""End-to-end decode of a Mixtral-8x7B-shaped model with random 3-bit (or 4-bit) experts and bf16 MiLo-style
+compensators of rank r, resident on one GPU (about 21 GB at 3 bits), through moeserve's decode (eager and
+CUDA graph), vs the same shape in bf16 through transformers + accelerate offload (93 GB of bf16 does not
+fit an 80 GB GPU: its MoE blocks live on the CPU; bench/offload.py's measurement, a few layers timed and
+scaled to 32).
+
+Floor per decode token: the weight bytes one token reads (dense layers, 2 of 8 experts per layer: packed
+codes, scales, zeros and compensators; embedding row and LM head) over the measured HBM bandwidth.
+
+    python bench/lowbit_decode.py                # H100: 3-bit, rank 32, batch 1; JSON to bench/results/
+    python bench/lowbit_decode.py --bits 4 --rank 0
+    python bench/lowbit_decode.py --quick        # tiny model on the CPU (generated CPU kernels), seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
+from common import add_run_args, measure_hbm_bandwidth, result_record, run_device, sync, write_result  # noqa: E402
+from offload import MIXTRAL, QUICK, dense_model, hf_accelerate, model_spec  # noqa: E402
+
+from moeserve.engine.generate import iterate  # noqa: E402
+from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear  # noqa: E402
+
+STD = 0.02
+
+
+def random_quantized(in_f: int, out_f: int, bits: int, group: int, rank: int, device) -> QuantizedLinear:
+    """Random codes (any int32 pattern is a valid packing, 3-bit included), scales giving weights of std
+    ~STD around a mid-range zero, and a random bf16 compensator of rank `rank`."""
+    with torch.device(device):
+        q = QuantizedLinear(in_f, out_f, bits, group, rank=rank, compensator_bits=16)
+    q.qweight.random_(-2 ** 31, 2 ** 31 - 1)
+    q.scale.fill_(STD * 12 ** 0.5 / 2 ** bits).mul_(1 + 0.1 * torch.rand_like(q.scale))
+    q.zero.fill_((2 ** bits - 1) / 2)
+    if rank:
+        q.comp_u.normal_(0, STD / 4)
+        q.comp_v.normal_(0, STD / 4)
+    return q
+
+
+def lowbit_model(spec, bits: int, group: int, rank: int, device, dtype):
+    """Random bf16 dense weights; every MoE layer's experts as QuantizedExperts (the low-bit fused MoE on CUDA)."""
+    model = dense_model(spec, device, dtype)
+    D, F = spec.hidden_size, spec.expert_ffn
+    for layer in model.model.layers:
+        gate_up = [random_quantized(D, 2 * F, bits, group, rank, device) for _ in range(spec.num_experts)]
+        down = [random_quantized(F, D, bits, group, rank, device) for _ in range(spec.num_experts)]
+        layer.mlp.experts = QuantizedExperts(gate_up, down)
+    return model
+
+
+def bytes_per_token(model, spec) -> int:
+    """Weight bytes one decode token reads: dense layers, top_k of E experts per layer, one embedding row."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".experts." in name:
+            total += t.nbytes * spec.top_k // spec.num_experts
+        elif name == "model.embed_tokens.weight":
+            total += t.nbytes // spec.vocab_size
+        else:
+            total += t.nbytes
+    return total
+
+
+def decode_rate(model, spec, args, cuda_graph: bool, device) -> dict:
+    """Tokens/s of the decode steps after the first (the first holds the graph capture)."""
+    prompt = torch.randint(0, spec.vocab_size, (args.prompt,)).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    marks = []
+    for _ in iterate(model, [prompt], params, cuda_graph=cuda_graph):
+        sync(device)
+        marks.append(time.perf_counter())
+    steps = len(marks) - 2
+    return {"tokens_per_s": steps / (marks[-1] - marks[1]), "first_step_ms": 1e3 * (marks[1] - marks[0])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    ap.add_argument("--bits", type=int, default=3, help="expert bits: 2, 3 or 4 (default 3)")
+    ap.add_argument("--rank", type=int, default=32, help="compensator rank per expert projection (0 = none)")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps")
+    ap.add_argument("--hf-layers", type=int, default=2, help="layers of the transformers baseline (0 = skip it)")
+    add_run_args(ap)
+    args = ap.parse_args(argv)
+    device, dtype = run_device(args)
+    shape, group = (QUICK, 32) if args.quick else (MIXTRAL, 64)
+    if args.quick:
+        args.new_tokens, args.hf_layers = 6, 0
+    spec = model_spec(shape)
+    model = lowbit_model(spec, args.bits, group, args.rank, device, dtype)
+    per_token = bytes_per_token(model, spec)
+    bw = measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)["bytes_per_s"]
+    rows = {"eager": decode_rate(model, spec, args, False, device)}
+    if device.type == "cuda":
+        rows["cuda_graph"] = decode_rate(model, spec, args, True, device)
+    floor = bw / per_token
+    for name, r in rows.items():
+        r["of_floor"] = r["tokens_per_s"] / floor
+        print(f"{name:10s} {r['tokens_per_s']:8.1f} tok/s  ({100 * r['of_floor']:.0f}% of the {floor:.0f} tok/s floor; "
+              f"first step {r['first_step_ms']:.0f} ms)", flush=True)
+    if device.type == "cuda" and args.hf_layers:
+        del model
+        torch.cuda.empty_cache()
+        try:
+            rows["hf_accelerate_bf16"] = hf_accelerate(shape, args.hf_layers, device, torch.bfloat16, args)
+            print(f"transformers + accelerate (bf16, MoE on the CPU) {rows['hf_accelerate_bf16']['tokens_per_s']:.3f} "
+                  f"tok/s (scaled from {args.hf_layers} layers)")
+        except Exception as e:  # noqa: BLE001 - the baseline is optional; say why it is missing
+            rows["hf_accelerate_bf16"] = {"error": str(e).splitlines()[0]}
+    record = result_record("lowbit_decode", {"shape": shape, "quick": args.quick, "bits": args.bits, "group": group,
+                                             "rank": args.rank, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                                             "dtype": str(dtype)}, device)
+    record.update({"weight_bytes_per_token": per_token, "hbm_bytes_per_s": bw, "floor_tokens_per_s": floor,
+                   "results": rows})
+    print(write_result(record, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
