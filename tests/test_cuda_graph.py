@@ -10,19 +10,9 @@ from conftest import FAMILIES
 from moeserve.cli import DEMO_DIR
 from moeserve.engine import generate as generate_mod
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
-from moeserve.engine.generate import generate
+from moeserve.engine.generate import generate, left_padded
 from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams
-
-
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, valid, positions [B, S] for prompts of different lengths (pads: token 0, invalid)."""
-    S = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), S, dtype=torch.long)
-    valid = torch.zeros(len(prompts), S, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        tokens[b, S - len(p):], valid[b, S - len(p):] = torch.tensor(p), True
-    return tokens, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,7 +22,7 @@ def test_static_decode_step_matches_dynamic_forward(family, hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 4, 1)]
-    tokens, valid, positions = left_padded(prompts)
+    tokens, valid, positions = left_padded(prompts, model.spec)
     steps = torch.randint(3, 97, (8, 3, 1), generator=g)  # [steps, B, 1] teacher-forced decode tokens
     caches = [KVCache(model.spec, 3, tokens.shape[1] + 8, "cpu", torch.float32) for _ in range(2)]
     static = StaticDecoder(model, caches[1], graph=False)

@@ -108,13 +108,13 @@ def test_cuda_graph_steps_match_eager_static_and_dynamic(name, graph_models):
     eager static step computes; static vs dynamic differ only by bf16 rounding (attention over more slots)."""
     from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
     from moeserve.engine.kv_cache import KVCache
-    from test_cuda_graph import left_padded
+    from moeserve.engine.generate import left_padded
 
     model = graph_models[name]
     assert graph_safe(model, 3)
     g = torch.Generator().manual_seed(0)
     tokens, valid, positions = (t.cuda() for t in left_padded([torch.randint(3, 90, (n,), generator=g).tolist()
-                                                                  for n in (11, 5, 2)]))
+                                                                  for n in (11, 5, 2)], model.spec))
     steps = torch.randint(3, 90, (12, 3, 1), generator=g).cuda()
     caches = [KVCache(model.spec, 3, tokens.shape[1] + 12, "cuda", torch.bfloat16) for _ in range(3)]
     eager, graph = StaticDecoder(model, caches[1], graph=False), StaticDecoder(model, caches[2], graph=True)

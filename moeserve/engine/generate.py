@@ -94,14 +94,7 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
     longest = max(len(p) for p in prompts)
     max_new = min(params.max_new_tokens, spec.max_position_embeddings - longest)
     B = len(prompts)
-    pad = spec.pad_token_id if spec.pad_token_id is not None else 0
-    tokens = torch.full((B, longest), pad, dtype=torch.long)
-    valid = torch.zeros(B, longest, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        tokens[b, longest - len(p):] = torch.tensor(p)
-        valid[b, longest - len(p):] = True
-    tokens, valid = tokens.to(device), valid.to(device)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
+    tokens, valid, positions = (t.to(device) for t in left_padded(prompts, spec))  # [B, S] each
     kv = KVCache(spec, B, longest + max_new, device, model.dtype)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     gens = [Generation(prompt_ids=list(p)) for p in prompts]
@@ -113,16 +106,34 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
         decode = _decoder(model, kv, B, cuda_graph)
         for step in range(max_new):
             new = sample_next(logits[:, -1], params, generator)  # [B]
-            for b in alive.nonzero().flatten().tolist():
-                _append(gens[b], streams[b], int(new[b]), eos, params, last=step == max_new - 1, on_text=on_text,
-                        index=b)
-                if gens[b].finish_reason:
-                    alive[b] = False
+            record_tokens(gens, streams, new, alive, eos, params, step == max_new - 1, on_text)
             yield gens, new
             if not alive.any():
                 break
             logits = decode(new[:, None], next_pos, alive[:, None])
             next_pos = next_pos + 1
+
+
+def left_padded(prompts: list[list[int]], spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, valid, positions [B, S] (CPU) of prompts left-padded to the longest; positions count real
+    tokens only, so each sequence gets the positions it would have alone."""
+    longest = max(len(p) for p in prompts)
+    pad = spec.pad_token_id if spec.pad_token_id is not None else 0
+    tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    valid = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, longest - len(p):] = torch.tensor(p)
+        valid[b, longest - len(p):] = True
+    return tokens, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def record_tokens(gens: list[Generation], streams: list, new: torch.Tensor, alive: torch.Tensor, eos: set[int],
+                  params: SamplingParams, last: bool, on_text=None) -> None:
+    """Append each live sequence's new token [B]; sequences that finish are marked dead in alive [B]."""
+    for b in alive.nonzero().flatten().tolist():
+        _append(gens[b], streams[b], int(new[b]), eos, params, last=last, on_text=on_text, index=b)
+        if gens[b].finish_reason:
+            alive[b] = False
 
 
 def _append(gen: Generation, stream: TextStream | None, token: int, eos: set[int], params: SamplingParams,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.engine.generate import Generation, TextStream, _append, check_request
+from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens
 from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
@@ -105,11 +105,7 @@ class Pipeline:
             logits = self._forward(mbs)  # [N, V]
             for step in range(max_new):
                 new = sample_next(logits, params, generator)  # [N]
-                for b in alive.nonzero().flatten().tolist():
-                    _append(gens[b], streams[b], int(new[b]), eos, params, last=step == max_new - 1,
-                            on_text=None, index=b)
-                    if gens[b].finish_reason:
-                        alive[b] = False
+                record_tokens(gens, streams, new, alive, eos, params, step == max_new - 1)
                 yield gens, new, logits
                 if not alive.any():
                     break
@@ -120,14 +116,8 @@ class Pipeline:
 
     def _micro_batch(self, prompts, requests: list[int], max_new: int, kv_on_gpu: bool) -> MicroBatch:
         """Left-pad this micro-batch's prompts to its own longest one (as the plain engine pads a batch)."""
-        longest = max(len(prompts[r]) for r in requests)
-        pad = self.spec.pad_token_id if self.spec.pad_token_id is not None else 0
-        tokens = torch.full((len(requests), longest), pad, dtype=torch.long)
-        valid = torch.zeros(len(requests), longest, dtype=torch.bool)
-        for row, r in enumerate(requests):
-            tokens[row, longest - len(prompts[r]):] = torch.tensor(prompts[r])
-            valid[row, longest - len(prompts[r]):] = True
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [n, S]
+        tokens, valid, positions = left_padded([prompts[r] for r in requests], self.spec)  # [n, S] each
+        longest = tokens.shape[1]
         kv_device = self.device if kv_on_gpu else HOST
         kv = KVCache(self.spec, len(requests), longest + max_new, kv_device, self.dtype)
         if self.cuda and not kv_on_gpu:
