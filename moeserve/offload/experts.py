@@ -37,7 +37,7 @@ class ExpertCache:
                  mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, reserve: int = 2,
                  cooperative: bool = False, bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5,
                  per_layer: bool = False):
-        self.store, self.device, self.dtype = store, torch.device(device), dtype
+        self.store = store
         self.state = CacheState(policy, high_slots, low_slots if mixed else 0, per_layer)
         high_parts = [(shape, dtype) for shape, _ in store.part_shapes(low=False)]
         self.pools = {HIGH: SlotPool(high_slots + reserve, high_parts, device, tuple),
@@ -72,13 +72,13 @@ class ExpertCache:
         """Decide and start serving one request: ("gpu", tier, slot) or ("cpu", tier); `flush()` computes
         the work planned so far when a slot must be freed first."""
         key = (layer, e)
-        if key in self._unused_prefetches and self.state.cached_tier(key, precision) is not None:
+        cached = self.state.cached_tier(key, precision) is not None
+        if key in self._unused_prefetches and cached:
             self._unused_prefetches.discard(key)
             self.prefetch_used += 1
             self._outcomes.append(True)
         low = precision != HIGH
-        on_cpu = (self.cpu is not None and self.state.cached_tier(key, precision) is None
-                  and self._cpu_is_faster(low, rows, cpu_busy))
+        on_cpu = self.cpu is not None and not cached and self._cpu_is_faster(low, rows, cpu_busy)
         d = self.state.request(key, precision, needed, admit=not on_cpu)
         if on_cpu:
             self.stats.record(d, self._low_cost, 0, 0)

@@ -22,23 +22,18 @@ class SlotPool:
     def __init__(self, num_slots: int, part_shapes: list[tuple[tuple[int, ...], torch.dtype]], device,
                  make_weights):
         """make_weights(parts) -> the object expert_ffn computes with (views of the slot's buffers)."""
-        self.device = torch.device(device)
         self.buffers = [torch.empty((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in part_shapes]
         self.weights = [make_weights([b[s] for b in self.buffers]) for s in range(num_slots)]
         self.slot_of: dict[Key, int] = {}  # experts kept in this pool
         self.free = list(range(num_slots))[::-1]
         self.pending: list[int] = []
-        cuda = self.device.type == "cuda"
+        cuda = torch.device(device).type == "cuda"
         self.loaded = [torch.cuda.Event() if cuda else None for _ in range(num_slots)]
         self.used = [None] * num_slots  # event after the last computation that read the slot
 
     @property
     def num_slots(self) -> int:
         return len(self.weights)
-
-    @property
-    def slot_bytes(self) -> int:
-        return sum(b[0].nbytes for b in self.buffers) if self.buffers and self.num_slots else 0
 
     def parts(self, slot: int) -> list[torch.Tensor]:
         return [b[slot] for b in self.buffers]

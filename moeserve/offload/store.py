@@ -125,13 +125,6 @@ class ExpertStore:
         """(shape, dtype) of each part of an expert at a precision (read from the first expert)."""
         return [(tuple(p.shape), p.dtype) for p in self.host_parts(self.meta["layers"][0], 0, low)]
 
-    def load(self, layer: int, expert: int, low: bool, device, dtype):
-        """(gate_up, down) as float tensors [2F, D], [D, F] (high) or QuantizedLinear modules (low)."""
-        parts = [p.to(device) for p in self.host_parts(layer, expert, low)]
-        if not low:
-            return tuple(p.to(dtype) for p in parts)
-        return self.quantized_modules(parts)
-
     def quantized_modules(self, parts: list[torch.Tensor]) -> tuple[QuantizedLinear, QuantizedLinear]:
         """(gate_up, down) QuantizedLinear over a low-precision expert's parts (no copy)."""
         D, F, bits, group = self.meta["hidden"], self.meta["ffn"], self.meta["low_bits"], self.meta["group"]

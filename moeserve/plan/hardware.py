@@ -120,7 +120,7 @@ def _copy_bandwidth(torch, device: str, nbytes: int, sync, budget_s: float) -> f
     return 2 * nbytes / _seconds_per_call(lambda: dst.copy_(src), sync, budget_s)
 
 
-def _link_bandwidth(src, dst, chunk_bytes: int, sync, budget_s: float) -> float:
+def link_bandwidth(src, dst, chunk_bytes: int, sync, budget_s: float) -> float:
     """Bytes per second copying `src` into `dst` (same size) in chunks of `chunk_bytes`."""
     n, step = src.numel(), max(chunk_bytes // src.element_size(), 1)
 
@@ -175,15 +175,15 @@ def _measure_gpu(torch, budget: float) -> dict:
     host = torch.rand(size // 4).pin_memory()
     pageable = torch.rand(size // 4)
     dev = torch.empty(size // 4, device="cuda")
-    h2d = {c: _link_bandwidth(host, dev, c * MIB, sync, budget) for c in CHUNK_MIB}
-    d2h = {c: _link_bandwidth(dev, host, c * MIB, sync, budget) for c in CHUNK_MIB}
+    h2d = {c: link_bandwidth(host, dev, c * MIB, sync, budget) for c in CHUNK_MIB}
+    d2h = {c: link_bandwidth(dev, host, c * MIB, sync, budget) for c in CHUNK_MIB}
     return dict(
         gpu_flops=_matmul_flops(torch, "cuda", torch.bfloat16, 8192, sync, budget),
         hbm_bandwidth=_copy_bandwidth(torch, "cuda", 1 << 30, sync, budget),
         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-        h2d_bandwidth=_link_bandwidth(host, dev, size, sync, budget),
-        d2h_bandwidth=_link_bandwidth(dev, host, size, sync, budget),
-        h2d_pageable_bandwidth=_link_bandwidth(pageable, dev, size, sync, budget),
+        h2d_bandwidth=link_bandwidth(host, dev, size, sync, budget),
+        d2h_bandwidth=link_bandwidth(dev, host, size, sync, budget),
+        h2d_pageable_bandwidth=link_bandwidth(pageable, dev, size, sync, budget),
         h2d_chunk_bandwidth=h2d, d2h_chunk_bandwidth=d2h,
     )
 
