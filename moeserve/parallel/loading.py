@@ -18,7 +18,7 @@ from moeserve.errors import MoeserveError
 from moeserve.loader import resolve_device
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.collectives import raise_if_any_failed
-from moeserve.parallel.groups import RankGrid, check_experts, new_groups
+from moeserve.parallel.groups import RankGrid, check_experts, new_groups, split_range
 from moeserve.parallel.plan import STATIC_MAX_TOKENS
 
 
@@ -94,9 +94,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
-        per, f = spec.num_experts // ep, spec.expert_ffn // (tp if ep == 1 else 1)
-        ffn = range(tp_rank * f, (tp_rank + 1) * f) if ep == 1 else range(spec.expert_ffn)
-        fill_experts(model, reader, range(ep_rank * per, (ep_rank + 1) * per), ffn, model.device, model.dtype)
+        ffn = split_range(spec.expert_ffn, tp_rank, tp) if ep == 1 else range(spec.expert_ffn)  # as _slice_experts
+        fill_experts(model, reader, split_range(spec.num_experts, ep_rank, ep), ffn, model.device, model.dtype)
     except MoeserveError as e:
         error = e
     raise_if_any_failed(error, device)

@@ -16,6 +16,7 @@ from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import MLP, Attention
+from moeserve.parallel.groups import split_range
 from moeserve.parallel.vocab_parallel import enable_vocab_parallel, split_index, vocab_index
 
 
@@ -120,14 +121,12 @@ def _slice_mlp(mlp: MLP, name: str, keep, group) -> None:
 
 
 def _slice_experts(experts, rank: int, size: int, group) -> SlicedExperts:
-    F_full = experts.ffn
-    f = F_full // size
-    gate, up = experts.gate_up_proj.detach().split(F_full, dim=1)  # [E, F, D] each
-    experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, rank * f:(rank + 1) * f],
-                                                   up[:, rank * f:(rank + 1) * f]], 1).clone(), requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, rank * f:(rank + 1) * f].clone(),
-                                     requires_grad=False)
-    experts.ffn = f
+    part = split_range(experts.ffn, rank, size)  # the FFN rows this rank keeps (loading.py reads the same)
+    f = slice(part.start, part.stop)
+    gate, up = experts.gate_up_proj.detach().split(experts.ffn, dim=1)  # [E, F, D] each
+    experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, f], up[:, f]], 1).clone(), requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, f].clone(), requires_grad=False)
+    experts.ffn = len(part)
     return SlicedExperts(experts, group)
 
 
