@@ -18,7 +18,7 @@ from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
 from moeserve.offload.slots import SlotPool
 from moeserve.offload.store import ExpertStore
-from moeserve.offload.transfer import Copier
+from moeserve.offload.transfer import Copier, measure_h2d_bandwidth
 from moeserve.offload.trace import RoutingTrace
 
 
@@ -43,6 +43,8 @@ class ExpertCache:
         self.pools = {HIGH: SlotPool(high_slots + reserve, high_parts, device, tuple),
                       LOW: SlotPool(low_slots + reserve if mixed else 0, store.part_shapes(low=True), device,
                                     store.quantized_modules)}
+        if cooperative and bandwidth is None and torch.device(device).type == "cuda":
+            bandwidth = measure_h2d_bandwidth(device)  # the cooperative choice weighs copies against CPU runs
         self.copier = Copier(device, bandwidth)
         self.cpu = CpuExperts(store) if cooperative else None
         self.mixed, self.t1, self.t2, self.bits_high = mixed, t1, t2, bits_high

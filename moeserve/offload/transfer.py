@@ -5,8 +5,9 @@ Pinned sources go straight to the device as DMA copies. Pageable or memory-mappe
 could not be pinned) are staged in chunks through two pinned buffers: the host fills one while the DMA
 engine drains the other. On a CPU fast tier (no CUDA) a load is a plain memory copy.
 
-The copier also keeps an estimate of when its queue drains (bytes queued / measured bandwidth), which
-the CPU-GPU cooperative choice compares with the CPU's cost.
+Given the link's bandwidth, the copier also keeps an estimate of when its queue drains (bytes queued /
+bandwidth), which the CPU-GPU cooperative choice compares with the CPU's cost; without it, nothing is
+measured or tracked.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def measure_h2d_bandwidth(device, nbytes: int = 64 << 20) -> float:
 
 class Copier:
     def __init__(self, device, bandwidth: float | None = None):
+        """bandwidth: host->device bytes/s, for backlog(); measure it with measure_h2d_bandwidth."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.bandwidth = (bandwidth or measure_h2d_bandwidth(self.device)) if self.cuda else None
+        self.bandwidth = bandwidth if self.cuda else None
         self._staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._next_staging = 0
         self.busy_until = 0.0  # host clock at which the queued copies are expected to be done
@@ -44,8 +46,9 @@ class Copier:
             for d, s in zip(dst, src):
                 d.copy_(s)
             return
-        nbytes = sum(s.nbytes for s in src)
-        self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
+        if self.bandwidth:
+            nbytes = sum(s.nbytes for s in src)
+            self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bandwidth
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
