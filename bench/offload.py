@@ -162,12 +162,11 @@ def replay_routing(model, routing: DemoRouting) -> None:
         layer.mlp.experts.predict_next = lambda x, i=i: routing.prediction(i, model.spec.num_layers)
 
 
-def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing) -> dict:
+def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing, resident: int) -> dict:
     """Decode args.new_tokens tokens after an args.prompt-token prompt; time the steps after the warm-up."""
     opts = dict(METHODS[method])
     naive = opts.pop("naive", False)
     model = dense_model(spec, device, dtype)
-    resident = dense_bytes(spec, dtype)
     kv = kv_cache_bytes(spec, 1, args.prompt + args.new_tokens, dtype.itemsize)
     low_bytes = store.expert_bytes(True) if opts["mixed"] else 0
     high, low = (0, 0) if naive else plan_slots(budget, resident, kv, store.expert_bytes(False), low_bytes,
@@ -296,7 +295,7 @@ def main(argv=None) -> int:
             if method == "naive" and naive is not None:  # caches nothing: the same at every budget
                 rows.append(dict(naive, budget_bytes=budget))
                 continue
-            row = run_method(spec, store, device, dtype, budget, method, args, bandwidth, routing)
+            row = run_method(spec, store, device, dtype, budget, method, args, bandwidth, routing, dense)
             naive = row if method == "naive" else naive
             rows.append(row)
             print(f"{budget / GiB:6.2f} GiB {method:11s} {row['tokens_per_s']:7.2f} tok/s  hit {row['hit_rate']:.0%}  "
