@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from common import time_fn  # noqa: E402
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.model.experts import swiglu  # noqa: E402
 from moeserve.kernels.triton import fused_moe  # noqa: E402
-from moeserve.kernels.triton.configs import CONFIG_DIR, device_slug, shape_key  # noqa: E402
+from moeserve.kernels.triton.configs import shape_key, write_sections  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}
 TOKENS = (1, 4, 16, 64)
@@ -91,9 +90,7 @@ def main() -> None:
                                        default=0)
         table.setdefault("timings", {})[key] = {t: {f: r[f] for f in ("fused_ms", "grouped_mm_ms", "floor_ms")}
                                                 for t, r in results.items()}
-    CONFIG_DIR.mkdir(parents=True, exist_ok=True)
-    path = CONFIG_DIR / f"{device_slug(name)}.json"
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    path = write_sections(name, table)
     print(f"wrote {path}")
     if args.out:
         shutil.copy(path, Path(args.out) / path.name)

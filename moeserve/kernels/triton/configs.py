@@ -35,6 +35,19 @@ def _table(device_name: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def write_sections(device_name: str, sections: dict) -> Path:
+    """Merge tuned sections ({"lowbit": {...}, ...}) into this GPU's config JSON, keeping the other sections
+    (each tuning script owns its sections); later lookups see them."""
+    path = CONFIG_DIR / f"{device_slug(device_name)}.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table.update({"device": device_name, **sections})
+    CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    for cached in (_table, fused_max_tokens, fused_moe_config, lowbit_config, lowbit_moe_config):
+        cached.cache_clear()
+    return path
+
+
 DEFAULT_MAX_TOKENS = 16  # untuned GPUs: the fused path for decode-sized batches only
 
 
@@ -84,13 +97,14 @@ def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dic
 
 @functools.cache
 def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int) -> dict:
-    """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens)
-    or defaults; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
+    """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens), else
+    the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F); gate_up is never split
+    (SiLU needs whole sums), down splits K to fill the GPU."""
     by_tokens = _table(device_name).get("lowbit_moe", {}).get(f"b{bits}_{shape_key(E, D, F)}")
     if by_tokens:
         counts = sorted(int(t) for t in by_tokens)
         return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
-    base = LOWBIT_GEMV if tokens == 1 else LOWBIT_DOT
+    gate_up, down = lowbit_config(device_name, bits, tokens, F, D), lowbit_config(device_name, bits, tokens, D, F)
     active = min(E, 2 * tokens)  # experts with rows, at top-2
-    return {"gate_up": {**base, "SPLIT_K": 1},
-            "down": {**base, "SPLIT_K": split_for(active * -(-D // base["BLOCK_N"]), -(-F // base["BLOCK_K"]))}}
+    return {"gate_up": {**gate_up, "SPLIT_K": 1},
+            "down": {**down, "SPLIT_K": split_for(active * -(-D // down["BLOCK_N"]), -(-F // down["BLOCK_K"]))}}

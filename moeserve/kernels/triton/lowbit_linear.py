@@ -61,9 +61,14 @@ def _unit_words(row_ptr, n_mask, col, words_per_row):
     w0 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 0)
     w1 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 1)
     w2 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 2)
+    return w0, w1, w2, _top_word(w0, w1, w2)
+
+
+@triton.jit
+def _top_word(w0, w1, w2):
+    """A 3-bit unit's fourth word rebuilt from bits 24..31 of its three stored words."""
     top = ((w0 >> 24) & 0x3F) | (((w1 >> 24) & 0x3F) << 6) | (((w2 >> 24) & 0x3F) << 12)
-    top |= (((w0 >> 30) & 3) << 18) | (((w1 >> 30) & 3) << 20) | (((w2 >> 30) & 3) << 22)
-    return w0, w1, w2, top
+    return top | (((w0 >> 30) & 3) << 18) | (((w1 >> 30) & 3) << 20) | (((w2 >> 30) & 3) << 22)
 
 
 @triton.jit
@@ -77,16 +82,14 @@ def _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP: tl.c
 
 
 @triton.jit
-def _word_gemv(word, x_row, base, K, T: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
-    """(sum_i q_i x_i [BLOCK_N, C], sum_i x_i [C]) over the PER values of word T of each column."""
+def _word_gemv(word, xw_row, col, c_ok, cols, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+    """sum_i q_i x_i [BLOCK_N, G, CPG] over the PER values of each word; x of value i of column c is the
+    prepared xw_row[(SLOT0 + i) * cols + c] (contiguous in c: vector loads, shared by all BLOCK_N rows)."""
     qx = tl.zeros(word.shape, dtype=tl.float32)
-    xs = tl.zeros(base.shape, dtype=tl.float32)
     for i in tl.static_range(PER):
-        off = _offset(base, T, i)
-        x = tl.load(x_row + off, mask=off < K, other=0.0).to(tl.float32)  # [C]
-        qx += _code(word, i, BITS) * x[None, :]
-        xs += x
-    return qx, xs
+        x = tl.load(xw_row + (SLOT0 + i) * cols + col, mask=c_ok, other=0.0)  # [G, CPG] fp32
+        qx += _code(word, i, BITS) * x[None, :, :]
+    return qx
 
 
 @triton.jit
@@ -103,28 +106,54 @@ def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, T: tl.constexpr, B
 
 
 @triton.jit
-def _gemv(x_row, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row, groups_per_row,
-          BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
-    """One row of x (pointer x_row) times steps [step0, step1) of the weight: [BLOCK_N] fp32.
+def _gemv_words(row_ptr, n_mask, g, CPG: tl.constexpr, g_end, BITS: tl.constexpr):
+    """The packed words of groups g [G] of the rows: one [BLOCK_N, G, CPG] tile (2/4/8 bits) or a 3-bit unit's
+    three stored words (stride 3). The mask is per group (constant over CPG columns: vector loads)."""
+    col = g[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [G, CPG]
+    mask = n_mask[:, None, None] & (g < g_end)[None, :, None]
+    ptr = row_ptr[:, None, None] + col[None, :, :] * (3 if BITS == 3 else 1)
+    w0 = tl.load(ptr, mask=mask, other=0)
+    if BITS == 3:
+        w1 = tl.load(ptr + 1, mask=mask, other=0)
+        w2 = tl.load(ptr + 2, mask=mask, other=0)
+    else:
+        w1, w2 = w0, w0
+    return w0, w1, w2
 
-    Per column: s * (sum q x - z * sum x), the zero applied once per column; summed over columns at the end."""
-    acc = tl.zeros((BLOCK_N, C), dtype=tl.float32)
+
+@triton.jit
+def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, groups_per_row,
+          BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr):
+    """One row times steps [step0, step1) of the weight, a step = G whole groups of CPG columns: [BLOCK_N] fp32.
+
+    xw_ptr: the prepared x [rows, VPC + 1, cols] (prepare_x). Per column s * (sum q x - z * sum x), with
+    scale/zero loaded once per (row, group) and broadcast over its columns; the next step's words are loaded
+    before this step's arithmetic (two steps in flight per thread)."""
+    cols = groups_per_row * CPG  # as a multiple of groups_per_row: its divisibility makes x loads vectors
+    xw_row = xw_ptr + row.to(tl.int64) * (VPC + 1) * cols
+    acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
+    g_in_step = tl.arange(0, G)
+    g_end = tl.minimum(step1 * G, groups_per_row)  # this K slice's groups end here
+    n0, n1, n2 = _gemv_words(row_ptr, n_mask, step0 * G + g_in_step, CPG, g_end, BITS)
     for step in range(step0, step1):
-        col = step * C + tl.arange(0, C)
-        base = col * VPC  # [C] first input of each column
+        g = step * G + g_in_step  # [G]
+        w0, w1, w2 = n0, n1, n2
+        n0, n1, n2 = _gemv_words(row_ptr, n_mask, g + G, CPG, g_end, BITS)  # the next step's, in flight now
+        col = g[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [G, CPG]
+        c_ok = (g < g_end)[:, None]
+        g_mask = n_mask[:, None] & (g < g_end)[None, :]
+        s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)  # [BLOCK_N, G]
+        z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        xs = tl.load(xw_row + VPC * cols + col, mask=c_ok, other=0.0)  # [G, CPG] sum of each column's x
         if BITS == 3:
-            w0, w1, w2, top = _unit_words(row_ptr, n_mask, col, words_per_row)
-            qx, xs = _word_gemv(w0, x_row, base, K, 0, BITS, 8)
-            q1, x1 = _word_gemv(w1, x_row, base, K, 1, BITS, 8)
-            q2, x2 = _word_gemv(w2, x_row, base, K, 2, BITS, 8)
-            q3, x3 = _word_gemv(top, x_row, base, K, 3, BITS, 8)
-            qx, xs = qx + q1 + q2 + q3, xs + x1 + x2 + x3
+            qx = _word_gemv(w0, xw_row, col, c_ok, cols, 0, BITS, 8)
+            qx += _word_gemv(w1, xw_row, col, c_ok, cols, 8, BITS, 8)
+            qx += _word_gemv(w2, xw_row, col, c_ok, cols, 16, BITS, 8)
+            qx += _word_gemv(_top_word(w0, w1, w2), xw_row, col, c_ok, cols, 24, BITS, 8)
         else:
-            qx, xs = _word_gemv(_load_words(row_ptr, n_mask, col, words_per_row, 1, 0), x_row, base, K, -1, BITS,
-                                VPC)
-        s, z = _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP)
-        acc += s * (qx - z * xs[None, :])
-    return tl.sum(acc, axis=1)
+            qx = _word_gemv(w0, xw_row, col, c_ok, cols, 0, BITS, VPC)
+        acc += s[:, :, None] * (qx - z[:, :, None] * xs[None, :, :])
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -182,9 +211,9 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1
     if USE_DOT:
         acc = _dot(x_ptr, rows, r_mask, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K, words_per_row,
                    groups_per_row, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
-    else:  # BLOCK_M == 1
-        acc = _gemv(x_ptr + row0.to(tl.int64) * K, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K,
-                    words_per_row, groups_per_row, BITS, GROUP, BLOCK_N, C, VPC)[:, None]
+    else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, VPC + 1, K / VPC] (prepare_x)
+        acc = _gemv(x_ptr, row0, row_ptr, grp, s_base, z_base, n_mask, step0, step1, groups_per_row, BITS, BLOCK_N,
+                    C * VPC // GROUP, GROUP // VPC, VPC)[:, None]
     return acc, rows, r_mask
 
 
@@ -272,11 +301,40 @@ def check_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]:
-    """(use tensor cores, BLOCK_M, BLOCK_K) for `rows` rows per block: BLOCK_K holds whole words and units."""
+    """(use tensor cores, BLOCK_M, BLOCK_K) for `rows` rows per block: BLOCK_K holds whole words and units
+    (a dot's K = columns is >= 16) and, for one row, whole groups."""
     use_dot = rows > 1
     per_column = 32 if bits == 3 else 32 // bits
-    block_k = max(cfg["BLOCK_K"], per_column * (16 if use_dot else 2))  # a dot's K (= columns) is >= 16
+    block_k = max(cfg["BLOCK_K"], per_column * 16) if use_dot else max(cfg["BLOCK_K"], group, per_column)
     return use_dot, (max(16, triton.next_power_of_2(rows)) if use_dot else 1), block_k
+
+
+@triton.jit
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, BLOCK_C: tl.constexpr):
+    """xw[m, j, c] = x[m, input index of value slot j of column c]; xw[m, VPC, c] = the column's sum of x."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < cols
+    x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
+    xw_row = xw_ptr + tl.program_id(1).to(tl.int64) * (VPC + 1) * cols
+    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for j in tl.static_range(VPC):
+        off = _offset(c * VPC, j // 8 if BITS == 3 else -1, j % 8 if BITS == 3 else j)
+        x = tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(xw_row + j * cols + c, x, mask=c_ok)
+        total += x
+    tl.store(xw_row + VPC * cols + c, total, mask=c_ok)
+
+
+def prepare_x(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [M, K] -> [M, VPC + 1, K / VPC] fp32 for the one-row kernel: the inputs of value slot j of every column
+    side by side (slot j of a 3-bit unit = value i of its word T, j = 8T + i), then each column's sum of x."""
+    per_column = 32 if bits == 3 else 32 // bits
+    M, K = x.shape
+    cols = K // per_column
+    xw = torch.empty(M, per_column + 1, cols, dtype=torch.float32, device=x.device)
+    block = min(256, triton.next_power_of_2(cols))
+    _prepare_x_kernel[(triton.cdiv(cols, block), M)](x, xw, K, cols, BITS=bits, VPC=per_column, BLOCK_C=block)
+    return xw
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
@@ -300,7 +358,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     chunks = triton.cdiv(rows_per_block, block_m)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     _lowbit_kernel[grid](
-        x, qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
+        x if use_dot else prepare_x(x, bits), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
         per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None, USE_DOT=use_dot, HAS_LR=lowrank is not None,
         ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32),
