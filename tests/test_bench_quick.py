@@ -113,8 +113,10 @@ def test_throughput_bench_quick(tmp_path):
     result = quick_json("throughput", tmp_path)
     runs = [r for r in result["results"] if "schedule" in r]
     assert {r["schedule"] for r in runs} == {"cgopipe", "zero", "flexgen", "planned"}
-    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in runs)
-    assert {r["ratio"] for r in result["results"] if "ratio" in r} == {"cgopipe_over_zero", "cgopipe_over_flexgen"}
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["setup_s"] >= 0 for r in runs)
+    assert all(r["batch_size"] == r["policy"]["batch_size"] and r["host_bytes_needed"] > 0 for r in runs)
+    assert {r["ratio"] for r in result["results"] if "ratio" in r} == {
+        "cgopipe_over_zero", "cgopipe_over_flexgen", "cgopipe_over_best_baseline"}
 
 
 def test_lowbit_decode_bench_quick(tmp_path):

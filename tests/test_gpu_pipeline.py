@@ -1,6 +1,8 @@
 """CGOPipe executor on a GPU (copy stream, pinned host KV, CPU-attention worker thread): the same greedy
 tokens and step logits as the plain engine under every schedule; skipped without a GPU."""
 
+import random
+
 import pytest
 import torch
 
@@ -27,3 +29,24 @@ def test_gpu_pipeline_matches_plain_engine(hf_checkpoints, schedule, fraction, n
     assert [g.token_ids for g in steps[-1][0]] == ref_tokens
     for (_, a), b in zip(steps, ref_logits):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("schedule", ["cgopipe", "flexgen"])
+def test_gpu_pipeline_reuses_buffers_safely(hf_checkpoints, schedule):
+    """One pipeline, two batches of fresh random prompts, 12 steps each: the page-locked buffers, host KV rows
+    and copy-stream tensors reused every step and batch never corrupt a result."""
+    path = hf_checkpoints["mixtral"][1]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    device_model = moeserve.load_model(path, device="cuda", dtype="float32")
+    host = moeserve.load_model(path, device="cpu", dtype="float32")
+    pipeline = Pipeline(host, Policy(batch_size=6, micro_batch=2, weights_gpu_fraction=0.0, **SCHEDULES[schedule]),
+                        "cuda")
+    rng = random.Random(11)
+    for _ in range(2):
+        prompts = [[rng.randrange(host.spec.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+        ref_tokens, ref_logits = plain(device_model, prompts, params)
+        steps = [(gens, logits.clone()) for gens, _, logits in pipeline.generate(prompts, params)]
+        assert [g.token_ids for g in steps[-1][0]] == ref_tokens
+        for (_, a), b in zip(steps, ref_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    pipeline.close()

@@ -3,6 +3,7 @@ balanced micro-batches; `moeserve batch` end to end (bad lines, resume, a cut-of
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from moeserve.cli import main
 from moeserve.engine.generate import iterate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.engine.scheduler import balanced_micro_batches
+from moeserve.plan import layer_weights
+from moeserve.plan import pipeline as pipeline_module
 from moeserve.plan.cpu_attention import gqa_attention
-from moeserve.plan.pipeline import SCHEDULES, Pipeline
+from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes, pack_qkv, unpack_qkv
 from moeserve.plan.policy import Policy
 
 PROMPTS = [[5, 9, 13, 7, 21, 3, 8], [11, 4], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [6, 17, 19, 23]]
@@ -70,13 +73,80 @@ def test_pipeline_sampling_and_eos_match(hf_checkpoints):
     assert piped(model, policy, PROMPTS, params)[0] == plain(model, PROMPTS, params)[0]
 
 
-def test_gqa_attention_equals_sdpa():
+def test_pipeline_buffers_reused_across_steps_and_batches(hf_checkpoints, monkeypatch):
+    """One pipeline runs two batches of fresh random prompts, 10 steps each, with a worker slowed down (so a
+    buffer or cache slot reused too early would show): every step's logits equal the plain engine's."""
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    attention, host_kv = pipeline_module.gqa_attention, Pipeline._host_kv
+    monkeypatch.setattr(pipeline_module, "gqa_attention", lambda *a: (time.sleep(0.002), attention(*a))[1])
+    monkeypatch.setattr(Pipeline, "_host_kv", lambda *a: (time.sleep(0.002), host_kv(*a))[1])
+    rng = random.Random(7)
+    for schedule in ("cgopipe", "flexgen"):
+        pipeline = Pipeline(model, Policy(6, 2, weights_gpu_fraction=0.5, **SCHEDULES[schedule]), "cpu")
+        for _ in range(2):
+            prompts = [[rng.randrange(model.spec.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+            ref_tokens, ref_logits = plain(model, prompts, params)
+            steps = [(gens, logits.clone()) for gens, _, logits in pipeline.generate(prompts, params)]
+            assert [g.token_ids for g in steps[-1][0]] == ref_tokens, schedule
+            for (_, a), b in zip(steps, ref_logits, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        pipeline.close()
+
+
+def test_pipeline_paged_weight_streaming(hf_checkpoints, monkeypatch):
+    """Streamed layers copied in pages of a few hundred bytes give the same outputs."""
+    monkeypatch.setattr(layer_weights, "PAGE_BYTES", 256)
+    model = moeserve.load_model(hf_checkpoints["qwen2_moe"][1], device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert piped(model, Policy(4, 2, **SCHEDULES["cgopipe"], weights_gpu_fraction=0.0), PROMPTS, params)[0] == \
+        plain(model, PROMPTS, params)[0]
+
+
+def test_paged_pairs_cover_tensors():
+    """Contiguous pairs split into pages of 12 floats; the pair with a transposed side stays whole."""
+    dst = [torch.empty(5, 7), torch.empty(3, 4).t(), torch.empty(2)]
+    src = [torch.randn(5, 7), torch.randn(4, 3), torch.randn(2)]
+    dst_pages, src_pages = layer_weights.paged(dst, src, page_bytes=48)
+    assert [p.numel() for p in dst_pages] == [12, 12, 11, 12, 2] and len(src_pages) == len(dst_pages)
+    assert all(d.shape == s.shape for d, s in zip(dst_pages, src_pages))
+    for d, s in zip(dst_pages, src_pages):
+        d.copy_(s)
+    for d, s in zip(dst, src):
+        torch.testing.assert_close(d, s, rtol=0, atol=0)
+
+
+def test_host_kv_bytes_counts_what_the_pipeline_allocates(hf_checkpoints):
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
+    policy = Policy(6, 2, False, True, 0.0, 1 / 3)  # one micro-batch of three keeps its KV on the GPU
+    pipeline = Pipeline(model, policy, "cpu")
+    prompts = [[1, 2, 3]] * 6
+    mbs = [pipeline._micro_batch(prompts, g, 5, m < 1) for m, g in enumerate([[0, 1], [2, 3], [4, 5]])]
+    pipeline.close()
+    allocated = sum(t.nbytes for mb in mbs if not mb.kv_on_gpu for t in (mb.kv.k, mb.kv.v, mb.staging.qkv,
+                                                                          mb.staging.out))
+    assert host_kv_bytes(model.spec, policy, 3 + 5, 4, pinned=False) == allocated
+    assert [layer_weights.pinned_size(n) for n in (0, 1, 3, 4, 5, 4096)] == [0, 1, 4, 4, 8, 4096]
+
+
+def test_pack_unpack_qkv_round_trip():
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16)
+    flat = pack_qkv(q, k, v)
+    assert flat.shape == (3, (2 * 2 + 8) * 16) and flat.is_contiguous()
+    for a, b in zip(unpack_qkv(flat, 2, 16), (k, v, q)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_gqa_attention_equals_sdpa(S):
+    """Also over a strided slice of a cache, as the CPU attention reads it."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
-    mask = torch.rand(3, 1, 1, 9) > 0.3
+    q, cache = torch.randn(3, 8, S, 16), torch.randn(2, 3, 2, 12, 16)  # cache [kv, n, Hkv, S_max, Dh]
+    k, v = cache[0, :, :, :9], cache[1, :, :, :9]
+    mask = torch.rand(3, 1, S, 9) > 0.3
     mask[..., -1] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref.transpose(1, 2).reshape(3, 1, 128))
+    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref.transpose(1, 2).reshape(3, S, 128))
 
 
 def test_balanced_micro_batches_bound():

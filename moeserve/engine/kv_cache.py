@@ -18,11 +18,12 @@ from moeserve.spec import ModelSpec
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, batch: int, max_len: int, device, dtype):
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, device, dtype, pin_memory: bool = False):
+        """pin_memory: page-lock a host cache, so copies to and from a GPU are asynchronous DMA."""
         shape = (spec.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim)
         # zeros, not empty: the static path multiplies unwritten (masked) slots by 0, and 0 * NaN = NaN
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # [B, S_max]
         self.index = torch.zeros(1, dtype=torch.long, device=device)  # [1] slot the next static step writes
         self.length = 0  # slots filled by finished forward passes

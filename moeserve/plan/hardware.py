@@ -131,7 +131,7 @@ def link_bandwidth(src, dst, chunk_bytes: int, sync, budget_s: float) -> float:
     return n * src.element_size() / _seconds_per_call(copy, sync, budget_s)
 
 
-def _total_ram() -> int:
+def total_ram() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -154,7 +154,7 @@ def measure(quick: bool | None = None) -> HardwareProfile:
     quick = os.environ.get("MOESERVE_PROFILE_QUICK") == "1" if quick is None else quick
     budget = 0.02 if quick else 0.2  # seconds per figure
     gpu_name, cpu_name = machine_names()
-    cpu = dict(cpu_name=cpu_name, cpu_cores=os.cpu_count() or 1, ram_bytes=_total_ram())
+    cpu = dict(cpu_name=cpu_name, cpu_cores=os.cpu_count() or 1, ram_bytes=total_ram())
 
     def no_sync():
         return None

@@ -3,10 +3,10 @@
 A batch of N requests is split into balanced micro-batches (engine/scheduler.py). Every pass (the prefill,
 then each decode step) runs layer-major: for each layer, for each micro-batch, the GPU computes the
 pre-attention (norm + QKV), attention runs where the policy says, and the GPU computes the post-attention
-(O projection + FFN). With CPU attention the KV cache lives in host memory: q/k/v go to the CPU, a worker
-thread attends micro-batch i+1 while the GPU runs the post-attention of micro-batch i, and the output comes
-back on a copy stream. Layers not resident on the GPU are streamed from pinned host memory into two
-buffers while the previous layer computes (plan/layer_weights.py). The same executor runs the baselines:
+(O projection + FFN). With CPU attention the KV cache lives in page-locked host memory: the new token's
+k|v|q go to the host, a worker thread appends k/v to the cache and attends, and the output comes back.
+Layers not resident on the GPU are streamed from pinned host memory into two buffers while the previous
+layer computes (plan/layer_weights.py). The same executor runs the baselines:
 
   cgopipe      attention_on_gpu=False, kv_gpu_fraction=0, several micro-batches
   zero         attention_on_gpu=True,  kv_gpu_fraction=1, one micro-batch (DeepSpeed ZeRO-Inference: weights
@@ -14,18 +14,30 @@ buffers while the previous layer computes (plan/layer_weights.py). The same exec
   flexgen      attention_on_gpu=True,  kv_gpu_fraction=0 (FlexGen: KV in host memory, swapped in per layer)
 
 Micro-batch m keeps its KV cache on the GPU when m < round(kv_gpu_fraction * micro-batches) and then also
-attends there. On a CPU-only machine the CPU plays the GPU too (streams and events become no-ops), so the
-schedule is tested against the plain engine (engine/generate.py) for equal outputs.
+attends there.
+
+Inside a pass the main thread never waits for a copy (a few small ones at its start aside): copies to the
+host run on a D2H stream and copies to the GPU on an H2D stream, ordered by CUDA events; only the worker
+waits, for the event of the copy it reads. Decode traffic goes through page-locked buffers reused every
+step (Staging); prefill KV is written into the host cache by DMA, whole rows at a time; attention masks are
+built once per pass on the device that attends. In a decode pass with CPU attention the main thread queues
+the pre-attention and the q/k/v copy of every micro-batch of a layer before it waits for the first
+attention output, so the worker attends them back to back while the GPU runs post-attentions.
+
+On a CPU-only machine the CPU plays the GPU too (copies run at once, events are None), so the schedule, its
+buffers included, is tested against the plain engine (engine/generate.py) for equal outputs.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens
 from moeserve.engine.kv_cache import KVCache
@@ -33,7 +45,7 @@ from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.model.transformer import attention_masks
 from moeserve.plan.cpu_attention import gqa_attention
-from moeserve.plan.layer_weights import LayerWeights, pin_host_weights
+from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size
 from moeserve.plan.policy import Policy
 
 HOST = torch.device("cpu")
@@ -45,14 +57,52 @@ SCHEDULES = {  # name -> the policy fields that make the schedule (batch, micro-
 }
 
 
+class Staging:
+    """Page-locked host buffers of one host-KV micro-batch's decode traffic, one per layer, reused every step:
+    qkv[i] [n, (2 Hkv + H) Dh] receives the new token's k|v|q (DMA from the GPU; the worker reads it), out[i]
+    [n, H Dh] the CPU attention output (the worker writes it; DMA to the GPU). A pass never reuses a buffer.
+    The next pass refills qkv[i] only after this pass has waited for its worker jobs (Pipeline._forward does),
+    and out[i] only after out_read[i], the event of the DMA that last read it."""
+
+    def __init__(self, spec, n: int, dtype, pin: bool):
+        L, H, Hkv, Dh = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv = torch.empty(L, n, (2 * Hkv + H) * Dh, dtype=dtype, pin_memory=pin)
+        self.out = torch.empty(L, n, H * Dh, dtype=dtype, pin_memory=pin)
+        self.out_read: list[torch.cuda.Event | None] = [None] * L
+
+
 @dataclass
 class MicroBatch:
     requests: list[int]  # indices into the batch's prompts
-    kv: KVCache  # on the GPU or in host memory
+    kv: KVCache  # on the GPU, or in (page-locked) host memory
     kv_on_gpu: bool
-    tokens: torch.Tensor  # [n, S] this pass's input tokens
-    positions: torch.Tensor  # [n, S]
-    valid: torch.Tensor  # [n, S] real (non-pad, alive) tokens
+    staging: Staging | None  # decode buffers of a host KV cache
+    tokens: torch.Tensor  # [n, S] this pass's input tokens (GPU)
+    positions: torch.Tensor  # [n, S] (GPU)
+    valid: torch.Tensor  # [n, S] real (non-pad, alive) tokens (host)
+
+
+def host_kv_bytes(spec, policy: Policy, max_len: int, dtype_bytes: int, pinned: bool) -> int:
+    """Host memory the pipeline allocates for a batch of `policy` whose caches hold max_len slots: the KV caches
+    and Staging of its host-KV micro-batches (pinned: as torch's page-locked allocator rounds them)."""
+    L, H, Hkv, Dh, n = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, policy.micro_batch
+    m = policy.num_micro_batches
+    on_host = m - round(policy.kv_gpu_fraction * m)
+    elements = [L * n * Hkv * max_len * Dh] * 2 + [L * n * (2 * Hkv + H) * Dh, L * n * H * Dh]  # k, v, qkv, out
+    return on_host * sum(pinned_size(e * dtype_bytes, pinned) for e in elements)
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decode q [n, H, 1, Dh], k/v [n, Hkv, 1, Dh] -> one contiguous [n, (2 Hkv + H) Dh] (k|v|q): one DMA."""
+    n = q.shape[0]
+    return torch.cat([t.transpose(1, 2).reshape(n, -1) for t in (k, v, q)], dim=1)
+
+
+def unpack_qkv(flat: torch.Tensor, num_kv_heads: int, head_dim: int):
+    """[n, (2 Hkv + H) Dh] -> views k, v [n, Hkv, 1, Dh] and q [n, H, 1, Dh]."""
+    n, kv_width = flat.shape[0], num_kv_heads * head_dim
+    parts = flat.split([kv_width, kv_width, flat.shape[1] - 2 * kv_width], dim=1)
+    return tuple(t.view(n, 1, -1, head_dim).transpose(1, 2) for t in parts)
 
 
 class Pipeline:
@@ -72,7 +122,8 @@ class Pipeline:
         self.weights = LayerWeights(model.model.layers, self.spec, round(policy.weights_gpu_fraction * L),
                                     self.device, policy.ffn_on_gpu)
         self.windows = [layer.sliding_window for layer in model.model.layers]
-        self.io = torch.cuda.Stream(self.device) if self.cuda else None  # q/k/v out, attention output back
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None  # q/k/v and prefill KV to the host
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None  # attention outputs, FlexGen KV to the GPU
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cpu-attention")
 
     @property
@@ -82,30 +133,30 @@ class Pipeline:
     # ---- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, tokenizer=None,
                  eos_ids=None) -> Iterator[tuple[list[Generation], torch.Tensor, torch.Tensor]]:
-        """Check the batch now, then yield (generations, new tokens [N], logits [N, V]) per step, as
-        engine.generate.iterate does for the same prompts (one batch of at most policy.batch_size)."""
+        """Check the batch and allocate its KV caches now (page-locked host memory: seconds for a big batch),
+        then yield (generations, new tokens [N], logits [N, V]) per step, as engine.generate.iterate does for
+        the same prompts (one batch of at most policy.batch_size)."""
         check_request(self.spec, prompts, params, tokenizer)
         if len(prompts) > self.policy.batch_size:
             raise ValueError(f"{len(prompts)} prompts exceed the policy's batch size {self.policy.batch_size}")
-        return self._steps(prompts, params, tokenizer, eos_ids)
-
-    def _steps(self, prompts, params, tokenizer, eos_ids):
-        spec, device = self.spec, self.device
-        eos = set(spec.eos_token_ids if eos_ids is None else eos_ids)
         longest = max(len(p) for p in prompts)
-        max_new = min(params.max_new_tokens, spec.max_position_embeddings - longest)
+        max_new = min(params.max_new_tokens, self.spec.max_position_embeddings - longest)
         groups = balanced_micro_batches([len(p) for p in prompts], self.policy.micro_batch)
         on_gpu = round(self.policy.kv_gpu_fraction * len(groups))
         mbs = [self._micro_batch(prompts, g, max_new, m < on_gpu) for m, g in enumerate(groups)]
+        return self._steps(prompts, mbs, max_new, params, tokenizer, eos_ids)
+
+    def _steps(self, prompts, mbs: list[MicroBatch], max_new: int, params, tokenizer, eos_ids):
+        eos = set(self.spec.eos_token_ids if eos_ids is None else eos_ids)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         gens = [Generation(prompt_ids=list(p)) for p in prompts]
         streams = [TextStream(tokenizer.decode, params.stop) if tokenizer else None for _ in prompts]
-        alive = torch.ones(len(prompts), dtype=torch.bool, device=device)
+        alive = torch.ones(len(prompts), dtype=torch.bool)  # host: read and cleared per sequence
         with torch.inference_mode():
             logits = self._forward(mbs)  # [N, V]
             for step in range(max_new):
                 new = sample_next(logits, params, generator)  # [N]
-                record_tokens(gens, streams, new, alive, eos, params, step == max_new - 1)
+                record_tokens(gens, streams, new.to(HOST), alive, eos, params, step == max_new - 1)
                 yield gens, new, logits
                 if not alive.any():
                     break
@@ -117,37 +168,37 @@ class Pipeline:
     def _micro_batch(self, prompts, requests: list[int], max_new: int, kv_on_gpu: bool) -> MicroBatch:
         """Left-pad this micro-batch's prompts to its own longest one (as the plain engine pads a batch)."""
         tokens, valid, positions = left_padded([prompts[r] for r in requests], self.spec)  # [n, S] each
-        longest = tokens.shape[1]
-        kv_device = self.device if kv_on_gpu else HOST
-        kv = KVCache(self.spec, len(requests), longest + max_new, kv_device, self.dtype)
-        if self.cuda and not kv_on_gpu:
-            kv.k, kv.v = kv.k.pin_memory(), kv.v.pin_memory()
-        return MicroBatch(requests, kv, kv_on_gpu, tokens.to(self.device), positions.to(self.device),
-                          valid.to(self.device))
+        pin = self.cuda and not kv_on_gpu
+        kv = KVCache(self.spec, len(requests), tokens.shape[1] + max_new, self.device if kv_on_gpu else HOST,
+                     self.dtype, pin_memory=pin)
+        staging = None if kv_on_gpu else Staging(self.spec, len(requests), self.dtype, pin)
+        return MicroBatch(requests, kv, kv_on_gpu, staging, tokens.to(self.device), positions.to(self.device), valid)
 
     # ---- one pass over every layer -------------------------------------------------------------------
     def _forward(self, mbs: list[MicroBatch], out: torch.Tensor | None = None) -> torch.Tensor:
         """Run the micro-batches' tokens through all layers, layer-major; the last position's logits go into
-        rows mb.requests of out [N, V] (rows of finished micro-batches keep their old values)."""
-        x, rope, masks = [], [], []
-        for mb in mbs:
-            x.append(self.embed(mb.tokens))  # [n, S, D]
-            rope.append(self.rotary(mb.positions, self.dtype))
-            start, S = mb.kv.length, mb.tokens.shape[1]
-            key_valid = mb.kv.begin(mb.valid.to(mb.kv.k.device))  # [n, S_total]
-            q_slots = torch.arange(start, start + S, device=key_valid.device)
-            masks.append(attention_masks(q_slots, key_valid, self.windows))  # window -> [n, 1, S, S_total]
+        rows mb.requests of out [N, V] (rows of finished micro-batches keep their old values).
+
+        With CPU attention every micro-batch of a layer is queued ahead of the first post-attention; with GPU
+        attention one is (the activations and FlexGen KV of two micro-batches live at a time, as the planner's
+        memory model counts them)."""
+        x = [self.embed(mb.tokens) for mb in mbs]  # [n, S, D] each
+        rope = [self.rotary(mb.positions, self.dtype) for mb in mbs]
+        masks = [self._masks(mb) for mb in mbs]  # window -> [n, 1, S, S_total]
+        ahead = len(mbs) if any(self._cpu_attends(mb) for mb in mbs) else 1
+        writes: list[Future] = []  # worker jobs appending FlexGen's decode KV to host caches
         for i in range(self.spec.num_layers):
             layer = self.weights.get(i)
-            pending = None
+            queued: deque = deque()  # (micro-batch index, attention output or its Future)
             for m, mb in enumerate(mbs):
-                q, k, v = layer.self_attn.qkv(layer.input_layernorm(x[m]), *rope[m])
-                job = self._attention(layer, i, mb, q, k, v, masks[m][self.windows[i]])
-                if pending is not None:
-                    self._post_attention(layer, i, x, *pending)
-                pending = m, job
-            self._post_attention(layer, i, x, *pending)
+                queued.append((m, self._attention(layer, i, mb, x[m], rope[m], masks[m][self.windows[i]], writes)))
+                if len(queued) > ahead:
+                    self._post_attention(layer, i, x, *queued.popleft())
+            while queued:
+                self._post_attention(layer, i, x, *queued.popleft())
             self.weights.release(i)
+        for job in writes:
+            job.result()  # the host caches and Staging.qkv are free for the next pass
         for mb in mbs:
             mb.kv.commit()
         logits = torch.cat([self.lm_head(self.norm(h[:, -1])) for h in x])  # [sum n, V]
@@ -156,65 +207,133 @@ class Pipeline:
         out[[r for mb in mbs for r in mb.requests]] = logits
         return out
 
-    def _attention(self, layer, i: int, mb: MicroBatch, q, k, v, mask):
-        """Attention of micro-batch mb at layer i -> its output [n, S, H*Dh] on the GPU, or a Future of it
-        (CPU attention, running in the worker while the main thread queues GPU work)."""
-        prefill = mb.kv.length == 0
+    def _cpu_attends(self, mb: MicroBatch) -> bool:
+        """Whether this pass's attention of mb runs on the CPU (a decode pass over a host KV cache)."""
+        return not (mb.kv_on_gpu or self.policy.attention_on_gpu or mb.kv.length == 0)
+
+    def _masks(self, mb: MicroBatch) -> dict:
+        """Reserve this pass's cache slots; attention masks {window: [n, 1, S, S_total]} built on the device
+        the attention of mb runs on, once per pass."""
+        start, S = mb.kv.length, mb.tokens.shape[1]
+        key_valid = mb.kv.begin(mb.valid.to(mb.kv.valid.device))  # [n, S_total]
+        if not self._cpu_attends(mb):
+            key_valid = key_valid.to(self.device)
+        q_slots = torch.arange(start, start + S, device=key_valid.device)
+        return attention_masks(q_slots, key_valid, self.windows)
+
+    def _attention(self, layer, i: int, mb: MicroBatch, x, rope, mask, writes: list[Future]):
+        """Pre-attention and attention of micro-batch mb at layer i -> its output [n, S, H*Dh] on the GPU, or a
+        Future of (output, event it is ready at) when the worker attends on the CPU."""
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), *rope)  # [n, H, S, Dh], [n, Hkv, S, Dh] x2
         if mb.kv_on_gpu:
-            k_all, v_all = mb.kv.update(i, k, v)
-            return layer.self_attn.attend(q, k_all, v_all, mask)
-        if prefill or self.policy.attention_on_gpu:  # KV written to host memory, attention on the GPU
-            k_all, v_all = mb.kv.update(i, k.to(HOST), v.to(HOST))  # [n, Hkv, S_total, Dh]
-            if not prefill:  # FlexGen: swap this layer's KV in (whole contiguous pinned rows: one DMA each)
-                end = k_all.shape[2]
-                k, v = (t[i].to(self.device, non_blocking=True)[:, :, :end] for t in (mb.kv.k, mb.kv.v))
-            return layer.self_attn.attend(q, k, v, mask.to(self.device))
-        ready = torch.cuda.Event() if self.cuda else None
-        if ready is not None:
-            ready.record()
-        return self.worker.submit(self._cpu_attention, i, mb.kv, q, k, v, mask, ready)
-
-    def _cpu_attention(self, i: int, kv: KVCache, q, k, v, mask, ready):
-        """Worker thread: q/k/v to host, append k/v to the host cache, GQA attention on the CPU, output back to
-        the GPU on the copy stream -> (output [n, 1, H*Dh], event it is ready at)."""
-        with torch.inference_mode():
-            q, k, v = self._to_host([q, k, v], ready)
-            k_all, v_all = kv.update(i, k, v)  # [n, Hkv, S_total, Dh]
-            out = gqa_attention(q, k_all, v_all, mask)  # [n, 1, H*Dh]
-            if not self.cuda:
-                return out, None
-            with torch.cuda.stream(self.io):
-                out = out.pin_memory().to(self.device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.io)
-            return out, done
-
-    def _to_host(self, tensors: list[torch.Tensor], ready) -> list[torch.Tensor]:
-        if not self.cuda:
-            return tensors
-        with torch.cuda.device(self.device), torch.cuda.stream(self.io):
-            self.io.wait_event(ready)
-            out = [t.to(HOST, non_blocking=True) for t in tensors]
-            for t in tensors:
-                t.record_stream(self.io)
-        self.io.synchronize()
-        return out
+            return layer.self_attn.attend(q, *mb.kv.update(i, k, v), mask)
+        if mb.kv.length == 0:  # prefill: attend on the GPU, KV rows to the host cache
+            self._prefill_to_host(mb.kv, i, k, v)
+            return layer.self_attn.attend(q, k, v, mask)
+        copied = self._to_host([mb.staging.qkv[i]], [pack_qkv(q, k, v)])
+        if self.policy.attention_on_gpu:  # FlexGen
+            keys, values, swapped = self._swap_in(mb.kv, i, k, v, copied)
+            writes.append(self.worker.submit(self._host_kv, i, mb, swapped))
+            return layer.self_attn.attend(q, keys, values, mask)
+        return self.worker.submit(self._cpu_attention, i, mb, mask, copied)
 
     def _post_attention(self, layer, i: int, x: list[torch.Tensor], m: int, job) -> None:
         """x[m] += O-proj(attention output); x[m] += FFN(norm(x[m])), the FFN on the GPU or the CPU."""
         out = job
         if isinstance(job, Future):
             out, done = job.result()
-            if done is not None:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(done)
-                out.record_stream(stream)
+            self._use([out], done)
         h = x[m] + layer.self_attn.o_proj(out)
         y = layer.post_attention_layernorm(h)
         if self.policy.ffn_on_gpu:
             x[m] = h + layer.mlp(y)
         else:
             x[m] = h + self.host.model.layers[i].mlp(y.to(HOST)).to(self.device)
+
+    # ---- host KV ---------------------------------------------------------------------------------------
+    def _prefill_to_host(self, kv: KVCache, i: int, k, v) -> None:
+        """Prefill k/v [n, Hkv, S, Dh] of layer i into the host cache, one DMA per tensor: padded on the GPU to
+        whole rows [n, Hkv, S_max, Dh], which are contiguous in the cache (the pad lands on slots the prefill
+        is the first to write, as the zeros they held)."""
+        rows = [F.pad(t, (0, 0, 0, kv.max_len - t.shape[2])) for t in (k, v)]  # [n, Hkv, S_max, Dh] each
+        self._to_host([kv.k[i], kv.v[i]], rows)
+
+    def _swap_in(self, kv: KVCache, i: int, k, v, after):
+        """FlexGen: layer i's host KV rows to the GPU (whole rows: one DMA per tensor) once event `after` fired
+        (a copy to the host queued after the prefill's into this cache), this pass's k/v [n, Hkv, S, Dh] written
+        in on the GPU -> keys, values [n, Hkv, S_total, Dh], and the event the host rows are read at (from then
+        on the worker may append k/v to them)."""
+        start, end = kv.length, kv.length + k.shape[2]
+        rows, swapped = self._to_device([kv.k[i], kv.v[i]], after)  # [n, Hkv, S_max, Dh] each
+        self._use(rows, swapped)
+        for r, t in zip(rows, (k, v)):
+            r[:, :, start:end] = t
+        return rows[0][:, :, :end], rows[1][:, :, :end], swapped
+
+    def _host_kv(self, i: int, mb: MicroBatch, ready):
+        """Worker: once event `ready` fired (Staging.qkv[i] of mb filled; None: now), append layer i's new k/v
+        to the host cache -> q [n, H, 1, Dh] and the keys and values to attend [n, Hkv, S_total, Dh] (views)."""
+        with torch.inference_mode():
+            if ready is not None:
+                ready.synchronize()
+            k, v, q = unpack_qkv(mb.staging.qkv[i], self.spec.num_kv_heads, self.spec.head_dim)
+            return (q, *mb.kv.update(i, k, v))
+
+    def _cpu_attention(self, i: int, mb: MicroBatch, mask, copied):
+        """Worker: attention of mb at layer i on the CPU; the output [n, 1, H*Dh] to the GPU through layer i's
+        page-locked buffer -> (output on the GPU, event it is ready at)."""
+        with torch.inference_mode():
+            result = gqa_attention(*self._host_kv(i, mb, copied), mask)  # [n, 1, H*Dh]
+            buffer = mb.staging.out[i]  # [n, H*Dh]
+            if mb.staging.out_read[i] is not None:
+                mb.staging.out_read[i].synchronize()  # the copy that last read it (previous pass) is done
+            buffer.copy_(result.view_as(buffer))
+            (out,), done = self._to_device([buffer], None)
+            mb.staging.out_read[i] = done
+            return out.view_as(result), done
+
+    # ---- copies between the devices ---------------------------------------------------------------------
+    def _to_host(self, dst: list[torch.Tensor], src: list[torch.Tensor]):
+        """Queue copies of GPU tensors src into page-locked host tensors dst (same shapes, contiguous) on the D2H
+        stream, after the compute queued so far -> the event they are done at (on a CPU: copied now, None)."""
+        if not self.cuda:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_stream(compute)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+                s.record_stream(self.d2h)  # made on the compute stream, read here
+            return self._record(self.d2h)
+
+    def _to_device(self, src: list[torch.Tensor], after) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Copy page-locked host tensors to new GPU tensors on the H2D stream, once event `after` fired (None:
+        now) -> (the tensors, the event they are ready at; on a CPU: copies, None). Consume them with _use."""
+        if not self.cuda:
+            return [s.clone() for s in src], None
+        with torch.cuda.stream(self.h2d):  # allocated on this stream: their memory is free when it runs
+            if after is not None:
+                self.h2d.wait_event(after)
+            out = [s.to(self.device, non_blocking=True) for s in src]
+            return out, self._record(self.h2d)
+
+    def _use(self, tensors: list[torch.Tensor], ready) -> None:
+        """Let the compute stream read tensors made on a copy stream: wait for their event, and keep their
+        memory from reuse until the compute queued from now on is done."""
+        if ready is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(ready)
+        for t in tensors:
+            t.record_stream(compute)
+
+    @staticmethod
+    def _record(stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def close(self) -> None:
         self.worker.shutdown()
