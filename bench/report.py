@@ -22,7 +22,8 @@ def newest_runs(results_dir: Path) -> list[dict]:
         if rec.get("config", {}).get("quick"):
             continue
         key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
-               json.dumps(rec["config"].get("tokens")))  # a run over fewer token counts does not hide a full one
+               json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))  # a run over fewer token counts
+        # does not hide a full one, nor a 3-bit run a 4-bit one
         if key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
