@@ -69,6 +69,22 @@ def test_tiny_layer_by_hand():
     cpu = 368 / 10  # CPU attention, memory bound
     link = (0.25 * 272 + 64 + 0.25 * 3280 + 32) / 100  # streamed halves over 2 micro-batches + q/k/v + attention out
     assert seconds[0] == pytest.approx(max(2 * g, 2 * cpu, 2 * link, g + cpu)) and binding[0] == 1  # CPU
+    # the executor's fixed cost per micro-batch comes on top, once per micro-batch
+    slow = Rates(gpu_flops=1000, hbm=100, cpu_flops=100, dram=10, link=100, micro_batch_overhead=5.0)
+    assert layer_time(ops, c, slow, residual=2 * 8 * 2)[0][0] == pytest.approx(seconds[0] + 2 * 5.0)
+
+
+def test_micro_batch_overhead_favours_fewer_micro_batches(mixtral):
+    """Charged per micro-batch, the overhead makes the search take larger micro-batches, and the profile's
+    measurement of it (the demo model through the executor, here on the CPU) is a positive time."""
+    from moeserve.plan.hardware import micro_batch_overhead
+
+    spec = ModelSpec.from_dir(mixtral)
+    free = search(spec, HardwareProfile.from_dict(H100), WL, 16 * GiB, 200 * GiB, max_batch=256)
+    costly = search(spec, HardwareProfile.from_dict({**H100, "micro_batch_overhead": 2e-3}), WL, 16 * GiB, 200 * GiB,
+                    max_batch=256)
+    assert costly.policy.batch_size // costly.policy.micro_batch < free.policy.batch_size // free.policy.micro_batch
+    assert 0 < micro_batch_overhead("cpu", steps=1, micro_batches=2) < 1.0
 
 
 def test_turning_points_and_operator_bounds(mixtral):

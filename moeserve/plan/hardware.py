@@ -43,6 +43,7 @@ class HardwareProfile:
     h2d_pageable_bandwidth: float | None = None  # B/s, pageable host -> device
     h2d_chunk_bandwidth: dict[int, float] = field(default_factory=dict)  # chunk MiB -> B/s (pinned)
     d2h_chunk_bandwidth: dict[int, float] = field(default_factory=dict)  # chunk MiB -> B/s (pinned)
+    micro_batch_overhead: float = 0.0  # s per (micro-batch, layer) of the CGOPipe executor beyond its work
     measured: str | None = None  # ISO date of the measurement; None for hand-written profiles
 
     @property
@@ -164,8 +165,36 @@ def measure(quick: bool | None = None) -> HardwareProfile:
                cpu_bf16_flops=_matmul_flops(torch, "cpu", torch.bfloat16, cpu_n, no_sync, budget),
                dram_bandwidth=_copy_bandwidth(torch, "cpu", (16 if quick else 256) * MIB, no_sync, budget))
     gpu = _measure_gpu(torch, budget) if gpu_name is not None else {}
-    return HardwareProfile(**cpu, gpu_name=gpu_name, **gpu,
+    overhead = micro_batch_overhead("cuda" if gpu_name is not None else "cpu", steps=2 if quick else 6)
+    return HardwareProfile(**cpu, gpu_name=gpu_name, **gpu, micro_batch_overhead=overhead,
                            measured=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+
+def micro_batch_overhead(device: str, steps: int = 6, micro_batches: int = 4) -> float:
+    """Seconds the CGOPipe executor spends per micro-batch and layer beyond the work itself (launches, copies,
+    hand-offs to the CPU-attention worker, Python): decode steps of the shipped demo model (a Mixtral layer
+    of a few MFLOP, so the time is nearly all overhead), one sequence per micro-batch, CPU attention,
+    weights resident; the warm-up steps are not timed."""
+    from moeserve.engine.sampling import SamplingParams
+    from moeserve.loader import load_model
+    from moeserve.plan.pipeline import Pipeline
+    from moeserve.plan.policy import Policy
+
+    model = load_model(Path(__file__).parent.parent / "demo", device="cpu")
+    policy = Policy(batch_size=micro_batches, micro_batch=1, attention_on_gpu=False, ffn_on_gpu=True,
+                    weights_gpu_fraction=1.0, kv_gpu_fraction=0.0)
+    pipe = Pipeline(model, policy, device)
+    try:
+        prompts = [[(7 * r + i) % 256 for i in range(8)] for r in range(micro_batches)]
+        passes = pipe.generate(prompts, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
+        next(passes), next(passes)  # prefill and the first decode step: warm-up
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(passes)
+        elapsed = time.perf_counter() - t0
+    finally:
+        pipe.close()
+    return elapsed / steps / (micro_batches * model.spec.num_layers)
 
 
 def _measure_gpu(torch, budget: float) -> dict:

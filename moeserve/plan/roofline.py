@@ -161,13 +161,15 @@ class Rates:
     cpu_flops: float
     dram: float
     link: float
+    micro_batch_overhead: float = 0.0  # s per (micro-batch, layer): the executor's fixed cost
 
     @classmethod
     def of(cls, hw: HardwareProfile) -> "Rates":
         if not hw.has_gpu:
             raise MoeserveError("the hardware profile has no GPU figures (gpu_flops, hbm_bandwidth, h2d_bandwidth); "
                                 "plan with --profile FILE from a GPU machine")
-        return cls(hw.gpu_flops, hw.hbm_bandwidth, hw.cpu_flops, hw.dram_bandwidth, hw.h2d_bandwidth)
+        return cls(hw.gpu_flops, hw.hbm_bandwidth, hw.cpu_flops, hw.dram_bandwidth, hw.h2d_bandwidth,
+                   hw.micro_batch_overhead)
 
 
 def placement(c: Candidates) -> dict[str, np.ndarray]:
@@ -209,7 +211,11 @@ def layer_time(ops: dict[str, Op], c: Candidates, rates: Rates, residual) -> tup
     at the slower of its compute and memory roofs; transfers run on their own engine), l its link time.
     The last term is the dependency chain of one micro-batch (GPU pre-attention -> attention -> post-
     attention), which no overlap hides: with m = 1 CPU and GPU take turns. Assumes perfect overlap,
-    pages prefetched a layer ahead, no launch/sync overhead and a steady state (pipeline fill ignored).
+    pages prefetched a layer ahead and a steady state (pipeline fill ignored). The executor's fixed cost
+    per micro-batch (launches, hand-offs: rates.micro_batch_overhead, measured by the hardware profile) is
+    added, m times, outside the max: in the H100 runs it did not overlap the link (1.3 ms per micro-batch
+    and layer brings all eight measured schedules of bench/results/throughput-*-154458.json to 0.87-1.01
+    of the prediction, from 0.65-0.99 without it).
     """
     t = op_times(ops, c, rates, residual)
     m = c.num_micro_batches
@@ -221,7 +227,7 @@ def layer_time(ops: dict[str, Op], c: Candidates, rates: Rates, residual) -> tup
         busy[False] = busy[False] + np.where(t[name]["on_gpu"], 0.0, own)
         link = link + t[name]["link"]
     terms = np.stack(np.broadcast_arrays(m * busy[True], m * busy[False], m * link, busy[True] + busy[False]))
-    return terms.max(axis=0), terms.argmax(axis=0)
+    return terms.max(axis=0) + m * rates.micro_batch_overhead, terms.argmax(axis=0)
 
 
 def phase_time(spec: ModelSpec, wl: Workload, c: Candidates, rates: Rates, prefill: bool):

@@ -117,7 +117,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, wl: Workload, gpu_budget: float
            max_batch: int = 4096, step: float = 0.1) -> Plan:
     """The feasible candidate with the highest predicted throughput. Candidates within 0.1% of the best
     count as tied (the model cannot tell them apart); among those: smallest N, then largest n (fewer
-    launches, which the model does not charge), then least GPU memory."""
+    launches), then least GPU memory."""
     t0 = time.perf_counter()
     c = candidates(max_batch, step)
     perf, gpu, host = evaluate_all(spec, hw, wl, c)
