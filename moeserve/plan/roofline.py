@@ -213,9 +213,9 @@ def layer_time(ops: dict[str, Op], c: Candidates, rates: Rates, residual) -> tup
     attention), which no overlap hides: with m = 1 CPU and GPU take turns. Assumes perfect overlap,
     pages prefetched a layer ahead and a steady state (pipeline fill ignored). The executor's fixed cost
     per micro-batch (launches, hand-offs: rates.micro_batch_overhead, measured by the hardware profile) is
-    added, m times, outside the max: in the H100 runs it did not overlap the link (1.3 ms per micro-batch
-    and layer brings all eight measured schedules of bench/results/throughput-*-154458.json to 0.87-1.01
-    of the prediction, from 0.65-0.99 without it).
+    added, m times, outside the max: in the H100 runs it did not overlap the link. The profile measured
+    2.2 ms there, which brings the eight schedules of bench/results/throughput-*-154458.json to 0.88-1.20
+    of the prediction (0.65-0.99 without the term; 1.3 ms, the best fit, would give 0.87-1.01).
     """
     t = op_times(ops, c, rates, residual)
     m = c.num_micro_batches
