@@ -202,8 +202,11 @@ def ratios(rows: list[dict], budgets: list) -> list[dict]:
         ours = by["cgopipe"]["decode_tokens_per_s"]
         bases = [b for b in BASELINES if b in by]
         for base in bases:
+            predicted = [by[s].get("predicted_decode_tokens_per_s") for s in ("cgopipe", base)]
             out.append({"budget_bytes": budget, "ratio": f"cgopipe_over_{base}",
                         "value": ours / by[base]["decode_tokens_per_s"],
+                        # the model's ratio: at equal N vs flexgen, (streamed weights + swapped KV) / weights
+                        "predicted": predicted[0] / predicted[1] if all(predicted) else None,
                         "batch_sizes": {"cgopipe": by["cgopipe"]["batch_size"], base: by[base]["batch_size"]}})
         if bases:
             best = max(bases, key=lambda b: by[b]["decode_tokens_per_s"])
@@ -292,7 +295,8 @@ def main(argv=None) -> int:
                 continue
             rows.append(measured_row(model, spec, schedule, budget, policy, rejected, args, dtype, host, hw, device))
     for r in ratios(rows, budgets):
-        print(f"{(r['budget_bytes'] or 0) / GiB:5.1f} GiB {r['ratio']}: {r['value']:.2f}", flush=True)
+        model = f" (model: {r['predicted']:.2f})" if r.get("predicted") else ""
+        print(f"{(r['budget_bytes'] or 0) / GiB:5.1f} GiB {r['ratio']}: {r['value']:.2f}{model}", flush=True)
         rows.append(r)
     record = result_record("throughput", {"shape": QUICK if args.quick else MIXTRAL, "quick": args.quick,
                                           "prompt": args.prompt, "gen": args.gen, "steps": args.steps,
