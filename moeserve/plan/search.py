@@ -55,7 +55,8 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates) -> tuple[dict[str, np.n
     KV cache, two staging buffers of one layer's host KV per micro-batch; activations of one prefill
     micro-batch (n * prompt_len tokens: hidden states, q/k/v, the FFN intermediates of its top-k
     experts) and fp32 logits of n sequences. Host: the streamed share of the GPU weights, the weights of
-    CPU-placed operators, the host share of the KV cache.
+    CPU-placed operators, the host share of the KV cache as the pipeline pins it (a k and a v tensor per
+    micro-batch, each rounded up to a power of two by torch's page-locked allocator).
     """
     D, wb, ab = spec.hidden_size, wl.weight_bytes, wl.act_bytes
     ag, fg, fw = c.attention_on_gpu, c.ffn_on_gpu, c.weights_gpu_fraction
@@ -82,7 +83,9 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates) -> tuple[dict[str, np.n
         "KV staging": np.where(ag, 2 * (1 - kv_gpu) * c.micro_batch * largest_kv, 0.0),
         "activations": c.micro_batch * (wl.prompt_len * per_token + spec.vocab_size * 4),
     }
-    host = {"weights": (1 - fw) * gpu_weights + host_only, "KV cache": (1 - kv_gpu) * kv}
+    host_kv_half = (1 - kv_gpu) * c.micro_batch * kv_per_seq / 2  # the k (or v) cache of one micro-batch
+    pinned = np.where(host_kv_half > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_half, 1.0))), 0.0)
+    host = {"weights": (1 - fw) * gpu_weights + host_only, "KV cache": 2 * c.num_micro_batches * pinned}
     return gpu, host
 
 
