@@ -50,7 +50,7 @@ from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
 from moeserve.plan.batch import HOST_SHARE, policy_for_budget  # noqa: E402
 from moeserve.plan.hardware import load_or_measure, total_ram  # noqa: E402
-from moeserve.plan.layer_weights import pinned_size  # noqa: E402
+from moeserve.plan.layer_weights import host_weight_bytes  # noqa: E402
 from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes  # noqa: E402
 from moeserve.plan.policy import Policy  # noqa: E402
 from moeserve.plan.roofline import Candidates, Rates, Workload, throughput  # noqa: E402
@@ -80,12 +80,6 @@ def host_model(spec, distinct: int, dtype, cuda: bool) -> MoETransformer:
         _set_tensor(model, name, tensors[key], False)
     model.rotary = RotaryEmbedding(spec)
     return model.eval()
-
-
-def weight_host_bytes(model, cuda: bool) -> int:
-    """Host bytes of the model's distinct weight tensors, as pinned."""
-    storages = {p.data.untyped_storage().data_ptr(): p.data.untyped_storage().nbytes() for p in model.parameters()}
-    return sum(pinned_size(n, cuda) for n in storages.values())
 
 
 def workload(args, dtype) -> Workload:
@@ -231,7 +225,7 @@ def schedule_policy(spec, schedule: str, budget, args, dtype, host: dict, hw) ->
                       **SCHEDULES.get(schedule, SCHEDULES["cgopipe"])), []
     if schedule == "planned":
         policy = search(spec, hw, workload(args, dtype), budget, HOST_SHARE * hw.ram_bytes,
-                        max_batch=args.max_batch).policy
+                        max_batch=args.max_batch, host_weights=host["weights"]).policy
         why = host_shortage(spec, policy, args, dtype, host)
         if why:
             raise MoeserveError(f"the planner's N={policy.batch_size} does not fit: {why}")
@@ -280,7 +274,7 @@ def main(argv=None) -> int:
     hw = load_or_measure() if cuda else None
     model = host_model(spec, min(args.distinct_layers, spec.num_layers), dtype, cuda)
     ram = total_ram()
-    host = {"ram": ram, "budget": HOST_SHARE * ram, "weights": weight_host_bytes(model, cuda), "pinned": cuda}
+    host = {"ram": ram, "budget": HOST_SHARE * ram, "weights": host_weight_bytes(model, cuda), "pinned": cuda}
     if cuda:  # CUDA context, cuBLAS and Triton kernels, the first pinned blocks: not in any timed run
         run(model, Policy(8, 4, weights_gpu_fraction=0.0, **SCHEDULES["cgopipe"]), device, args, steps=2)
     rows = []

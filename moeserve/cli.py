@@ -581,6 +581,7 @@ def cmd_batch(args) -> int:
     from moeserve.engine.sampling import SamplingParams
     from moeserve.loader import load_model, resolve_device, resolve_dtype
     from moeserve.plan.batch import auto_policy, policy_for_budget, read_requests, run_batch
+    from moeserve.plan.layer_weights import host_weight_bytes
     from moeserve.plan.pipeline import Pipeline
     from moeserve.plan.policy import Policy
     from moeserve.tokenizer import load_tokenizer
@@ -596,7 +597,9 @@ def cmd_batch(args) -> int:
     prompt_len = max((len(tok.encode(r.prompt)) for r in requests), default=1)
     budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     if args.auto:
-        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget, args.profile)
+        pinned = device.type == "cuda"
+        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget, args.profile,
+                             host_weight_bytes(model, pinned))
     else:
         gpu_attention = not args.cpu_attention
         kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)

@@ -116,6 +116,13 @@ def test_paged_pairs_cover_tensors():
         torch.testing.assert_close(d, s, rtol=0, atol=0)
 
 
+def test_host_weight_bytes_counts_shared_storages_once_and_pinned_rounding():
+    shared = torch.nn.Linear(24, 24, bias=False)  # 2304 B
+    model = torch.nn.ModuleDict({"a": shared, "b": shared, "c": torch.nn.Linear(10, 10)})  # 400 B + 40 B bias
+    assert layer_weights.host_weight_bytes(model, pinned=False) == 2304 + 400 + 40
+    assert layer_weights.host_weight_bytes(model, pinned=True) == 4096 + 512 + 64
+
+
 def test_host_kv_bytes_counts_what_the_pipeline_allocates(hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
     policy = Policy(6, 2, False, True, 0.0, 1 / 3)  # one micro-batch of three keeps its KV on the GPU

@@ -132,9 +132,16 @@ def test_search_respects_memory(mixtral):
     spec, hw = ModelSpec.from_dir(mixtral), HardwareProfile.from_dict(H100)
     weights = spec.parameter_counts()["total"] * 2
     # 16 GiB: the weights (87 GiB) must be streamed; CPU attention keeps the KV cache in host memory
-    plan = search(spec, hw, WL, 16 * GiB, 100 * GiB)
+    plan = search(spec, hw, WL, 16 * GiB, 200 * GiB)
     assert plan.policy.ffn_on_gpu and plan.policy.weights_gpu_fraction < 1 and not plan.policy.attention_on_gpu
     assert plan.bottleneck == "CPU-GPU link" and plan.seconds < 1.0
+    # the host holds every layer's weights, resident ones too (the executor keeps their host copies): with
+    # 100 GiB of host memory only ~13 GiB are left for host KV, and an exact pinned figure replaces the estimate
+    tight = search(spec, hw, WL, 16 * GiB, 100 * GiB)
+    assert tight.host_bytes["weights"] == pytest.approx(weights, rel=0.01)
+    assert sum(tight.host_bytes.values()) <= 100 * GiB and tight.policy.batch_size < plan.policy.batch_size
+    pinned = search(spec, hw, WL, 16 * GiB, 100 * GiB, host_weights=95 * GiB)
+    assert pinned.host_bytes["weights"] == 95 * GiB and sum(pinned.host_bytes.values()) <= 100 * GiB
     # a GPU that holds everything: all weights resident, no link traffic for weights
     big = search(spec, hw, WL, 400 * GiB, 100 * GiB)
     assert big.policy.weights_gpu_fraction == 1.0 and big.tokens_per_s > plan.tokens_per_s

@@ -126,8 +126,9 @@ def run_batch(pipeline, tokenizer, requests: list[Request], params: SamplingPara
 
 
 def auto_policy(spec, prompt_len: int, gen_len: int, dtype_bytes: int, gpu_budget: int | None,
-                profile: str | None = None) -> Policy:
-    """The planner's choice for this workload on a hardware profile (a JSON file, or this machine's, cached)."""
+                profile: str | None = None, host_weights: int | None = None) -> Policy:
+    """The planner's choice for this workload on a hardware profile (a JSON file, or this machine's, cached);
+    host_weights: the pinned bytes of the loaded model's layers (layer_weights.host_weight_bytes)."""
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
     from moeserve.plan.roofline import Workload
     from moeserve.plan.search import search
@@ -137,4 +138,4 @@ def auto_policy(spec, prompt_len: int, gen_len: int, dtype_bytes: int, gpu_budge
     if budget is None:
         raise MoeserveError("--auto needs a GPU (or --gpu-memory) to plan for")
     wl = Workload(prompt_len, gen_len, weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, act_bytes=dtype_bytes)
-    return search(spec, hw, wl, budget, HOST_SHARE * hw.ram_bytes).policy
+    return search(spec, hw, wl, budget, HOST_SHARE * hw.ram_bytes, host_weights=host_weights).policy

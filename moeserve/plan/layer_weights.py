@@ -54,6 +54,14 @@ def pinned_size(nbytes: int, pinned: bool = True) -> int:
     return 1 << (nbytes - 1).bit_length() if pinned and nbytes else nbytes
 
 
+def host_weight_bytes(model: nn.Module, pinned: bool = True) -> int:
+    """Host bytes the executor keeps for the model's weights: every layer (resident ones too: their host copies
+    stay) plus embedding and head, each storage once (layers may share tensors), as torch pins them when
+    `pinned` (only the layers are pinned: rounding the embedding too over-counts a little)."""
+    storages = {p.data.untyped_storage().data_ptr(): p.data.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(pinned_size(n, pinned) for n in storages.values())
+
+
 def pin_host_weights(layers: nn.ModuleList) -> None:
     """Page-lock the host layers' parameters (once per storage: layers may share tensors) for async DMA."""
     pinned: dict[int, torch.Tensor] = {}

@@ -47,16 +47,18 @@ def candidates(max_batch: int, step: float = 0.1) -> Candidates:
 # ---- memory ------------------------------------------------------------------------------------
 
 
-def memory(spec: ModelSpec, wl: Workload, c: Candidates) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def memory(spec: ModelSpec, wl: Workload, c: Candidates,
+           host_weights: float | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(GPU bytes by part, host bytes by part) each candidate needs.
 
     GPU: embedding + LM head; the resident share f_w of the weights of GPU-placed operators; two buffers
     for the streamed share of the largest layer (one in use, one being filled); the GPU share of the
     KV cache, two staging buffers of one layer's host KV per micro-batch; activations of one prefill
     micro-batch (n * prompt_len tokens: hidden states, q/k/v, the FFN intermediates of its top-k
-    experts) and fp32 logits of n sequences. Host: the streamed share of the GPU weights, the weights of
-    CPU-placed operators, the host share of the KV cache as the pipeline pins it (a k and a v tensor per
-    micro-batch, each rounded up to a power of two by torch's page-locked allocator).
+    experts) and fp32 logits of n sequences. Host: every layer's weights (the executor keeps the host copies
+    of resident layers too; `host_weights`, when known from the loaded model, is the exact pinned figure:
+    layer_weights.host_weight_bytes), the host share of the KV cache as the pipeline pins it (a k and a v
+    tensor per micro-batch, each rounded up to a power of two by torch's page-locked allocator).
     """
     D, wb, ab = spec.hidden_size, wl.weight_bytes, wl.act_bytes
     ag, fg, fw = c.attention_on_gpu, c.ffn_on_gpu, c.weights_gpu_fraction
@@ -85,7 +87,8 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates) -> tuple[dict[str, np.n
     }
     host_kv_half = (1 - kv_gpu) * c.micro_batch * kv_per_seq / 2  # the k (or v) cache of one micro-batch
     pinned = np.where(host_kv_half > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_half, 1.0))), 0.0)
-    host = {"weights": (1 - fw) * gpu_weights + host_only, "KV cache": 2 * c.num_micro_batches * pinned}
+    weights = gpu_weights + host_only if host_weights is None else np.full_like(gpu_weights + host_only, host_weights)
+    host = {"weights": weights, "KV cache": 2 * c.num_micro_batches * pinned}
     return gpu, host
 
 
@@ -111,19 +114,19 @@ def _pick(values: dict[str, np.ndarray], i: int) -> dict[str, float]:
     return {k: value_at(v, i) for k, v in values.items()}
 
 
-def evaluate_all(spec: ModelSpec, hw: HardwareProfile, wl: Workload, c: Candidates):
+def evaluate_all(spec: ModelSpec, hw: HardwareProfile, wl: Workload, c: Candidates, host_weights: float | None = None):
     """(throughput figures, GPU bytes by part, host bytes by part) for every candidate."""
-    return (throughput(spec, wl, c, Rates.of(hw)), *memory(spec, wl, c))
+    return (throughput(spec, wl, c, Rates.of(hw)), *memory(spec, wl, c, host_weights))
 
 
 def search(spec: ModelSpec, hw: HardwareProfile, wl: Workload, gpu_budget: float, host_budget: float,
-           max_batch: int = 4096, step: float = 0.1) -> Plan:
+           max_batch: int = 4096, step: float = 0.1, host_weights: float | None = None) -> Plan:
     """The feasible candidate with the highest predicted throughput. Candidates within 0.1% of the best
     count as tied (the model cannot tell them apart); among those: smallest N, then largest n (fewer
     launches), then least GPU memory."""
     t0 = time.perf_counter()
     c = candidates(max_batch, step)
-    perf, gpu, host = evaluate_all(spec, hw, wl, c)
+    perf, gpu, host = evaluate_all(spec, hw, wl, c, host_weights)
     gpu_need, host_need = sum(gpu.values()), sum(host.values())
     fits = (gpu_need <= gpu_budget) & (host_need <= host_budget)
     if not fits.any():
