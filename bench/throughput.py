@@ -99,6 +99,14 @@ def fit_gpu(spec, policy: Policy, args, dtype, budget: int) -> tuple[Policy | No
         return None, f"GPU memory short: {format_bytes(sum(parts.values()))} ({terms}) > {format_bytes(budget)}"
 
 
+def full_model_weight_bytes(model, pinned: bool) -> int:
+    """Host bytes of the weights were every layer distinct (a real checkpoint): the bench shares the tensors of
+    layers i and i mod --distinct-layers to fit this host, which streams the same bytes but holds fewer."""
+    layers = model.model.layers
+    return (host_weight_bytes(model, pinned) - host_weight_bytes(layers, pinned)
+            + len(layers) * host_weight_bytes(layers[:1], pinned))
+
+
 def host_shortage(spec, policy: Policy, args, dtype, host: dict) -> str | None:
     """Why the batch's pinned KV caches do not fit the host next to the pinned weights (None: they fit)."""
     kv = host_kv_bytes(spec, policy, args.prompt + args.gen, dtype.itemsize, host["pinned"])
@@ -238,8 +246,10 @@ def measured_row(model, spec, schedule: str, budget, policy: Policy, rejected: l
     """Run the policy; its result row (timings, host memory, the larger N rejected, the prediction), printed."""
     source = "hand (--quick)" if args.quick else "planner" if schedule == "planned" else "fitted to budget"
     row = dict(schedule=schedule, budget_bytes=budget, policy_from=source, **run(model, policy, device, args))
-    row["host_bytes_needed"] = host["weights"] + host_kv_bytes(spec, policy, args.prompt + args.gen, dtype.itemsize,
-                                                               host["pinned"])
+    kv = host_kv_bytes(spec, policy, args.prompt + args.gen, dtype.itemsize, host["pinned"])
+    row["host_bytes_needed"] = host["weights"] + kv
+    row["host_bytes_full_model"] = host["weights_full_model"] + kv  # what a real checkpoint would pin
+    row["fits_host_with_full_model"] = row["host_bytes_full_model"] <= host["budget"]
     row["larger_batches_rejected"] = rejected
     row["predicted_decode_tokens_per_s"] = predicted(spec, policy, args, dtype, hw)
     if row["predicted_decode_tokens_per_s"]:
@@ -248,7 +258,10 @@ def measured_row(model, spec, schedule: str, budget, policy: Policy, rejected: l
     print(f"{(budget or 0) / GiB:5.1f} GiB {schedule:8s} N={p.batch_size:4d} n={p.micro_batch:4d} "
           f"w={p.weights_gpu_fraction:.2f} kv={p.kv_gpu_fraction:.2f}  {row['decode_tokens_per_s']:8.1f} "
           f"decode tok/s  {row['tokens_per_s']:8.1f} tok/s end-to-end  setup {row['setup_s']:.1f} s  "
-          f"prefill {row['prefill_s']:.1f} s  predicted {row['predicted_decode_tokens_per_s'] or 0:8.1f}", flush=True)
+          f"prefill {row['prefill_s']:.1f} s  predicted {row['predicted_decode_tokens_per_s'] or 0:8.1f}"
+          + ("" if row["fits_host_with_full_model"] else
+             f"  (a real checkpoint would need {format_bytes(row['host_bytes_full_model'])} of host memory)"),
+          flush=True)
     return row
 
 
@@ -274,7 +287,8 @@ def main(argv=None) -> int:
     hw = load_or_measure() if cuda else None
     model = host_model(spec, min(args.distinct_layers, spec.num_layers), dtype, cuda)
     ram = total_ram()
-    host = {"ram": ram, "budget": HOST_SHARE * ram, "weights": host_weight_bytes(model, cuda), "pinned": cuda}
+    host = {"ram": ram, "budget": HOST_SHARE * ram, "weights": host_weight_bytes(model, cuda), "pinned": cuda,
+            "weights_full_model": full_model_weight_bytes(model, cuda)}
     if cuda:  # CUDA context, cuBLAS and Triton kernels, the first pinned blocks: not in any timed run
         run(model, Policy(8, 4, weights_gpu_fraction=0.0, **SCHEDULES["cgopipe"]), device, args, steps=2)
     rows = []
@@ -289,8 +303,8 @@ def main(argv=None) -> int:
                 continue
             rows.append(measured_row(model, spec, schedule, budget, policy, rejected, args, dtype, host, hw, device))
     for r in ratios(rows, budgets):
-        model = f" (model: {r['predicted']:.2f})" if r.get("predicted") else ""
-        print(f"{(r['budget_bytes'] or 0) / GiB:5.1f} GiB {r['ratio']}: {r['value']:.2f}{model}", flush=True)
+        by_model = f" (model: {r['predicted']:.2f})" if r.get("predicted") else ""
+        print(f"{(r['budget_bytes'] or 0) / GiB:5.1f} GiB {r['ratio']}: {r['value']:.2f}{by_model}", flush=True)
         rows.append(r)
     record = result_record("throughput", {"shape": QUICK if args.quick else MIXTRAL, "quick": args.quick,
                                           "prompt": args.prompt, "gen": args.gen, "steps": args.steps,
