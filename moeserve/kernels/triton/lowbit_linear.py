@@ -1,19 +1,23 @@
 """W{2,3,4,8}A16 matmul in Triton for decode (1..64 rows), dense or over expert-sorted rows, on the pack.py layout.
 
 Each program owns BLOCK_N outputs and one of SPLIT_K slices of the input dimension (so that a 4096-output
-matrix still fills every SM). Per step it reads C *columns* of its packed rows as [BLOCK_N, C] int32 tiles
-(contiguous, coalesced): a column is one word (2/4/8 bits) or one 32-value 3-bit unit, read as its three
-stored words (values 10t..10t+7 in bits 0..23) plus a fourth rebuilt from their bits 24..31 (values 8, 9,
-18, 19, 28, 29, 30, 31). Value i of a word is one shift and mask away, and x is gathered in that order
-instead of reordering codes. A column never spans two groups, so scale and zero are read per column.
+matrix still fills every SM). A *column* of a packed row is one word (2/4/8 bits) or one 32-value 3-bit unit,
+read as its three stored words (values 10t..10t+7 in bits 0..23) plus a fourth rebuilt from their bits
+24..31 (values 8, 9, 18, 19, 28, 29, 30, 31). Value i of a word is one shift and mask away; codes become
+floats with the exponent trick (q | 0x4B000000 is the float 2^23 + q), not a quarter-rate int->float
+conversion. A column never spans two groups.
 
-    GEMV (one row, CUDA cores): acc[n, c] += s * (sum_i q_i x_i - z * sum_i x_i), summed over c at the end
-    DOT  (rows padded to BLOCK_M >= 16): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one dot per i
+    GEMV (one row, CUDA cores): the weight tile is [BLOCK_N, groups, columns per group], so 2/4/8-bit words
+        load as 16-byte vectors and scale/zero once per (row, group); x comes prepared (prepare_x: the inputs
+        of each value slot side by side, plus each column's sum of x), so its loads are vectors shared by all
+        rows and acc += s * (sum_i q_i x_i - z * sum x) needs no per-value zero term. The next step's words
+        are loaded before this step's arithmetic.
+    DOT  (rows padded to BLOCK_M >= 16, tensor cores): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one
+        dot per value slot over [BLOCK_N, C] column tiles, x gathered in slot order.
 
-All tensors stay 2-D in one layout (no reshapes). Codes become floats with the exponent trick
-(q | 0x4B000000 is the float 2^23 + q), not a quarter-rate int->float conversion. SPLIT_K > 1 accumulates with
-fp32 atomics into a zeroed output. An optional low-rank compensator adds (x V^T) U^T in the epilogue of the
-first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the kernel reads U once per output block.
+SPLIT_K > 1 accumulates with fp32 atomics into a zeroed output. An optional low-rank compensator adds
+(x V^T) U^T in the epilogue of the first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the
+kernel reads U once per output block.
 """
 
 from __future__ import annotations
