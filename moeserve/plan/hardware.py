@@ -165,7 +165,8 @@ def measure(quick: bool | None = None) -> HardwareProfile:
                cpu_bf16_flops=_matmul_flops(torch, "cpu", torch.bfloat16, cpu_n, no_sync, budget),
                dram_bandwidth=_copy_bandwidth(torch, "cpu", (16 if quick else 256) * MIB, no_sync, budget))
     gpu = _measure_gpu(torch, budget) if gpu_name is not None else {}
-    overhead = micro_batch_overhead("cuda" if gpu_name is not None else "cpu", steps=2 if quick else 6)
+    # the executor's overhead only matters to the planner, which needs a GPU profile
+    overhead = micro_batch_overhead("cuda", steps=2 if quick else 6) if gpu_name is not None else 0.0
     return HardwareProfile(**cpu, gpu_name=gpu_name, **gpu, micro_batch_overhead=overhead,
                            measured=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, blocks, check_activation,
-                                                   check_weight, launch, prepare_x)
+                                                   check_weight, kernel_x, launch)
 
 
 @dataclass
@@ -87,9 +87,9 @@ def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ta
     lr = p.low_rank_inputs(x_sorted, table)
     u, xv = lr if lr is not None else (h, h)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
-        x_sorted if use_dot else prepare_x(x_sorted, p.bits), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F, p.in_features,
-        xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], BITS=p.bits, GROUP=p.group,
-        USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
+        kernel_x(x_sorted, p.bits, use_dot), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F,
+        p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], BITS=p.bits,
+        GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
         PRECISION="ieee" if x_sorted.dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
         BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))

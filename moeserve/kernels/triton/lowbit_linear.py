@@ -110,10 +110,16 @@ def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, T: tl.constexpr, B
 
 
 @triton.jit
+def _group_cols(g, CPG: tl.constexpr):
+    """The columns of groups g [G]: [G, CPG]."""
+    return g[:, None] * CPG + tl.arange(0, CPG)[None, :]
+
+
+@triton.jit
 def _gemv_words(row_ptr, n_mask, g, CPG: tl.constexpr, g_end, BITS: tl.constexpr):
     """The packed words of groups g [G] of the rows: one [BLOCK_N, G, CPG] tile (2/4/8 bits) or a 3-bit unit's
     three stored words (stride 3). The mask is per group (constant over CPG columns: vector loads)."""
-    col = g[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [G, CPG]
+    col = _group_cols(g, CPG)
     mask = n_mask[:, None, None] & (g < g_end)[None, :, None]
     ptr = row_ptr[:, None, None] + col[None, :, :] * (3 if BITS == 3 else 1)
     w0 = tl.load(ptr, mask=mask, other=0)
@@ -143,9 +149,10 @@ def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, gro
         g = step * G + g_in_step  # [G]
         w0, w1, w2 = n0, n1, n2
         n0, n1, n2 = _gemv_words(row_ptr, n_mask, g + G, CPG, g_end, BITS)  # the next step's, in flight now
-        col = g[:, None] * CPG + tl.arange(0, CPG)[None, :]  # [G, CPG]
-        c_ok = (g < g_end)[:, None]
-        g_mask = n_mask[:, None] & (g < g_end)[None, :]
+        col = _group_cols(g, CPG)  # [G, CPG]
+        g_ok = g < g_end
+        c_ok = g_ok[:, None]
+        g_mask = n_mask[:, None] & g_ok[None, :]
         s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)  # [BLOCK_N, G]
         z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)
         xs = tl.load(xw_row + VPC * cols + col, mask=c_ok, other=0.0)  # [G, CPG] sum of each column's x
@@ -329,6 +336,11 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.conste
     tl.store(xw_row + VPC * cols + c, total, mask=c_ok)
 
 
+def kernel_x(x: torch.Tensor, bits: int, use_dot: bool) -> torch.Tensor:
+    """What the kernels read as x: x itself for tensor-core tiles, prepare_x(x) for the one-row path."""
+    return x if use_dot else prepare_x(x, bits)
+
+
 def prepare_x(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x [M, K] -> [M, VPC + 1, K / VPC] fp32 for the one-row kernel: the inputs of value slot j of every column
     side by side (slot j of a 3-bit unit = value i of its word T, j = 8T + i), then each column's sum of x."""
@@ -362,9 +374,9 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     chunks = triton.cdiv(rows_per_block, block_m)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     _lowbit_kernel[grid](
-        x if use_dot else prepare_x(x, bits), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
-        per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None, USE_DOT=use_dot, HAS_LR=lowrank is not None,
-        ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        kernel_x(x, bits, use_dot), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
+        qweight.shape[-1], scale.shape[-1], per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None,
+        USE_DOT=use_dot, HAS_LR=lowrank is not None, ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
