@@ -32,8 +32,8 @@ from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # 5x the H100's L2
 GROUP = 64
-GEMV_SWEEP = [(32, 256, 4), (64, 256, 4), (128, 256, 4), (64, 512, 4), (128, 512, 8), (128, 256, 8),
-              (256, 256, 8)]  # BLOCK_N, BLOCK_K, warps
+GEMV_SWEEP = [(16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 256, 4), (64, 256, 4),
+              (128, 256, 8)]  # BLOCK_N, BLOCK_K, warps (BLOCK_N * groups per step < threads: no layout conversion)
 DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
@@ -79,8 +79,10 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
     out = []
     for bn, bk, warps in sweep:
         auto = split_for(-(-N // bn), -(-K // bk))
-        for split in sorted(({auto, 2 * auto} if M == 1 else {1, auto}) if not quick else {auto}):
-            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=min(split, 16))
+        steps = -(-K // bk)
+        splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto}
+        for split in sorted(splits if not quick else {auto}):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
             if cfg not in out:
                 out.append(cfg)
     return out

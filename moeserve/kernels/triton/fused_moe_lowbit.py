@@ -87,7 +87,7 @@ def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ta
     lr = p.low_rank_inputs(x_sorted, table)
     u, xv = lr if lr is not None else (h, h)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
-        kernel_x(x_sorted, p.bits, use_dot), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F,
+        kernel_x(x_sorted, p.bits, use_dot, block_k), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F,
         p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], BITS=p.bits,
         GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
         PRECISION="ieee" if x_sorted.dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,

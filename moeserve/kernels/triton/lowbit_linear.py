@@ -32,9 +32,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _code(word, i: tl.constexpr, BITS: tl.constexpr):
-    """Value i of each word as a float: the exponent trick, no int->float conversion (quarter rate)."""
-    q = ((word >> (i * BITS)) & ((1 << BITS) - 1)) | 0x4B000000  # the float 2^23 + q
-    return q.to(tl.float32, bitcast=True) - 8388608.0
+    """Value i of each word as the float 2^BITS + q: one shift puts its bits on top of the mantissa, one LOP3 masks
+    them and sets the exponent (no subtract, no int->float conversion; callers take off 2^BITS per value)."""
+    SHIFT: tl.constexpr = 23 - BITS - i * BITS  # value i's lowest bit lands on mantissa bit 23 - BITS
+    if SHIFT >= 0:
+        w = word << SHIFT
+    else:
+        w = word >> -SHIFT  # arithmetic: the sign bits land above the mask
+    q = (w & (((1 << BITS) - 1) << (23 - BITS))) | ((127 + BITS) << 23)
+    return q.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -86,13 +92,16 @@ def _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP: tl.c
 
 
 @triton.jit
-def _word_gemv(word, xw_row, col, c_ok, cols, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
-    """sum_i q_i x_i [BLOCK_N, G, CPG] over the PER values of each word; x of value i of column c is the
-    prepared xw_row[(SLOT0 + i) * cols + c] (contiguous in c: vector loads, shared by all BLOCK_N rows)."""
-    qx = tl.zeros(word.shape, dtype=tl.float32)
+def _word_gemv(qx, word, x_step, col, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, CPS: tl.constexpr):
+    """qx [BLOCK_N, G, CPG] + sum_i (2^BITS + q_i) x_i over the PER values of each word (qx None: start the sum).
+    x of value i of column c is x_step[(SLOT0 + i) * CPS + c] of this step's prepared x: a constant offset from one
+    address, vector loads shared by all BLOCK_N rows."""
     for i in tl.static_range(PER):
-        x = tl.load(xw_row + (SLOT0 + i) * cols + col, mask=c_ok, other=0.0)  # [G, CPG] fp32
-        qx += _code(word, i, BITS) * x[None, :, :]
+        x = tl.load(x_step + (SLOT0 + i) * CPS + col)  # [G, CPG] fp32
+        if qx is None:
+            qx = _code(word, i, BITS) * x[None, :, :]
+        else:
+            qx += _code(word, i, BITS) * x[None, :, :]
     return qx
 
 
@@ -116,54 +125,51 @@ def _group_cols(g, CPG: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words(row_ptr, n_mask, g, CPG: tl.constexpr, g_end, BITS: tl.constexpr):
-    """The packed words of groups g [G] of the rows: one [BLOCK_N, G, CPG] tile (2/4/8 bits) or a 3-bit unit's
-    three stored words (stride 3). The mask is per group (constant over CPG columns: vector loads)."""
-    col = _group_cols(g, CPG)
-    mask = n_mask[:, None, None] & (g < g_end)[None, :, None]
-    ptr = row_ptr[:, None, None] + col[None, :, :] * (3 if BITS == 3 else 1)
-    w0 = tl.load(ptr, mask=mask, other=0)
+def _gemv_words(row_ptr, g, CPG: tl.constexpr, BITS: tl.constexpr):
+    """The packed words of groups g [G] (in range) of the rows: one [BLOCK_N, G, CPG] tile (2/4/8 bits: vector
+    loads) or a 3-bit unit's three stored words (stride 3). No mask: rows and groups come clamped in range."""
+    ptr = row_ptr[:, None, None] + _group_cols(g, CPG)[None, :, :] * (3 if BITS == 3 else 1)
+    w0 = tl.load(ptr)
     if BITS == 3:
-        w1 = tl.load(ptr + 1, mask=mask, other=0)
-        w2 = tl.load(ptr + 2, mask=mask, other=0)
+        w1 = tl.load(ptr + 1)
+        w2 = tl.load(ptr + 2)
     else:
         w1, w2 = w0, w0
     return w0, w1, w2
 
 
 @triton.jit
-def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, groups_per_row,
+def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, groups_per_row,
           BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr):
     """One row times steps [step0, step1) of the weight, a step = G whole groups of CPG columns: [BLOCK_N] fp32.
 
-    xw_ptr: the prepared x [rows, VPC + 1, cols] (prepare_x). Per column s * (sum q x - z * sum x), with
-    scale/zero loaded once per (row, group) and broadcast over its columns; the next step's words are loaded
-    before this step's arithmetic (two steps in flight per thread)."""
-    cols = groups_per_row * CPG  # as a multiple of groups_per_row: its divisibility makes x loads vectors
-    xw_row = xw_ptr + row.to(tl.int64) * (VPC + 1) * cols
+    xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
+    s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
+    rows (row_ptr, grp_ptr) and groups are clamped in range and the zero x past the end cancels what they read.
+    The next step's words are loaded before this step's arithmetic (two steps in flight per thread)."""
+    CPS: tl.constexpr = G * CPG  # columns per step
+    xw_row = xw_ptr + row.to(tl.int64) * steps * (VPC + 1) * CPS
+    col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
+    last = groups_per_row - 1
     acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
-    g_in_step = tl.arange(0, G)
-    g_end = tl.minimum(step1 * G, groups_per_row)  # this K slice's groups end here
-    n0, n1, n2 = _gemv_words(row_ptr, n_mask, step0 * G + g_in_step, CPG, g_end, BITS)
+    n0, n1, n2 = _gemv_words(row_ptr, tl.minimum(step0 * G + tl.arange(0, G), last), CPG, BITS)
     for step in range(step0, step1):
-        g = step * G + g_in_step  # [G]
+        g = tl.minimum(step * G + tl.arange(0, G), last)  # [G]
         w0, w1, w2 = n0, n1, n2
-        n0, n1, n2 = _gemv_words(row_ptr, n_mask, g + G, CPG, g_end, BITS)  # the next step's, in flight now
-        col = _group_cols(g, CPG)  # [G, CPG]
-        g_ok = g < g_end
-        c_ok = g_ok[:, None]
-        g_mask = n_mask[:, None] & g_ok[None, :]
-        s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)  # [BLOCK_N, G]
-        z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=g_mask, other=0.0).to(tl.float32)
-        xs = tl.load(xw_row + VPC * cols + col, mask=c_ok, other=0.0)  # [G, CPG] sum of each column's x
+        n0, n1, n2 = _gemv_words(row_ptr, tl.minimum(g + G, last), CPG, BITS)  # the next step's, in flight now
+        x_step = xw_row + step * (VPC + 1) * CPS
+        sz = grp_ptr[:, None, None] + g[None, :, None]  # [BLOCK_N, G, 1]: loaded in the tile's layout
+        s = tl.load(s_ptr + sz).to(tl.float32)
+        z = tl.load(z_ptr + sz).to(tl.float32)
+        xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
         if BITS == 3:
-            qx = _word_gemv(w0, xw_row, col, c_ok, cols, 0, BITS, 8)
-            qx += _word_gemv(w1, xw_row, col, c_ok, cols, 8, BITS, 8)
-            qx += _word_gemv(w2, xw_row, col, c_ok, cols, 16, BITS, 8)
-            qx += _word_gemv(_top_word(w0, w1, w2), xw_row, col, c_ok, cols, 24, BITS, 8)
+            qx = _word_gemv(None, w0, x_step, col, 0, BITS, 8, CPS)
+            qx = _word_gemv(qx, w1, x_step, col, 8, BITS, 8, CPS)
+            qx = _word_gemv(qx, w2, x_step, col, 16, BITS, 8, CPS)
+            qx = _word_gemv(qx, _top_word(w0, w1, w2), x_step, col, 24, BITS, 8, CPS)
         else:
-            qx = _word_gemv(w0, xw_row, col, c_ok, cols, 0, BITS, VPC)
-        acc += s[:, :, None] * (qx - z[:, :, None] * xs[None, :, :])
+            qx = _word_gemv(None, w0, x_step, col, 0, BITS, VPC, CPS)
+        acc += s * (qx - (z + (1 << BITS)) * xs[None, :, :])  # qx holds 2^BITS extra per value
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
@@ -177,7 +183,7 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
         col = step * C + tl.arange(0, C)
         base = col * VPC
         s, z = _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP)
-        zs = z * s
+        zs = (z + (1 << BITS)) * s  # _code's values carry 2^BITS
         if BITS == 3:
             w0, w1, w2, top = _unit_words(row_ptr, n_mask, col, words_per_row)
             acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, 0, BITS, 8, PRECISION)
@@ -222,9 +228,9 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1
     if USE_DOT:
         acc = _dot(x_ptr, rows, r_mask, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K, words_per_row,
                    groups_per_row, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
-    else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, VPC + 1, K / VPC] (prepare_x)
-        acc = _gemv(x_ptr, row0, row_ptr, grp, s_base, z_base, n_mask, step0, step1, groups_per_row, BITS, BLOCK_N,
-                    C * VPC // GROUP, GROUP // VPC, VPC)[:, None]
+    else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
+        acc = _gemv(x_ptr, row0, row_ptr, grp, s_base, z_base, step0, step1, tl.cdiv(K, C * VPC), groups_per_row,
+                    BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC)[:, None]
     return acc, rows, r_mask
 
 
@@ -321,35 +327,37 @@ def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]
 
 
 @triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, BLOCK_C: tl.constexpr):
-    """xw[m, j, c] = x[m, input index of value slot j of column c]; xw[m, VPC, c] = the column's sum of x."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr):
+    """Step t of row m: xw[m, t, j, c] = x[m, input index of value slot j of column t * CPS + c], and
+    xw[m, t, VPC, c] = that column's sum of x; zero past the last column."""
+    c = tl.program_id(0) * CPS + tl.arange(0, CPS)
     c_ok = c < cols
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
-    xw_row = xw_ptr + tl.program_id(1).to(tl.int64) * (VPC + 1) * cols
-    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (VPC + 1) * CPS
+    total = tl.zeros((CPS,), dtype=tl.float32)
     for j in tl.static_range(VPC):
         off = _offset(c * VPC, j // 8 if BITS == 3 else -1, j % 8 if BITS == 3 else j)
         x = tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(xw_row + j * cols + c, x, mask=c_ok)
+        tl.store(xw_step + j * CPS + tl.arange(0, CPS), x)
         total += x
-    tl.store(xw_row + VPC * cols + c, total, mask=c_ok)
+    tl.store(xw_step + VPC * CPS + tl.arange(0, CPS), total)
 
 
-def kernel_x(x: torch.Tensor, bits: int, use_dot: bool) -> torch.Tensor:
+def kernel_x(x: torch.Tensor, bits: int, use_dot: bool, block_k: int) -> torch.Tensor:
     """What the kernels read as x: x itself for tensor-core tiles, prepare_x(x) for the one-row path."""
-    return x if use_dot else prepare_x(x, bits)
+    return x if use_dot else prepare_x(x, bits, block_k)
 
 
-def prepare_x(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x [M, K] -> [M, VPC + 1, K / VPC] fp32 for the one-row kernel: the inputs of value slot j of every column
-    side by side (slot j of a 3-bit unit = value i of its word T, j = 8T + i), then each column's sum of x."""
+def prepare_x(x: torch.Tensor, bits: int, block_k: int) -> torch.Tensor:
+    """x [M, K] -> [M, steps, VPC + 1, CPS] fp32 for the one-row kernel, a step = block_k inputs = CPS columns: per
+    step, the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
+    j = 8T + i), then each column's sum of x. The kernel finds slot j at a constant offset from the step."""
     per_column = 32 if bits == 3 else 32 // bits
     M, K = x.shape
-    cols = K // per_column
-    xw = torch.empty(M, per_column + 1, cols, dtype=torch.float32, device=x.device)
-    block = min(256, triton.next_power_of_2(cols))
-    _prepare_x_kernel[(triton.cdiv(cols, block), M)](x, xw, K, cols, BITS=bits, VPC=per_column, BLOCK_C=block)
+    cols, cps = K // per_column, block_k // per_column
+    steps = triton.cdiv(cols, cps)
+    xw = torch.empty(M, steps, per_column + 1, cps, dtype=torch.float32, device=x.device)
+    _prepare_x_kernel[(steps, M)](x, xw, K, cols, BITS=bits, VPC=per_column, CPS=cps)
     return xw
 
 
@@ -374,7 +382,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     chunks = triton.cdiv(rows_per_block, block_m)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     _lowbit_kernel[grid](
-        kernel_x(x, bits, use_dot), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
+        kernel_x(x, bits, use_dot, block_k), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
         qweight.shape[-1], scale.shape[-1], per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None,
         USE_DOT=use_dot, HAS_LR=lowrank is not None, ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32),
