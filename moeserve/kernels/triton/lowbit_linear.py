@@ -65,30 +65,10 @@ def _load_words(row_ptr, n_mask, col, words_per_row, STRIDE: tl.constexpr, T: tl
 
 
 @triton.jit
-def _unit_words(row_ptr, n_mask, col, words_per_row):
-    """The 3-bit units `col`: their 3 stored words (values 10t..10t+7 in bits 0..23) and a rebuilt fourth
-    from bits 24..31 (values 8, 9, 18, 19, 28, 29 from bits 24..29, then the top pairs = values 30, 31)."""
-    w0 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 0)
-    w1 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 1)
-    w2 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 2)
-    return w0, w1, w2, _top_word(w0, w1, w2)
-
-
-@triton.jit
 def _top_word(w0, w1, w2):
     """A 3-bit unit's fourth word rebuilt from bits 24..31 of its three stored words."""
     top = ((w0 >> 24) & 0x3F) | (((w1 >> 24) & 0x3F) << 6) | (((w2 >> 24) & 0x3F) << 12)
     return top | (((w0 >> 30) & 3) << 18) | (((w1 >> 30) & 3) << 20) | (((w2 >> 30) & 3) << 22)
-
-
-@triton.jit
-def _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP: tl.constexpr):
-    """Scale and zero [BLOCK_N, C] of the group holding each column (a column never spans two groups)."""
-    g = base // GROUP
-    mask = n_mask[:, None] & (g < groups_per_row)[None, :]
-    s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
-    return s, z
 
 
 @triton.jit
@@ -125,9 +105,10 @@ def _group_cols(g, CPG: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words(row_ptr, g, CPG: tl.constexpr, BITS: tl.constexpr):
-    """The packed words of groups g [G] (in range) of the rows: one [BLOCK_N, G, CPG] tile (2/4/8 bits: vector
-    loads) or a 3-bit unit's three stored words (stride 3). No mask: rows and groups come clamped in range."""
+def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, g, CPG: tl.constexpr, BITS: tl.constexpr):
+    """What one step reads from HBM for groups g [G] (in range): the packed words, one [BLOCK_N, G, CPG] tile (2/4/8
+    bits: vector loads) or a 3-bit unit's three stored words (stride 3), and scale/zero [BLOCK_N, G, 1] (fp16, in the
+    tile's layout). No mask: rows and groups come clamped in range."""
     ptr = row_ptr[:, None, None] + _group_cols(g, CPG)[None, :, :] * (3 if BITS == 3 else 1)
     w0 = tl.load(ptr)
     if BITS == 3:
@@ -135,7 +116,8 @@ def _gemv_words(row_ptr, g, CPG: tl.constexpr, BITS: tl.constexpr):
         w2 = tl.load(ptr + 2)
     else:
         w1, w2 = w0, w0
-    return w0, w1, w2
+    sz = grp_ptr[:, None, None] + g[None, :, None]
+    return w0, w1, w2, tl.load(s_ptr + sz), tl.load(z_ptr + sz)
 
 
 @triton.jit
@@ -146,21 +128,20 @@ def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, grou
     xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
     rows (row_ptr, grp_ptr) and groups are clamped in range and the zero x past the end cancels what they read.
-    The next step's words are loaded before this step's arithmetic (two steps in flight per thread)."""
+    The next step's words and scale/zero are loaded before this step's arithmetic (two steps in flight per thread:
+    without it every step would wait a full HBM latency for its scales)."""
     CPS: tl.constexpr = G * CPG  # columns per step
     xw_row = xw_ptr + row.to(tl.int64) * steps * (VPC + 1) * CPS
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
-    n0, n1, n2 = _gemv_words(row_ptr, tl.minimum(step0 * G + tl.arange(0, G), last), CPG, BITS)
+    nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum(step0 * G + tl.arange(0, G), last), CPG, BITS)
     for step in range(step0, step1):
-        g = tl.minimum(step * G + tl.arange(0, G), last)  # [G]
-        w0, w1, w2 = n0, n1, n2
-        n0, n1, n2 = _gemv_words(row_ptr, tl.minimum(g + G, last), CPG, BITS)  # the next step's, in flight now
+        w0, w1, w2, s, z = nxt
+        nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step + 1) * G + tl.arange(0, G), last), CPG,
+                          BITS)  # the next step's, in flight now
+        s, z = s.to(tl.float32), z.to(tl.float32)
         x_step = xw_row + step * (VPC + 1) * CPS
-        sz = grp_ptr[:, None, None] + g[None, :, None]  # [BLOCK_N, G, 1]: loaded in the tile's layout
-        s = tl.load(s_ptr + sz).to(tl.float32)
-        z = tl.load(z_ptr + sz).to(tl.float32)
         xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
         if BITS == 3:
             qx = _word_gemv(None, w0, x_step, col, 0, BITS, 8, CPS)
@@ -174,25 +155,48 @@ def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, grou
 
 
 @triton.jit
+def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
+               GROUP: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+    """What step `step` of the tensor-core path reads from HBM: the words of its C columns [BLOCK_N, C] (a 3-bit
+    unit's three) and their scale/zero (fp16), masked past the row."""
+    col = step * C + tl.arange(0, C)
+    g = col * VPC // GROUP
+    mask = n_mask[:, None] & (g < groups_per_row)[None, :]
+    s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
+    z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
+    if BITS == 3:
+        w0 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 0)
+        w1 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 1)
+        w2 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 2)
+    else:
+        w0 = _load_words(row_ptr, n_mask, col, words_per_row, 1, 0)
+        w1, w2 = w0, w0
+    return w0, w1, w2, s, z
+
+
+@triton.jit
 def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
          groups_per_row, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
-    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand)."""
+    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand).
+    The next step's words and scale/zero are loaded before this step's dots."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step0, words_per_row, groups_per_row, BITS, GROUP, C,
+                     VPC)
     for step in range(step0, step1):
-        col = step * C + tl.arange(0, C)
-        base = col * VPC
-        s, z = _scale_zero(s_ptr, z_ptr, grp_ptr, n_mask, base, groups_per_row, GROUP)
-        zs = (z + (1 << BITS)) * s  # _code's values carry 2^BITS
+        w0, w1, w2, s, z = nxt
+        nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step + 1, words_per_row, groups_per_row, BITS, GROUP,
+                         C, VPC)
+        base = (step * C + tl.arange(0, C)) * VPC
+        s = s.to(tl.float32)
+        zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
         if BITS == 3:
-            w0, w1, w2, top = _unit_words(row_ptr, n_mask, col, words_per_row)
             acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, 0, BITS, 8, PRECISION)
             acc = _word_dot(acc, w1, s, zs, x_ptr, rows, r_mask, base, K, 1, BITS, 8, PRECISION)
             acc = _word_dot(acc, w2, s, zs, x_ptr, rows, r_mask, base, K, 2, BITS, 8, PRECISION)
-            acc = _word_dot(acc, top, s, zs, x_ptr, rows, r_mask, base, K, 3, BITS, 8, PRECISION)
+            acc = _word_dot(acc, _top_word(w0, w1, w2), s, zs, x_ptr, rows, r_mask, base, K, 3, BITS, 8, PRECISION)
         else:
-            word = _load_words(row_ptr, n_mask, col, words_per_row, 1, 0)
-            acc = _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, -1, BITS, VPC, PRECISION)
+            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, -1, BITS, VPC, PRECISION)
     return acc
 
 
