@@ -38,11 +38,12 @@ DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 
 
 def random_layer(N: int, K: int, bits: int, device, rank: int = 0) -> QuantizedLinear:
     """Random codes, scales and zeros (never zeros: each call draws fresh ones), optional bf16 compensator."""
-    qw = QuantizedWeight(codes=torch.randint(0, 1 << bits, (N, K), dtype=torch.uint8),
-                         scale=(torch.rand(N, K // GROUP) * 0.01 + 1e-3).half(),
-                         zero=(torch.rand(N, K // GROUP) * ((1 << bits) - 1)).half(), bits=bits, group=GROUP,
-                         shape=(N, K))
-    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.01, torch.randn(rank, K) * 0.01, 16) if rank else None
+    qw = QuantizedWeight(codes=torch.randint(0, 1 << bits, (N, K), dtype=torch.uint8, device=device),
+                         scale=(torch.rand(N, K // GROUP, device=device) * 0.01 + 1e-3).half(),
+                         zero=(torch.rand(N, K // GROUP, device=device) * ((1 << bits) - 1)).half(), bits=bits,
+                         group=GROUP, shape=(N, K))  # drawn and packed on the device: seconds, not minutes, on a GPU
+    comp = (milo.compensator_to_buffers(torch.randn(N, rank, device=device) * 0.01,
+                                        torch.randn(rank, K, device=device) * 0.01, 16) if rank else None)
     return QuantizedLinear.from_quantized(qw, comp, rank, 16).to(device)
 
 

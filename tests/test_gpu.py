@@ -161,8 +161,9 @@ def _random_quantized(N, K, bits, rank=0):
     from moeserve.quant import hqq, milo
     from moeserve.quant.qlinear import QuantizedLinear
 
-    qw = hqq.quantize_hqq(torch.randn(N, K) * K ** -0.5, bits, 64)
-    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.05, torch.randn(rank, K) * 0.05, 16) if rank else None
+    qw = hqq.quantize_hqq(torch.randn(N, K, device="cuda") * K ** -0.5, bits, 64)  # on the GPU: the CPU takes minutes
+    comp = (milo.compensator_to_buffers(torch.randn(N, rank, device="cuda") * 0.05,
+                                        torch.randn(rank, K, device="cuda") * 0.05, 16) if rank else None)
     return QuantizedLinear.from_quantized(qw, comp, rank, 16).cuda()
 
 
