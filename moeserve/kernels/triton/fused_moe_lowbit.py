@@ -50,7 +50,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
                     F, K, R, words_per_row, groups_per_row,
                     BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, HAS_LR: tl.constexpr,
                     CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr):
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     MOE: tl.constexpr = True
@@ -65,10 +65,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
         if row0 < end:
             g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, 0, steps, K,
                                     words_per_row, groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
-                                    C, VPC)
+                                    C, VPC, AHEAD)
             u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + offs_n, n_mask, 0, steps, K,
                                     words_per_row, groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
-                                    C, VPC)
+                                    C, VPC, AHEAD)
             if HAS_LR:
                 lr_base = u_ptr + e * 2 * F * R
                 g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
@@ -91,7 +91,7 @@ def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ta
         p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], BITS=p.bits,
         GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
         PRECISION="ieee" if x_sorted.dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
-        BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), num_warps=cfg["num_warps"],
+        BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3))
 
 

@@ -122,24 +122,34 @@ def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, g, CPG: tl.constexpr, BITS: tl.c
 
 @triton.jit
 def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, groups_per_row,
-          BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr):
+          BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
+          AHEAD: tl.constexpr):
     """One row times steps [step0, step1) of the weight, a step = G whole groups of CPG columns: [BLOCK_N] fp32.
 
     xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
     rows (row_ptr, grp_ptr) and groups are clamped in range and the zero x past the end cancels what they read.
-    The next step's words and scale/zero are loaded before this step's arithmetic (two steps in flight per thread:
-    without it every step would wait a full HBM latency for its scales)."""
+    The next AHEAD steps' words and scale/zero are loaded before this step's arithmetic (AHEAD + 1 steps in flight
+    per thread: without it every step would wait a full HBM latency for its scales)."""
     CPS: tl.constexpr = G * CPG  # columns per step
     xw_row = xw_ptr + row.to(tl.int64) * steps * (VPC + 1) * CPS
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
     nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum(step0 * G + tl.arange(0, G), last), CPG, BITS)
+    if AHEAD == 2:
+        nxt2 = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step0 + 1) * G + tl.arange(0, G), last), CPG,
+                           BITS)
     for step in range(step0, step1):
         w0, w1, w2, s, z = nxt
-        nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step + 1) * G + tl.arange(0, G), last), CPG,
-                          BITS)  # the next step's, in flight now
+        if AHEAD == 2:
+            nxt = nxt2
+        nxt_last = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step + AHEAD) * G + tl.arange(0, G), last),
+                               CPG, BITS)  # AHEAD steps on, in flight now
+        if AHEAD == 2:
+            nxt2 = nxt_last
+        else:
+            nxt = nxt_last
         s, z = s.to(tl.float32), z.to(tl.float32)
         x_step = xw_row + step * (VPC + 1) * CPS
         xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
@@ -222,7 +232,7 @@ def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.conste
 @triton.jit
 def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1, K, words_per_row, groups_per_row,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr):
     """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows offs_n: (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
     rows = row0 + tl.arange(0, BLOCK_M)
     r_mask = rows < end
@@ -234,7 +244,7 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1
                    groups_per_row, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
     else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, row0, row_ptr, grp, s_base, z_base, step0, step1, tl.cdiv(K, C * VPC), groups_per_row,
-                    BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC)[:, None]
+                    BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD)[:, None]
     return acc, rows, r_mask
 
 
@@ -258,7 +268,8 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
                    M, N, K, R, words_per_row, groups_per_row, steps_per_split,
                    BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
                    HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   AHEAD: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -272,7 +283,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
         if row0 < end:
             acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
                                       z_ptr + e * N * groups_per_row, offs_n, n_mask, step0, step1, K, words_per_row,
-                                      groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
+                                      groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD)
             if HAS_LR:
                 if tl.program_id(1) == 0:
                     acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
@@ -389,7 +400,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
         kernel_x(x, bits, use_dot, block_k), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
         qweight.shape[-1], scale.shape[-1], per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None,
         USE_DOT=use_dot, HAS_LR=lowrank is not None, ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
