@@ -2,6 +2,7 @@
 
     python bench/kernels.py            # H100: Mixtral-size matrices, 1/16/64 rows, tuned launch configs
     python bench/kernels.py --quick    # tiny shapes in the Triton interpreter on a CPU (smoke run)
+    python bench/kernels.py --profile  # per-kernel GPU times (torch.profiler): GEMV and the 1-token MoE
 
 Each run first checks the kernel against dequantize + float32 matmul (real and odd shapes, compensator on),
 then times a small sweep of launch configs per (bits, shape, rows) and reports the best, which is also
@@ -85,6 +86,8 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
             if cfg not in out:
                 out.append(cfg)
+        if M == 1 and not quick:  # two steps of loads in flight: helps some shapes, costs others
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=auto, AHEAD=2))
     return out
 
 
@@ -138,18 +141,57 @@ def compensator_overhead(shapes, ranks, device, dtype, rotate) -> list[dict]:
     return out
 
 
+def profile_kernels(device) -> None:
+    """Per-kernel GPU time (torch.profiler) of the one-row GEMV and the 1-token low-bit Mixtral MoE: what each
+    launch costs besides the main kernel (prepare_x, output fill, routing, combine)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    def show(title, fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        print(f"== {title}")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            if e.device_time_total:
+                print(f"   {e.device_time_total / reps:8.1f} us/call  x{e.count // reps:<3d} {e.key[:90]}")
+
+    for N, K in [(14336, 4096), (4096, 14336)]:
+        for bits in (4, 3):
+            layers = [random_layer(N, K, bits, device) for _ in range(8)]
+            x = torch.randn(1, K, device=device, dtype=torch.bfloat16)
+            show(f"GEMV {N}x{K} {bits}-bit, 8 layers per call", lambda: [call(layer, x) for layer in layers], 5)
+    E, D, F = 8, 4096, 14336
+    for bits in (4, 3):
+        experts = QuantizedExperts([random_layer(2 * F, D, bits, device) for _ in range(E)],
+                                   [random_layer(D, F, bits, device) for _ in range(E)])
+        x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
+        ids, weights = torch.tensor([[1, 5]], device=device), torch.rand(1, 2, device=device)
+        show(f"Mixtral MoE block, 1 token, {bits}-bit experts", lambda: experts(x, ids, weights))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="time only the configs the dispatch picks")
+    ap.add_argument("--profile", action="store_true",
+                    help="only print per-kernel GPU times (torch.profiler) of the one-row GEMV and the 1-token MoE")
     ap.add_argument("--write-config", action="store_true",
                     help="merge the best swept configs into moeserve/kernels/triton/configs/<gpu>.json ('lowbit')")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.profile:
+        if device.type != "cuda":
+            sys.exit("--profile needs a CUDA GPU")
+        return profile_kernels(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = [(64, 256)] if args.quick else [(14336, 4096), (4096, 14336)]
     rows_list = (1, 16) if args.quick else (1, 16, 64)

@@ -19,7 +19,7 @@ def newest_runs(results_dir: Path) -> list[dict]:
     runs = {}
     for path in sorted(results_dir.glob("*.json")):
         rec = json.loads(path.read_text())
-        if rec.get("config", {}).get("quick"):
+        if "name" not in rec or rec.get("config", {}).get("quick"):  # hardware profiles are not benchmark runs
             continue
         key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
                json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))  # a run over fewer token counts

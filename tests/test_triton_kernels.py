@@ -86,7 +86,8 @@ WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("N,K,group,config", [(40, 96, 32, SPLIT), (70, 48, 16, WHOLE),  # K=48: padded rows
-                                               (33, 320, 64, SPLIT), (33, 320, 64, WHOLE)])
+                                               (33, 320, 64, SPLIT), (33, 320, 64, WHOLE),
+                                               (40, 96, 32, {**SPLIT, "AHEAD": 2})])  # two steps of loads ahead
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 

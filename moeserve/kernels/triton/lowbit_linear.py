@@ -3,17 +3,22 @@
 Each program owns BLOCK_N outputs and one of SPLIT_K slices of the input dimension (so that a 4096-output
 matrix still fills every SM). A *column* of a packed row is one word (2/4/8 bits) or one 32-value 3-bit unit,
 read as its three stored words (values 10t..10t+7 in bits 0..23) plus a fourth rebuilt from their bits
-24..31 (values 8, 9, 18, 19, 28, 29, 30, 31). Value i of a word is one shift and mask away; codes become
-floats with the exponent trick (q | 0x4B000000 is the float 2^23 + q), not a quarter-rate int->float
-conversion. A column never spans two groups.
+24..31 (values 8, 9, 18, 19, 28, 29, 30, 31). Value i of a word becomes the float 2^bits + q with one shift
+(its bits onto the top of the mantissa) and one LOP3 (mask, exponent): no subtract and no quarter-rate
+int->float conversion; the 2^bits per value comes off with the zero (z + 2^bits). A column never spans two
+groups.
 
     GEMV (one row, CUDA cores): the weight tile is [BLOCK_N, groups, columns per group], so 2/4/8-bit words
-        load as 16-byte vectors and scale/zero once per (row, group); x comes prepared (prepare_x: the inputs
-        of each value slot side by side, plus each column's sum of x), so its loads are vectors shared by all
-        rows and acc += s * (sum_i q_i x_i - z * sum x) needs no per-value zero term. The next step's words
-        are loaded before this step's arithmetic.
+        load as 16-byte vectors and scale/zero once per (row, group), in the tile's layout (keep BLOCK_N *
+        groups per step below the thread count, or Triton converts the tile through shared memory); x comes
+        prepared per step (prepare_x: the inputs of each value slot side by side, plus each column's sum of x),
+        so its loads are vectors at constant offsets shared by all rows, and acc += s * (sum_i f_i x_i -
+        (z + 2^bits) * sum x) needs no per-value zero term. Nothing in the loop is masked (rows and groups
+        clamped, x zero-padded); the next AHEAD steps' words and scale/zero are loaded before this step's
+        arithmetic.
     DOT  (rows padded to BLOCK_M >= 16, tensor cores): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one
-        dot per value slot over [BLOCK_N, C] column tiles, x gathered in slot order.
+        dot per value slot over [BLOCK_N, C] column tiles, x gathered in slot order; the next step's words and
+        scale/zero are loaded before this step's dots.
 
 SPLIT_K > 1 accumulates with fp32 atomics into a zeroed output. An optional low-rank compensator adds
 (x V^T) U^T in the epilogue of the first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the
