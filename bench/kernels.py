@@ -33,8 +33,9 @@ from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # 5x the H100's L2
 GROUP = 64
-GEMV_SWEEP = [(16, 256, 4), (32, 256, 8), (32, 128, 4), (16, 512, 8), (64, 128, 8),
-              (8, 512, 4)]  # 8 x 512: 256-byte runs per row per step, not yet timed on a GPU  # BLOCK_N, BLOCK_K, warps (BLOCK_N * groups per step < threads: no layout conversion)
+# BLOCK_N, BLOCK_K, warps; BLOCK_N * groups per step < threads, or Triton converts the tile's layout through shared
+# memory. 8 x 512 (256-byte runs per row per step) is not yet timed on a GPU.
+GEMV_SWEEP = [(16, 256, 4), (32, 256, 8), (32, 128, 4), (16, 512, 8), (64, 128, 8), (8, 512, 4)]
 DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
