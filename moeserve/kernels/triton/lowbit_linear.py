@@ -110,10 +110,11 @@ def _group_cols(g, CPG: tl.constexpr):
 
 
 @triton.jit
-def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, g, CPG: tl.constexpr, BITS: tl.constexpr):
-    """What one step reads from HBM for groups g [G] (in range): the packed words, one [BLOCK_N, G, CPG] tile (2/4/8
-    bits: vector loads) or a 3-bit unit's three stored words (stride 3), and scale/zero [BLOCK_N, G, 1] (fp16, in the
-    tile's layout). No mask: rows and groups come clamped in range."""
+def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr):
+    """What step `step` reads from HBM, its G groups clamped to the last (`last`): the packed words, one
+    [BLOCK_N, G, CPG] tile (2/4/8 bits: vector loads) or a 3-bit unit's three stored words (stride 3), and scale/zero
+    [BLOCK_N, G, 1] (fp16, in the tile's layout). No mask: rows come clamped in range too."""
+    g = tl.minimum(step * G + tl.arange(0, G), last)  # [G]
     ptr = row_ptr[:, None, None] + _group_cols(g, CPG)[None, :, :] * (3 if BITS == 3 else 1)
     w0 = tl.load(ptr)
     if BITS == 3:
@@ -141,20 +142,16 @@ def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, grou
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
-    nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum(step0 * G + tl.arange(0, G), last), CPG, BITS)
+    nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step0, last, G, CPG, BITS)
     if AHEAD == 2:
-        nxt2 = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step0 + 1) * G + tl.arange(0, G), last), CPG,
-                           BITS)
+        nxt2 = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS)
     for step in range(step0, step1):
         w0, w1, w2, s, z = nxt
+        fresh = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS)  # in flight from now
         if AHEAD == 2:
-            nxt = nxt2
-        nxt_last = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, tl.minimum((step + AHEAD) * G + tl.arange(0, G), last),
-                               CPG, BITS)  # AHEAD steps on, in flight now
-        if AHEAD == 2:
-            nxt2 = nxt_last
+            nxt, nxt2 = nxt2, fresh
         else:
-            nxt = nxt_last
+            nxt = fresh
         s, z = s.to(tl.float32), z.to(tl.float32)
         x_step = xw_row + step * (VPC + 1) * CPS
         xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
