@@ -2,7 +2,7 @@
 
     python bench/kernels.py            # H100: Mixtral-size matrices, 1/16/64 rows, tuned launch configs
     python bench/kernels.py --quick    # tiny shapes in the Triton interpreter on a CPU (smoke run)
-    python bench/kernels.py --profile  # per-kernel GPU times (torch.profiler): GEMV and the 1-token MoE
+    python bench/kernels.py --profile  # per-kernel GPU times (torch.profiler): GEMV and the MoE block
 
 Each run first checks the kernel against dequantize + float32 matmul (real and odd shapes, compensator on),
 then times a small sweep of launch configs per (bits, shape, rows) and reports the best, which is also
@@ -144,10 +144,11 @@ def compensator_overhead(shapes, ranks, device, dtype, rotate) -> list[dict]:
 
 
 def profile_kernels(device) -> None:
-    """Per-kernel GPU time (torch.profiler) of the one-row GEMV and the 1-token low-bit Mixtral MoE: what each
-    launch costs besides the main kernel (prepare_x, output fill, routing, combine)."""
+    """Per-kernel GPU time (torch.profiler) of the one-row GEMV and the Mixtral MoE block (bf16 at 1 and 1024 tokens,
+    low-bit at 1): what each launch costs besides the main kernels (prepare_x, output fill, routing, combine)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from moeserve.model.experts import ResidentExperts
     from moeserve.quant.qlinear import QuantizedExperts
 
     def show(title, fn, reps=20):
@@ -158,7 +159,7 @@ def profile_kernels(device) -> None:
                 fn()
             torch.cuda.synchronize()
         print(f"== {title}")
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
             if e.device_time_total:
                 print(f"   {e.device_time_total / reps:8.1f} us/call  x{e.count // reps:<3d} {e.key[:90]}")
 
@@ -168,6 +169,17 @@ def profile_kernels(device) -> None:
             x = torch.randn(1, K, device=device, dtype=torch.bfloat16)
             show(f"GEMV {N}x{K} {bits}-bit, 8 layers per call", lambda: [call(layer, x) for layer in layers], 5)
     E, D, F = 8, 4096, 14336
+    bf16 = ResidentExperts(E, D, F).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in (bf16.gate_up_proj, bf16.down_proj):
+            p.normal_(0, 0.02)
+    for T in (1, 1024):
+        x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=device)[:2] for _ in range(T)])  # [T, 2]
+        weights = torch.rand(T, 2, device=device)
+        show(f"Mixtral MoE block, {T} tokens, bf16 experts ({bf16.kernel_path(x, T)})",
+             lambda: bf16(x, ids, weights), 5)
+    del bf16
     for bits in (4, 3):
         experts = QuantizedExperts([random_layer(2 * F, D, bits, device) for _ in range(E)],
                                    [random_layer(D, F, bits, device) for _ in range(E)])
@@ -183,7 +195,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="time only the configs the dispatch picks")
     ap.add_argument("--profile", action="store_true",
-                    help="only print per-kernel GPU times (torch.profiler) of the one-row GEMV and the 1-token MoE")
+                    help="only print per-kernel GPU times (torch.profiler) of the one-row GEMV and the MoE block")
     ap.add_argument("--write-config", action="store_true",
                     help="merge the best swept configs into moeserve/kernels/triton/configs/<gpu>.json ('lowbit')")
     args = ap.parse_args()

@@ -176,3 +176,44 @@ def routing_ids(T, E, k, routing):
     if routing == "one_expert":  # one expert gets every token (more rows than BLOCK_M): chunks loop
         return torch.stack([torch.cat([torch.tensor([E - 1]), torch.randperm(E - 1)[:k - 1]]) for _ in range(T)])
     return torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)  # only two experts used, the others get no rows
+
+
+@pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (70, 6, 64, 32), (5, 2, 3, 64)])
+def test_one_launch_routing_table_equals_the_sort(T, k, E, block):
+    """Ranks counted by comparison (several programs, several chunks) give the stable sort's table exactly."""
+    from moeserve.kernels.routing import sorted_table
+    from moeserve.kernels.triton.routing import table_tensors
+
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)  # [T, k]
+    if T > 5:
+        ids[: T // 2, 0] = E - 1  # a crowded expert
+    w = torch.rand(T, k, device=DEVICE)
+    got, ref = table_tensors(ids, w, E, block=block, chunk=block), sorted_table(ids, w, E)
+    for name in ("token_ids", "weights", "counts", "offsets"):
+        assert torch.equal(got[name], getattr(ref, name)), name
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    assert torch.equal(got["slot_of"][order].long(), torch.arange(T * k, device=DEVICE))  # the inverse permutation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_combine_equals_the_scatter(dtype):
+    """Each token's rows gathered and weighted equal the float64 scatter; a weight-0 slot's NaN row adds nothing."""
+    from moeserve.kernels.routing import RoutingTable, combine
+    from moeserve.kernels.triton.routing import table_tensors
+
+    T, k, E, D = 9, 3, 5, 40  # D: not a multiple of the block
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, k, device=DEVICE)
+    w[4, 1] = 0.0
+    fields = table_tensors(ids, w, E)
+    rows = torch.randn(T * k, D, device=DEVICE)
+    rows[fields["slot_of"][4 * k + 1]] = math.nan
+    got = combine(rows, RoutingTable(**fields, num_tokens=T), T, dtype)
+    ref = torch.zeros(T, D, dtype=torch.float64, device=DEVICE)
+    for t in range(T):
+        for j in range(k):
+            if w[t, j] != 0:
+                ref[t] += w[t, j].double() * rows[fields["slot_of"][t * k + j]].double()
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)

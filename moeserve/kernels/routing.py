@@ -1,6 +1,7 @@
-"""Token -> expert mapping table: group the (token, slot) pairs by expert with one stable sort.
+"""Token -> expert mapping table: group the (token, slot) pairs by expert, stably.
 
-No one-hot tensors: the table is built from a sort of the T*k expert ids, a count and a prefix
+No one-hot tensors: on a GPU with Triton, decode-sized batches get the table in one launch
+(kernels/triton/routing.py); otherwise it comes from a sort of the T*k expert ids, a count and a prefix
 sum, so its cost is independent of the number of experts.
 """
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.kernels import triton_available
+
 
 @dataclass
 class RoutingTable:
@@ -18,10 +21,29 @@ class RoutingTable:
     counts: torch.Tensor  # [E] slots per expert
     offsets: torch.Tensor  # [E] exclusive end offsets (cumsum of counts), int32 for grouped GEMMs
     num_tokens: int  # T: also the most slots one expert can have (a token picks an expert once)
+    slot_of: torch.Tensor | None = None  # [T*k] int32 place of slot (t, j) in the sorted order (one-launch table)
+
+
+def one_launch(expert_ids: torch.Tensor) -> bool:
+    """Whether the Triton table and combine serve these [T, k] ids: CUDA, Triton, a decode-sized batch."""
+    if not (expert_ids.is_cuda and triton_available()):
+        return False
+    from moeserve.kernels.triton.routing import MAX_SLOTS
+
+    return expert_ids.numel() <= MAX_SLOTS
 
 
 def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
     """expert_ids/expert_weights [T, k] -> slots sorted by expert (stable, so token order is kept)."""
+    if one_launch(expert_ids):
+        from moeserve.kernels.triton.routing import table_tensors
+
+        return RoutingTable(**table_tensors(expert_ids, expert_weights, num_experts), num_tokens=expert_ids.shape[0])
+    return sorted_table(expert_ids, expert_weights, num_experts)
+
+
+def sorted_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
+    """The table from a stable sort: any size, any device (the reference for the one-launch table)."""
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
@@ -38,7 +60,12 @@ def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, 
 
 
 def combine(expert_out: torch.Tensor, table: RoutingTable, num_tokens: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Scale each expert-sorted row by its gate weight and scatter-add it back to its token: [T, D]."""
+    """Scale each expert-sorted row by its gate weight and add it back to its token: [T, D]."""
+    if table.slot_of is not None:  # one launch: gather each token's rows (no zeroed output, no atomics)
+        from moeserve.kernels.triton.routing import gather_combine
+
+        return gather_combine(expert_out, table.slot_of, table.weights, table.slot_of.numel() // num_tokens,
+                              out_dtype)
     scaled = (expert_out * table.weights[:, None]).to(out_dtype)  # [T*k, D]
     out = torch.zeros(num_tokens, expert_out.shape[1], dtype=out_dtype, device=expert_out.device)
     return out.index_add_(0, table.token_ids, scaled)

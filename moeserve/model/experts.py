@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels import triton_available
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 
 
@@ -37,15 +38,6 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
 
     E, two_f, D = gate_up_proj.shape
     return num_tokens <= fused_max_tokens(gpu_name(x.device.index or 0), E, D, two_f // 2)
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class LoopedExperts(nn.Module):

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels import triton_available
 from moeserve.kernels.cpu import gemv as cpu_gemv
-from moeserve.model.experts import LoopedExperts, swiglu, triton_available
+from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, padded_length, unpack

@@ -1,0 +1,90 @@
+"""The token -> expert mapping table and the weighted combine in one Triton launch each (decode-sized batches).
+
+The sort-based table (kernels/routing.py) costs about ten small launches (radix sort, count, prefix sum,
+gathers); at one token they take longer than reading an expert's weights. Here a slot's place in the
+expert-sorted order is its rank under the key (expert, slot): the number of slots with a smaller key, counted
+by comparing against every slot, O((T k)^2) work that is nothing at decode sizes. The combine gathers each
+token's k expert rows through the inverse permutation instead of scattering with atomics into a zeroed output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SLOTS = 4096  # T * k above this: the quadratic rank costs more than the sort
+
+
+@triton.jit
+def _table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, counts_ptr, offsets_ptr, n, E,
+                  K: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Slots [pid * BLOCK, +BLOCK) of the flat [T*k] expert ids: rank = #slots j with (id_j, j) < (id_i, i); slot i
+    goes to token_ids[rank] = i // K, weights[rank], slot_of[i] = rank. Program 0 also writes counts and offsets."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    i_ok = i < n
+    key = tl.load(ids_ptr + i, mask=i_ok, other=0).to(tl.int64) * n + i  # [BLOCK]
+    rank = tl.zeros((BLOCK,), dtype=tl.int32)
+    for j0 in range(0, n, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)  # [CHUNK]
+        key_j = tl.load(ids_ptr + j, mask=j < n, other=0).to(tl.int64) * n + j
+        key_j = tl.where(j < n, key_j, tl.cast(2**62, tl.int64))  # past the end: larger than every key
+        rank += tl.sum((key_j[None, :] < key[:, None]).to(tl.int32), axis=1)  # [BLOCK]
+    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=i_ok)
+    tl.store(w_sorted_ptr + rank, tl.load(w_ptr + i, mask=i_ok), mask=i_ok)
+    tl.store(slot_of_ptr + i, rank, mask=i_ok)
+    if tl.program_id(0) == 0:
+        e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for j0 in range(0, n, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            id_j = tl.load(ids_ptr + j, mask=j < n, other=-1)
+            counts += tl.sum((id_j[None, :] == e[:, None]).to(tl.int32), axis=1)  # [BLOCK_E]
+        tl.store(counts_ptr + e, counts.to(tl.int64), mask=e < E)
+        tl.store(offsets_ptr + e, tl.cumsum(counts, axis=0), mask=e < E)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, slot_of_ptr, w_sorted_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, d] = sum over token t's K slots of w * y[slot, d]: the rows are gathered, summed in fp32, written once.
+    A slot with weight 0 (a masked-out expert) adds nothing, whatever its row holds."""
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_ok = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        slot = tl.load(slot_of_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_sorted_ptr + slot).to(tl.float32)
+        if w != 0:
+            acc += w * tl.load(y_ptr + slot * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def table_tensors(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int, block: int = 64,
+                  chunk: int = 64) -> dict:
+    """expert_ids/expert_weights [T, k] -> the RoutingTable fields (token_ids, weights, counts, offsets) and
+    slot_of [T*k] (each slot's place in the sorted order), in one launch."""
+    n = expert_ids.numel()
+    if n > MAX_SLOTS:
+        raise ValueError(f"the one-launch routing table takes at most {MAX_SLOTS} slots (T * k), got {n}")
+    dev = expert_ids.device
+    ids, w = expert_ids.reshape(-1).contiguous(), expert_weights.reshape(-1).contiguous()
+    out = dict(token_ids=torch.empty(n, dtype=torch.long, device=dev), weights=torch.empty_like(w),
+               counts=torch.empty(num_experts, dtype=torch.long, device=dev),
+               offsets=torch.empty(num_experts, dtype=torch.int32, device=dev),
+               slot_of=torch.empty(n, dtype=torch.int32, device=dev))
+    _table_kernel[(triton.cdiv(n, block),)](
+        ids, w, out["token_ids"], out["weights"], out["slot_of"], out["counts"], out["offsets"], n, num_experts,
+        K=expert_ids.shape[1], BLOCK=block, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts))
+    return out
+
+
+def gather_combine(expert_out: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor, k: int,
+                   out_dtype: torch.dtype, block_d: int = 1024) -> torch.Tensor:
+    """expert_out [T*k, D] expert-sorted rows -> [T, D]: each token's k rows times their gate weights, summed."""
+    n, D = expert_out.shape
+    out = torch.empty(n // k, D, dtype=out_dtype, device=expert_out.device)
+    block_d = min(block_d, triton.next_power_of_2(D))
+    _combine_kernel[(n // k, triton.cdiv(D, block_d))](expert_out.contiguous(), slot_of, weights, out, D, K=k,
+                                                        BLOCK_D=block_d, num_warps=4)
+    return out
