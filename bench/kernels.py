@@ -33,9 +33,9 @@ from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # 5x the H100's L2
 GROUP = 64
-# BLOCK_N, BLOCK_K, warps; BLOCK_N * groups per step < threads, or Triton converts the tile's layout through shared
-# memory. 8 x 512 (256-byte runs per row per step) is not yet timed on a GPU.
-GEMV_SWEEP = [(16, 256, 4), (32, 256, 8), (32, 128, 4), (16, 512, 8), (64, 128, 8), (8, 512, 4)]
+# one row: BLOCK_N, BLOCK_K, warps, SUB (interleaved sub-tiles: x is loaded once per SUB rows). Each sub-tile's rows x
+# groups per step stay below the thread count, or Triton converts the tile's layout through shared memory.
+GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2), (64, 512, 8, 4), (32, 512, 4, 4)]
 DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
@@ -78,29 +78,39 @@ def check(shapes, rows_list, device, dtype) -> list[dict]:
 
 def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
     """Launch configs to time: block shapes x split-K around the one that fills the GPU."""
-    sweep = (GEMV_SWEEP if M == 1 else DOT_SWEEP)[:1 if quick else None]
+    sweep = (GEMV_SWEEP if M == 1 else [(*tile, 1) for tile in DOT_SWEEP])[:1 if quick else None]
     out = []
-    for bn, bk, warps in sweep:
+    for bn, bk, warps, sub in sweep:
         auto = split_for(-(-N // bn), -(-K // bk))
         steps = -(-K // bk)
         splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto}
         for split in sorted(splits if not quick else {auto}):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
+            if sub > 1:
+                cfg["SUB"] = sub
             if cfg not in out:
                 out.append(cfg)
-        if M == 1 and not quick:  # two steps of loads in flight: helps some shapes, costs others
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=auto, AHEAD=2))
     return out
+
+
+def timed(cfg: dict, layers, x, device) -> float:
+    """GPU time of one config: CUDA-graph replay on a GPU (decode replays graphs), else wall time."""
+    return (time_cuda_graph(lambda l: call(l, x, cfg), layers) if device.type == "cuda"
+            else time_fn(lambda l: call(l, x, cfg), layers, device))
 
 
 def bench(N, K, bits, M, layers, dense, x, bw, device, quick, sweep=True) -> tuple[dict, dict]:
     nbytes = sum(b.numel() * b.element_size() for b in (layers[0].qweight, layers[0].scale, layers[0].zero))
     best_ms, best = float("inf"), None
     for cfg in candidates(M, N, K, quick) if sweep else []:  # chosen by GPU time: decode replays CUDA graphs
-        ms = (time_cuda_graph(lambda l: call(l, x, cfg), layers) if device.type == "cuda"
-              else time_fn(lambda l: call(l, x, cfg), layers, device))
+        ms = timed(cfg, layers, x, device)
         if ms < best_ms:
             best_ms, best = ms, cfg
+    if best is not None and M == 1 and not quick:  # two steps of loads in flight: helps some shapes, costs others
+        ahead = {**best, "AHEAD": 2}
+        ms = timed(ahead, layers, x, device)
+        if ms < best_ms:
+            best_ms, best = ms, ahead
     best_gpu_ms = best_ms  # GPU time of the best swept config (CUDA-graph replay on a GPU)
     default_ms = time_fn(lambda l: call(l, x), layers, device)  # what the dispatch picks (table or default)
     best_ms = min(time_fn(lambda l: call(l, x, best), layers, device) if best else default_ms, default_ms)

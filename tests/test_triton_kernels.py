@@ -87,7 +87,9 @@ WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("N,K,group,config", [(40, 96, 32, SPLIT), (70, 48, 16, WHOLE),  # K=48: padded rows
                                                (33, 320, 64, SPLIT), (33, 320, 64, WHOLE),
-                                               (40, 96, 32, {**SPLIT, "AHEAD": 2})])  # two steps of loads ahead
+                                               (40, 96, 32, {**SPLIT, "AHEAD": 2}),  # two steps of loads ahead
+                                               (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2}),  # interleaved rows
+                                               (33, 320, 64, {**WHOLE, "BLOCK_N": 64, "SUB": 4, "AHEAD": 2})])
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
@@ -152,7 +154,8 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing):
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = torch.randn(T, D, device=DEVICE)[table.token_ids]
     config = lowbit_moe_config("cpu", bits, E, D, F, T)
-    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32}, "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2}}
+    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32, "SUB": 2},  # one row: two interleaved sub-tiles
+              "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2}}
     got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, config)
     ex64 = quantized_experts_as_float64(ex)
     ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, blocks, check_activation,
-                                                   check_weight, kernel_x, launch)
+                                                   check_weight, exponent_bits, kernel_x, launch)
 
 
 @dataclass
@@ -47,10 +47,11 @@ class StackedLowbit:
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
-                    F, K, R, words_per_row, groups_per_row,
+                    F, K, R, words_per_row, groups_per_row, exp_bits,
                     BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, HAS_LR: tl.constexpr,
                     CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
+                    SUB: tl.constexpr):
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     MOE: tl.constexpr = True
@@ -63,12 +64,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
     for c in tl.static_range(CHUNKS):
         row0 = start + c * BLOCK_M
         if row0 < end:
-            g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, 0, steps, K,
-                                    words_per_row, groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
-                                    C, VPC, AHEAD)
-            u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + offs_n, n_mask, 0, steps, K,
-                                    words_per_row, groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
-                                    C, VPC, AHEAD)
+            n0 = tl.program_id(0) * BLOCK_N
+            g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
+                                    groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C,
+                                    VPC, AHEAD, SUB)
+            u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K,
+                                    words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
+                                    BLOCK_M, C, VPC, AHEAD, SUB)
             if HAS_LR:
                 lr_base = u_ptr + e * 2 * F * R
                 g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
@@ -88,11 +90,11 @@ def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ta
     u, xv = lr if lr is not None else (h, h)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
         kernel_x(x_sorted, p.bits, use_dot, block_k), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F,
-        p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], BITS=p.bits,
-        GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
+        p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1],
+        exponent_bits(p.bits), BITS=p.bits, GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
         PRECISION="ieee" if x_sorted.dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
-        BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 3))
+        BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
 def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, table: RoutingTable,

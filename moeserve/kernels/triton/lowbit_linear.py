@@ -36,15 +36,17 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _code(word, i: tl.constexpr, BITS: tl.constexpr):
+def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
     """Value i of each word as the float 2^BITS + q: one shift puts its bits on top of the mantissa, one LOP3 masks
-    them and sets the exponent (no subtract, no int->float conversion; callers take off 2^BITS per value)."""
+    them and sets the exponent (no subtract, no int->float conversion; callers take off 2^BITS per value).
+    exp = (127 + BITS) << 23 comes as a run-time argument: as a second immediate beside the mask, Triton 3.6's ptxas
+    splits the LOP3 in two (one more instruction per value)."""
     SHIFT: tl.constexpr = 23 - BITS - i * BITS  # value i's lowest bit lands on mantissa bit 23 - BITS
     if SHIFT >= 0:
         w = word << SHIFT
     else:
         w = word >> -SHIFT  # arithmetic: the sign bits land above the mask
-    q = (w & (((1 << BITS) - 1) << (23 - BITS))) | ((127 + BITS) << 23)
+    q = (w & (((1 << BITS) - 1) << (23 - BITS))) | exp
     return q.to(tl.float32, bitcast=True)
 
 
@@ -77,26 +79,26 @@ def _top_word(w0, w1, w2):
 
 
 @triton.jit
-def _word_gemv(qx, word, x_step, col, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, CPS: tl.constexpr):
+def _word_gemv(qx, word, x_step, col, exp, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, CPS: tl.constexpr):
     """qx [BLOCK_N, G, CPG] + sum_i (2^BITS + q_i) x_i over the PER values of each word (qx None: start the sum).
     x of value i of column c is x_step[(SLOT0 + i) * CPS + c] of this step's prepared x: a constant offset from one
     address, vector loads shared by all BLOCK_N rows."""
     for i in tl.static_range(PER):
         x = tl.load(x_step + (SLOT0 + i) * CPS + col)  # [G, CPG] fp32
         if qx is None:
-            qx = _code(word, i, BITS) * x[None, :, :]
+            qx = _code(word, exp, i, BITS) * x[None, :, :]
         else:
-            qx += _code(word, i, BITS) * x[None, :, :]
+            qx += _code(word, exp, i, BITS) * x[None, :, :]
     return qx
 
 
 @triton.jit
-def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, T: tl.constexpr, BITS: tl.constexpr,
+def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, exp, T: tl.constexpr, BITS: tl.constexpr,
               PER: tl.constexpr, PRECISION: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += dequant(value i of word T) x^T, one tensor-core dot per i (K = C columns)."""
     for i in tl.static_range(PER):
         off = _offset(base, T, i)
-        w = (_code(word, i, BITS) * s - zs).to(x_ptr.dtype.element_ty)  # [BLOCK_N, C]
+        w = (_code(word, exp, i, BITS) * s - zs).to(x_ptr.dtype.element_ty)  # [BLOCK_N, C]
         xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
                      other=0.0)  # [C, BLOCK_M]
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
@@ -111,9 +113,9 @@ def _group_cols(g, CPG: tl.constexpr):
 
 @triton.jit
 def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr):
-    """What step `step` reads from HBM, its G groups clamped to the last (`last`): the packed words, one
-    [BLOCK_N, G, CPG] tile (2/4/8 bits: vector loads) or a 3-bit unit's three stored words (stride 3), and scale/zero
-    [BLOCK_N, G, 1] (fp16, in the tile's layout). No mask: rows come clamped in range too."""
+    """What step `step` reads from HBM for one sub-tile, its G groups clamped to the last (`last`): the packed words,
+    one [ROWS, G, CPG] tile (2/4/8 bits: vector loads) or a 3-bit unit's three stored words (stride 3), and
+    scale/zero [ROWS, G, 1] (fp16, in the tile's layout). No mask: rows come clamped in range too."""
     g = tl.minimum(step * G + tl.arange(0, G), last)  # [G]
     ptr = row_ptr[:, None, None] + _group_cols(g, CPG)[None, :, :] * (3 if BITS == 3 else 1)
     w0 = tl.load(ptr)
@@ -127,43 +129,127 @@ def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG
 
 
 @triton.jit
-def _gemv(xw_ptr, row, row_ptr, grp_ptr, s_ptr, z_ptr, step0, step1, steps, groups_per_row,
+def _sub_rows(w_base, n0, j, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr):
+    """Sub-tile j of the rows from n0: rows n0 + j + SUB * i (i < ROWS), clamped below n_end (the clamped rows' sums
+    are never stored): (word pointers [ROWS], group offsets [ROWS])."""
+    n = tl.minimum(n0 + j + SUB * tl.arange(0, ROWS), n_end - 1).to(tl.int64)
+    return w_base + n * words_per_row, n * groups_per_row
+
+
+@triton.jit
+def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr):
+    """The SUB sub-tiles' (word pointers, group offsets), a tuple."""
+    t0 = _sub_rows(w_base, n0, 0, n_end, words_per_row, groups_per_row, ROWS, SUB)
+    if SUB == 1:
+        tiles = (t0,)
+    elif SUB == 2:
+        tiles = (t0, _sub_rows(w_base, n0, 1, n_end, words_per_row, groups_per_row, ROWS, SUB))
+    else:
+        tiles = (t0, _sub_rows(w_base, n0, 1, n_end, words_per_row, groups_per_row, ROWS, SUB),
+                 _sub_rows(w_base, n0, 2, n_end, words_per_row, groups_per_row, ROWS, SUB),
+                 _sub_rows(w_base, n0, 3, n_end, words_per_row, groups_per_row, ROWS, SUB))
+    return tiles
+
+
+@triton.jit
+def _all_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
+               SUB: tl.constexpr):
+    """_gemv_loads of every sub-tile, a tuple."""
+    l0 = _gemv_loads(tiles[0][0], tiles[0][1], s_ptr, z_ptr, step, last, G, CPG, BITS)
+    if SUB == 1:
+        loads = (l0,)
+    elif SUB == 2:
+        loads = (l0, _gemv_loads(tiles[1][0], tiles[1][1], s_ptr, z_ptr, step, last, G, CPG, BITS))
+    else:
+        loads = (l0, _gemv_loads(tiles[1][0], tiles[1][1], s_ptr, z_ptr, step, last, G, CPG, BITS),
+                 _gemv_loads(tiles[2][0], tiles[2][1], s_ptr, z_ptr, step, last, G, CPG, BITS),
+                 _gemv_loads(tiles[3][0], tiles[3][1], s_ptr, z_ptr, step, last, G, CPG, BITS))
+    return loads
+
+
+@triton.jit
+def _step_sum(acc, loads, x_step, col, xs, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr):
+    """acc [ROWS, G, CPG] + one sub-tile's step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
+    w0, w1, w2, s, z = loads
+    if BITS == 3:
+        qx = _word_gemv(None, w0, x_step, col, exp, 0, BITS, 8, CPS)
+        qx = _word_gemv(qx, w1, x_step, col, exp, 8, BITS, 8, CPS)
+        qx = _word_gemv(qx, w2, x_step, col, exp, 16, BITS, 8, CPS)
+        qx = _word_gemv(qx, _top_word(w0, w1, w2), x_step, col, exp, 24, BITS, 8, CPS)
+    else:
+        qx = _word_gemv(None, w0, x_step, col, exp, 0, BITS, VPC, CPS)
+    s = s.to(tl.float32)
+    return acc + s * (qx - (z.to(tl.float32) + (1 << BITS)) * xs[None, :, :])  # qx holds 2^BITS extra per value
+
+
+@triton.jit
+def _gemv(xw_ptr, row, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
-          AHEAD: tl.constexpr):
-    """One row times steps [step0, step1) of the weight, a step = G whole groups of CPG columns: [BLOCK_N] fp32.
+          AHEAD: tl.constexpr, SUB: tl.constexpr):
+    """One row times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), a step = G whole groups of CPG columns:
+    [BLOCK_N] fp32.
 
     xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
-    rows (row_ptr, grp_ptr) and groups are clamped in range and the zero x past the end cancels what they read.
+    rows and groups are clamped in range and the zero x past the end cancels what they read.
+    The rows are SUB interleaved sub-tiles of BLOCK_N / SUB: each thread works on one row of every sub-tile, so x,
+    which every row reads, is loaded once per SUB rows (L1 bandwidth, not HBM, bounds this loop), while each
+    sub-tile keeps the layout in which its scale/zero load needs no shared-memory conversion.
     The next AHEAD steps' words and scale/zero are loaded before this step's arithmetic (AHEAD + 1 steps in flight
     per thread: without it every step would wait a full HBM latency for its scales)."""
+    ROWS: tl.constexpr = BLOCK_N // SUB
     CPS: tl.constexpr = G * CPG  # columns per step
     xw_row = xw_ptr + row.to(tl.int64) * steps * (VPC + 1) * CPS
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
-    acc = tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32)
-    nxt = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step0, last, G, CPG, BITS)
+    tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB)
+    zero = tl.zeros((ROWS, G, CPG), dtype=tl.float32)
+    if SUB == 1:
+        acc = (zero,)
+    elif SUB == 2:
+        acc = (zero, zero)
+    else:
+        acc = (zero, zero, zero, zero)
+    nxt = _all_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
     if AHEAD == 2:
-        nxt2 = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS)
+        nxt2 = _all_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
     for step in range(step0, step1):
-        w0, w1, w2, s, z = nxt
-        fresh = _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS)  # in flight from now
+        cur = nxt
+        fresh = _all_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB)  # in flight from now
         if AHEAD == 2:
             nxt, nxt2 = nxt2, fresh
         else:
             nxt = fresh
-        s, z = s.to(tl.float32), z.to(tl.float32)
         x_step = xw_row + step * (VPC + 1) * CPS
         xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
-        if BITS == 3:
-            qx = _word_gemv(None, w0, x_step, col, 0, BITS, 8, CPS)
-            qx = _word_gemv(qx, w1, x_step, col, 8, BITS, 8, CPS)
-            qx = _word_gemv(qx, w2, x_step, col, 16, BITS, 8, CPS)
-            qx = _word_gemv(qx, _top_word(w0, w1, w2), x_step, col, 24, BITS, 8, CPS)
+        a0 = _step_sum(acc[0], cur[0], x_step, col, xs, exp, BITS, VPC, CPS)
+        if SUB == 1:
+            acc = (a0,)
+        elif SUB == 2:
+            acc = (a0, _step_sum(acc[1], cur[1], x_step, col, xs, exp, BITS, VPC, CPS))
         else:
-            qx = _word_gemv(None, w0, x_step, col, 0, BITS, VPC, CPS)
-        acc += s * (qx - (z + (1 << BITS)) * xs[None, :, :])  # qx holds 2^BITS extra per value
+            acc = (a0, _step_sum(acc[1], cur[1], x_step, col, xs, exp, BITS, VPC, CPS),
+                   _step_sum(acc[2], cur[2], x_step, col, xs, exp, BITS, VPC, CPS),
+                   _step_sum(acc[3], cur[3], x_step, col, xs, exp, BITS, VPC, CPS))
+    return _interleave(acc, SUB)
+
+
+@triton.jit
+def _row_sums(acc):
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _interleave(acc, SUB: tl.constexpr):
+    """Sub-tile sums (tuple of SUB [ROWS, G, CPG]) -> [BLOCK_N] in row order (row n0 + j + SUB * i is sub-tile j's i)."""
+    if SUB == 1:
+        out = _row_sums(acc[0])
+    elif SUB == 2:
+        out = tl.reshape(tl.join(_row_sums(acc[0]), _row_sums(acc[1])), (2 * acc[0].shape[0],))
+    else:  # [i, q, p] = sub-tile 2q + p: row 4i + 2q + p
+        out = tl.reshape(tl.join(tl.join(_row_sums(acc[0]), _row_sums(acc[2])),
+                                 tl.join(_row_sums(acc[1]), _row_sums(acc[3]))), (4 * acc[0].shape[0],))
+    return out
 
 
 @triton.jit
@@ -188,7 +274,7 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
 
 @triton.jit
 def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
-         groups_per_row, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+         groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
     """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand).
     The next step's words and scale/zero are loaded before this step's dots."""
@@ -203,12 +289,12 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
         s = s.to(tl.float32)
         zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
         if BITS == 3:
-            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, 0, BITS, 8, PRECISION)
-            acc = _word_dot(acc, w1, s, zs, x_ptr, rows, r_mask, base, K, 1, BITS, 8, PRECISION)
-            acc = _word_dot(acc, w2, s, zs, x_ptr, rows, r_mask, base, K, 2, BITS, 8, PRECISION)
-            acc = _word_dot(acc, _top_word(w0, w1, w2), s, zs, x_ptr, rows, r_mask, base, K, 3, BITS, 8, PRECISION)
+            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, exp, 0, BITS, 8, PRECISION)
+            acc = _word_dot(acc, w1, s, zs, x_ptr, rows, r_mask, base, K, exp, 1, BITS, 8, PRECISION)
+            acc = _word_dot(acc, w2, s, zs, x_ptr, rows, r_mask, base, K, exp, 2, BITS, 8, PRECISION)
+            acc = _word_dot(acc, _top_word(w0, w1, w2), s, zs, x_ptr, rows, r_mask, base, K, exp, 3, BITS, 8, PRECISION)
         else:
-            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, -1, BITS, VPC, PRECISION)
+            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, exp, -1, BITS, VPC, PRECISION)
     return acc
 
 
@@ -232,21 +318,25 @@ def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.conste
 
 
 @triton.jit
-def _tile(x_ptr, row0, end, w_base, s_base, z_base, offs_n, n_mask, step0, step1, K, words_per_row, groups_per_row,
+def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr):
-    """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows offs_n: (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
+          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
+          SUB: tl.constexpr):
+    """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows [n0, min(n0 + BLOCK_N, n_end)):
+    (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
     rows = row0 + tl.arange(0, BLOCK_M)
     r_mask = rows < end
-    n = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    row_ptr = w_base + n * words_per_row  # [BLOCK_N]
-    grp = n * groups_per_row
     if USE_DOT:
-        acc = _dot(x_ptr, rows, r_mask, row_ptr, grp, s_base, z_base, n_mask, step0, step1, K, words_per_row,
-                   groups_per_row, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C, VPC)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        n = tl.where(n_mask, offs_n, n0).to(tl.int64)
+        acc = _dot(x_ptr, rows, r_mask, w_base + n * words_per_row, n * groups_per_row, s_base, z_base, n_mask,
+                   step0, step1, K, words_per_row, groups_per_row, exp, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C,
+                   VPC)
     else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
-        acc = _gemv(x_ptr, row0, row_ptr, grp, s_base, z_base, step0, step1, tl.cdiv(K, C * VPC), groups_per_row,
-                    BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD)[:, None]
+        acc = _gemv(x_ptr, row0, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
+                    words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
+                    SUB)[:, None]
     return acc, rows, r_mask
 
 
@@ -267,11 +357,11 @@ def _row_range(offsets_ptr, counts_ptr, M, IS_MOE: tl.constexpr, BLOCK_M: tl.con
 
 @triton.jit
 def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
-                   M, N, K, R, words_per_row, groups_per_row, steps_per_split,
+                   M, N, K, R, words_per_row, groups_per_row, steps_per_split, exp_bits,
                    BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
                    HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   AHEAD: tl.constexpr):
+                   AHEAD: tl.constexpr, SUB: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -284,8 +374,9 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
         row0 = start + c * BLOCK_M
         if row0 < end:
             acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
-                                      z_ptr + e * N * groups_per_row, offs_n, n_mask, step0, step1, K, words_per_row,
-                                      groups_per_row, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD)
+                                      z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
+                                      words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
+                                      BLOCK_M, C, VPC, AHEAD, SUB)
             if HAS_LR:
                 if tl.program_id(1) == 0:
                     acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
@@ -299,6 +390,11 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
+
+
+def exponent_bits(bits: int) -> int:
+    """The float exponent field that _code ORs in: the values come out as 2^bits + q."""
+    return (127 + bits) << 23
 
 
 def supported(bits: int, group: int) -> bool:
@@ -400,10 +496,10 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     _lowbit_kernel[grid](
         kernel_x(x, bits, use_dot, block_k), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
-        qweight.shape[-1], scale.shape[-1], per_split, BITS=bits, GROUP=group, IS_MOE=routing is not None,
+        qweight.shape[-1], scale.shape[-1], per_split, exponent_bits(bits), BITS=bits, GROUP=group, IS_MOE=routing is not None,
         USE_DOT=use_dot, HAS_LR=lowrank is not None, ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1),
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+        SUB=cfg.get("SUB", 1), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
