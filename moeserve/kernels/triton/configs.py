@@ -69,8 +69,8 @@ def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> d
 
 
 # ---- low-bit matmul (kernels/triton/lowbit_linear.py) ---------------------------------------------
-# one row, CUDA cores: an earlier H100 sweep's winner; the latest sweep (the H100 table) prefers 16 x 256, untried here
-LOWBIT_GEMV = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
+# one row, CUDA cores: the H100 sweep's winner on all four Mixtral shapes (4 sub-tiles of 8 rows x 512 inputs)
+LOWBIT_GEMV = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3, SUB=4)
 LOWBIT_DOT = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # rows padded to >= 16: tensor cores
 TARGET_PROGRAMS = 264  # two per SM on a 132-SM H100: split K until the grid has about this many programs
 MAX_SPLIT_K = 8
