@@ -36,6 +36,8 @@ GROUP = 64
 # one row: BLOCK_N, BLOCK_K, warps, SUB (interleaved sub-tiles: x is loaded once per SUB rows). Each sub-tile's rows x
 # groups per step stay below the thread count, or Triton converts the tile's layout through shared memory.
 GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2), (64, 512, 8, 4), (32, 512, 4, 4)]
+# 2..8 rows on CUDA cores: BLOCK_N, BLOCK_K, warps, SUB, BLOCK_M (rows of x per tile; codes decoded once for them)
+GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32, 512, 4, 4, 2), (16, 512, 4, 2, 2)]
 DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
@@ -78,16 +80,19 @@ def check(shapes, rows_list, device, dtype) -> list[dict]:
 
 def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
     """Launch configs to time: block shapes x split-K around the one that fills the GPU."""
-    sweep = (GEMV_SWEEP if M == 1 else [(*tile, 1) for tile in DOT_SWEEP])[:1 if quick else None]
+    if M == 1:
+        sweep = [(*tile, 1) for tile in GEMV_SWEEP]
+    else:
+        sweep = ([tile for tile in GEMV_ROWS_SWEEP if tile[4] <= 2 * M] if M <= 8 else []) + [
+            (*tile, 1, 0) for tile in DOT_SWEEP]  # BLOCK_M 0: tensor cores
     out = []
-    for bn, bk, warps, sub in sweep:
+    for bn, bk, warps, sub, block_m in sweep[:1 if quick else None]:
         auto = split_for(-(-N // bn), -(-K // bk))
         steps = -(-K // bk)
-        splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto}
+        splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto, 2 * auto}
         for split in sorted(splits if not quick else {auto}):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
-            if sub > 1:
-                cfg["SUB"] = sub
+            cfg.update({"SUB": sub} if sub > 1 else {}, **({"BLOCK_M": block_m} if block_m > 1 else {}))
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -218,7 +223,7 @@ def main() -> None:
         return profile_kernels(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = [(64, 256)] if args.quick else [(14336, 4096), (4096, 14336)]
-    rows_list = (1, 16) if args.quick else (1, 16, 64)
+    rows_list = (1, 4, 16) if args.quick else (1, 2, 4, 16, 64)
     bw = measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)
     record = result_record("kernels", {"quick": args.quick, "group": GROUP, "dtype": str(dtype).removeprefix("torch."),
                                        "timing": "do_bench median, rotating weights > L2"}, device=device)

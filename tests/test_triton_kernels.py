@@ -89,14 +89,16 @@ WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
                                                (33, 320, 64, SPLIT), (33, 320, 64, WHOLE),
                                                (40, 96, 32, {**SPLIT, "AHEAD": 2}),  # two steps of loads ahead
                                                (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2}),  # interleaved rows
-                                               (33, 320, 64, {**WHOLE, "BLOCK_N": 64, "SUB": 4, "AHEAD": 2})])
+                                               (33, 320, 64, {**WHOLE, "BLOCK_N": 64, "SUB": 4, "AHEAD": 2}),
+                                               (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4}),
+                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 8})])  # CUDA cores, rows of x
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
     if not supported(bits, group):
         pytest.skip("3-bit groups hold whole 32-value units")
     layer = quantized(N, K, bits, group)
-    for M in (1, 3, 16, 17):  # 1: CUDA-core GEMV; more: tensor-core tiles of 16 / 32 rows
+    for M in (1, 3, 16, 17):  # 1 (or a config's BLOCK_M rows): CUDA cores; more: tensor-core tiles of 16 / 32 rows
         x = torch.randn(M, K, device=DEVICE)
         y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, group, K, config=config)
         assert not y.isnan().any()
@@ -141,9 +143,12 @@ def quantized_experts(E, D, F, bits, ranks):
                             [quantized(D, F, bits, 32, r) for r in ranks])
 
 
-@pytest.mark.parametrize("bits,T,routing", [(4, 1, "random"), (3, 1, "random"), (3, 3, "random"),
-                                             (2, 17, "one_expert"), (4, 17, "one_expert"), (3, 5, "two_experts")])
-def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing):
+@pytest.mark.parametrize("bits,T,routing,cuda_rows", [(4, 1, "random", 1), (3, 1, "random", 1), (3, 3, "random", 1),
+                                                       (2, 17, "one_expert", 1), (4, 17, "one_expert", 1),
+                                                       (3, 5, "two_experts", 1), (4, 9, "one_expert", 4),
+                                                       (3, 5, "two_experts", 2)])
+def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, cuda_rows):
+    """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more)."""
     from moeserve.kernels.triton.configs import lowbit_moe_config
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
     from moeserve.model.experts import LoopedExperts
@@ -154,8 +159,9 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing):
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = torch.randn(T, D, device=DEVICE)[table.token_ids]
     config = lowbit_moe_config("cpu", bits, E, D, F, T)
-    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32, "SUB": 2},  # one row: two interleaved sub-tiles
-              "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2}}
+    rows = {"BLOCK_M": cuda_rows} if cuda_rows > 1 else {}
+    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32, "SUB": 2, **rows},  # two interleaved sub-tiles
+              "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2, **rows}}
     got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, config)
     ex64 = quantized_experts_as_float64(ex)
     ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)
@@ -181,7 +187,7 @@ def routing_ids(T, E, k, routing):
     return torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)  # only two experts used, the others get no rows
 
 
-@pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (70, 6, 64, 32), (5, 2, 3, 64)])
+@pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (40, 6, 64, 32), (5, 2, 3, 64)])
 def test_one_launch_routing_table_equals_the_sort(T, k, E, block):
     """Ranks counted by comparison (several programs, several chunks) give the stable sort's table exactly."""
     from moeserve.kernels.routing import sorted_table

@@ -71,6 +71,8 @@ def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> d
 # ---- low-bit matmul (kernels/triton/lowbit_linear.py) ---------------------------------------------
 # one row, CUDA cores: the H100 sweep's winner on all four Mixtral shapes (4 sub-tiles of 8 rows x 512 inputs)
 LOWBIT_GEMV = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3, SUB=4)
+# 2..8 rows, CUDA cores: each code decoded once for up to 4 rows of x (SUB 2 x M 4 is the largest without spills)
+LOWBIT_GEMV_ROWS = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, SUB=2, BLOCK_M=4)
 LOWBIT_DOT = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # rows padded to >= 16: tensor cores
 TARGET_PROGRAMS = 264  # two per SM on a 132-SM H100: split K until the grid has about this many programs
 MAX_SPLIT_K = 8
@@ -92,20 +94,21 @@ def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dic
     if by_rows:
         counts = sorted(int(r) for r in by_rows)
         return by_rows[str(max((r for r in counts if r <= rows), default=counts[0]))]
-    cfg = dict(LOWBIT_GEMV if rows == 1 else LOWBIT_DOT)
+    cfg = dict(LOWBIT_GEMV if rows == 1 else LOWBIT_GEMV_ROWS if rows <= 8 else LOWBIT_DOT)
     return {**cfg, "SPLIT_K": split_for(-(-N // cfg["BLOCK_N"]), -(-K // cfg["BLOCK_K"]))}
 
 
 @functools.cache
-def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int) -> dict:
+def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int, top_k: int = 2) -> dict:
     """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens), else
-    the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F); gate_up is never split
-    (SiLU needs whole sums), down splits K to fill the GPU."""
+    the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F) for the rows an expert gets
+    on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
     by_tokens = _table(device_name).get("lowbit_moe", {}).get(f"b{bits}_{shape_key(E, D, F)}")
     if by_tokens:
         counts = sorted(int(t) for t in by_tokens)
         return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
-    gate_up, down = lowbit_config(device_name, bits, tokens, F, D), lowbit_config(device_name, bits, tokens, D, F)
-    active = min(E, 2 * tokens)  # experts with rows, at top-2
+    rows = -(-tokens * top_k // E)
+    gate_up, down = lowbit_config(device_name, bits, rows, F, D), lowbit_config(device_name, bits, rows, D, F)
+    active = min(E, top_k * tokens)  # experts with rows
     return {"gate_up": {**gate_up, "SPLIT_K": 1},
             "down": {**down, "SPLIT_K": split_for(active * -(-D // down["BLOCK_N"]), -(-F // down["BLOCK_K"]))}}

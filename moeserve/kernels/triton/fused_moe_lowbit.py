@@ -109,7 +109,8 @@ def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: Stacked
         from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
 
         name = gpu_name(x_sorted.device.index or 0) if x_sorted.is_cuda else "cpu"
-        config = lowbit_moe_config(name, gate_up.bits, E, D, F, table.num_tokens)
+        top_k = x_sorted.shape[0] // table.num_tokens
+        config = lowbit_moe_config(name, gate_up.bits, E, D, F, table.num_tokens, top_k)
     x_sorted = x_sorted.contiguous()
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
     launch_gate_up(x_sorted, gate_up, h, table, config["gate_up"])

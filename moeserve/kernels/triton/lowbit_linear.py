@@ -79,20 +79,6 @@ def _top_word(w0, w1, w2):
 
 
 @triton.jit
-def _word_gemv(qx, word, x_step, col, exp, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, CPS: tl.constexpr):
-    """qx [BLOCK_N, G, CPG] + sum_i (2^BITS + q_i) x_i over the PER values of each word (qx None: start the sum).
-    x of value i of column c is x_step[(SLOT0 + i) * CPS + c] of this step's prepared x: a constant offset from one
-    address, vector loads shared by all BLOCK_N rows."""
-    for i in tl.static_range(PER):
-        x = tl.load(x_step + (SLOT0 + i) * CPS + col)  # [G, CPG] fp32
-        if qx is None:
-            qx = _code(word, exp, i, BITS) * x[None, :, :]
-        else:
-            qx += _code(word, exp, i, BITS) * x[None, :, :]
-    return qx
-
-
-@triton.jit
 def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, exp, T: tl.constexpr, BITS: tl.constexpr,
               PER: tl.constexpr, PRECISION: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += dequant(value i of word T) x^T, one tensor-core dot per i (K = C columns)."""
@@ -129,87 +115,114 @@ def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG
 
 
 @triton.jit
-def _sub_rows(w_base, n0, j, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr):
-    """Sub-tile j of the rows from n0: rows n0 + j + SUB * i (i < ROWS), clamped below n_end (the clamped rows' sums
-    are never stored): (word pointers [ROWS], group offsets [ROWS])."""
-    n = tl.minimum(n0 + j + SUB * tl.arange(0, ROWS), n_end - 1).to(tl.int64)
-    return w_base + n * words_per_row, n * groups_per_row
-
-
-@triton.jit
 def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr):
-    """The SUB sub-tiles' (word pointers, group offsets), a tuple."""
-    t0 = _sub_rows(w_base, n0, 0, n_end, words_per_row, groups_per_row, ROWS, SUB)
-    if SUB == 1:
-        tiles = (t0,)
-    elif SUB == 2:
-        tiles = (t0, _sub_rows(w_base, n0, 1, n_end, words_per_row, groups_per_row, ROWS, SUB))
-    else:
-        tiles = (t0, _sub_rows(w_base, n0, 1, n_end, words_per_row, groups_per_row, ROWS, SUB),
-                 _sub_rows(w_base, n0, 2, n_end, words_per_row, groups_per_row, ROWS, SUB),
-                 _sub_rows(w_base, n0, 3, n_end, words_per_row, groups_per_row, ROWS, SUB))
+    """Sub-tile j holds weight rows n0 + j + SUB * i (i < ROWS), clamped below n_end (the clamped rows' sums are
+    never stored): a tuple of SUB (word pointers [ROWS], group offsets [ROWS])."""
+    tiles = ()
+    for j in tl.static_range(SUB):
+        n = tl.minimum(n0 + j + SUB * tl.arange(0, ROWS), n_end - 1).to(tl.int64)
+        tiles = tiles + ((w_base + n * words_per_row, n * groups_per_row),)
     return tiles
 
 
 @triton.jit
 def _all_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
                SUB: tl.constexpr):
-    """_gemv_loads of every sub-tile, a tuple."""
-    l0 = _gemv_loads(tiles[0][0], tiles[0][1], s_ptr, z_ptr, step, last, G, CPG, BITS)
-    if SUB == 1:
-        loads = (l0,)
-    elif SUB == 2:
-        loads = (l0, _gemv_loads(tiles[1][0], tiles[1][1], s_ptr, z_ptr, step, last, G, CPG, BITS))
-    else:
-        loads = (l0, _gemv_loads(tiles[1][0], tiles[1][1], s_ptr, z_ptr, step, last, G, CPG, BITS),
-                 _gemv_loads(tiles[2][0], tiles[2][1], s_ptr, z_ptr, step, last, G, CPG, BITS),
-                 _gemv_loads(tiles[3][0], tiles[3][1], s_ptr, z_ptr, step, last, G, CPG, BITS))
+    """_gemv_loads of every sub-tile: a tuple of SUB (w0, w1, w2, scale, zero)."""
+    loads = ()
+    for j in tl.static_range(SUB):
+        loads = loads + (_gemv_loads(tiles[j][0], tiles[j][1], s_ptr, z_ptr, step, last, G, CPG, BITS),)
     return loads
 
 
 @triton.jit
-def _step_sum(acc, loads, x_step, col, xs, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr):
-    """acc [ROWS, G, CPG] + one sub-tile's step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
-    w0, w1, w2, s, z = loads
-    if BITS == 3:
-        qx = _word_gemv(None, w0, x_step, col, exp, 0, BITS, 8, CPS)
-        qx = _word_gemv(qx, w1, x_step, col, exp, 8, BITS, 8, CPS)
-        qx = _word_gemv(qx, w2, x_step, col, exp, 16, BITS, 8, CPS)
-        qx = _word_gemv(qx, _top_word(w0, w1, w2), x_step, col, exp, 24, BITS, 8, CPS)
-    else:
-        qx = _word_gemv(None, w0, x_step, col, exp, 0, BITS, VPC, CPS)
-    s = s.to(tl.float32)
-    return acc + s * (qx - (z.to(tl.float32) + (1 << BITS)) * xs[None, :, :])  # qx holds 2^BITS extra per value
+def _slot_fmas(qx, words, x_steps, col, exp, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+               CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr):
+    """qx[m * SUB + j] [ROWS, G, CPG] + sum_i (2^BITS + q_i) x_m,i over the PER values of each sub-tile's words:
+    each code is decoded once for all M rows of x, each x load serves all SUB sub-tiles. x of value i of column c
+    is x_steps[m][(SLOT0 + i) * CPS + c] of this step's prepared x: a constant offset from one address."""
+    for i in tl.static_range(PER):
+        codes = ()
+        for j in tl.static_range(SUB):
+            codes = codes + (_code(words[j], exp, i, BITS),)
+        new = ()
+        for m in tl.static_range(M):
+            x = tl.load(x_steps[m] + (SLOT0 + i) * CPS + col)[None, :, :]  # [1, G, CPG] fp32
+            for j in tl.static_range(SUB):
+                new = new + (qx[m * SUB + j] + codes[j] * x,)
+        qx = new
+    return qx
 
 
 @triton.jit
-def _gemv(xw_ptr, row, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row, exp,
-          BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
-          AHEAD: tl.constexpr, SUB: tl.constexpr):
-    """One row times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), a step = G whole groups of CPG columns:
-    [BLOCK_N] fp32.
+def _step_sums(acc, loads, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+               SUB: tl.constexpr, M: tl.constexpr):
+    """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
+    qx = ()
+    for k in tl.static_range(M * SUB):
+        qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
+    if BITS == 3:
+        for t in tl.static_range(4):
+            words = ()
+            for j in tl.static_range(SUB):
+                w0, w1, w2 = loads[j][0], loads[j][1], loads[j][2]
+                words = words + ((w0 if t == 0 else w1 if t == 1 else w2 if t == 2 else _top_word(w0, w1, w2)),)
+            qx = _slot_fmas(qx, words, x_steps, col, exp, 8 * t, BITS, 8, CPS, SUB, M)
+    else:
+        words = ()
+        for j in tl.static_range(SUB):
+            words = words + (loads[j][0],)
+        qx = _slot_fmas(qx, words, x_steps, col, exp, 0, BITS, VPC, CPS, SUB, M)
+    new = ()
+    for m in tl.static_range(M):
+        xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
+        for j in tl.static_range(SUB):
+            s, z = loads[j][3].to(tl.float32), loads[j][4].to(tl.float32)
+            new = new + (acc[m * SUB + j] + s * (qx[m * SUB + j] - (z + (1 << BITS)) * xs),)  # 2^BITS extra per value
+    return new
+
+
+@triton.jit
+def _interleave(parts, N: tl.constexpr):
+    """N (1, 2, 4 or 8) vectors [L] -> [N * L] with out[N * i + j] = parts[j][i]: pairs j, j + half joined level by
+    level."""
+    for level in tl.static_range(3):
+        if (N >> (level + 1)) >= 1:
+            new = ()
+            for j in tl.static_range(N >> (level + 1)):
+                pair = tl.join(parts[j], parts[j + (N >> (level + 1))])  # [L', 2]
+                new = new + (tl.reshape(pair, (2 * parts[j].shape[0],)),)
+            parts = new
+    return parts[0]
+
+
+@triton.jit
+def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
+          exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
+          AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr):
+    """Rows [row0, min(row0 + M, end)) of x times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), on CUDA
+    cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
     xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
-    rows and groups are clamped in range and the zero x past the end cancels what they read.
-    The rows are SUB interleaved sub-tiles of BLOCK_N / SUB: each thread works on one row of every sub-tile, so x,
-    which every row reads, is loaded once per SUB rows (L1 bandwidth, not HBM, bounds this loop), while each
-    sub-tile keeps the layout in which its scale/zero load needs no shared-memory conversion.
+    weight rows, x rows and groups are clamped in range and the zero x past the end cancels what they read.
+    The weight rows are SUB interleaved sub-tiles of BLOCK_N / SUB: each thread works on one row of every sub-tile, so
+    x, which every row reads, is loaded once per SUB rows (L1 bandwidth, not HBM, bounds this loop), while each
+    sub-tile keeps the layout in which its scale/zero load needs no shared-memory conversion. Each code is decoded
+    once for the M rows of x.
     The next AHEAD steps' words and scale/zero are loaded before this step's arithmetic (AHEAD + 1 steps in flight
     per thread: without it every step would wait a full HBM latency for its scales)."""
     ROWS: tl.constexpr = BLOCK_N // SUB
     CPS: tl.constexpr = G * CPG  # columns per step
-    xw_row = xw_ptr + row.to(tl.int64) * steps * (VPC + 1) * CPS
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB)
-    zero = tl.zeros((ROWS, G, CPG), dtype=tl.float32)
-    if SUB == 1:
-        acc = (zero,)
-    elif SUB == 2:
-        acc = (zero, zero)
-    else:
-        acc = (zero, zero, zero, zero)
+    x_rows = ()
+    acc = ()
+    for m in tl.static_range(M):
+        x_rows = x_rows + (xw_ptr + tl.minimum(row0 + m, end - 1).to(tl.int64) * steps * (VPC + 1) * CPS,)
+        for j in tl.static_range(SUB):
+            acc = acc + (tl.zeros((ROWS, G, CPG), dtype=tl.float32),)
     nxt = _all_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
     if AHEAD == 2:
         nxt2 = _all_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
@@ -220,36 +233,17 @@ def _gemv(xw_ptr, row, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, wor
             nxt, nxt2 = nxt2, fresh
         else:
             nxt = fresh
-        x_step = xw_row + step * (VPC + 1) * CPS
-        xs = tl.load(x_step + VPC * CPS + col)  # [G, CPG] sum of each column's x
-        a0 = _step_sum(acc[0], cur[0], x_step, col, xs, exp, BITS, VPC, CPS)
-        if SUB == 1:
-            acc = (a0,)
-        elif SUB == 2:
-            acc = (a0, _step_sum(acc[1], cur[1], x_step, col, xs, exp, BITS, VPC, CPS))
-        else:
-            acc = (a0, _step_sum(acc[1], cur[1], x_step, col, xs, exp, BITS, VPC, CPS),
-                   _step_sum(acc[2], cur[2], x_step, col, xs, exp, BITS, VPC, CPS),
-                   _step_sum(acc[3], cur[3], x_step, col, xs, exp, BITS, VPC, CPS))
-    return _interleave(acc, SUB)
-
-
-@triton.jit
-def _row_sums(acc):
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def _interleave(acc, SUB: tl.constexpr):
-    """Sub-tile sums (tuple of SUB [ROWS, G, CPG]) -> [BLOCK_N] in row order (row n0 + j + SUB * i is sub-tile j's i)."""
-    if SUB == 1:
-        out = _row_sums(acc[0])
-    elif SUB == 2:
-        out = tl.reshape(tl.join(_row_sums(acc[0]), _row_sums(acc[1])), (2 * acc[0].shape[0],))
-    else:  # [i, q, p] = sub-tile 2q + p: row 4i + 2q + p
-        out = tl.reshape(tl.join(tl.join(_row_sums(acc[0]), _row_sums(acc[2])),
-                                 tl.join(_row_sums(acc[1]), _row_sums(acc[3]))), (4 * acc[0].shape[0],))
-    return out
+        x_steps = ()
+        for m in tl.static_range(M):
+            x_steps = x_steps + (x_rows[m] + step * (VPC + 1) * CPS,)
+        acc = _step_sums(acc, cur, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
+    outs = ()
+    for m in tl.static_range(M):
+        parts = ()
+        for j in tl.static_range(SUB):
+            parts = parts + (tl.sum(tl.sum(acc[m * SUB + j], axis=2), axis=1),)  # [ROWS]
+        outs = outs + (_interleave(parts, SUB),)  # [BLOCK_N]: row n0 + j + SUB * i
+    return tl.reshape(_interleave(outs, M), (BLOCK_N, M))
 
 
 @triton.jit
@@ -333,10 +327,10 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, 
         acc = _dot(x_ptr, rows, r_mask, w_base + n * words_per_row, n * groups_per_row, s_base, z_base, n_mask,
                    step0, step1, K, words_per_row, groups_per_row, exp, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C,
                    VPC)
-    else:  # BLOCK_M == 1: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
-        acc = _gemv(x_ptr, row0, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
+    else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
+        acc = _gemv(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB)[:, None]
+                    SUB, BLOCK_M)
     return acc, rows, r_mask
 
 
@@ -430,13 +424,21 @@ def check_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             raise ValueError(f"{name} must be contiguous float16 {groups}, got {t.dtype} {tuple(t.shape)}")
 
 
+GEMV_MAX_ROWS = 8
+
+
 def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]:
-    """(use tensor cores, BLOCK_M, BLOCK_K) for `rows` rows per block: BLOCK_K holds whole words and units
-    (a dot's K = columns is >= 16) and, for one row, whole groups."""
-    use_dot = rows > 1
+    """(use tensor cores, BLOCK_M, BLOCK_K) for up to `rows` rows per program. One row, or a config with BLOCK_M
+    (rows of x per CUDA-core tile, a power of two <= 8), runs on CUDA cores; more rows on tensor cores, padded to
+    >= 16. BLOCK_K holds whole words and units (a dot's K = columns is >= 16) and, on CUDA cores, whole groups."""
+    gemv_m = cfg.get("BLOCK_M", 1)
+    if gemv_m not in (1, 2, 4, GEMV_MAX_ROWS):
+        raise ValueError(f"a CUDA-core config's BLOCK_M must be 1, 2, 4 or {GEMV_MAX_ROWS}, got {gemv_m}")
+    use_dot = rows > 1 and "BLOCK_M" not in cfg
     per_column = 32 if bits == 3 else 32 // bits
-    block_k = max(cfg["BLOCK_K"], per_column * 16) if use_dot else max(cfg["BLOCK_K"], group, per_column)
-    return use_dot, (max(16, triton.next_power_of_2(rows)) if use_dot else 1), block_k
+    if use_dot:
+        return True, max(16, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], per_column * 16)
+    return False, min(gemv_m, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], group, per_column)
 
 
 @triton.jit
@@ -524,7 +526,7 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
         lr = (u.contiguous(), torch.nn.functional.linear(x2, v).contiguous())  # U [N, r], xv [M, r]
     split = config["SPLIT_K"] > 1
     y = (torch.zeros if split else torch.empty)(M, N, dtype=torch.float32 if split else x.dtype, device=x.device)
-    rows_per_block = M if M == 1 else min(M, 64)
+    rows_per_block = M if M == 1 else min(M, config.get("BLOCK_M", 64))  # CUDA-core tiles: a program per BLOCK_M rows
     launch(x2, qweight, scale, zero, y, bits, group, in_features, config, rows_per_block,
            triton.cdiv(M, rows_per_block), lowrank=lr)
     return y.to(x.dtype).reshape(*lead, N)
