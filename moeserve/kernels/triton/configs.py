@@ -107,7 +107,7 @@ def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, token
     if by_tokens:
         counts = sorted(int(t) for t in by_tokens)
         return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
-    rows = -(-tokens * top_k // E)
+    rows = max(-(-tokens * top_k // E), min(tokens, 2))  # several tokens: a config made for several rows
     gate_up, down = lowbit_config(device_name, bits, rows, F, D), lowbit_config(device_name, bits, rows, D, F)
     active = min(E, top_k * tokens)  # experts with rows
     return {"gate_up": {**gate_up, "SPLIT_K": 1},
