@@ -108,12 +108,15 @@ def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, token
     if by_tokens:
         counts = sorted(int(t) for t in by_tokens)
         return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
-    average = -(-tokens * top_k // E)
-    rows = max(average, min(tokens, 2))  # several tokens: a config made for several rows
+    average = -(-tokens * top_k // E)  # rows an expert gets on average
+    if tokens == 1 or average > 2:  # one row: the GEMV; more than 2: tensor-core tiles (the H100's 16 tokens, 1.39 ms)
+        rows = 1 if tokens == 1 else max(average, 16)
+    else:  # CUDA-core tiles of 1-2 rows (an H100 GEMV of 2 rows costs 1.3x one row, a tensor-core tile 3.4x)
+        rows = 2
     gate_up, down = lowbit_config(device_name, bits, rows, F, D), lowbit_config(device_name, bits, rows, D, F)
-    if "BLOCK_M" in gate_up:  # CUDA-core tiles as tall as an average expert's rows (more rows: more chunks)
-        fit = {"BLOCK_M": min(1 << (average - 1).bit_length(), gate_up["BLOCK_M"])}
-        gate_up, down = {**gate_up, **fit}, ({**down, **fit} if "BLOCK_M" in down else down)
+    if rows == 2:
+        fit = {"BLOCK_M": 1 << (average - 1).bit_length()}  # more rows than that: more chunks
+        gate_up, down = {**gate_up, **fit}, {**down, **fit}
     active = min(E, top_k * tokens)  # experts with rows
     return {"gate_up": {**gate_up, "SPLIT_K": 1},
             "down": {**down, "SPLIT_K": split_for(active * -(-D // down["BLOCK_N"]), -(-F // down["BLOCK_K"]))}}
