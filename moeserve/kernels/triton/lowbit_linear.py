@@ -8,15 +8,16 @@ read as its three stored words (values 10t..10t+7 in bits 0..23) plus a fourth r
 int->float conversion; the 2^bits per value comes off with the zero (z + 2^bits). A column never spans two
 groups.
 
-    GEMV (one row, CUDA cores): the weight tile is [BLOCK_N, groups, columns per group], so 2/4/8-bit words
-        load as 16-byte vectors and scale/zero once per (row, group), in the tile's layout (keep BLOCK_N *
-        groups per step below the thread count, or Triton converts the tile through shared memory); x comes
-        prepared per step (prepare_x: the inputs of each value slot side by side, plus each column's sum of x),
-        so its loads are vectors at constant offsets shared by all rows, and acc += s * (sum_i f_i x_i -
-        (z + 2^bits) * sum x) needs no per-value zero term. Nothing in the loop is masked (rows and groups
-        clamped, x zero-padded); the next AHEAD steps' words and scale/zero are loaded before this step's
-        arithmetic.
-    DOT  (rows padded to BLOCK_M >= 16, tensor cores): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one
+    GEMV (one row, or BLOCK_M <= 8 rows by config; CUDA cores): the weight rows are SUB interleaved sub-tiles,
+        each [BLOCK_N / SUB, groups, columns per group], so 2/4/8-bit words load as 16-byte vectors and
+        scale/zero once per (row, group), in the tile's layout (keep a sub-tile's rows * groups per step below
+        the thread count, or Triton converts the tile through shared memory); x comes prepared per step
+        (prepare_x: the inputs of each value slot side by side, plus each column's sum of x), so its loads are
+        vectors at constant offsets, one per thread for all SUB sub-tiles (L1 bandwidth bounds this loop), and
+        acc += s * (sum_i f_i x_i - (z + 2^bits) * sum x) needs no per-value zero term. Each code is decoded
+        once for all rows of x. Nothing in the loop is masked (rows and groups clamped, x zero-padded); the
+        next AHEAD steps' words and scale/zero are loaded before this step's arithmetic.
+    DOT  (more rows, padded to BLOCK_M >= 16, tensor cores): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one
         dot per value slot over [BLOCK_N, C] column tiles, x gathered in slot order; the next step's words and
         scale/zero are loaded before this step's dots.
 
@@ -159,7 +160,7 @@ def _step_sums(acc, loads, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.conste
                SUB: tl.constexpr, M: tl.constexpr):
     """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
     qx = ()
-    for k in tl.static_range(M * SUB):
+    for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
     if BITS == 3:
         for t in tl.static_range(4):
