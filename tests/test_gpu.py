@@ -182,6 +182,24 @@ def test_lowbit_linear_compiled_matches_fp32(bits, N, K, rank):
         assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("config", [dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1, SUB=4),
+                                    dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=7, SUB=4, AHEAD=2),
+                                    dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, SPLIT_K=2, SUB=2, BLOCK_M=4),
+                                    dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, SPLIT_K=1, BLOCK_M=8)])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lowbit_cuda_core_tiles_compiled(config, bits):
+    """The swept CUDA-core configs (sub-tiles, two steps ahead, rows of x per tile) compiled, at odd shapes."""
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+    layer = _random_quantized(1000, 4160, bits)
+    w = layer.weight(torch.float32)
+    for M in (1, 3, 8, 13):
+        x = torch.randn(M, 4160, device="cuda", dtype=torch.bfloat16)
+        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 4160, config=config)
+        ref = x.float() @ w.T
+        assert not y.isnan().any() and ((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("T", [1, 4, 64])
 def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
