@@ -92,7 +92,10 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
         splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto, 2 * auto}
         for split in sorted(splits if not quick else {auto}):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
-            cfg.update({"SUB": sub} if sub > 1 else {}, **({"BLOCK_M": block_m} if block_m > 1 else {}))
+            if sub > 1:
+                cfg["SUB"] = sub
+            if block_m > 1:
+                cfg["BLOCK_M"] = block_m
             if cfg not in out:
                 out.append(cfg)
     return out

@@ -61,11 +61,13 @@ def fused_max_tokens(device_name: str, E: int, D: int, F: int) -> int:
 def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> dict:
     """The tuned config for the largest tuned token count <= tokens (else the smallest), or the default."""
     by_tokens = _table(device_name).get("fused_moe", {}).get(shape_key(E, D, F))
-    if not by_tokens:
-        return DEFAULT
-    counts = sorted(int(t) for t in by_tokens)
-    chosen = max((t for t in counts if t <= tokens), default=counts[0])
-    return by_tokens[str(chosen)]
+    return _at_most(by_tokens, tokens) if by_tokens else DEFAULT
+
+
+def _at_most(by_count: dict, n: int) -> dict:
+    """The entry of {"count": config} for the largest count <= n (else the smallest count)."""
+    counts = sorted(int(c) for c in by_count)
+    return by_count[str(max((c for c in counts if c <= n), default=counts[0]))]
 
 
 # ---- low-bit matmul (kernels/triton/lowbit_linear.py) ---------------------------------------------
@@ -106,13 +108,14 @@ def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, token
     on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
     by_tokens = _table(device_name).get("lowbit_moe", {}).get(f"b{bits}_{shape_key(E, D, F)}")
     if by_tokens:
-        counts = sorted(int(t) for t in by_tokens)
-        return by_tokens[str(max((t for t in counts if t <= tokens), default=counts[0]))]
+        return _at_most(by_tokens, tokens)
     average = -(-tokens * top_k // E)  # rows an expert gets on average
-    if tokens == 1 or average > 2:  # one row: the GEMV; more than 2: tensor-core tiles (the H100's 16 tokens, 1.39 ms)
-        rows = 1 if tokens == 1 else max(average, 16)
-    else:  # CUDA-core tiles of 1-2 rows (an H100 GEMV of 2 rows costs 1.3x one row, a tensor-core tile 3.4x)
-        rows = 2
+    if tokens == 1:
+        rows = 1  # the GEMV
+    elif average <= 2:
+        rows = 2  # CUDA-core tiles of 1-2 rows (an H100 GEMV of 2 rows costs 1.3x one row, a tensor-core tile 3.4x)
+    else:
+        rows = max(average, 16)  # tensor-core tiles (the H100's 16 tokens: 1.39 ms)
     gate_up, down = lowbit_config(device_name, bits, rows, F, D), lowbit_config(device_name, bits, rows, D, F)
     if rows == 2:
         fit = {"BLOCK_M": 1 << (average - 1).bit_length()}  # more rows than that: more chunks

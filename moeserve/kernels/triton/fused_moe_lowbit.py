@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
-from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, blocks, check_activation,
-                                                   check_weight, exponent_bits, kernel_x, launch)
+from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, check_activation,
+                                                   check_weight, exponent_bits, kernel_x, launch, tile_constexprs)
 
 
 @dataclass
@@ -85,16 +85,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
 def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, table: RoutingTable, cfg: dict) -> None:
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
-    use_dot, block_m, block_k = blocks(p.bits, p.group, table.num_tokens, cfg)
     lr = p.low_rank_inputs(x_sorted, table)
     u, xv = lr if lr is not None else (h, h)
+    tile = tile_constexprs(cfg, p.bits, p.group, table.num_tokens, x_sorted.dtype, lr is not None)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
-        kernel_x(x_sorted, p.bits, use_dot, block_k), p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F,
-        p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1],
-        exponent_bits(p.bits), BITS=p.bits, GROUP=p.group, USE_DOT=use_dot, HAS_LR=lr is not None, CHUNKS=triton.cdiv(table.num_tokens, block_m),
-        PRECISION="ieee" if x_sorted.dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
-        BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+        kernel_x(x_sorted, p.bits, tile["USE_DOT"], tile["BLOCK_K"]), p.qweight, p.scale, p.zero, h, u, xv,
+        table.offsets, table.counts, F, p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1],
+        p.scale.shape[-1], exponent_bits(p.bits), **tile)
 
 
 def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, table: RoutingTable,

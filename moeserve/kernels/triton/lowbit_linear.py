@@ -428,6 +428,11 @@ def check_weight(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 GEMV_MAX_ROWS = 8
 
 
+def values_per_column(bits: int) -> int:
+    """Values in a column of a packed row: a 32-value unit at 3 bits, a word's values otherwise."""
+    return 32 if bits == 3 else 32 // bits
+
+
 def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]:
     """(use tensor cores, BLOCK_M, BLOCK_K) for up to `rows` rows per program. One row, or a config with BLOCK_M
     (rows of x per CUDA-core tile, a power of two <= 8), runs on CUDA cores; more rows on tensor cores, padded to
@@ -436,7 +441,7 @@ def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]
     if gemv_m not in (1, 2, 4, GEMV_MAX_ROWS):
         raise ValueError(f"a CUDA-core config's BLOCK_M must be 1, 2, 4 or {GEMV_MAX_ROWS}, got {gemv_m}")
     use_dot = rows > 1 and "BLOCK_M" not in cfg
-    per_column = 32 if bits == 3 else 32 // bits
+    per_column = values_per_column(bits)
     if use_dot:
         return True, max(16, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], per_column * 16)
     return False, min(gemv_m, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], group, per_column)
@@ -468,13 +473,23 @@ def prepare_x(x: torch.Tensor, bits: int, block_k: int) -> torch.Tensor:
     """x [M, K] -> [M, steps, VPC + 1, CPS] fp32 for the one-row kernel, a step = block_k inputs = CPS columns: per
     step, the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
     j = 8T + i), then each column's sum of x. The kernel finds slot j at a constant offset from the step."""
-    per_column = 32 if bits == 3 else 32 // bits
+    per_column = values_per_column(bits)
     M, K = x.shape
     cols, cps = K // per_column, block_k // per_column
     steps = triton.cdiv(cols, cps)
     xw = torch.empty(M, steps, per_column + 1, cps, dtype=torch.float32, device=x.device)
     _prepare_x_kernel[(steps, M)](x, xw, K, cols, BITS=bits, VPC=per_column, CPS=cps)
     return xw
+
+
+def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dtype, has_lr: bool) -> dict:
+    """The compile-time arguments _tile takes (and the launch options) for a config and up to `rows` rows per
+    program: shared by the dense/down kernel and the MoE gate/up kernel."""
+    use_dot, block_m, block_k = blocks(bits, group, rows, cfg)
+    return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, CHUNKS=triton.cdiv(rows, block_m),
+                PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
+                BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
+                num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
@@ -485,8 +500,8 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     routing = (offsets, counts) of expert-sorted rows (grid axis 2 = expert, weights stacked [E, N, ...]);
     without it, grid axis 2 walks blocks of rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
-    use_dot, block_m, block_k = blocks(bits, group, rows_per_block, cfg)
-    steps = triton.cdiv(K, block_k)
+    tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
+    steps = triton.cdiv(K, tile["BLOCK_K"])
     split = min(cfg["SPLIT_K"], steps)
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
@@ -495,14 +510,11 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     u, xv = lowrank if lowrank is not None else (y, y)
     R = xv.shape[-1] if lowrank is not None else 0
     offsets, counts = routing if routing is not None else (y, y)
-    chunks = triton.cdiv(rows_per_block, block_m)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     _lowbit_kernel[grid](
-        kernel_x(x, bits, use_dot, block_k), qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R,
-        qweight.shape[-1], scale.shape[-1], per_split, exponent_bits(bits), BITS=bits, GROUP=group, IS_MOE=routing is not None,
-        USE_DOT=use_dot, HAS_LR=lowrank is not None, ATOMIC=split > 1, CHUNKS=chunks, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1),
-        SUB=cfg.get("SUB", 1), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+        kernel_x(x, bits, tile["USE_DOT"], tile["BLOCK_K"]), qweight, scale, zero, y, u, xv, offsets, counts,
+        x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1], per_split, exponent_bits(bits),
+        IS_MOE=routing is not None, ATOMIC=split > 1, **tile)
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
