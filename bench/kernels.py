@@ -41,6 +41,11 @@ GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32
 DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
 
 
+def load_variants(best: dict) -> list[dict]:
+    """A one-row winner with more loads in flight: two steps of register prefetch, or 3/4 cp.async stages."""
+    return [{**best, "AHEAD": 2}, {**best, "PIPE": 3}, {**best, "PIPE": 4}]
+
+
 def random_layer(N: int, K: int, bits: int, device, rank: int = 0) -> QuantizedLinear:
     """Random codes, scales and zeros (never zeros: each call draws fresh ones), optional bf16 compensator."""
     qw = QuantizedWeight(codes=torch.randint(0, 1 << bits, (N, K), dtype=torch.uint8, device=device),
@@ -114,11 +119,11 @@ def bench(N, K, bits, M, layers, dense, x, bw, device, quick, sweep=True) -> tup
         ms = gpu_time(lambda l: call(l, x, cfg), layers, device)
         if ms < best_ms:
             best_ms, best = ms, cfg
-    if best is not None and M == 1 and not quick:  # two steps of loads in flight: helps some shapes, costs others
-        ahead = {**best, "AHEAD": 2}
-        ms = gpu_time(lambda l: call(l, x, ahead), layers, device)
-        if ms < best_ms:
-            best_ms, best = ms, ahead
+    if best is not None and M == 1 and not quick:  # more loads in flight (registers or cp.async stages): helps some
+        for variant in load_variants(best):  # shapes, costs others
+            ms = gpu_time(lambda l: call(l, x, variant), layers, device)
+            if ms < best_ms:
+                best_ms, best = ms, variant
     best_gpu_ms = best_ms  # GPU time of the best swept config (CUDA-graph replay on a GPU)
     default_ms = time_fn(lambda l: call(l, x), layers, device)  # what the dispatch picks (table or default)
     best_ms = min(time_fn(lambda l: call(l, x, best), layers, device) if best else default_ms, default_ms)

@@ -185,7 +185,9 @@ def test_lowbit_linear_compiled_matches_fp32(bits, N, K, rank):
 @pytest.mark.parametrize("config", [dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1, SUB=4),
                                     dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=7, SUB=4, AHEAD=2),
                                     dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, SPLIT_K=2, SUB=2, BLOCK_M=4),
-                                    dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, SPLIT_K=1, BLOCK_M=8)])
+                                    dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, SPLIT_K=1, BLOCK_M=8),
+                                    dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=3, SUB=4, PIPE=3),
+                                    dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, SPLIT_K=1, SUB=2, BLOCK_M=4, PIPE=4)])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_lowbit_cuda_core_tiles_compiled(config, bits):
     """The swept CUDA-core configs (sub-tiles, two steps ahead, rows of x per tile) compiled, at odd shapes."""

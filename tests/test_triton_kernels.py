@@ -91,7 +91,9 @@ WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
                                                (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2}),  # interleaved rows
                                                (33, 320, 64, {**WHOLE, "BLOCK_N": 64, "SUB": 4, "AHEAD": 2}),
                                                (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4}),
-                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 8})])  # CUDA cores, rows of x
+                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 8}),  # CUDA cores, rows of x
+                                               (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2, "PIPE": 3}),
+                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 2, "PIPE": 4})])  # cp.async
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
@@ -226,3 +228,16 @@ def test_gather_combine_equals_the_scatter(dtype):
     assert got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("n,F", [(1, 96), (7, 1500), (0, 64)])  # 1500: a partial column block; 0 rows: no launch
+def test_fused_swiglu_matches_float64(poisoned_outputs, n, F):
+    from moeserve.kernels.triton.swiglu import fused_swiglu
+
+    h = torch.randn(n, 2 * F, device=DEVICE) * 3
+    gate, up = h.double().chunk(2, dim=-1)
+    out = fused_swiglu(h)
+    assert out.shape == (n, F) and out.dtype == h.dtype
+    torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="2F"):
+        fused_swiglu(h[:, 1:])

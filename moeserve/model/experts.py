@@ -109,4 +109,10 @@ class ResidentExperts(LoopedExperts):
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)
         h = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=table.offsets)  # [T*k, 2F]
-        return torch._grouped_mm(swiglu(h), self.down_proj.transpose(1, 2), offs=table.offsets)
+        if triton_available():
+            from moeserve.kernels.triton.swiglu import fused_swiglu
+
+            act = fused_swiglu(h)  # one pass over h instead of two elementwise kernels
+        else:
+            act = swiglu(h)
+        return torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=table.offsets)

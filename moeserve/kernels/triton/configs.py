@@ -35,12 +35,20 @@ def _table(device_name: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _merged(old, new, depth: int):
+    """new over old, dicts merged `depth` levels deep."""
+    if depth == 0 or not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {**old, **{k: _merged(old.get(k), v, depth - 1) for k, v in new.items()}}
+
+
 def write_sections(device_name: str, sections: dict) -> Path:
-    """Merge tuned sections ({"lowbit": {...}, ...}) into this GPU's config JSON, keeping the other sections
-    (each tuning script owns its sections); later lookups see them."""
+    """Merge tuned sections ({"lowbit": {shape: {count: config}}, ...}) into this GPU's config JSON: a tuned
+    (shape, count) replaces its own entry only, so a run over a subset of shapes or counts keeps the rest; later
+    lookups see them."""
     path = CONFIG_DIR / f"{device_slug(device_name)}.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
-    table.update({"device": device_name, **sections})
+    table = _merged(table, {"device": device_name, **sections}, 3)
     CONFIG_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     for cached in (_table, fused_max_tokens, fused_moe_config, lowbit_config, lowbit_moe_config):
@@ -101,14 +109,20 @@ def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dic
     return {**cfg, "SPLIT_K": split_for(-(-N // cfg["BLOCK_N"]), -(-K // cfg["BLOCK_K"]))}
 
 
+def lowbit_moe_key(bits: int, E: int, D: int, F: int) -> str:
+    return f"b{bits}_{shape_key(E, D, F)}"
+
+
 @functools.cache
 def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int, top_k: int = 2) -> dict:
-    """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens), else
+    """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens, by
+    bench/tune_lowbit_moe.py; a one-token entry serves one token only), else
     the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F) for the rows an expert gets
     on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
-    by_tokens = _table(device_name).get("lowbit_moe", {}).get(f"b{bits}_{shape_key(E, D, F)}")
-    if by_tokens:
-        return _at_most(by_tokens, tokens)
+    by_tokens = _table(device_name).get("lowbit_moe", {}).get(lowbit_moe_key(bits, E, D, F), {})
+    fits = {t: cfg for t, cfg in by_tokens.items() if (t == "1") == (tokens == 1)}  # the GEMV entry: one token only
+    if fits:
+        return _at_most(fits, tokens)
     average = -(-tokens * top_k // E)  # rows an expert gets on average
     if tokens == 1:
         rows = 1  # the GEMV

@@ -49,9 +49,9 @@ class StackedLowbit:
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
                     F, K, R, words_per_row, groups_per_row, exp_bits,
                     BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, HAS_LR: tl.constexpr,
-                    CHUNKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
-                    SUB: tl.constexpr):
+                    SUB: tl.constexpr, PIPE: tl.constexpr):
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     MOE: tl.constexpr = True
@@ -61,25 +61,23 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
     w_base = w_ptr + e * 2 * F * words_per_row  # expert e: [2F, words]
     s_base, z_base = s_ptr + e * 2 * F * groups_per_row, z_ptr + e * 2 * F * groups_per_row
     steps = tl.cdiv(K, BLOCK_K)
-    for c in tl.static_range(CHUNKS):
-        row0 = start + c * BLOCK_M
-        if row0 < end:
-            n0 = tl.program_id(0) * BLOCK_N
-            g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
-                                    groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C,
-                                    VPC, AHEAD, SUB)
-            u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K,
-                                    words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
-                                    BLOCK_M, C, VPC, AHEAD, SUB)
-            if HAS_LR:
-                lr_base = u_ptr + e * 2 * F * R
-                g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
-                               BLOCK_M, BLOCK_R)
-                u += _low_rank(lr_base, xv_ptr, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
-                               BLOCK_M, BLOCK_R)
-            h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u, [BLOCK_N, BLOCK_M]
-            tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
-                     mask=n_mask[:, None] & r_mask[None, :])
+    for row0 in range(start, end, BLOCK_M):
+        n0 = tl.program_id(0) * BLOCK_N
+        g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
+                                groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C,
+                                VPC, AHEAD, SUB, PIPE)
+        u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K,
+                                words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
+                                BLOCK_M, C, VPC, AHEAD, SUB, PIPE)
+        if HAS_LR:
+            lr_base = u_ptr + e * 2 * F * R
+            g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
+                           BLOCK_M, BLOCK_R)
+            u += _low_rank(lr_base, xv_ptr, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
+                           BLOCK_M, BLOCK_R)
+        h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u, [BLOCK_N, BLOCK_M]
+        tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & r_mask[None, :])
 
 
 def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, table: RoutingTable, cfg: dict) -> None:

@@ -16,10 +16,12 @@ groups.
         vectors at constant offsets, one per thread for all SUB sub-tiles (L1 bandwidth bounds this loop), and
         acc += s * (sum_i f_i x_i - (z + 2^bits) * sum x) needs no per-value zero term. Each code is decoded
         once for all rows of x. Nothing in the loop is masked (rows and groups clamped, x zero-padded); the
-        next AHEAD steps' words and scale/zero are loaded before this step's arithmetic.
-    DOT  (more rows, padded to BLOCK_M >= 16, tensor cores): acc[BLOCK_N, BLOCK_M] += dequant(value i) x_i^T, one
-        dot per value slot over [BLOCK_N, C] column tiles, x gathered in slot order; the next step's words and
-        scale/zero are loaded before this step's dots.
+        next AHEAD steps' words and scale/zero are loaded before this step's arithmetic, or (config PIPE) the
+        words go through PIPE shared-memory stages (cp.async) and only scale/zero are loaded ahead.
+    DOT  (more rows, padded to BLOCK_M >= 16, tensor cores): each step decodes its [BLOCK_N, C] columns slot by
+        slot, interleaves the slots in registers into one [BLOCK_N, BLOCK_K] tile and runs one dot against x
+        [BLOCK_K, BLOCK_M] gathered in the tile's value order (natural for 2/4/8 bits, a fixed permutation within
+        each 3-bit unit); the next step's words and scale/zero are loaded before this step's dot.
 
 SPLIT_K > 1 accumulates with fp32 atomics into a zeroed output. An optional low-rank compensator adds
 (x V^T) U^T in the epilogue of the first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the
@@ -52,20 +54,6 @@ def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _offset(base, T: tl.constexpr, i: tl.constexpr):
-    """Input index of value i of word T of each column (T = -1: a 2/4/8-bit word; 0..3: a 3-bit unit's words)."""
-    if T < 0:
-        off = base + i
-    elif T < 3:
-        off = base + (10 * T + i)
-    elif i < 6:
-        off = base + (10 * (i // 2) + 8 + i % 2)  # values 8, 9, 18, 19, 28, 29
-    else:
-        off = base + (24 + i)  # values 30, 31
-    return off
-
-
-@triton.jit
 def _load_words(row_ptr, n_mask, col, words_per_row, STRIDE: tl.constexpr, T: tl.constexpr):
     """Word T of each column `col` [C] (STRIDE words per column) of the packed rows: [BLOCK_N, C] int32."""
     idx = col * STRIDE + T
@@ -80,16 +68,25 @@ def _top_word(w0, w1, w2):
 
 
 @triton.jit
-def _word_dot(acc, word, s, zs, x_ptr, rows, r_mask, base, K, exp, T: tl.constexpr, BITS: tl.constexpr,
-              PER: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += dequant(value i of word T) x^T, one tensor-core dot per i (K = C columns)."""
-    for i in tl.static_range(PER):
-        off = _offset(base, T, i)
-        w = (_code(word, exp, i, BITS) * s - zs).to(x_ptr.dtype.element_ty)  # [BLOCK_N, C]
-        xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
-                     other=0.0)  # [C, BLOCK_M]
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-    return acc
+def _slot_offsets(j, BITS: tl.constexpr):
+    """Input offset within its column of value slot j [..] (slot 8t + i of a 3-bit unit: value i of word t)."""
+    if BITS == 3:
+        t, i = j // 8, j % 8
+        off = tl.where(t < 3, 10 * t + i, tl.where(i < 6, 10 * (i // 2) + 8 + i % 2, 24 + i))
+    else:
+        off = j
+    return off
+
+
+@triton.jit
+def _dequant_tile(words, s, zs, exp, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
+    """Column words [BLOCK_N, C] (a tuple: one word, or a 3-bit unit's four) -> dequantized [BLOCK_N, C * VPC] in
+    dtype, slot j of column c at c * VPC + j: the slots are decoded apart and interleaved in registers."""
+    vals = ()
+    for t in tl.static_range(len(words)):
+        for i in tl.static_range(VPC // len(words)):
+            vals = vals + ((_code(words[t], exp, i, BITS) * s - zs).to(dtype),)
+    return _interleave(vals, VPC)
 
 
 @triton.jit
@@ -99,20 +96,37 @@ def _group_cols(g, CPG: tl.constexpr):
 
 
 @triton.jit
-def _gemv_loads(row_ptr, grp_ptr, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr):
-    """What step `step` reads from HBM for one sub-tile, its G groups clamped to the last (`last`): the packed words,
-    one [ROWS, G, CPG] tile (2/4/8 bits: vector loads) or a 3-bit unit's three stored words (stride 3), and
-    scale/zero [ROWS, G, 1] (fp16, in the tile's layout). No mask: rows come clamped in range too."""
-    g = tl.minimum(step * G + tl.arange(0, G), last)  # [G]
-    ptr = row_ptr[:, None, None] + _group_cols(g, CPG)[None, :, :] * (3 if BITS == 3 else 1)
-    w0 = tl.load(ptr)
-    if BITS == 3:
-        w1 = tl.load(ptr + 1)
-        w2 = tl.load(ptr + 2)
-    else:
-        w1, w2 = w0, w0
-    sz = grp_ptr[:, None, None] + g[None, :, None]
-    return w0, w1, w2, tl.load(s_ptr + sz), tl.load(z_ptr + sz)
+def _step_groups(step, last, G: tl.constexpr):
+    """The G groups of step `step`, clamped to the last (`last`): [G]."""
+    return tl.minimum(step * G + tl.arange(0, G), last)
+
+
+@triton.jit
+def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr):
+    """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile (2/4/8 bits: vector loads)
+    or a 3-bit unit's three stored words (stride 3). A tuple of SUB (w0, w1, w2). No mask: rows come clamped."""
+    col = _group_cols(_step_groups(step, last, G), CPG)[None, :, :] * (3 if BITS == 3 else 1)  # [1, G, CPG]
+    out = ()
+    for j in tl.static_range(SUB):
+        ptr = tiles[j][0][:, None, None] + col
+        w0 = tl.load(ptr)
+        if BITS == 3:
+            out = out + ((w0, tl.load(ptr + 1), tl.load(ptr + 2)),)
+        else:
+            out = out + ((w0, w0, w0),)
+    return out
+
+
+@triton.jit
+def _scale_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, SUB: tl.constexpr):
+    """Scale/zero of step `step`'s groups, per sub-tile: a tuple of SUB (scale, zero) [ROWS, G, 1] fp16, loaded in
+    the word tile's layout."""
+    g = _step_groups(step, last, G)[None, :, None]
+    out = ()
+    for j in tl.static_range(SUB):
+        sz = tiles[j][1][:, None, None] + g
+        out = out + ((tl.load(s_ptr + sz), tl.load(z_ptr + sz)),)
+    return out
 
 
 @triton.jit
@@ -124,16 +138,6 @@ def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.conste
         n = tl.minimum(n0 + j + SUB * tl.arange(0, ROWS), n_end - 1).to(tl.int64)
         tiles = tiles + ((w_base + n * words_per_row, n * groups_per_row),)
     return tiles
-
-
-@triton.jit
-def _all_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
-               SUB: tl.constexpr):
-    """_gemv_loads of every sub-tile: a tuple of SUB (w0, w1, w2, scale, zero)."""
-    loads = ()
-    for j in tl.static_range(SUB):
-        loads = loads + (_gemv_loads(tiles[j][0], tiles[j][1], s_ptr, z_ptr, step, last, G, CPG, BITS),)
-    return loads
 
 
 @triton.jit
@@ -156,7 +160,7 @@ def _slot_fmas(qx, words, x_steps, col, exp, SLOT0: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
-def _step_sums(acc, loads, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
                SUB: tl.constexpr, M: tl.constexpr):
     """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
     qx = ()
@@ -164,35 +168,47 @@ def _step_sums(acc, loads, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.conste
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
     if BITS == 3:
         for t in tl.static_range(4):
-            words = ()
+            word_t = ()
             for j in tl.static_range(SUB):
-                w0, w1, w2 = loads[j][0], loads[j][1], loads[j][2]
-                words = words + ((w0 if t == 0 else w1 if t == 1 else w2 if t == 2 else _top_word(w0, w1, w2)),)
-            qx = _slot_fmas(qx, words, x_steps, col, exp, 8 * t, BITS, 8, CPS, SUB, M)
+                w0, w1, w2 = words[j]
+                word_t = word_t + ((w0 if t == 0 else w1 if t == 1 else w2 if t == 2 else _top_word(w0, w1, w2)),)
+            qx = _slot_fmas(qx, word_t, x_steps, col, exp, 8 * t, BITS, 8, CPS, SUB, M)
     else:
-        words = ()
+        word_t = ()
         for j in tl.static_range(SUB):
-            words = words + (loads[j][0],)
-        qx = _slot_fmas(qx, words, x_steps, col, exp, 0, BITS, VPC, CPS, SUB, M)
+            word_t = word_t + (words[j][0],)
+        qx = _slot_fmas(qx, word_t, x_steps, col, exp, 0, BITS, VPC, CPS, SUB, M)
     new = ()
     for m in tl.static_range(M):
         xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
         for j in tl.static_range(SUB):
-            s, z = loads[j][3].to(tl.float32), loads[j][4].to(tl.float32)
+            s, z = scales[j][0].to(tl.float32), scales[j][1].to(tl.float32)
             new = new + (acc[m * SUB + j] + s * (qx[m * SUB + j] - (z + (1 << BITS)) * xs),)  # 2^BITS extra per value
     return new
 
 
 @triton.jit
+def _x_steps(x_rows, step, VPC: tl.constexpr, CPS: tl.constexpr, M: tl.constexpr):
+    """This step's prepared x of each of the M rows: a tuple of M pointers."""
+    x_steps = ()
+    for m in tl.static_range(M):
+        x_steps = x_steps + (x_rows[m] + step * (VPC + 1) * CPS,)
+    return x_steps
+
+
+@triton.jit
 def _interleave(parts, N: tl.constexpr):
-    """N (1, 2, 4 or 8) vectors [L] -> [N * L] with out[N * i + j] = parts[j][i]: pairs j, j + half joined level by
-    level."""
-    for level in tl.static_range(3):
+    """N (a power of two <= 32) tensors [L] or [R, L] -> [N * L] or [R, N * L], out[.., N * i + j] = parts[j][.., i]:
+    pairs j, j + half joined along a new last axis, level by level (in registers: each thread keeps its pairs)."""
+    for level in tl.static_range(5):
         if (N >> (level + 1)) >= 1:
             new = ()
             for j in tl.static_range(N >> (level + 1)):
-                pair = tl.join(parts[j], parts[j + (N >> (level + 1))])  # [L', 2]
-                new = new + (tl.reshape(pair, (2 * parts[j].shape[0],)),)
+                pair = tl.join(parts[j], parts[j + (N >> (level + 1))])  # [.., L', 2]
+                if len(pair.shape) == 2:
+                    new = new + (tl.reshape(pair, (2 * parts[j].shape[0],)),)
+                else:
+                    new = new + (tl.reshape(pair, (parts[j].shape[0], 2 * parts[j].shape[1])),)
             parts = new
     return parts[0]
 
@@ -200,7 +216,7 @@ def _interleave(parts, N: tl.constexpr):
 @triton.jit
 def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
           exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
-          AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr):
+          AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr):
     """Rows [row0, min(row0 + M, end)) of x times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), on CUDA
     cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
@@ -211,8 +227,10 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
     x, which every row reads, is loaded once per SUB rows (L1 bandwidth, not HBM, bounds this loop), while each
     sub-tile keeps the layout in which its scale/zero load needs no shared-memory conversion. Each code is decoded
     once for the M rows of x.
-    The next AHEAD steps' words and scale/zero are loaded before this step's arithmetic (AHEAD + 1 steps in flight
-    per thread: without it every step would wait a full HBM latency for its scales)."""
+    Loads in flight: PIPE = 0 loads the next AHEAD steps' words and scale/zero into registers before this step's
+    arithmetic (AHEAD + 1 steps in flight per thread: without it every step would wait a full HBM latency for its
+    scales); PIPE > 1 leaves the words to Triton's pipeliner, PIPE stages through shared memory (cp.async, fewer
+    registers), and loads the 2-byte scale/zero, too small for cp.async, one step ahead into registers."""
     ROWS: tl.constexpr = BLOCK_N // SUB
     CPS: tl.constexpr = G * CPG  # columns per step
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
@@ -224,20 +242,29 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
         x_rows = x_rows + (xw_ptr + tl.minimum(row0 + m, end - 1).to(tl.int64) * steps * (VPC + 1) * CPS,)
         for j in tl.static_range(SUB):
             acc = acc + (tl.zeros((ROWS, G, CPG), dtype=tl.float32),)
-    nxt = _all_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
-    if AHEAD == 2:
-        nxt2 = _all_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
-    for step in range(step0, step1):
-        cur = nxt
-        fresh = _all_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB)  # in flight from now
+    if PIPE > 1:
+        scales = _scale_loads(tiles, s_ptr, z_ptr, step0, last, G, SUB)
+        for step in tl.range(step0, step1, num_stages=PIPE):
+            words = _word_loads(tiles, step, last, G, CPG, BITS, SUB)
+            cur = scales
+            scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
+            acc = _step_sums(acc, words, cur, _x_steps(x_rows, step, VPC, CPS, M), col, exp, BITS, VPC, CPS, SUB, M)
+    else:
+        nxt = (_word_loads(tiles, step0, last, G, CPG, BITS, SUB),
+               _scale_loads(tiles, s_ptr, z_ptr, step0, last, G, SUB))
         if AHEAD == 2:
-            nxt, nxt2 = nxt2, fresh
-        else:
-            nxt = fresh
-        x_steps = ()
-        for m in tl.static_range(M):
-            x_steps = x_steps + (x_rows[m] + step * (VPC + 1) * CPS,)
-        acc = _step_sums(acc, cur, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
+            nxt2 = (_word_loads(tiles, step0 + 1, last, G, CPG, BITS, SUB),
+                    _scale_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, SUB))
+        for step in range(step0, step1):
+            cur = nxt
+            fresh = (_word_loads(tiles, step + AHEAD, last, G, CPG, BITS, SUB),  # in flight from now
+                     _scale_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, SUB))
+            if AHEAD == 2:
+                nxt, nxt2 = nxt2, fresh
+            else:
+                nxt = fresh
+            acc = _step_sums(acc, cur[0], cur[1], _x_steps(x_rows, step, VPC, CPS, M), col, exp, BITS, VPC, CPS, SUB,
+                             M)
     outs = ()
     for m in tl.static_range(M):
         parts = ()
@@ -271,8 +298,9 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
 def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
          groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
-    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand).
-    The next step's words and scale/zero are loaded before this step's dots."""
+    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
+    dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
+    step's words and scale/zero are loaded before this step's dot."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step0, words_per_row, groups_per_row, BITS, GROUP, C,
                      VPC)
@@ -280,16 +308,15 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
         w0, w1, w2, s, z = nxt
         nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step + 1, words_per_row, groups_per_row, BITS, GROUP,
                          C, VPC)
-        base = (step * C + tl.arange(0, C)) * VPC
         s = s.to(tl.float32)
         zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
-        if BITS == 3:
-            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, exp, 0, BITS, 8, PRECISION)
-            acc = _word_dot(acc, w1, s, zs, x_ptr, rows, r_mask, base, K, exp, 1, BITS, 8, PRECISION)
-            acc = _word_dot(acc, w2, s, zs, x_ptr, rows, r_mask, base, K, exp, 2, BITS, 8, PRECISION)
-            acc = _word_dot(acc, _top_word(w0, w1, w2), s, zs, x_ptr, rows, r_mask, base, K, exp, 3, BITS, 8, PRECISION)
-        else:
-            acc = _word_dot(acc, w0, s, zs, x_ptr, rows, r_mask, base, K, exp, -1, BITS, VPC, PRECISION)
+        words = (w0, w1, w2, _top_word(w0, w1, w2)) if BITS == 3 else (w0,)
+        w = _dequant_tile(words, s, zs, exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, C * VPC]
+        kk = tl.arange(0, C * VPC)
+        off = (step * C + kk // VPC) * VPC + _slot_offsets(kk % VPC, BITS)  # [C * VPC] inputs in the tile's order
+        xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
+                     other=0.0)  # [C * VPC, BLOCK_M]
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
     return acc
 
 
@@ -316,7 +343,7 @@ def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.conste
 def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr):
+          SUB: tl.constexpr, PIPE: tl.constexpr):
     """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows [n0, min(n0 + BLOCK_N, n_end)):
     (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -331,7 +358,7 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, 
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB, BLOCK_M)
+                    SUB, BLOCK_M, PIPE)
     return acc, rows, r_mask
 
 
@@ -354,9 +381,9 @@ def _row_range(offsets_ptr, counts_ptr, M, IS_MOE: tl.constexpr, BLOCK_M: tl.con
 def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
                    M, N, K, R, words_per_row, groups_per_row, steps_per_split, exp_bits,
                    BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
-                   HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   AHEAD: tl.constexpr, SUB: tl.constexpr):
+                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -365,23 +392,21 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
     start, end, e = _row_range(offsets_ptr, counts_ptr, M, IS_MOE, BLOCK_M)
     step0 = tl.program_id(1) * steps_per_split
     step1 = tl.minimum(step0 + steps_per_split, tl.cdiv(K, BLOCK_K))
-    for c in tl.static_range(CHUNKS):  # an expert has at most CHUNKS * BLOCK_M rows: no host sync
-        row0 = start + c * BLOCK_M
-        if row0 < end:
-            acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
-                                      z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
-                                      words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
-                                      BLOCK_M, C, VPC, AHEAD, SUB)
-            if HAS_LR:
-                if tl.program_id(1) == 0:
-                    acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
-                                     BLOCK_N, BLOCK_M, BLOCK_R)
-            y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
-            mask = n_mask[:, None] & r_mask[None, :]
-            if ATOMIC:
-                tl.atomic_add(y, acc, mask=mask, sem="relaxed")
-            else:
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    for row0 in range(start, end, BLOCK_M):  # an expert's rows, BLOCK_M at a time (a loop: no host sync)
+        acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
+                                  z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
+                                  words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
+                                  BLOCK_M, C, VPC, AHEAD, SUB, PIPE)
+        if HAS_LR:
+            if tl.program_id(1) == 0:
+                acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
+                                 BLOCK_N, BLOCK_M, BLOCK_R)
+        y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+        mask = n_mask[:, None] & r_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(y, acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
@@ -443,7 +468,7 @@ def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]
     use_dot = rows > 1 and "BLOCK_M" not in cfg
     per_column = values_per_column(bits)
     if use_dot:
-        return True, max(16, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], per_column * 16)
+        return True, max(16, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], per_column, 16)
     return False, min(gemv_m, triton.next_power_of_2(rows)), max(cfg["BLOCK_K"], group, per_column)
 
 
@@ -457,7 +482,7 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.conste
     xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (VPC + 1) * CPS
     total = tl.zeros((CPS,), dtype=tl.float32)
     for j in tl.static_range(VPC):
-        off = _offset(c * VPC, j // 8 if BITS == 3 else -1, j % 8 if BITS == 3 else j)
+        off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
         x = tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32)
         tl.store(xw_step + j * CPS + tl.arange(0, CPS), x)
         total += x
@@ -486,10 +511,10 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     """The compile-time arguments _tile takes (and the launch options) for a config and up to `rows` rows per
     program: shared by the dense/down kernel and the MoE gate/up kernel."""
     use_dot, block_m, block_k = blocks(bits, group, rows, cfg)
-    return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, CHUNKS=triton.cdiv(rows, block_m),
+    return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr,
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
-                num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+                PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,

@@ -1,0 +1,274 @@
+"""Tune the low-bit fused MoE's launch configs on this GPU and write them as data: the "lowbit_moe" section of
+moeserve/kernels/triton/configs/<gpu>.json, per (bits, MoE shape, token count), gate_up and down tuned apart.
+
+Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
+cp.async stages); 2..16 tokens, CUDA-core tiles of 1..8 rows of x (each code decoded once for them) sized to the
+rows an expert gets; 4 tokens and up, tensor-core tiles. down also tries K splits. Each candidate is timed as the
+GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are host
+noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
+
+    python bench/tune_lowbit_moe.py                         # Mixtral and DeepSeek-like, 4 and 3 bits, 1..64 tokens
+    python bench/tune_lowbit_moe.py --shapes mixtral --bits 4 --tokens 1,16 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
+from common import result_record, write_result  # noqa: E402
+from kernels import load_variants, random_layer  # noqa: E402
+
+from moeserve.kernels.routing import build_routing_table  # noqa: E402
+from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
+from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up  # noqa: E402
+from moeserve.kernels.triton.lowbit_linear import launch  # noqa: E402
+from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
+
+SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}  # E, k, D, F
+TOKENS = (1, 2, 4, 16, 64)
+ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in decode)
+# the H100 winners of a wider first sweep (16 / 32 x 512 sub-tiled GEMVs; 1-2 rows of x per CUDA-core tile; 8-row
+# tiles never won and take 15 s each to compile at 3 bits)
+GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4)]  # BN, BK, warps, SUB
+ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
+DOT = [(64, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
+SPLITS = (1, 2, 4, 8, 16, 32)
+CUDA_CORE_MAX_TOKENS = 16
+DOT_MIN_TOKENS = 4
+
+
+def tiles(T: int, E: int, k: int) -> list[dict]:
+    """The tiles worth timing at T tokens (K split left to the caller)."""
+    average = -(-T * k // E)  # rows an expert gets on average
+    out = []
+    if T == 1:
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, SUB=sub) for bn, bk, w, sub in GEMV]
+    elif T <= CUDA_CORE_MAX_TOKENS:
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, SUB=sub, BLOCK_M=m) for bn, bk, w, sub, m in ROWS
+                if m <= max(2, 2 * average)]
+    if T >= DOT_MIN_TOKENS:
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in DOT]
+    return [{**t, "num_stages": 3} for t in out]
+
+
+def splits(cfg: dict, K: int) -> list[int]:
+    steps = -(-K // max(cfg["BLOCK_K"], 64))
+    return sorted({s for s in SPLITS if s <= steps} | ({steps} if steps <= max(SPLITS) else set()))
+
+
+class Problem:
+    """Stacked random experts of one (shape, bits) and rotating routings per token count, on the GPU."""
+
+    def __init__(self, E: int, k: int, D: int, F: int, bits: int, seed: int = 0):
+        torch.manual_seed(seed)
+        dev = torch.device("cuda")
+        experts = QuantizedExperts([random_layer(2 * F, D, bits, dev) for _ in range(E)],
+                                   [random_layer(D, F, bits, dev) for _ in range(E)])
+        self.gate_up, self.down = experts.stacked(torch.bfloat16)
+        self.E, self.k, self.D, self.F, self.bits = E, k, D, F, bits
+        self.experts = experts  # keeps the stacked buffers alive
+        self._routed: dict[int, list[tuple]] = {}
+
+    def routed(self, T: int) -> list[tuple]:
+        """ROUTINGS x (table, x_sorted [T*k, D], h [T*k, F], y [T*k, D] fp32), made once per T."""
+        if T in self._routed:
+            return self._routed[T]
+        dev = torch.device("cuda")
+        out = self._routed[T] = []
+        for _ in range(ROUTINGS):
+            ids = torch.stack([torch.randperm(self.E, device=dev)[:self.k] for _ in range(T)])  # [T, k]
+            table = build_routing_table(ids, torch.rand(T, self.k, device=dev), self.E)
+            out.append((table, torch.randn(T * self.k, self.D, device=dev, dtype=torch.bfloat16),
+                        torch.randn(T * self.k, self.F, device=dev, dtype=torch.bfloat16),
+                        torch.zeros(T * self.k, self.D, device=dev, dtype=torch.float32)))
+        return out
+
+    def run(self, part: str, cfg: dict, item: tuple) -> None:
+        table, x, h, y = item
+        if part == "gate_up":
+            launch_gate_up(x, self.gate_up, h, table, {**cfg, "SPLIT_K": 1})
+        else:
+            y.zero_()  # the real path zeroes its split-K target too
+            p = self.down
+            launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, table.num_tokens, self.E,
+                   routing=(table.offsets, table.counts))
+
+
+def graph_ms(fn, items, replays: int = 10) -> float:
+    """Median GPU ms per call of fn over the rotating items, replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for item in items:
+            fn(item)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in items:
+            fn(item)
+    times = []
+    for _ in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(items))
+    return statistics.median(times[2:])
+
+
+def jobs_for(T: int, E: int, k: int, D: int, F: int) -> list[tuple[str, dict]]:
+    """(part, config) pairs to time at T tokens before the one-token load variants."""
+    out = []
+    for tile in tiles(T, E, k):
+        out.append(("gate_up", {**tile, "SPLIT_K": 1}))
+        out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
+    return out
+
+
+def compile_jobs(T: int, E: int, k: int, D: int, F: int) -> list[tuple[str, dict]]:
+    """jobs_for, plus the load variants of every one-token tile (whichever wins, its variants are compiled)."""
+    jobs = jobs_for(T, E, k, D, F)
+    if T == 1:
+        jobs += [(part, variant) for part, cfg in jobs if cfg["SPLIT_K"] <= 2 for variant in load_variants(cfg)]
+    return jobs
+
+
+_WORKER: dict = {}
+
+
+def _compile(job: tuple) -> str | None:
+    """Worker: run one (shape, bits, T, part, cfg) once, so Triton compiles it into its disk cache."""
+    name, bits, T, part, cfg = job
+    key = (name, bits)
+    if key not in _WORKER:
+        _WORKER.clear()
+        _WORKER[key] = Problem(*SHAPES[name], bits)
+    problem = _WORKER[key]
+    try:
+        problem.run(part, cfg, problem.routed(T)[0])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported, then skipped by the timing run
+        return f"{name} {bits}-bit T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def compiled_as(job: tuple) -> tuple:
+    """What Triton compiles a job's launch as: its config but the K split (only split or not), and for down, how
+    Triton specializes the row count T*k (1, a multiple of 16, other)."""
+    name, bits, T, part, cfg = job
+    rows = T * SHAPES[name][1]
+    spec = (rows == 1, rows % 16 == 0) if part == "down" else ()
+    return name, bits, part, spec, cfg["SPLIT_K"] > 1, tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K"))
+
+
+def precompile(jobs: list[tuple], workers: int) -> list[str]:
+    """Compile every distinct candidate once in parallel processes (a fresh GPU machine has an empty Triton cache)."""
+    if workers <= 1 or not jobs:
+        return []
+    by_problem: dict = {}
+    for job in {compiled_as(j): j for j in jobs}.values():  # a worker keeps one problem: jobs grouped by problem
+        by_problem.setdefault(job[:2], []).append(job)
+    ordered = [j for group in by_problem.values() for j in group]
+    with futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [e for e in pool.map(_compile, ordered, chunksize=max(1, len(ordered) // (2 * workers))) if e]
+
+
+def table_key(name: str, bits: int) -> str:
+    E, _, D, F = SHAPES[name]
+    return lowbit_moe_key(bits, E, D, F)
+
+
+def tune(name: str, bits: int, tokens, log: list) -> dict:
+    E, k, D, F = SHAPES[name]
+    problem = Problem(E, k, D, F, bits)
+    table = {}
+    for T in tokens:
+        items = problem.routed(T)
+        timed = {"gate_up": [], "down": []}
+
+        def time_job(part, cfg):
+            try:
+                ms = graph_ms(lambda item: problem.run(part, cfg, item), items)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
+                log.append(f"{name} b{bits} T={T} {part} {cfg} failed: {type(e).__name__}")
+                return
+            timed[part].append((ms, cfg))
+
+        for part, cfg in jobs_for(T, E, k, D, F):
+            time_job(part, cfg)
+        if T == 1:
+            for part in ("gate_up", "down"):
+                best = min(timed[part], key=lambda p: p[0])[1]
+                for cfg in load_variants(best):
+                    time_job(part, cfg)
+        default = lowbit_moe_config(torch.cuda.get_device_name(), bits, E, D, F, T, k)  # the dispatch until now
+        default_ms = {part: graph_ms(lambda item: problem.run(part, default[part], item), items)
+                      for part in ("gate_up", "down")}
+        entry = {}
+        for part in ("gate_up", "down"):
+            ms, cfg = min(timed[part], key=lambda p: p[0])
+            entry[part] = {**cfg, "ms": round(ms, 4)}
+        total, before = entry["gate_up"]["ms"] + entry["down"]["ms"], sum(default_ms.values())
+        log.append(f"{name} {bits}-bit T={T}: {total:.4f} ms (dispatch before {before:.4f}) | gate_up "
+                   f"{entry['gate_up']} | down {entry['down']}")
+        print(log[-1], flush=True)
+        table[str(T)] = {**entry, "dispatch_before_ms": round(before, 4)}
+    return table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    ap.add_argument("--bits", default="4,3", help="comma-separated expert bit widths (default 4,3)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                    help="processes that compile the candidates first (1: compile while timing)")
+    ap.add_argument("--no-write", action="store_true", help="print and save results, leave the config JSON alone")
+    ap.add_argument("--out", default=None, help="folder for the result JSON (default bench/results/)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_lowbit_moe needs a CUDA GPU (it times Triton kernels)")
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        sys.exit(f"unknown shape(s) {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    shapes, bit_list = args.shapes.split(","), [int(b) for b in args.bits.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    start = time.perf_counter()
+    jobs = [(n, b, T, part, cfg) for n in shapes for b in bit_list for T in tokens
+            for part, cfg in compile_jobs(T, *SHAPES[n])]
+    errors = precompile(jobs, args.workers)
+    print(f"compiled {len({compiled_as(j) for j in jobs})} kernels for {len(jobs)} candidates with {args.workers} "
+          f"workers in {time.perf_counter() - start:.0f} s{f' ({len(errors)} failed)' if errors else ''}", flush=True)
+    log = list(errors)
+    section = {}
+    for n in shapes:
+        for b in bit_list:
+            section[table_key(n, b)] = tuned = tune(n, b, tokens, log)
+            if not args.no_write:  # after each problem: a run cut short keeps what it finished
+                entries = {T: {part: e[part] for part in ("gate_up", "down")} for T, e in tuned.items()}
+                path = write_sections(torch.cuda.get_device_name(), {"lowbit_moe": {table_key(n, b): entries}})
+                print(f"wrote {path}")
+    record = result_record("tune_lowbit_moe", {"shapes": shapes, "bits": bit_list, "tokens": tokens,
+                                               "routings": ROUTINGS, "timing": "CUDA graph replay, median of 10"},
+                           torch.device("cuda"))
+    record["lowbit_moe"], record["log"] = section, log
+    print(f"wrote {write_result(record, args.out)} in {time.perf_counter() - start:.0f} s")
+    print(json.dumps({k: {t: round(e["gate_up"]["ms"] + e["down"]["ms"], 4) for t, e in v.items()}
+                      for k, v in section.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
