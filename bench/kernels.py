@@ -38,7 +38,7 @@ GROUP = 64
 GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2), (64, 512, 8, 4), (32, 512, 4, 4)]
 # 2..8 rows on CUDA cores: BLOCK_N, BLOCK_K, warps, SUB, BLOCK_M (rows of x per tile; codes decoded once for them)
 GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32, 512, 4, 4, 2), (16, 512, 4, 2, 2)]
-DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 256, 4)]  # BLOCK_K is raised to 16 columns (3-bit: 512)
+DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 64, 4)]  # BN, BK, warps (64 x 256 at 4 warps spills registers)
 
 
 def load_variants(best: dict) -> list[dict]:
