@@ -24,9 +24,25 @@ def newest_runs(results_dir: Path) -> list[dict]:
         key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
                json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))  # a run over fewer token counts
         # does not hide a full one, nor a 3-bit run a 4-bit one
+        if rec["name"] == "kernels":  # runs may time a subset of the rows (--rows): the newest of each row counts
+            rec = _with_newest_rows(runs.get(key), rec)
         if key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
+
+
+def _with_newest_rows(old: dict | None, new: dict) -> dict:
+    """The newer of two low-bit linear runs, its rows completed by the other's (N, K, bits, rows) it lacks; each
+    row keeps the commit it was measured at."""
+    for rec in (old, new):
+        for r in rec["rows"] if rec else []:
+            r.setdefault("commit", rec["git"]["commit"][:8])
+    if old is None:
+        return new
+    newer, older = (new, old) if new["date"] > old["date"] else (old, new)
+    have = {(r["N"], r["K"], r["bits"], r["rows"]) for r in newer["rows"]}
+    rows = newer["rows"] + [r for r in older["rows"] if (r["N"], r["K"], r["bits"], r["rows"]) not in have]
+    return {**newer, "rows": sorted(rows, key=lambda r: (-r["N"], r["K"], -r["bits"], r["rows"]))}
 
 
 def _source(rec: dict) -> str:
@@ -145,14 +161,16 @@ def fused_moe_tables(config_dir: Path) -> list[str]:
 
 def kernel_tables(rec: dict) -> list[str]:
     lines = [f"**Triton low-bit linear** (group 64, {rec['config']['dtype']} activations; GPU ms = CUDA-graph replay "
-             f"of the best swept config, as decode runs it; {_source(rec)})", "",
-             "| N x K | bits | rows | GPU ms | with launch ms | floor ms | % of HBM | bf16 cuBLAS GPU ms | vs bf16 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"of the best swept config, as decode runs it; the newest run of each row, at the commit shown; "
+             f"{_source(rec)})", "",
+             "| N x K | bits | rows | GPU ms | with launch ms | floor ms | % of HBM | bf16 cuBLAS GPU ms | vs bf16 | commit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rec["rows"]:
         gpu = r.get("best_graph_ms", r.get("dispatch_graph_ms", r["ours_ms"]))
         bf16 = r.get("bf16_graph_ms", r["bf16_ms"])
         lines.append(f"| {r['N']} x {r['K']} | {r['bits']} | {r['rows']} | {gpu:.4f} | {r['ours_ms']:.4f} | "
-                     f"{r['floor_ms']:.4f} | {100 * r['floor_ms'] / gpu:.0f}% | {bf16:.4f} | {bf16 / gpu:.2f}x |")
+                     f"{r['floor_ms']:.4f} | {100 * r['floor_ms'] / gpu:.0f}% | {bf16:.4f} | {bf16 / gpu:.2f}x | "
+                     f"{r.get('commit', '')} |")
     return lines + [""]
 
 
