@@ -148,7 +148,8 @@ def fused_moe_tables(config_dir: Path) -> list[str]:
     for path in sorted(config_dir.glob("*.json")):
         table = json.loads(path.read_text())
         lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; "
-                  f"{table['device']}; `python bench/tune_fused_moe.py`, {path.relative_to(ROOT)})", "",
+                  f"{table['device']}; `python bench/tune_fused_moe.py`, {path.relative_to(ROOT)}; the low-bit MoE's "
+                  "configs: `python bench/tune_lowbit_moe.py`)", "",
                   "| shape | tokens | fused ms | torch._grouped_mm ms | floor ms | fused / floor |",
                   "|---|---:|---:|---:|---:|---:|"]
         for key, by_tokens in table.get("timings", {}).items():
