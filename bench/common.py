@@ -163,17 +163,24 @@ def time_fn(fn: Callable, inputs: Sequence, device: torch.device | str = "cpu", 
 def time_cuda_graph(fn: Callable, inputs: Sequence, reps: int = 20) -> float:
     """Median GPU milliseconds per fn(x) call with no host launch overhead: one CUDA graph holds a call per
     input (rotating inputs larger than L2 keep the cache from flattering), timed per replay."""
+    graph = capture_graph(fn, inputs)
+    return time_fn(lambda _: graph.replay(), [None], "cuda", reps=reps) / len(inputs)
+
+
+def capture_graph(fn: Callable, inputs: Sequence) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph holding a call of fn per input, after a warm-up on a side stream (compilation, lazy
+    allocations), as capture requires."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for x in inputs:  # warm-up on a side stream (compilation, lazy allocations), as capture requires
+        for x in inputs:
             fn(x)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for x in inputs:
             fn(x)
-    return time_fn(lambda _: graph.replay(), [None], "cuda", reps=reps) / len(inputs)
+    return graph
 
 
 def add_run_args(ap) -> None:
