@@ -68,6 +68,18 @@ def _top_word(w0, w1, w2):
 
 
 @triton.jit
+def _column_words(stored, BITS: tl.constexpr):
+    """The stored words of a column (a tuple: one word, or a 3-bit unit's three) -> the words its values are decoded
+    from: the word itself, or the unit's three plus the fourth rebuilt from their top bits (value slot 8t + i is value
+    i of word t)."""
+    if BITS == 3:
+        words = (stored[0], stored[1], stored[2], _top_word(stored[0], stored[1], stored[2]))
+    else:
+        words = stored
+    return words
+
+
+@triton.jit
 def _slot_offsets(j, BITS: tl.constexpr):
     """Input offset within its column of value slot j [..] (slot 8t + i of a 3-bit unit: value i of word t)."""
     if BITS == 3:
@@ -104,16 +116,15 @@ def _step_groups(step, last, G: tl.constexpr):
 @triton.jit
 def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr):
     """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile (2/4/8 bits: vector loads)
-    or a 3-bit unit's three stored words (stride 3). A tuple of SUB (w0, w1, w2). No mask: rows come clamped."""
+    or a 3-bit unit's three stored words (stride 3). A tuple of SUB stored-word tuples. No mask: rows come clamped."""
     col = _group_cols(_step_groups(step, last, G), CPG)[None, :, :] * (3 if BITS == 3 else 1)  # [1, G, CPG]
     out = ()
     for j in tl.static_range(SUB):
         ptr = tiles[j][0][:, None, None] + col
-        w0 = tl.load(ptr)
         if BITS == 3:
-            out = out + ((w0, tl.load(ptr + 1), tl.load(ptr + 2)),)
+            out = out + ((tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2)),)
         else:
-            out = out + ((w0, w0, w0),)
+            out = out + ((tl.load(ptr),),)
     return out
 
 
@@ -127,6 +138,13 @@ def _scale_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, SUB: tl.const
         sz = tiles[j][1][:, None, None] + g
         out = out + ((tl.load(s_ptr + sz), tl.load(z_ptr + sz)),)
     return out
+
+
+@triton.jit
+def _step_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
+                SUB: tl.constexpr):
+    """Everything step `step` reads from HBM: (_word_loads, _scale_loads)."""
+    return (_word_loads(tiles, step, last, G, CPG, BITS, SUB), _scale_loads(tiles, s_ptr, z_ptr, step, last, G, SUB))
 
 
 @triton.jit
@@ -166,18 +184,15 @@ def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
-    if BITS == 3:
-        for t in tl.static_range(4):
-            word_t = ()
-            for j in tl.static_range(SUB):
-                w0, w1, w2 = words[j]
-                word_t = word_t + ((w0 if t == 0 else w1 if t == 1 else w2 if t == 2 else _top_word(w0, w1, w2)),)
-            qx = _slot_fmas(qx, word_t, x_steps, col, exp, 8 * t, BITS, 8, CPS, SUB, M)
-    else:
+    units = ()
+    for j in tl.static_range(SUB):
+        units = units + (_column_words(words[j], BITS),)
+    WORDS: tl.constexpr = 4 if BITS == 3 else 1  # words a column's values are decoded from
+    for t in tl.static_range(WORDS):
         word_t = ()
         for j in tl.static_range(SUB):
-            word_t = word_t + (words[j][0],)
-        qx = _slot_fmas(qx, word_t, x_steps, col, exp, 0, BITS, VPC, CPS, SUB, M)
+            word_t = word_t + (units[j][t],)
+        qx = _slot_fmas(qx, word_t, x_steps, col, exp, t * (VPC // WORDS), BITS, VPC // WORDS, CPS, SUB, M)
     new = ()
     for m in tl.static_range(M):
         xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
@@ -250,15 +265,12 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
             acc = _step_sums(acc, words, cur, _x_steps(x_rows, step, VPC, CPS, M), col, exp, BITS, VPC, CPS, SUB, M)
     else:
-        nxt = (_word_loads(tiles, step0, last, G, CPG, BITS, SUB),
-               _scale_loads(tiles, s_ptr, z_ptr, step0, last, G, SUB))
+        nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
         if AHEAD == 2:
-            nxt2 = (_word_loads(tiles, step0 + 1, last, G, CPG, BITS, SUB),
-                    _scale_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, SUB))
+            nxt2 = _step_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
         for step in range(step0, step1):
             cur = nxt
-            fresh = (_word_loads(tiles, step + AHEAD, last, G, CPG, BITS, SUB),  # in flight from now
-                     _scale_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, SUB))
+            fresh = _step_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB)  # in flight from now
             if AHEAD == 2:
                 nxt, nxt2 = nxt2, fresh
             else:
@@ -277,21 +289,20 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
 @triton.jit
 def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
                GROUP: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
-    """What step `step` of the tensor-core path reads from HBM: the words of its C columns [BLOCK_N, C] (a 3-bit
-    unit's three) and their scale/zero (fp16), masked past the row."""
+    """What step `step` of the tensor-core path reads from HBM: the stored words of its C columns (a tuple of
+    [BLOCK_N, C]: one word, or a 3-bit unit's three) and their scale/zero (fp16), masked past the row."""
     col = step * C + tl.arange(0, C)
     g = col * VPC // GROUP
     mask = n_mask[:, None] & (g < groups_per_row)[None, :]
     s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     if BITS == 3:
-        w0 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 0)
-        w1 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 1)
-        w2 = _load_words(row_ptr, n_mask, col, words_per_row, 3, 2)
+        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
+                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
+                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
     else:
-        w0 = _load_words(row_ptr, n_mask, col, words_per_row, 1, 0)
-        w1, w2 = w0, w0
-    return w0, w1, w2, s, z
+        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 1, 0),)
+    return stored, s, z
 
 
 @triton.jit
@@ -305,13 +316,12 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
     nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step0, words_per_row, groups_per_row, BITS, GROUP, C,
                      VPC)
     for step in range(step0, step1):
-        w0, w1, w2, s, z = nxt
+        stored, s, z = nxt
         nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step + 1, words_per_row, groups_per_row, BITS, GROUP,
                          C, VPC)
         s = s.to(tl.float32)
         zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
-        words = (w0, w1, w2, _top_word(w0, w1, w2)) if BITS == 3 else (w0,)
-        w = _dequant_tile(words, s, zs, exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, C * VPC]
+        w = _dequant_tile(_column_words(stored, BITS), s, zs, exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, C*VPC]
         kk = tl.arange(0, C * VPC)
         off = (step * C + kk // VPC) * VPC + _slot_offsets(kk % VPC, BITS)  # [C * VPC] inputs in the tile's order
         xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
