@@ -18,6 +18,7 @@ import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.configs import fused_moe_config, gpu_name
+from moeserve.kernels.triton.swiglu import silu_mul
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_w
             wu = tl.load(w_base + (F + offs_n[None, :]) * D + offs_k[:, None], mask=wmask, other=0.0)
             acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u
+        h = silu_mul(acc_g, acc_u)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 

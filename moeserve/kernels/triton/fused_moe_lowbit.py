@@ -19,6 +19,7 @@ import triton.language as tl
 from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, check_activation,
                                                    check_weight, exponent_bits, kernel_x, launch, tile_constexprs)
+from moeserve.kernels.triton.swiglu import silu_mul
 
 
 @dataclass
@@ -55,14 +56,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     MOE: tl.constexpr = True
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < F
     start, end, e = _row_range(offsets_ptr, counts_ptr, F, MOE, BLOCK_M)  # F: unused row count
     w_base = w_ptr + e * 2 * F * words_per_row  # expert e: [2F, words]
     s_base, z_base = s_ptr + e * 2 * F * groups_per_row, z_ptr + e * 2 * F * groups_per_row
     steps = tl.cdiv(K, BLOCK_K)
     for row0 in range(start, end, BLOCK_M):
-        n0 = tl.program_id(0) * BLOCK_N
         g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                                 groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C,
                                 VPC, AHEAD, SUB, PIPE)
@@ -75,7 +76,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
                            BLOCK_M, BLOCK_R)
             u += _low_rank(lr_base, xv_ptr, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
                            BLOCK_M, BLOCK_R)
-        h = g / (1.0 + tl.exp(-g)) * u  # silu(g) * u, [BLOCK_N, BLOCK_M]
+        h = silu_mul(g, u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
 

@@ -2,7 +2,7 @@
 
 torch computes it as two elementwise kernels (silu, then the product) with a bf16 round trip between; at 1024
 Mixtral tokens those read and write the [T*k, 2F] gate/up output twice (172 us on an H100). One kernel reads it
-once, computes in float32 and writes [T*k, F] once.
+once, computes in float32 and writes [T*k, F] once. silu_mul is also the fused MoE kernels' gate/up epilogue.
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32 registers (every SwiGLU epilogue here computes it this way)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _swiglu_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr):
     """Row pid(0), columns [pid(1) * BLOCK, +BLOCK): out[row, c] = silu(h[row, c]) * h[row, F + c]."""
     row = tl.program_id(0).to(tl.int64)  # rows on axis 0: up to 2^31 of them (axis 1 stops at 65535)
@@ -22,7 +28,7 @@ def _swiglu_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr):
     ok = cols < F
     gate = tl.load(h_ptr + row * 2 * F + cols, mask=ok).to(tl.float32)
     up = tl.load(h_ptr + row * 2 * F + F + cols, mask=ok).to(tl.float32)
-    tl.store(out_ptr + row * F + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * F + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def fused_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
