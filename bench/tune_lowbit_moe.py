@@ -2,7 +2,7 @@
 moeserve/kernels/triton/configs/<gpu>.json, per (bits, MoE shape, token count), gate_up and down tuned apart.
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages); 2..16 tokens, CUDA-core tiles of 1..8 rows of x (each code decoded once for them) sized to the
+cp.async stages); 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
 rows an expert gets; 4 tokens and up, tensor-core tiles. down also tries K splits. Each candidate is timed as the
 GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are host
 noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
@@ -32,7 +32,7 @@ from kernels import load_variants, random_layer  # noqa: E402
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
 from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up  # noqa: E402
-from moeserve.kernels.triton.lowbit_linear import launch  # noqa: E402
+from moeserve.kernels.triton.lowbit_linear import BITS, launch  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}  # E, k, D, F
@@ -235,8 +235,13 @@ def main(argv=None) -> int:
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         sys.exit(f"unknown shape(s) {sorted(unknown)}; choose from {sorted(SHAPES)}")
-    shapes, bit_list = args.shapes.split(","), [int(b) for b in args.bits.split(",")]
-    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        bit_list, tokens = [int(b) for b in args.bits.split(",")], [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        sys.exit(f"--bits and --tokens take comma-separated integers, got {args.bits!r} and {args.tokens!r}")
+    if set(bit_list) - set(BITS) or min(tokens) < 1:
+        sys.exit(f"--bits takes some of {BITS}, --tokens positive counts; got {args.bits!r} and {args.tokens!r}")
+    shapes = args.shapes.split(",")
     start = time.perf_counter()
     jobs = [(n, b, T, part, cfg) for n in shapes for b in bit_list for T in tokens
             for part, cfg in compile_jobs(T, *SHAPES[n])]
