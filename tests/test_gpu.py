@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moeserve
+from checks import assert_same_top_k
 from moeserve.model.experts import grouped_mm_available
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
@@ -42,6 +43,28 @@ def test_grouped_experts_match_fp64_reference(T, E, k, D, F):
                 ref[t] += float(w[t, j]) * (dn[e] @ (torch.nn.functional.silu(g) * u))
     rel = (out - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 65])  # 65: past the fused router's limit, torch's kernels
+@pytest.mark.parametrize("E,k,D,family", [(8, 2, 4096, "mixtral"), (64, 6, 2048, "qwen3_moe")])
+def test_router_on_cuda_matches_torch(T, E, k, D, family):
+    """TopKRouter on CUDA in inference (the one-launch Triton router up to MAX_TOKENS) vs F.linear + softmax_topk:
+    logits within one bf16 rounding, the same experts, weights in the dtype the family asks for."""
+    from moeserve.model.router import TopKRouter, softmax_topk
+
+    router = TopKRouter(D, E, k, normalize=family == "qwen3_moe", weights_fp32=family == "mixtral")
+    with torch.no_grad():
+        router.weight.normal_(0, D ** -0.5)
+    router = router.to("cuda", torch.bfloat16)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights, logits = router(x)
+    ref_logits = torch.nn.functional.linear(x, router.weight)
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=2 ** -7)
+    ref_ids, ref_weights = softmax_topk(logits, k, router.normalize)  # the torch router on these logits
+    assert_same_top_k(ids, ref_ids, logits)
+    assert weights.dtype == (torch.float32 if router.weights_fp32 else torch.bfloat16)
+    torch.testing.assert_close(weights.float(), ref_weights, atol=0, rtol=1e-5 if router.weights_fp32 else 2 ** -8)
 
 
 def test_all_tokens_to_one_expert_and_empty_experts():

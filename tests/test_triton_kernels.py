@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from checks import assert_same_top_k  # noqa: E402
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton.fused_moe import fused_experts  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
@@ -138,6 +139,33 @@ def test_lowbit_linear_rejects_what_it_cannot_run(problem, call):
         lowbit_linear(torch.randn(2, 128, device=DEVICE), quantized(16, 128, 3, 16).qweight, *[None] * 2, 3, 16, 128)
 
 
+PAIR_CONFIGS = [SPLIT, {**WHOLE, "BLOCK_N": 32, "SUB": 2, "AHEAD": 2},
+                {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4, "PIPE": 3}]
+
+
+@pytest.mark.parametrize("bits,config", [(4, PAIR_CONFIGS[0]), (4, PAIR_CONFIGS[1]), (4, PAIR_CONFIGS[2]),
+                                         (2, PAIR_CONFIGS[0]), (8, PAIR_CONFIGS[2])])
+def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
+    """16-bit activations on CUDA cores take the fp16-pair path: error at bf16's rounding level, at any magnitude
+    of x (each step is scaled by a power of two), also with one huge input among small ones in a step."""
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+
+    layer = quantized(70, 320, bits, 64)
+    for dtype, magnitude in ((torch.bfloat16, 1.0), (torch.float16, 1e-3), (torch.bfloat16, 3e4)):
+        x = (torch.randn(3 if "BLOCK_M" in config else 1, 320, device=DEVICE) * magnitude).to(dtype)
+        if magnitude > 1:
+            x[:, 7] = 3e6  # 100x the rest: the small inputs of its step keep ~8 significant bits after scaling
+        ref = reference(layer, x)
+        ys = []
+        for half, tol in ((1, 5e-3), (0, 1e-5)):
+            ys.append(lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 320,
+                                    config={**config, "HALF": half}))
+            assert ys[-1].dtype == dtype and not ys[-1].isnan().any() and not ys[-1].isinf().any()
+            err = float((ys[-1].double() - ref).norm() / ref.norm())
+            assert err < tol + 2 ** -8, (dtype, magnitude, half, err)  # + the output's own rounding
+        assert not torch.equal(*ys)  # the pair path ran: its fp16 sums round differently
+
+
 def quantized_experts(E, D, F, bits, ranks):
     from moeserve.quant.qlinear import QuantizedExperts
 
@@ -169,6 +197,23 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_lowbit_fused_moe_in_bf16_takes_fp16_pairs(poisoned_outputs):
+    """The MoE kernels on bf16 rows: gate_up and down on the fp16-pair path (chunks of 2 rows on one expert)."""
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+    from moeserve.model.experts import LoopedExperts
+
+    E, k, D, F, T = 4, 2, 64, 96, 5
+    ex = quantized_experts(E, D, F, 4, ranks=[0, 8, 0, 0])
+    table = build_routing_table(routing_ids(T, E, k, "one_expert").to(DEVICE), torch.rand(T, k, device=DEVICE), E)
+    x_sorted = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)[table.token_ids]
+    cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, SUB=2, BLOCK_M=2)
+    got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table,
+                         {"gate_up": {**cfg, "SPLIT_K": 1}, "down": {**cfg, "BLOCK_N": 16, "SPLIT_K": 2}})
+    ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x_sorted.double(), table)
+    assert not got.isnan().any()
+    assert float((got.double() - ref.detach()).norm() / ref.detach().norm()) < 1e-2  # two bf16-level layers
 
 
 def quantized_experts_as_float64(ex):
@@ -241,3 +286,25 @@ def test_fused_swiglu_matches_float64(poisoned_outputs, n, F):
     torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="2F"):
         fused_swiglu(h[:, 1:])
+
+
+@pytest.mark.parametrize("T,E,k,D,normalize,weights_fp32", [(1, 8, 2, 64, True, True), (5, 60, 6, 40, False, False),
+                                                            (3, 64, 8, 200, True, False), (2, 3, 3, 16, True, True)])
+def test_fused_router_matches_softmax_topk(poisoned_outputs, T, E, k, D, normalize, weights_fp32):
+    """One launch (E, D not powers of two, several D steps, k = E) gives the experts, weights and logits of the torch
+    router; the returned weights come in the dtype TopKRouter hands on."""
+    from moeserve.kernels.triton.router import fused_router
+    from moeserve.model.router import softmax_topk
+
+    x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(E, D, device=DEVICE, dtype=torch.bfloat16) * D ** -0.5
+    ids, weights, logits = fused_router(x, weight, k, normalize, torch.float32 if weights_fp32 else x.dtype)
+    ref_logits = (x.double() @ weight.double().T).to(x.dtype)  # exact sum, rounded as F.linear's output is
+    assert logits.dtype == x.dtype and weights.dtype == (torch.float32 if weights_fp32 else x.dtype)
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=2 ** -7)  # one bf16 rounding step at most
+    ref_ids, ref_weights = softmax_topk(logits, k, normalize)  # the torch router on these logits
+    assert_same_top_k(ids, ref_ids, logits)
+    rtol = 1e-6 if weights_fp32 else 2 ** -7  # bf16 weights: the fp32 value rounded once (one ulp)
+    torch.testing.assert_close(weights.float(), ref_weights, atol=0, rtol=rtol)
+    with pytest.raises(ValueError, match="top-"):
+        fused_router(x, weight, E + 1, normalize, torch.float32)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels import triton_available
+
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over all experts (fp32), keep the top k, optionally renormalise them to sum to one."""
@@ -26,8 +28,21 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [T, D] -> expert_ids [T, k], expert_weights [T, k], logits [T, E] (for aux losses / traces)."""
+        if self.fused_applies(x):
+            from moeserve.kernels.triton.router import fused_router
+
+            return fused_router(x, self.weight, self.top_k, self.normalize,
+                                torch.float32 if self.weights_fp32 else x.dtype)
         logits = F.linear(x, self.weight)  # [T, E]
         ids, weights = softmax_topk(logits, self.top_k, self.normalize)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         return ids, weights, logits
+
+    def fused_applies(self, x: torch.Tensor) -> bool:
+        """One Triton launch instead of eight (decode-sized batches on CUDA, no autograd: it has no backward)."""
+        if not (x.is_cuda and triton_available()) or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return False
+        from moeserve.kernels.triton.router import MAX_TOKENS
+
+        return x.shape[0] <= MAX_TOKENS and x.dtype == self.weight.dtype

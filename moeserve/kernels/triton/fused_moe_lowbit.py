@@ -18,7 +18,7 @@ import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.lowbit_linear import (_low_rank, _row_range, _tile, check_activation,
-                                                   check_weight, exponent_bits, kernel_x, launch, tile_constexprs)
+                                                   check_weight, kernel_inputs, launch, tile_constexprs)
 from moeserve.kernels.triton.swiglu import silu_mul
 
 
@@ -52,7 +52,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
                     BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, HAS_LR: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
-                    SUB: tl.constexpr, PIPE: tl.constexpr):
+                    SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     MOE: tl.constexpr = True
@@ -66,10 +66,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
     for row0 in range(start, end, BLOCK_M):
         g, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                                 groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C,
-                                VPC, AHEAD, SUB, PIPE)
+                                VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
         u, rows, r_mask = _tile(x_ptr, row0, end, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K,
                                 words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
-                                BLOCK_M, C, VPC, AHEAD, SUB, PIPE)
+                                BLOCK_M, C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
         if HAS_LR:
             lr_base = u_ptr + e * 2 * F * R
             g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
@@ -87,10 +87,10 @@ def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ta
     lr = p.low_rank_inputs(x_sorted, table)
     u, xv = lr if lr is not None else (h, h)
     tile = tile_constexprs(cfg, p.bits, p.group, table.num_tokens, x_sorted.dtype, lr is not None)
+    xk, exp = kernel_inputs(x_sorted, tile)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
-        kernel_x(x_sorted, p.bits, tile["USE_DOT"], tile["BLOCK_K"]), p.qweight, p.scale, p.zero, h, u, xv,
-        table.offsets, table.counts, F, p.in_features, xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1],
-        p.scale.shape[-1], exponent_bits(p.bits), **tile)
+        xk, p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F, p.in_features,
+        xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], exp, **tile)
 
 
 def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, table: RoutingTable,

@@ -30,6 +30,8 @@ kernel reads U once per output block.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,57 @@ def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
         w = word >> -SHIFT  # arithmetic: the sign bits land above the mask
     q = (w & (((1 << BITS) - 1) << (23 - BITS))) | exp
     return q.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_code(word, exp2, p: tl.constexpr, BITS: tl.constexpr):
+    """Values p and p + VPC / 2 of each word (16 bits apart) as the fp16 pair (2^BITS + q_p, 2^BITS + q_p+VPC/2)
+    in an int32: one shift puts both fields on top of their halves' mantissas, one LOP3 masks them and sets both
+    exponents (exp2 = ((15 + BITS) << 10) * 0x10001, a run-time argument as in _code)."""
+    SHIFT: tl.constexpr = 10 - BITS - p * BITS
+    if SHIFT >= 0:
+        w = word << SHIFT
+    else:
+        w = word >> -SHIFT
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << (10 - BITS)
+    return (w & (FIELD | (FIELD << 16))) | exp2
+
+
+@triton.jit
+def _halves(h):
+    """An int32 holding an fp16 pair -> (low, high) as float32 (the interpreter's path: no inline PTX there)."""
+    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _hfma2(a, b, c, INTERPRET: tl.constexpr):
+    """a * b + c on fp16 pairs held in int32s: one HFMA2 for two values."""
+    if INTERPRET:
+        a_lo, a_hi = _halves(a)
+        b_lo, b_hi = _halves(b)
+        c_lo, c_hi = _halves(c)
+        lo = (a_lo * b_lo + c_lo).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = (a_hi * b_hi + c_hi).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        out = lo | (hi << 16)
+    else:
+        out = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _pair_sum(h, INTERPRET: tl.constexpr):
+    """low + high of an fp16 pair held in an int32, in float32."""
+    if INTERPRET:
+        lo, hi = _halves(h)
+        out = lo + hi
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+            "add.f32 $0, a, b; }", "=r,r", [h], dtype=tl.float32, is_pure=True, pack=1)
+    return out
 
 
 @triton.jit
@@ -203,12 +256,54 @@ def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
 
 
 @triton.jit
-def _x_steps(x_rows, step, VPC: tl.constexpr, CPS: tl.constexpr, M: tl.constexpr):
+def _half_step_sums(acc, words, scales, x_steps, col, exp2, BITS: tl.constexpr, VPC: tl.constexpr,
+                    CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, INTERPRET: tl.constexpr):
+    """_step_sums on fp16 pairs (2/4/8 bits): per word, sum (2^BITS + q) x over its VPC / 2 value pairs with one
+    HFMA2 per pair into an fp16 pair (the prepared x is scaled per step so that it cannot overflow), then in fp32
+    s / r * (that pair's two halves - (z + 2^BITS) * sum x), r the step's x scale. Half the FMAs of _step_sums
+    and one shift + LOP3 per two values."""
+    PAIRS: tl.constexpr = VPC // 2
+    qx = ()
+    for _ in tl.static_range(M * SUB):
+        qx = qx + (tl.zeros(acc[0].shape, dtype=tl.int32),)  # fp16 pair (0, 0)
+    for p in tl.static_range(PAIRS):
+        codes = ()
+        for j in tl.static_range(SUB):
+            codes = codes + (_pair_code(words[j][0], exp2, p, BITS),)
+        new = ()
+        for m in tl.static_range(M):
+            x = tl.load(x_steps[m] + p * CPS + col)[None, :, :]  # [1, G, CPG] fp16 pairs
+            for j in tl.static_range(SUB):
+                new = new + (_hfma2(codes[j], x, qx[m * SUB + j], INTERPRET),)
+        qx = new
+    new = ()
+    for m in tl.static_range(M):
+        xs = tl.load(x_steps[m] + PAIRS * CPS + col).to(tl.float32, bitcast=True)[None, :, :]  # [1, G, CPG] sum x
+        inv_r = tl.load(x_steps[m] + (PAIRS + 1) * CPS).to(tl.float32, bitcast=True)  # the step's 1 / scale
+        for j in tl.static_range(SUB):
+            s, z = scales[j][0].to(tl.float32) * inv_r, scales[j][1].to(tl.float32)
+            new = new + (acc[m * SUB + j] + s * (_pair_sum(qx[m * SUB + j], INTERPRET) - (z + (1 << BITS)) * xs),)
+    return new
+
+
+@triton.jit
+def _x_steps(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.constexpr):
     """This step's prepared x of each of the M rows: a tuple of M pointers."""
     x_steps = ()
     for m in tl.static_range(M):
-        x_steps = x_steps + (x_rows[m] + step * (VPC + 1) * CPS,)
+        x_steps = x_steps + (x_rows[m] + step * XSLOTS * CPS,)
     return x_steps
+
+
+@triton.jit
+def _sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+          SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of the GEMV: on fp16 pairs (HALF) or in fp32."""
+    if HALF:
+        acc = _half_step_sums(acc, words, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, INTERPRET)
+    else:
+        acc = _step_sums(acc, words, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
+    return acc
 
 
 @triton.jit
@@ -231,11 +326,12 @@ def _interleave(parts, N: tl.constexpr):
 @triton.jit
 def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
           exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
-          AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr):
+          AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
+          INTERPRET: tl.constexpr):
     """Rows [row0, min(row0 + M, end)) of x times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), on CUDA
     cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
-    xw_ptr: the prepared x [rows, steps, VPC + 1, G * CPG] (prepare_x, zero past the last column). Per column
+    xw_ptr: the prepared x [rows, steps, XSLOTS, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
     weight rows, x rows and groups are clamped in range and the zero x past the end cancels what they read.
     The weight rows are SUB interleaved sub-tiles of BLOCK_N / SUB: each thread works on one row of every sub-tile, so
@@ -248,13 +344,14 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
     registers), and loads the 2-byte scale/zero, too small for cp.async, one step ahead into registers."""
     ROWS: tl.constexpr = BLOCK_N // SUB
     CPS: tl.constexpr = G * CPG  # columns per step
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # prepared x per column and step (x_slots)
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB)
     x_rows = ()
     acc = ()
     for m in tl.static_range(M):
-        x_rows = x_rows + (xw_ptr + tl.minimum(row0 + m, end - 1).to(tl.int64) * steps * (VPC + 1) * CPS,)
+        x_rows = x_rows + (xw_ptr + tl.minimum(row0 + m, end - 1).to(tl.int64) * steps * XSLOTS * CPS,)
         for j in tl.static_range(SUB):
             acc = acc + (tl.zeros((ROWS, G, CPG), dtype=tl.float32),)
     if PIPE > 1:
@@ -263,7 +360,8 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
             words = _word_loads(tiles, step, last, G, CPG, BITS, SUB)
             cur = scales
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
-            acc = _step_sums(acc, words, cur, _x_steps(x_rows, step, VPC, CPS, M), col, exp, BITS, VPC, CPS, SUB, M)
+            acc = _sums(acc, words, cur, _x_steps(x_rows, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
+                        HALF, INTERPRET)
     else:
         nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
         if AHEAD == 2:
@@ -275,8 +373,8 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
                 nxt, nxt2 = nxt2, fresh
             else:
                 nxt = fresh
-            acc = _step_sums(acc, cur[0], cur[1], _x_steps(x_rows, step, VPC, CPS, M), col, exp, BITS, VPC, CPS, SUB,
-                             M)
+            acc = _sums(acc, cur[0], cur[1], _x_steps(x_rows, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB,
+                        M, HALF, INTERPRET)
     outs = ()
     for m in tl.static_range(M):
         parts = ()
@@ -353,7 +451,7 @@ def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.conste
 def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr, PIPE: tl.constexpr):
+          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows [n0, min(n0 + BLOCK_N, n_end)):
     (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -368,7 +466,7 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, 
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB, BLOCK_M, PIPE)
+                    SUB, BLOCK_M, PIPE, HALF, INTERPRET)
     return acc, rows, r_mask
 
 
@@ -393,7 +491,8 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
                    BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
                    HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr):
+                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -406,7 +505,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
         acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
                                   z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
                                   words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
-                                  BLOCK_M, C, VPC, AHEAD, SUB, PIPE)
+                                  BLOCK_M, C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
         if HAS_LR:
             if tl.program_id(1) == 0:
                 acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
@@ -422,9 +521,25 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
 # ---- launch ----------------------------------------------------------------------------------------------
 
 
-def exponent_bits(bits: int) -> int:
-    """The float exponent field that _code ORs in: the values come out as 2^bits + q."""
-    return (127 + bits) << 23
+def exponent_bits(bits: int, half: bool = False) -> int:
+    """The exponent field(s) the decode ORs in, so that values come out as 2^bits + q: float32 (_code), or both
+    halves of an fp16 pair (_pair_code)."""
+    return ((15 + bits) << 10) * 0x10001 if half else (127 + bits) << 23
+
+
+HALF_BITS = (2, 4, 8)  # widths whose words split into fp16 pairs (value p and p + VPC / 2 sit 16 bits apart)
+
+
+def x_slots(per_column: int, half: bool) -> int:
+    """Prepared-x rows per step: the VPC value slots (fp32) or VPC / 2 fp16 pairs, the column sums, (half) 1 / r."""
+    return per_column // 2 + 2 if half else per_column + 1
+
+
+def half_x_limit(bits: int) -> int:
+    """log2 of the bound prepare_x scales each step's |x| under, on the fp16-pair path: a word's pair sum,
+    VPC / 2 * (2^(bits+1) - 1) * |x|, stays under 2^15 (half fp16's range)."""
+    pairs = values_per_column(bits) // 2
+    return (2 ** 15 // (pairs * ((2 << bits) - 1))).bit_length() - 1
 
 
 def supported(bits: int, group: int) -> bool:
@@ -483,37 +598,77 @@ def blocks(bits: int, group: int, rows: int, cfg: dict) -> tuple[bool, int, int]
 
 
 @triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr):
-    """Step t of row m: xw[m, t, j, c] = x[m, input index of value slot j of column t * CPS + c], and
-    xw[m, t, VPC, c] = that column's sum of x; zero past the last column."""
+def _pack_pair(lo, hi):
+    """Two fp16 tensors -> one int32 tensor holding the pairs (lo in the low half)."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
+    """(r, 1 / r): the power of two that brings m (> 0) just under 2^LOG2_LIMIT, from the exponent bits (exact)."""
+    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # m < 2^e
+    field = tl.minimum(tl.maximum(127 + LOG2_LIMIT - e, 1), 253)
+    return (field << 23).to(tl.float32, bitcast=True), ((254 - field) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+                      HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
+    """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
+    column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
+    r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
+    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits)."""
     c = tl.program_id(0) * CPS + tl.arange(0, CPS)
     c_ok = c < cols
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
-    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (VPC + 1) * CPS
-    total = tl.zeros((CPS,), dtype=tl.float32)
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
+    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * XSLOTS * CPS
+    out = xw_step + tl.arange(0, CPS)
+    vals = ()
     for j in tl.static_range(VPC):
         off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
-        x = tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(xw_step + j * CPS + tl.arange(0, CPS), x)
-        total += x
-    tl.store(xw_step + VPC * CPS + tl.arange(0, CPS), total)
+        vals = vals + (tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32),)
+    total = tl.zeros((CPS,), dtype=tl.float32)
+    if HALF:
+        big = tl.zeros((CPS,), dtype=tl.float32)
+        for j in tl.static_range(VPC):
+            big = tl.maximum(big, tl.abs(vals[j]))
+        r, inv_r = _pow2_scale(tl.max(big, axis=0), LOG2_LIMIT)
+        for p in tl.static_range(VPC // 2):
+            lo, hi = (vals[p] * r).to(tl.float16), (vals[p + VPC // 2] * r).to(tl.float16)
+            tl.store(out + p * CPS, _pack_pair(lo, hi))
+            total += lo.to(tl.float32) + hi.to(tl.float32)
+        tl.store(out + (VPC // 2) * CPS, total.to(tl.int32, bitcast=True))
+        tl.store(out + (VPC // 2 + 1) * CPS, tl.full((CPS,), inv_r, tl.float32).to(tl.int32, bitcast=True))
+    else:
+        for j in tl.static_range(VPC):
+            tl.store(out + j * CPS, vals[j])
+            total += vals[j]
+        tl.store(out + VPC * CPS, total)
 
 
-def kernel_x(x: torch.Tensor, bits: int, use_dot: bool, block_k: int) -> torch.Tensor:
-    """What the kernels read as x: x itself for tensor-core tiles, prepare_x(x) for the one-row path."""
-    return x if use_dot else prepare_x(x, bits, block_k)
+def kernel_inputs(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, int]:
+    """(what the kernels read as x, the exponent bits their decode ORs in) for tile_constexprs `tile`: x itself for
+    tensor-core tiles, prepare_x(x) for the CUDA-core path."""
+    bits = tile["BITS"]
+    if tile["USE_DOT"]:
+        return x, exponent_bits(bits)
+    return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"]), exponent_bits(bits, tile["HALF"])
 
 
-def prepare_x(x: torch.Tensor, bits: int, block_k: int) -> torch.Tensor:
-    """x [M, K] -> [M, steps, VPC + 1, CPS] fp32 for the one-row kernel, a step = block_k inputs = CPS columns: per
-    step, the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
-    j = 8T + i), then each column's sum of x. The kernel finds slot j at a constant offset from the step."""
+def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, steps, x_slots, CPS] for the CUDA-core kernel, a step = block_k inputs = CPS columns: per step,
+    the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
+    j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
+    half, the step's 1 / scale). The kernel finds each slot at a constant offset from the step."""
     per_column = values_per_column(bits)
     M, K = x.shape
     cols, cps = K // per_column, block_k // per_column
     steps = triton.cdiv(cols, cps)
-    xw = torch.empty(M, steps, per_column + 1, cps, dtype=torch.float32, device=x.device)
-    _prepare_x_kernel[(steps, M)](x, xw, K, cols, BITS=bits, VPC=per_column, CPS=cps)
+    xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
+                     device=x.device)
+    _prepare_x_kernel[(steps, M)](x, xw, K, cols, BITS=bits, VPC=per_column, CPS=cps, HALF=half,
+                                  LOG2_LIMIT=half_x_limit(bits) if half else 0)
     return xw
 
 
@@ -521,7 +676,10 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     """The compile-time arguments _tile takes (and the launch options) for a config and up to `rows` rows per
     program: shared by the dense/down kernel and the MoE gate/up kernel."""
     use_dot, block_m, block_k = blocks(bits, group, rows, cfg)
-    return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr,
+    # fp16 pairs for 16-bit activations (relative error ~2e-3, bf16's own output rounding) unless a config says no
+    half = not use_dot and bits in HALF_BITS and dtype != torch.float32 and bool(cfg.get("HALF", 1))
+    return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, HALF=half,
+                INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
@@ -546,10 +704,10 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     R = xv.shape[-1] if lowrank is not None else 0
     offsets, counts = routing if routing is not None else (y, y)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
+    xk, exp = kernel_inputs(x, tile)
     _lowbit_kernel[grid](
-        kernel_x(x, bits, tile["USE_DOT"], tile["BLOCK_K"]), qweight, scale, zero, y, u, xv, offsets, counts,
-        x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1], per_split, exponent_bits(bits),
-        IS_MOE=routing is not None, ATOMIC=split > 1, **tile)
+        xk, qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
+        per_split, exp, IS_MOE=routing is not None, ATOMIC=split > 1, **tile)
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
