@@ -5,7 +5,8 @@
 
 Grid (output block, K slice, expert); experts with no rows return at once, so there is no host sync.
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
-and x V_e^T is one matmul against all experts' V [E * r, K] followed by a gather of each row's expert.
+and x V_all^T is one matmul against all experts' V [E * r, K], of which the kernels read each row's expert's r
+columns.
 """
 
 from __future__ import annotations
@@ -35,15 +36,12 @@ class StackedLowbit:
     u: torch.Tensor | None = None  # [E, N, r] activation dtype
     v: torch.Tensor | None = None  # [E * r, K] activation dtype
 
-    def low_rank_inputs(self, x_sorted: torch.Tensor, table: RoutingTable) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(U [E, N, r], x_sorted V_e^T [T*k, r]) with e each row's expert, or None."""
+    def low_rank_inputs(self, x_sorted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(U [E, N, r], x_sorted V_all^T [T*k, E * r]), or None: the kernels read each row's expert's r columns
+        (one matmul, no gather launches)."""
         if self.u is None:
             return None
-        E, r = self.u.shape[0], self.u.shape[2]
-        slots = torch.arange(x_sorted.shape[0], device=x_sorted.device)
-        expert = torch.searchsorted(table.offsets, slots.to(table.offsets.dtype), right=True)  # [T*k]
-        xv_all = torch.nn.functional.linear(x_sorted, self.v).view(-1, E, r)  # [T*k, E, r]
-        return self.u, xv_all[slots, expert].contiguous()  # [T*k, r]
+        return self.u, torch.nn.functional.linear(x_sorted, self.v)  # [T*k, E * r]
 
 
 @triton.jit
@@ -71,11 +69,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
                                 words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
                                 BLOCK_M, C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
         if HAS_LR:
-            lr_base = u_ptr + e * 2 * F * R
-            g += _low_rank(lr_base, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
+            lr_base, xv_e, xv_stride = u_ptr + e * 2 * F * R, xv_ptr + e * R, R * tl.num_programs(2)
+            g += _low_rank(lr_base, xv_e, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
                            BLOCK_M, BLOCK_R)
-            u += _low_rank(lr_base, xv_ptr, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
-                           BLOCK_M, BLOCK_R)
+            u += _low_rank(lr_base, xv_e, xv_stride, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
+                           BLOCK_N, BLOCK_M, BLOCK_R)
         h = silu_mul(g, u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
@@ -84,13 +82,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
 def launch_gate_up(x_sorted: torch.Tensor, p: StackedLowbit, h: torch.Tensor, table: RoutingTable, cfg: dict) -> None:
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
-    lr = p.low_rank_inputs(x_sorted, table)
+    lr = p.low_rank_inputs(x_sorted)
     u, xv = lr if lr is not None else (h, h)
     tile = tile_constexprs(cfg, p.bits, p.group, table.num_tokens, x_sorted.dtype, lr is not None)
     xk, exp = kernel_inputs(x_sorted, tile)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
         xk, p.qweight, p.scale, p.zero, h, u, xv, table.offsets, table.counts, F, p.in_features,
-        xv.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], exp, **tile)
+        p.u.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], exp, **tile)
 
 
 def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, table: RoutingTable,
@@ -110,7 +108,7 @@ def lowbit_experts(x_sorted: torch.Tensor, gate_up: StackedLowbit, down: Stacked
     x_sorted = x_sorted.contiguous()
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
     launch_gate_up(x_sorted, gate_up, h, table, config["gate_up"])
-    y = torch.zeros(x_sorted.shape[0], D, dtype=torch.float32, device=x_sorted.device)  # [T*k, D] split-K target
+    y = torch.empty(x_sorted.shape[0], D, dtype=torch.float32, device=x_sorted.device)  # [T*k, D] launch zeroes it
     launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config["down"], table.num_tokens, E,
-           lowrank=down.low_rank_inputs(h, table), routing=(table.offsets, table.counts))
+           lowrank=down.low_rank_inputs(h), routing=(table.offsets, table.counts))
     return y

@@ -429,16 +429,17 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
 
 
 @triton.jit
-def _low_rank(u_ptr, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(x V^T) U^T for these outputs and rows: U [N, R] (rows of u_ptr), xv [rows, R] -> [BLOCK_N, BLOCK_M] fp32."""
+def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(x V^T) U^T for these outputs and rows: U [N, R] (rows of u_ptr), xv [rows, R] (rows xv_stride apart: the MoE
+    kernels read their expert's R columns of x V_all^T [rows, E * R]) -> [BLOCK_N, BLOCK_M] fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
         u = tl.load(u_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], mask=n_mask[:, None] & r_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_R]
-        xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * R + offs_r[:, None], mask=r_ok[:, None] & r_mask[None, :],
+        xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * xv_stride + offs_r[:, None], mask=r_ok[:, None] & r_mask[None, :],
                      other=0.0)  # [BLOCK_R, BLOCK_M]
         if USE_DOT:
             acc = tl.dot(u, xv.to(u.dtype), acc, input_precision=PRECISION)
@@ -508,8 +509,9 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
                                   BLOCK_M, C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
         if HAS_LR:
             if tl.program_id(1) == 0:
-                acc += _low_rank(u_ptr + e * N * R, xv_ptr, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
-                                 BLOCK_N, BLOCK_M, BLOCK_R)
+                xv_stride = R * tl.num_programs(2) if IS_MOE else R  # MoE: grid axis 2 = the E experts
+                acc += _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
+                                 USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R)
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -612,12 +614,22 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
-                      HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
+                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr):
     """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
     column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
     r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
-    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits)."""
+    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
+    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
+    saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
+    if FILL:
+        FILL_BLOCK: tl.constexpr = 256
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
+        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
+        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
+            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
+            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
     c = tl.program_id(0) * CPS + tl.arange(0, CPS)
     c_ok = c < cols
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
@@ -647,16 +659,19 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, BITS: tl.constexpr, VPC: tl.conste
         tl.store(out + VPC * CPS, total)
 
 
-def kernel_inputs(x: torch.Tensor, tile: dict) -> tuple[torch.Tensor, int]:
+def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(what the kernels read as x, the exponent bits their decode ORs in) for tile_constexprs `tile`: x itself for
-    tensor-core tiles, prepare_x(x) for the CUDA-core path."""
+    tensor-core tiles, prepare_x(x) for the CUDA-core path. fill (fp32): zeroed on the way (by prepare_x)."""
     bits = tile["BITS"]
     if tile["USE_DOT"]:
+        if fill is not None:
+            fill.zero_()
         return x, exponent_bits(bits)
-    return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"]), exponent_bits(bits, tile["HALF"])
+    return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
 
 
-def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False) -> torch.Tensor:
+def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
+              fill: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, steps, x_slots, CPS] for the CUDA-core kernel, a step = block_k inputs = CPS columns: per step,
     the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
     j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
@@ -667,8 +682,9 @@ def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False) -> t
     steps = triton.cdiv(cols, cps)
     xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
                      device=x.device)
-    _prepare_x_kernel[(steps, M)](x, xw, K, cols, BITS=bits, VPC=per_column, CPS=cps, HALF=half,
-                                  LOG2_LIMIT=half_x_limit(bits) if half else 0)
+    _prepare_x_kernel[(steps, M)](x, xw, K, cols, xw if fill is None else fill, 0 if fill is None else fill.numel(),
+                                  BITS=bits, VPC=per_column, CPS=cps, HALF=half,
+                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None)
     return xw
 
 
@@ -688,7 +704,7 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
            lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing: tuple | None = None) -> None:
-    """Run the kernel: x [rows, K] -> y [rows, N] (fp32 and zeroed when cfg SPLIT_K > 1).
+    """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing = (offsets, counts) of expert-sorted rows (grid axis 2 = expert, weights stacked [E, N, ...]);
     without it, grid axis 2 walks blocks of rows_per_block rows of a dense matmul."""
@@ -699,12 +715,12 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
     if split > 1 and y.dtype != torch.float32:
-        raise ValueError("split-K accumulates with fp32 atomics: the output must be float32 (and zeroed)")
+        raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
-    R = xv.shape[-1] if lowrank is not None else 0
+    R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
     offsets, counts = routing if routing is not None else (y, y)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
-    xk, exp = kernel_inputs(x, tile)
+    xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
         xk, qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
         per_split, exp, IS_MOE=routing is not None, ATOMIC=split > 1, **tile)
@@ -731,7 +747,7 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
         u, v = lowrank
         lr = (u.contiguous(), torch.nn.functional.linear(x2, v).contiguous())  # U [N, r], xv [M, r]
     split = config["SPLIT_K"] > 1
-    y = (torch.zeros if split else torch.empty)(M, N, dtype=torch.float32 if split else x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=torch.float32 if split else x.dtype, device=x.device)  # split-K: launch zeroes it
     rows_per_block = M if M == 1 else min(M, config.get("BLOCK_M", 64))  # CUDA-core tiles: a program per BLOCK_M rows
     launch(x2, qweight, scale, zero, y, bits, group, in_features, config, rows_per_block,
            triton.cdiv(M, rows_per_block), lowrank=lr)
