@@ -166,6 +166,26 @@ def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
         assert not torch.equal(*ys)  # the pair path ran: its fp16 sums round differently
 
 
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (2, torch.bfloat16), (4, torch.float16),
+                                        (8, torch.float16), (8, torch.bfloat16)])
+def test_lowbit_linear_tensor_core_codes_match_float64(poisoned_outputs, bits, dtype):
+    """16-bit rows on tensor cores: the dot on the exact codes 2^bits + q with scale/zero per group after it, at the
+    output's rounding like the dequantize-then-dot path; bf16 cannot hold 8-bit codes, so 8-bit bf16 decodes."""
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, pair_codes
+
+    layer = quantized(70, 320, bits, 64)
+    x = (torch.randn(17, 320, device=DEVICE) * 3).to(dtype)
+    ref = reference(layer, x)
+    ys = []
+    for half in (1, 0):
+        ys.append(lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 320,
+                                config={**SPLIT, "BLOCK_K": 128, "HALF": half}))
+        assert ys[-1].dtype == dtype and not ys[-1].isnan().any()
+        err = float((ys[-1].double() - ref).norm() / ref.norm())
+        assert err < 2 ** -8, (half, err)
+    assert torch.equal(*ys) != pair_codes(bits, dtype, use_dot=True)  # the codes path ran where it applies
+
+
 def quantized_experts(E, D, F, bits, ranks):
     from moeserve.quant.qlinear import QuantizedExperts
 
@@ -199,8 +219,10 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_lowbit_fused_moe_in_bf16_takes_fp16_pairs(poisoned_outputs):
-    """The MoE kernels on bf16 rows: gate_up and down on the fp16-pair path (chunks of 2 rows on one expert)."""
+@pytest.mark.parametrize("rows", [{"BLOCK_M": 2}, {}])
+def test_lowbit_fused_moe_in_bf16_takes_fp16_pairs(poisoned_outputs, rows):
+    """The MoE kernels on bf16 rows: gate_up and down on 16-bit pairs, on CUDA cores (chunks of 2 rows on one
+    expert) or tensor cores (the 5 rows in one tile of 16)."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
     from moeserve.model.experts import LoopedExperts
 
@@ -208,7 +230,7 @@ def test_lowbit_fused_moe_in_bf16_takes_fp16_pairs(poisoned_outputs):
     ex = quantized_experts(E, D, F, 4, ranks=[0, 8, 0, 0])
     table = build_routing_table(routing_ids(T, E, k, "one_expert").to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)[table.token_ids]
-    cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, SUB=2, BLOCK_M=2)
+    cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, SUB=2, **rows)
     got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table,
                          {"gate_up": {**cfg, "SPLIT_K": 1}, "down": {**cfg, "BLOCK_N": 16, "SPLIT_K": 2}})
     ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x_sorted.double(), table)

@@ -71,9 +71,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, offsets_pt
         if HAS_LR:
             lr_base, xv_e, xv_stride = u_ptr + e * 2 * F * R, xv_ptr + e * R, R * tl.num_programs(2)
             g += _low_rank(lr_base, xv_e, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION, BLOCK_N,
-                           BLOCK_M, BLOCK_R)
+                           BLOCK_M, BLOCK_R, INTERPRET)
             u += _low_rank(lr_base, xv_e, xv_stride, F + offs_n, n_mask, rows, r_mask, R, USE_DOT, PRECISION,
-                           BLOCK_N, BLOCK_M, BLOCK_R)
+                           BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
         h = silu_mul(g, u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])

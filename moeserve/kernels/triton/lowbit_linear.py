@@ -56,16 +56,17 @@ def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pair_code(word, exp2, p: tl.constexpr, BITS: tl.constexpr):
-    """Values p and p + VPC / 2 of each word (16 bits apart) as the fp16 pair (2^BITS + q_p, 2^BITS + q_p+VPC/2)
-    in an int32: one shift puts both fields on top of their halves' mantissas, one LOP3 masks them and sets both
-    exponents (exp2 = ((15 + BITS) << 10) * 0x10001, a run-time argument as in _code)."""
-    SHIFT: tl.constexpr = 10 - BITS - p * BITS
+def _pair_code(word, exp2, p: tl.constexpr, BITS: tl.constexpr, MANT: tl.constexpr = 10):
+    """Values p and p + VPC / 2 of each word (16 bits apart) as the 16-bit float pair (2^BITS + q_p,
+    2^BITS + q_p+VPC/2) in an int32, fp16 (MANT = 10 mantissa bits) or bf16 (7): one shift puts both fields on top
+    of their halves' mantissas, one LOP3 masks them and sets both exponents (exp2 = exponent_bits(BITS, True, MANT),
+    a run-time argument as in _code)."""
+    SHIFT: tl.constexpr = MANT - BITS - p * BITS
     if SHIFT >= 0:
         w = word << SHIFT
     else:
         w = word >> -SHIFT
-    FIELD: tl.constexpr = ((1 << BITS) - 1) << (10 - BITS)
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << (MANT - BITS)
     return (w & (FIELD | (FIELD << 16))) | exp2
 
 
@@ -152,6 +153,21 @@ def _dequant_tile(words, s, zs, exp, dtype: tl.constexpr, BITS: tl.constexpr, VP
         for i in tl.static_range(VPC // len(words)):
             vals = vals + ((_code(words[t], exp, i, BITS) * s - zs).to(dtype),)
     return _interleave(vals, VPC)
+
+
+@triton.jit
+def _code_tile(word, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
+    """Words [BLOCK_N, C] -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype (fp16 or bf16), slot j of column
+    c at c * VPC + j: a shift + LOP3 per two values (_pair_code), no scale/zero arithmetic (_dot applies them per
+    group, after the dot)."""
+    MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 10
+    lo = ()
+    hi = ()
+    for p in tl.static_range(VPC // 2):
+        pair = _pair_code(word, exp2, p, BITS, MANT)
+        lo = lo + ((pair & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),)
+        hi = hi + ((pair >> 16).to(tl.int16).to(dtype, bitcast=True),)
+    return _interleave(lo + hi, VPC)
 
 
 @triton.jit
@@ -386,14 +402,21 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
 
 @triton.jit
 def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
-               GROUP: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+               GROUP: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, HALF: tl.constexpr):
     """What step `step` of the tensor-core path reads from HBM: the stored words of its C columns (a tuple of
-    [BLOCK_N, C]: one word, or a 3-bit unit's three) and their scale/zero (fp16), masked past the row."""
+    [BLOCK_N, C]: one word, or a 3-bit unit's three) and their scale/zero (fp16) per column [BLOCK_N, C], or
+    (HALF: the step is one group) per row [BLOCK_N], masked past the row."""
+    if HALF:
+        g = tl.minimum(step, groups_per_row - 1)  # past the end (the prefetch after the last step): unused
+        s = tl.load(s_ptr + grp_ptr + g, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + grp_ptr + g, mask=n_mask, other=0.0)
+    else:
+        col = step * C + tl.arange(0, C)
+        g = col * VPC // GROUP
+        mask = n_mask[:, None] & (g < groups_per_row)[None, :]
+        s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
+        z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     col = step * C + tl.arange(0, C)
-    g = col * VPC // GROUP
-    mask = n_mask[:, None] & (g < groups_per_row)[None, :]
-    s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     if BITS == 3:
         stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
                   _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
@@ -404,33 +427,54 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
 
 
 @triton.jit
+def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b (fp32). Triton 3.9's interpreter miscomputes bf16 dots, so there it runs in fp32: the same sums, as
+    the products of 16-bit values are exact in fp32."""
+    if INTERPRET:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
          groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-         BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
+         BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
     dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
-    step's words and scale/zero are loaded before this step's dot."""
+    step's words and scale/zero are loaded before this step's dot.
+    HALF (2/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
+    s * (that - (z + 2^BITS) * sum x) scales it per group after: a shift + LOP3 per two weights instead of a decode,
+    an FMA and a convert per weight, which bound this loop (0.8 TB/s at 16 rows of a 4-bit 14336x4096 on an H100)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step0, words_per_row, groups_per_row, BITS, GROUP, C,
-                     VPC)
+                     VPC, HALF)
     for step in range(step0, step1):
         stored, s, z = nxt
         nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step + 1, words_per_row, groups_per_row, BITS, GROUP,
-                         C, VPC)
-        s = s.to(tl.float32)
-        zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
-        w = _dequant_tile(_column_words(stored, BITS), s, zs, exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, C*VPC]
+                         C, VPC, HALF)
         kk = tl.arange(0, C * VPC)
         off = (step * C + kk // VPC) * VPC + _slot_offsets(kk % VPC, BITS)  # [C * VPC] inputs in the tile's order
         xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
                      other=0.0)  # [C * VPC, BLOCK_M]
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        s = s.to(tl.float32)
+        if HALF:
+            codes = _code_tile(stored[0], exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
+            part = _dot16(codes, xt, tl.zeros_like(acc), PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M] sum (2^BITS + q) x
+            xs = tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_M] the group's sum of x
+            acc += s[:, None] * (part - (z.to(tl.float32) + (1 << BITS))[:, None] * xs[None, :])
+        else:
+            zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
+            w = _dequant_tile(_column_words(stored, BITS), s, zs, exp, x_ptr.dtype.element_ty, BITS, VPC)
+            acc = _dot16(w, xt, acc, PRECISION, INTERPRET)  # w [BLOCK_N, C * VPC]
     return acc
 
 
 @triton.jit
 def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+              INTERPRET: tl.constexpr):
     """(x V^T) U^T for these outputs and rows: U [N, R] (rows of u_ptr), xv [rows, R] (rows xv_stride apart: the MoE
     kernels read their expert's R columns of x V_all^T [rows, E * R]) -> [BLOCK_N, BLOCK_M] fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -442,7 +486,7 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
         xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * xv_stride + offs_r[:, None], mask=r_ok[:, None] & r_mask[None, :],
                      other=0.0)  # [BLOCK_R, BLOCK_M]
         if USE_DOT:
-            acc = tl.dot(u, xv.to(u.dtype), acc, input_precision=PRECISION)
+            acc = _dot16(u, xv.to(u.dtype), acc, PRECISION, INTERPRET)
         else:
             acc += tl.sum(u.to(tl.float32)[:, :, None] * xv.to(tl.float32)[None, :, :], axis=1)
     return acc
@@ -463,7 +507,7 @@ def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, 
         n = tl.where(n_mask, offs_n, n0).to(tl.int64)
         acc = _dot(x_ptr, rows, r_mask, w_base + n * words_per_row, n * groups_per_row, s_base, z_base, n_mask,
                    step0, step1, K, words_per_row, groups_per_row, exp, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C,
-                   VPC)
+                   VPC, HALF, INTERPRET)
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
@@ -511,7 +555,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
             if tl.program_id(1) == 0:
                 xv_stride = R * tl.num_programs(2) if IS_MOE else R  # MoE: grid axis 2 = the E experts
                 acc += _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
-                                 USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R)
+                                 USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -523,13 +567,25 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
 # ---- launch ----------------------------------------------------------------------------------------------
 
 
-def exponent_bits(bits: int, half: bool = False) -> int:
+def exponent_bits(bits: int, half: bool = False, mantissa: int = 10) -> int:
     """The exponent field(s) the decode ORs in, so that values come out as 2^bits + q: float32 (_code), or both
-    halves of an fp16 pair (_pair_code)."""
-    return ((15 + bits) << 10) * 0x10001 if half else (127 + bits) << 23
+    halves of a 16-bit pair (_pair_code): fp16 (10 mantissa bits) or bf16 (7)."""
+    if not half:
+        return (127 + bits) << 23
+    bias = 15 if mantissa == 10 else 127
+    return ((bias + bits) << mantissa) * 0x10001
 
 
 HALF_BITS = (2, 4, 8)  # widths whose words split into fp16 pairs (value p and p + VPC / 2 sit 16 bits apart)
+
+
+def pair_codes(bits: int, dtype: torch.dtype, use_dot: bool) -> bool:
+    """Whether a tile runs on 16-bit pairs: CUDA-core tiles on fp16 pairs for 16-bit x (prepare_x converts it);
+    tensor-core tiles on codes in x's own dtype, which holds 2^bits + q exactly only while bits fit its mantissa
+    (bf16: 7 bits)."""
+    if dtype == torch.float32 or bits not in HALF_BITS:
+        return False
+    return not use_dot or bits < 8 or dtype == torch.float16
 
 
 def x_slots(per_column: int, half: bool) -> int:
@@ -666,7 +722,7 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None)
     if tile["USE_DOT"]:
         if fill is not None:
             fill.zero_()
-        return x, exponent_bits(bits)
+        return x, exponent_bits(bits, tile["HALF"], 7 if x.dtype == torch.bfloat16 else 10)
     return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
 
 
@@ -692,8 +748,10 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     """The compile-time arguments _tile takes (and the launch options) for a config and up to `rows` rows per
     program: shared by the dense/down kernel and the MoE gate/up kernel."""
     use_dot, block_m, block_k = blocks(bits, group, rows, cfg)
-    # fp16 pairs for 16-bit activations (relative error ~2e-3, bf16's own output rounding) unless a config says no
-    half = not use_dot and bits in HALF_BITS and dtype != torch.float32 and bool(cfg.get("HALF", 1))
+    # 16-bit pairs for 16-bit activations (relative error ~2e-3, bf16's own output rounding) unless a config says no
+    half = pair_codes(bits, dtype, use_dot) and bool(cfg.get("HALF", 1))
+    if use_dot and half:
+        block_k = group  # a step is one group: its scale/zero apply to the step's dot
     return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, HALF=half,
                 INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
