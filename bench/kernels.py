@@ -38,7 +38,7 @@ GROUP = 64
 GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2), (64, 512, 8, 4), (32, 512, 4, 4)]
 # 2..8 rows on CUDA cores: BLOCK_N, BLOCK_K, warps, SUB, BLOCK_M (rows of x per tile; codes decoded once for them)
 GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32, 512, 4, 4, 2), (16, 512, 4, 2, 2)]
-DOT_SWEEP = [(64, 128, 4), (128, 128, 8), (64, 64, 4)]  # BN, BK, warps (64 x 256 at 4 warps spills registers)
+DOT_SWEEP = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4)]  # BN, BK, warps (64 x 256 at 4 warps spills)
 
 
 def load_variants(best: dict) -> list[dict]:
@@ -94,7 +94,7 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
     for bn, bk, warps, sub, block_m in sweep[:1 if quick else None]:
         auto = split_for(-(-N // bn), -(-K // bk))
         steps = -(-K // bk)
-        splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, auto, 2 * auto}
+        splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, 4, auto, 2 * auto}
         for split in sorted(splits if not quick else {auto}):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, SPLIT_K=max(1, min(split, steps, 64)))
             if sub > 1:

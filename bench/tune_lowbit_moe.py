@@ -42,7 +42,7 @@ ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in
 # tiles never won and take 15 s each to compile at 3 bits)
 GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
-DOT = [(64, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
+DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
 SPLITS = (1, 2, 4, 8, 16, 32)
 CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4

@@ -166,8 +166,9 @@ def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
         assert not torch.equal(*ys)  # the pair path ran: its fp16 sums round differently
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (2, torch.bfloat16), (4, torch.float16),
-                                        (8, torch.float16), (8, torch.bfloat16)])
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16),
+                                        (4, torch.float16), (3, torch.float16), (8, torch.float16),
+                                        (8, torch.bfloat16)])
 def test_lowbit_linear_tensor_core_codes_match_float64(poisoned_outputs, bits, dtype):
     """16-bit rows on tensor cores: the dot on the exact codes 2^bits + q with scale/zero per group after it, at the
     output's rounding like the dequantize-then-dot path; bf16 cannot hold 8-bit codes, so 8-bit bf16 decodes."""
@@ -219,15 +220,15 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [{"BLOCK_M": 2}, {}])
-def test_lowbit_fused_moe_in_bf16_takes_fp16_pairs(poisoned_outputs, rows):
-    """The MoE kernels on bf16 rows: gate_up and down on 16-bit pairs, on CUDA cores (chunks of 2 rows on one
-    expert) or tensor cores (the 5 rows in one tile of 16)."""
+@pytest.mark.parametrize("bits,rows", [(4, {"BLOCK_M": 2}), (4, {}), (3, {})])
+def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, rows):
+    """The MoE kernels on bf16 rows: gate_up and down on fp16 pairs on CUDA cores (chunks of 2 rows on one expert),
+    or on 16-bit codes on tensor cores (the 5 rows in one tile of 16)."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
     from moeserve.model.experts import LoopedExperts
 
     E, k, D, F, T = 4, 2, 64, 96, 5
-    ex = quantized_experts(E, D, F, 4, ranks=[0, 8, 0, 0])
+    ex = quantized_experts(E, D, F, bits, ranks=[0, 8, 0, 0])
     table = build_routing_table(routing_ids(T, E, k, "one_expert").to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)[table.token_ids]
     cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, SUB=2, **rows)
