@@ -156,25 +156,18 @@ def _dequant_tile(words, s, zs, exp, dtype: tl.constexpr, BITS: tl.constexpr, VP
 
 
 @triton.jit
-def _code_tile(words, exp, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
-    """Column words [BLOCK_N, C] (a tuple, _column_words) -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype
-    (fp16 or bf16), slot j of column c at c * VPC + j, with no scale/zero arithmetic (_dot applies them per group,
-    after the dot): a shift + LOP3 per two values (_pair_code; exp = exponent_bits(BITS, True, mantissa)), or at 3
-    bits, whose values do not pair up, per value as float32 (_code) and a convert."""
-    vals = ()
-    if BITS == 3:
-        for t in tl.static_range(len(words)):
-            for i in tl.static_range(VPC // len(words)):
-                vals = vals + (_code(words[t], exp, i, BITS).to(dtype),)
-    else:
-        MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 10
-        hi = ()
-        for p in tl.static_range(VPC // 2):
-            pair = _pair_code(words[0], exp, p, BITS, MANT)
-            vals = vals + ((pair & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),)
-            hi = hi + ((pair >> 16).to(tl.int16).to(dtype, bitcast=True),)
-        vals = vals + hi
-    return _interleave(vals, VPC)
+def _code_tile(word, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
+    """Words [BLOCK_N, C] -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype (fp16 or bf16), slot j of column
+    c at c * VPC + j: a shift + LOP3 per two values (_pair_code), no scale/zero arithmetic (_dot applies them per
+    group, after the dot)."""
+    MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 10
+    lo = ()
+    hi = ()
+    for p in tl.static_range(VPC // 2):
+        pair = _pair_code(word, exp2, p, BITS, MANT)
+        lo = lo + ((pair & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),)
+        hi = hi + ((pair >> 16).to(tl.int16).to(dtype, bitcast=True),)
+    return _interleave(lo + hi, VPC)
 
 
 @triton.jit
@@ -451,7 +444,7 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
     """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
     dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
     step's words and scale/zero are loaded before this step's dot.
-    HALF (16-bit x, not 8 bits with bf16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
+    HALF (2/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
     s * (that - (z + 2^BITS) * sum x) scales it per group after: a shift + LOP3 per two weights instead of a decode,
     an FMA and a convert per weight, which bound this loop (0.8 TB/s at 16 rows of a 4-bit 14336x4096 on an H100)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -467,7 +460,7 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
                      other=0.0)  # [C * VPC, BLOCK_M]
         s = s.to(tl.float32)
         if HALF:
-            codes = _code_tile(_column_words(stored, BITS), exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
+            codes = _code_tile(stored[0], exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
             part = _dot16(codes, xt, tl.zeros_like(acc), PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M] sum (2^BITS + q) x
             xs = tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_M] the group's sum of x
             acc += s[:, None] * (part - (z.to(tl.float32) + (1 << BITS))[:, None] * xs[None, :])
@@ -587,14 +580,12 @@ HALF_BITS = (2, 4, 8)  # widths whose words split into fp16 pairs (value p and p
 
 
 def pair_codes(bits: int, dtype: torch.dtype, use_dot: bool) -> bool:
-    """Whether a tile runs on 16-bit values (the HALF constexpr): CUDA-core tiles on fp16 pairs for 16-bit x
-    (prepare_x converts it; 2/4/8 bits), tensor-core tiles on codes in x's own dtype, which holds 2^bits + q exactly
-    only while bits fit its mantissa (bf16: 7 bits)."""
-    if dtype == torch.float32:
+    """Whether a tile runs on 16-bit pairs: CUDA-core tiles on fp16 pairs for 16-bit x (prepare_x converts it);
+    tensor-core tiles on codes in x's own dtype, which holds 2^bits + q exactly only while bits fit its mantissa
+    (bf16: 7 bits)."""
+    if dtype == torch.float32 or bits not in HALF_BITS:
         return False
-    if use_dot:
-        return bits < 8 or dtype == torch.float16
-    return bits in HALF_BITS
+    return not use_dot or bits < 8 or dtype == torch.float16
 
 
 def x_slots(per_column: int, half: bool) -> int:
@@ -731,8 +722,7 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None)
     if tile["USE_DOT"]:
         if fill is not None:
             fill.zero_()
-        pairs = tile["HALF"] and bits != 3  # 3-bit codes come from float32 (_code_tile)
-        return x, exponent_bits(bits, pairs, 7 if x.dtype == torch.bfloat16 else 10)
+        return x, exponent_bits(bits, tile["HALF"], 7 if x.dtype == torch.bfloat16 else 10)
     return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
 
 
