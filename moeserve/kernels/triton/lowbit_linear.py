@@ -18,12 +18,16 @@ groups.
         once for all rows of x. Nothing in the loop is masked (rows and groups clamped, x zero-padded); the
         next AHEAD steps' words and scale/zero are loaded before this step's arithmetic, or (config PIPE) the
         words go through PIPE shared-memory stages (cp.async) and only scale/zero are loaded ahead.
+        HALF (16-bit x, 2/4/8 bits): the same sums on fp16 pairs, two codes per shift + LOP3 and one HFMA2 per
+        two values, x scaled per step by a power of two so the fp16 sums cannot overflow.
     DOT  (more rows, padded to BLOCK_M >= 16, tensor cores): each step decodes its [BLOCK_N, C] columns slot by
         slot, interleaves the slots in registers into one [BLOCK_N, BLOCK_K] tile and runs one dot against x
         [BLOCK_K, BLOCK_M] gathered in the tile's value order (natural for 2/4/8 bits, a fixed permutation within
-        each 3-bit unit); the next step's words and scale/zero are loaded before this step's dot.
+        each 3-bit unit); the next step's words and scale/zero are loaded before this step's dot. HALF (16-bit x,
+        2/4 bits, 8 with fp16): the tile holds the exact codes 2^bits + q in x's dtype, a step is one group, and
+        its scale/zero apply to the dot's result.
 
-SPLIT_K > 1 accumulates with fp32 atomics into a zeroed output. An optional low-rank compensator adds
+SPLIT_K > 1 accumulates with fp32 atomics into an output that launch() zeroes (with prepare_x on CUDA cores). An optional low-rank compensator adds
 (x V^T) U^T in the epilogue of the first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the
 kernel reads U once per output block.
 """
