@@ -27,9 +27,9 @@ groups.
         2/4 bits, 8 with fp16): the tile holds the exact codes 2^bits + q in x's dtype, a step is one group, and
         its scale/zero apply to the dot's result.
 
-SPLIT_K > 1 accumulates with fp32 atomics into an output that launch() zeroes (with prepare_x on CUDA cores). An optional low-rank compensator adds
-(x V^T) U^T in the epilogue of the first K slice: the caller passes xv = x V^T [rows, r] and U [N, r]; the
-kernel reads U once per output block.
+SPLIT_K > 1 accumulates with fp32 atomics into an output that launch() zeroes (with prepare_x on CUDA cores).
+An optional low-rank compensator adds (x V^T) U^T in the epilogue of the first K slice: the caller passes
+xv = x V^T [rows, r] and U [N, r]; the kernel reads U once per output block.
 """
 
 from __future__ import annotations
@@ -487,8 +487,8 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
         r_ok = offs_r < R
         u = tl.load(u_ptr + offs_n[:, None].to(tl.int64) * R + offs_r[None, :], mask=n_mask[:, None] & r_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_R]
-        xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * xv_stride + offs_r[:, None], mask=r_ok[:, None] & r_mask[None, :],
-                     other=0.0)  # [BLOCK_R, BLOCK_M]
+        xv = tl.load(xv_ptr + rows[None, :].to(tl.int64) * xv_stride + offs_r[:, None],
+                     mask=r_ok[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_M]
         if USE_DOT:
             acc = _dot16(u, xv.to(u.dtype), acc, PRECISION, INTERPRET)
         else:
