@@ -1,4 +1,4 @@
-"""Assertions shared by the CPU-interpreter and GPU test modules."""
+"""Assertions and torch references shared by the CPU-interpreter and GPU test modules."""
 
 import torch
 
@@ -9,3 +9,9 @@ def assert_same_top_k(ids: torch.Tensor, ref_ids: torch.Tensor, logits: torch.Te
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids))
     assert all(len(set(row)) == len(row) for row in ids.tolist())
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model/layers.py's RMSNorm expression (HF's) in plain torch, on any device: the fused kernel's reference."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from checks import assert_same_top_k  # noqa: E402
+from checks import assert_same_top_k, torch_rms_norm  # noqa: E402
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton.fused_moe import fused_experts  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
@@ -333,3 +333,47 @@ def test_fused_router_matches_softmax_topk(poisoned_outputs, T, E, k, D, normali
     torch.testing.assert_close(weights.float(), ref_weights, atol=0, rtol=rtol)
     with pytest.raises(ValueError, match="top-"):
         fused_router(x, weight, E + 1, normalize, torch.float32)
+
+
+@pytest.mark.parametrize("rows,D", [(1, 64), (5, 48)])  # 48: a masked tail of the block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_matches_the_torch_expression(poisoned_outputs, rows, D, dtype):
+    """Equal to the torch expression up to its fp32 sum's order (one step of the output's rounding), at any scale
+    of x; bf16 only against float64, as the interpreter truncates fp32 -> bf16."""
+    from moeserve.kernels.triton.norm_rotary import rms_norm
+
+    x = (torch.randn(rows, 3, D, device=DEVICE) * 10 ** torch.empty(rows, 3, 1, device=DEVICE).uniform_(-3, 3))
+    x, weight = x.to(dtype), (1 + torch.randn(D, device=DEVICE) * 0.1).to(dtype)
+    got = rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype and not got.isnan().any()
+    if dtype == torch.bfloat16:
+        x64 = x.double()
+        ref = weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(got.double(), ref, atol=0, rtol=2 ** -6)
+    else:
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-6), atol=0, rtol=2 * eps)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, weight[1:], 1e-6)
+
+
+@pytest.mark.parametrize("B,S,H,Dh", [(1, 1, 4, 16), (2, 3, 5, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtype):
+    """The fused rotary on a transposed view (as Attention.qkv passes it) rounds where torch does: equal bits (16-bit
+    dtypes on a GPU: tests/test_gpu.py)."""
+    from moeserve.kernels.triton.norm_rotary import rotary
+    from moeserve.model.layers import apply_rotary
+
+    x = torch.randn(B, S, H, Dh, device=DEVICE).to(dtype).transpose(1, 2)  # [B, H, S, Dh], strided
+    angle = torch.rand(B, S, Dh // 2, device=DEVICE) * 100
+    cos, sin = (torch.cat((f(angle), f(angle)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    got = rotary(x, cos, sin)
+    ref = apply_rotary(x.cpu(), cos.cpu(), sin.cpu())  # the torch expression
+    assert got.shape == (B, H, S, Dh) and got.is_contiguous()
+    if got.is_cuda and dtype == torch.float32:  # compiled, x * cos + y * sin may become one FMA: a last-bit change
+        torch.testing.assert_close(got.cpu(), ref, atol=0, rtol=2 ** -22)
+    else:
+        assert torch.equal(got.cpu(), ref)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotary(x[..., :12], cos[..., :12], sin[..., :12])

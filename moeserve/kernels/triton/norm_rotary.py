@@ -1,0 +1,82 @@
+"""RMSNorm and the rotary embedding, one launch each, for decode on a GPU.
+
+At one token a decoder layer's own arithmetic is tiny, but torch spends about eight kernels on an RMSNorm
+(cast, square, mean, add, rsqrt, multiply, cast, scale) and five on each rotary (negate, concatenate, two
+products, a sum): two norms and two rotaries per layer are ~26 launches, each a few microseconds of latency,
+about as long as reading the layer's attention weights. These kernels round where the torch expressions in
+model/layers.py round, so their outputs match them (bitwise for the rotary; the norm up to its fp32 sum's order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+    """Row pid: out = w * (x32 * rsqrt(mean(x32^2) + eps)).to(x's dtype), the product in fp32 rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    ok = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = (x * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> weight * normalise(x): model/layers.py's RMSNorm (HF's) in one launch."""
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, the rows {D} features")
+    x2 = x.reshape(-1, D).contiguous()  # [R, D]
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, D, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, S, stride_b, stride_h, stride_s, HALF: tl.constexpr):
+    """Row pid = (b, h, s) of x [B, H, S, 2 * HALF] (any strides but the last): out = x * cos + rotate_half(x) * sin
+    with each product and the sum rounded to x's dtype, as torch computes it; cos/sin [B, S, 2 * HALF]."""
+    pid = tl.program_id(0)
+    s = pid % S
+    h = (pid // S) % H
+    b = (pid // S // H).to(tl.int64)
+    lo = tl.arange(0, HALF)  # [HALF]
+    src = x_ptr + b * stride_b + h * stride_h + s * stride_s
+    x1 = tl.load(src + lo).to(tl.float32)
+    x2 = tl.load(src + HALF + lo).to(tl.float32)
+    cs = (b * S + s) * 2 * HALF
+    c1, c2 = tl.load(cos_ptr + cs + lo).to(tl.float32), tl.load(cos_ptr + cs + HALF + lo).to(tl.float32)
+    s1, s2 = tl.load(sin_ptr + cs + lo).to(tl.float32), tl.load(sin_ptr + cs + HALF + lo).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    out1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    out2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    dst = out_ptr + pid.to(tl.int64) * 2 * HALF
+    tl.store(dst + lo, out1)
+    tl.store(dst + HALF + lo, out2)
+
+
+def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether rotary() takes these: a power-of-two head dim (>= 2) with unit stride, cos/sin [B, S, Dh] in x's dtype."""
+    B, H, S, Dh = x.shape
+    return (Dh >= 2 and Dh & (Dh - 1) == 0 and x.stride(-1) == 1 and cos.shape == (B, S, Dh)
+            and sin.shape == cos.shape and cos.dtype == sin.dtype == x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, Dh] (a transposed view is fine), cos/sin [B, S, Dh] -> contiguous [B, H, S, Dh]: model/layers.py's
+    apply_rotary (rotate-half, HF's convention) in one launch."""
+    if not rotary_fits(x, cos, sin):
+        raise ValueError(f"the fused rotary takes x [B, H, S, Dh] with a power-of-two Dh and unit stride and cos/sin "
+                         f"[B, S, Dh] in x's dtype; got x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
+    B, H, S, Dh = x.shape
+    out = torch.empty(B, H, S, Dh, dtype=x.dtype, device=x.device)
+    _rotary_kernel[(B * H * S,)](x, cos.contiguous(), sin.contiguous(), out, H, S, x.stride(0), x.stride(1),
+                                 x.stride(2), HALF=Dh // 2, num_warps=1)
+    return out
