@@ -352,7 +352,7 @@ def test_rms_norm_matches_the_torch_expression(poisoned_outputs, rows, D, dtype)
         torch.testing.assert_close(got.double(), ref, atol=0, rtol=2 ** -6)
     else:
         eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-6), atol=0, rtol=2 * eps)
+        torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-6), atol=0, rtol=4 * eps)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, weight[1:], 1e-6)
 
@@ -360,8 +360,8 @@ def test_rms_norm_matches_the_torch_expression(poisoned_outputs, rows, D, dtype)
 @pytest.mark.parametrize("B,S,H,Dh", [(1, 1, 4, 16), (2, 3, 5, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtype):
-    """The fused rotary on a transposed view (as Attention.qkv passes it) rounds where torch does: equal bits (16-bit
-    dtypes on a GPU: tests/test_gpu.py)."""
+    """The fused rotary on a transposed view (as Attention.qkv passes it) rounds where torch does: equal bits (bf16
+    on a GPU: tests/test_gpu.py; the interpreter truncates to bf16)."""
     from moeserve.kernels.triton.norm_rotary import rotary
     from moeserve.model.layers import apply_rotary
 
@@ -371,9 +371,6 @@ def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtyp
     got = rotary(x, cos, sin)
     ref = apply_rotary(x.cpu(), cos.cpu(), sin.cpu())  # the torch expression
     assert got.shape == (B, H, S, Dh) and got.is_contiguous()
-    if got.is_cuda and dtype == torch.float32:  # compiled, x * cos + y * sin may become one FMA: a last-bit change
-        torch.testing.assert_close(got.cpu(), ref, atol=0, rtol=2 ** -22)
-    else:
-        assert torch.equal(got.cpu(), ref)
+    assert torch.equal(got.cpu(), ref)
     with pytest.raises(ValueError, match="power-of-two"):
         rotary(x[..., :12], cos[..., :12], sin[..., :12])

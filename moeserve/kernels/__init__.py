@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -13,3 +14,8 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1): no inline PTX there."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -34,11 +34,11 @@ xv = x V^T [rows, r] and U [N, r]; the kernel reads U once per output block.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from moeserve.kernels import triton_interpreting
 
 BITS = (2, 3, 4, 8)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -757,7 +757,7 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     if use_dot and half:
         block_k = group  # a step is one group: its scale/zero apply to the step's dot
     return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, HALF=half,
-                INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                INTERPRET=triton_interpreting(),
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
