@@ -355,6 +355,7 @@ def test_rms_norm_matches_the_torch_expression(poisoned_outputs, rows, D, dtype)
         torch.testing.assert_close(got, torch_rms_norm(x, weight, 1e-6), atol=0, rtol=4 * eps)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, weight[1:], 1e-6)
+    assert rms_norm(x[:0], weight, 1e-6).shape == (0, 3, D)  # no rows: no launch
 
 
 @pytest.mark.parametrize("B,S,H,Dh", [(1, 1, 4, 16), (2, 3, 5, 32)])
@@ -374,3 +375,4 @@ def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtyp
     assert torch.equal(got.cpu(), ref)
     with pytest.raises(ValueError, match="power-of-two"):
         rotary(x[..., :12], cos[..., :12], sin[..., :12])
+    assert rotary(x[:, :0], cos, sin).shape == (B, 0, S, Dh)  # no heads: no launch

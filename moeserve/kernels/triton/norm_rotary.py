@@ -37,6 +37,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, the rows {D} features")
     x2 = x.reshape(-1, D).contiguous()  # [R, D]
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0] == 0:
+        return out.view(x.shape)
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, D, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
@@ -105,6 +107,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                          f"[B, S, Dh] in x's dtype; got x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
     B, H, S, Dh = x.shape
     out = torch.empty(B, H, S, Dh, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
     _rotary_kernel[(B * H * S,)](x, cos.contiguous(), sin.contiguous(), out, H, S, x.stride(0), x.stride(1),
                                  x.stride(2), HALF=Dh // 2, INTERPRET=triton_interpreting(), num_warps=1)
     return out
