@@ -94,6 +94,28 @@ def test_norm_and_rotary_on_cuda_match_torch(S):
     assert torch.equal(apply_rotary(q, cos, sin), ref)
 
 
+def test_kernels_without_backward_step_aside_under_autograd():
+    """Norm, rotary and router on CUDA with gradients wanted: torch's ops run (the Triton kernels have no backward),
+    so the gradients reach x and the weights."""
+    from moeserve.model.layers import RMSNorm, apply_rotary
+    from moeserve.model.router import TopKRouter
+
+    norm = RMSNorm(64, 1e-5).cuda()
+    x = torch.randn(3, 64, device="cuda", requires_grad=True)
+    norm(x).square().sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    q = torch.randn(1, 2, 3, 16, device="cuda", requires_grad=True)
+    cos, sin = torch.rand(1, 3, 16, device="cuda"), torch.rand(1, 3, 16, device="cuda")
+    apply_rotary(q, cos, sin).square().sum().backward()
+    assert q.grad is not None
+    router = TopKRouter(64, 8, 2, normalize=False, weights_fp32=True).cuda()
+    with torch.no_grad():
+        router.weight.normal_(0, 0.1)
+    _, weights, logits = router(x.detach())
+    (weights.sum() + logits.square().sum()).backward()
+    assert router.weight.grad is not None
+
+
 def test_all_tokens_to_one_expert_and_empty_experts():
     """Skewed routing: every token picks expert 3 first; most experts get no tokens at all."""
     from moeserve.kernels.routing import build_routing_table, combine

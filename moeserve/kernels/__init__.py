@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -14,6 +16,14 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_serves(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether a Triton inference kernel may take this call: x on CUDA, Triton importable, and no autograd through
+    x or weight (the kernels have no backward)."""
+    if not (x.is_cuda and triton_available()):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
 
 
 def triton_interpreting() -> bool:

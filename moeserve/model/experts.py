@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels import triton_available
+from moeserve.kernels import triton_serves
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 
 
@@ -29,10 +29,10 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
 
 
 def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Tensor) -> bool:
-    """The Triton fused-MoE kernels: CUDA, 16-bit weights, Triton importable, and few enough tokens that
-    they beat grouped GEMMs here (measured per GPU and shape by bench/tune_fused_moe.py)."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up_proj.dtype == x.dtype
-            and triton_available()):
+    """The Triton fused-MoE kernels: CUDA, 16-bit weights, Triton importable, no autograd (they have no backward),
+    and few enough tokens that they beat grouped GEMMs here (measured per GPU and shape by bench/tune_fused_moe.py)."""
+    if not (x.dtype in (torch.bfloat16, torch.float16) and gate_up_proj.dtype == x.dtype
+            and triton_serves(x, gate_up_proj)):
         return False
     from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name
 
@@ -109,7 +109,7 @@ class ResidentExperts(LoopedExperts):
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)
         h = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=table.offsets)  # [T*k, 2F]
-        if triton_available():
+        if triton_serves(h):  # no backward: under autograd torch's silu and product run
             from moeserve.kernels.triton.swiglu import fused_swiglu
 
             act = fused_swiglu(h)  # one pass over h instead of two elementwise kernels

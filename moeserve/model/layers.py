@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels import triton_available
+from moeserve.kernels import triton_serves
 from moeserve.spec import ModelSpec, rope_inv_freq
 
 
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_gpu_inference(x, self.weight):  # one launch instead of eight, rounding where this code does
+        if triton_serves(x, self.weight):  # one launch instead of eight, rounding where this code does
             from moeserve.kernels.triton.norm_rotary import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -41,16 +41,9 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
-def on_gpu_inference(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether the Triton norm/rotary kernels serve this call: CUDA, Triton, and no autograd (they have no backward)."""
-    if not (x.is_cuda and triton_available()):
-        return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, S, Dh]; cos/sin [B, S, Dh]; rotate-half convention (HF/Llama)."""
-    if on_gpu_inference(x):
+    if triton_serves(x):
         from moeserve.kernels.triton.norm_rotary import rotary, rotary_fits
 
         if rotary_fits(x, cos, sin):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels import triton_available
+from moeserve.kernels import triton_serves
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ class TopKRouter(nn.Module):
 
     def fused_applies(self, x: torch.Tensor) -> bool:
         """One Triton launch instead of eight (decode-sized batches on CUDA, no autograd: it has no backward)."""
-        if not (x.is_cuda and triton_available()) or (torch.is_grad_enabled() and self.weight.requires_grad):
+        if not triton_serves(x, self.weight):
             return False
         from moeserve.kernels.triton.router import MAX_TOKENS
 

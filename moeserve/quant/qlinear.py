@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels import triton_available
+from moeserve.kernels import triton_serves
 from moeserve.kernels.cpu import gemv as cpu_gemv
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.quant import milo
@@ -26,8 +26,9 @@ TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Trito
 
 
 def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int) -> bool:
-    """CUDA activations of a float dtype, few rows, and a layout the Triton low-bit kernels read."""
-    if not (x.is_cuda and rows <= TRITON_MAX_ROWS and triton_available()):
+    """CUDA activations of a float dtype, few rows, no autograd through x (the kernels have no backward), and a
+    layout the Triton low-bit kernels read."""
+    if not (rows <= TRITON_MAX_ROWS and triton_serves(x)):
         return False
     from moeserve.kernels.triton.lowbit_linear import DTYPES, supported
 

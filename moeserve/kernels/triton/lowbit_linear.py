@@ -75,11 +75,16 @@ def _pair_code(word, exp2, p: tl.constexpr, BITS: tl.constexpr, MANT: tl.constex
 
 
 @triton.jit
+def _split_pair(h, dtype: tl.constexpr):
+    """An int32 holding a pair of 16-bit floats -> (low, high) in dtype (fp16 or bf16), bits unchanged."""
+    return (h & 0xFFFF).to(tl.int16).to(dtype, bitcast=True), (h >> 16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
 def _halves(h):
     """An int32 holding an fp16 pair -> (low, high) as float32 (the interpreter's path: no inline PTX there)."""
-    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+    lo, hi = _split_pair(h, tl.float16)
+    return lo.to(tl.float32), hi.to(tl.float32)
 
 
 @triton.jit
@@ -168,9 +173,9 @@ def _code_tile(word, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.cons
     lo = ()
     hi = ()
     for p in tl.static_range(VPC // 2):
-        pair = _pair_code(word, exp2, p, BITS, MANT)
-        lo = lo + ((pair & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),)
-        hi = hi + ((pair >> 16).to(tl.int16).to(dtype, bitcast=True),)
+        lo_p, hi_p = _split_pair(_pair_code(word, exp2, p, BITS, MANT), dtype)
+        lo = lo + (lo_p,)
+        hi = hi + (hi_p,)
     return _interleave(lo + hi, VPC)
 
 
@@ -410,17 +415,16 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
     """What step `step` of the tensor-core path reads from HBM: the stored words of its C columns (a tuple of
     [BLOCK_N, C]: one word, or a 3-bit unit's three) and their scale/zero (fp16) per column [BLOCK_N, C], or
     (HALF: the step is one group) per row [BLOCK_N], masked past the row."""
+    col = step * C + tl.arange(0, C)
     if HALF:
         g = tl.minimum(step, groups_per_row - 1)  # past the end (the prefetch after the last step): unused
         s = tl.load(s_ptr + grp_ptr + g, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + grp_ptr + g, mask=n_mask, other=0.0)
     else:
-        col = step * C + tl.arange(0, C)
         g = col * VPC // GROUP
         mask = n_mask[:, None] & (g < groups_per_row)[None, :]
         s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
         z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    col = step * C + tl.arange(0, C)
     if BITS == 3:
         stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
                   _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
