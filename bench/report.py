@@ -142,20 +142,31 @@ def cpu_kernel_tables(rec: dict) -> list[str]:
     return lines
 
 
+def _schedule(cfg: dict) -> str:
+    """A fused-MoE projection config's schedule: decode, row tiles, or row tiles through TMA descriptors."""
+    if cfg.get("schedule") != "tiles":
+        return "decode"
+    return "tiles (TMA)" if cfg.get("TMA") else "tiles"
+
+
 def fused_moe_tables(config_dir: Path) -> list[str]:
     """Kernel-only times from the tuner's per-GPU config files (moeserve/kernels/triton/configs)."""
     lines = []
     for path in sorted(config_dir.glob("*.json")):
         table = json.loads(path.read_text())
-        lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; "
+        lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; the grouped_mm "
+                  "path: two torch._grouped_mm calls with the SwiGLU between, fused from 256 tokens on, torch's "
+                  "two elementwise kernels below; "
                   f"{table['device']}; `python bench/tune_fused_moe.py`, {path.relative_to(ROOT)}; the low-bit MoE's "
                   "configs: `python bench/tune_lowbit_moe.py`)", "",
-                  "| shape | tokens | fused ms | torch._grouped_mm ms | floor ms | fused / floor |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| shape | tokens | schedule (gate_up, down) | fused ms | grouped_mm path ms | floor ms | fused / floor |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
         for key, by_tokens in table.get("timings", {}).items():
             for t, r in by_tokens.items():
-                lines.append(f"| {key} | {t} | {r['fused_ms']:.3f} | {r['grouped_mm_ms']:.3f} | {r['floor_ms']:.3f} | "
-                             f"{r['fused_ms'] / r['floor_ms']:.2f} |")
+                cfg = table.get("fused_moe", {}).get(key, {}).get(t, {})
+                schedule = ", ".join(_schedule(cfg[p]) for p in ("gate_up", "down") if p in cfg)
+                lines.append(f"| {key} | {t} | {schedule} | {r['fused_ms']:.3f} | {r['grouped_mm_ms']:.3f} | "
+                             f"{r['floor_ms']:.3f} | {r['fused_ms'] / r['floor_ms']:.2f} |")
         lines.append("")
     return lines
 

@@ -1,101 +1,201 @@
-"""Tune the Triton fused-MoE launch configs on this GPU and write them as data
-(moeserve/kernels/triton/configs/<gpu>.json), with the token counts where the fused path beats
-torch._grouped_mm ("max_tokens", used by ResidentExperts).
+"""Tune the bf16 Triton fused-MoE launch configs on this GPU and write them as data
+(moeserve/kernels/triton/configs/<gpu>.json): per shape and token count the fastest config of each projection,
+over the decode schedule (a program per expert and output block; up to 64 tokens) and the row-tile schedule
+(a program per row tile of one expert and output block; 64 tokens and up), and "max_tokens", the largest token
+count where the fused kernels beat torch's grouped GEMMs (ResidentExperts takes them up to there).
 
-    python bench/tune_fused_moe.py                # Mixtral and DeepSeek-like shapes, 1..64 tokens
-    python bench/tune_fused_moe.py --out DIR      # also copy the JSON and a timing log to DIR
+    python bench/tune_fused_moe.py                                 # Mixtral and DeepSeek-like, 1..4096 tokens
+    python bench/tune_fused_moe.py --shapes mixtral --tokens 1024 --no-write
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as futures
 import itertools
-import shutil
+import multiprocessing
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from common import time_fn  # noqa: E402
+from common import result_record, time_fn, write_result  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
-from moeserve.model.experts import swiglu  # noqa: E402
 from moeserve.kernels.triton import fused_moe  # noqa: E402
-from moeserve.kernels.triton.configs import shape_key, write_sections  # noqa: E402
+from moeserve.kernels.triton.configs import device_table, shape_key, write_sections  # noqa: E402
+from moeserve.kernels.triton.swiglu import fused_swiglu  # noqa: E402
 
-SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}
-TOKENS = (1, 4, 16, 64)
-GATE_UP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
-           for m, n, k, w in itertools.product((16, 64), (32, 64, 128), (128, 256), (4, 8))]
-DOWN = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
-        for m, n, k, w in itertools.product((16, 64), (16, 32, 64), (256, 512), (4, 8))]
+SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}  # E, k, D, F
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+ROUTINGS = 4
+DECODE_MAX_TOKENS = 64  # the decode schedule unrolls cdiv(T, BLOCK_M) row chunks: small T only
+TILES_MIN_TOKENS = 64
+DECODE = {"gate_up": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+                      for m, n, k, w in itertools.product((16, 64), (32, 64, 128), (128, 256), (4, 8))],
+          "down": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+                   for m, n, k, w in itertools.product((16, 64), (16, 32, 64), (256, 512), (4, 8))]}
+TILES = {"gate_up": [dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, TMA=t)
+                     for m, n, w, s, t in itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (0, 1))],
+         "down": [dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, TMA=t)
+                  for m, n, w, s, t in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4), (0, 1))]}
 
 
-def tune_shape(E, k, D, F, log) -> dict:
-    dev = torch.device("cuda")
-    gu = torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) * D ** -0.5
-    dn = torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) * F ** -0.5
+def candidates(part: str, T: int, D: int, F: int) -> list[dict]:
+    K = D if part == "gate_up" else F
+    out = [c for c in DECODE[part] if T <= DECODE_MAX_TOKENS and (c["BLOCK_M"] == 16 or T >= 16)]
+    return out + [c for c in TILES[part] if T >= TILES_MIN_TOKENS and fused_moe.tiles_fit(c, K)]
+
+
+class Problem:
+    """Random bf16 experts of one shape and rotating routings per token count, on the GPU."""
+
+    def __init__(self, E: int, k: int, D: int, F: int, seed: int = 0):
+        torch.manual_seed(seed)
+        dev = self.dev = torch.device("cuda")
+        self.gu = torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) * D ** -0.5
+        self.dn = torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) * F ** -0.5
+        self.E, self.k, self.D, self.F = E, k, D, F
+        self._routed: dict[int, list[tuple]] = {}
+
+    def routed(self, T: int) -> list[tuple]:
+        """ROUTINGS x (table, x_sorted [T*k, D], h [T*k, F], y [T*k, D]), made once per T."""
+        if T not in self._routed:
+            self._routed[T] = []
+            for _ in range(ROUTINGS):
+                ids = torch.rand(T, self.E, device=self.dev).topk(self.k, dim=1).indices  # [T, k] distinct experts
+                self._routed[T].append((build_routing_table(ids, torch.rand(T, self.k, device=self.dev), self.E),
+                                        torch.randn(T * self.k, self.D, device=self.dev, dtype=torch.bfloat16),
+                                        torch.randn(T * self.k, self.F, device=self.dev, dtype=torch.bfloat16),
+                                        torch.empty(T * self.k, self.D, device=self.dev, dtype=torch.bfloat16)))
+        return self._routed[T]
+
+    def run(self, part: str, cfg: dict, item: tuple) -> None:
+        table, x, h, y = item
+        if cfg.get("schedule") == "tiles":
+            kernel, args = ((fused_moe._gate_up_tiles_kernel, (x, self.gu, h)) if part == "gate_up" else
+                            (fused_moe._down_tiles_kernel, (h, self.dn, y)))
+            fused_moe._launch_tiles(kernel, *args, table, self.F if part == "gate_up" else self.D, cfg)
+        elif part == "gate_up":
+            fused_moe.launch_gate_up(x, self.gu, h, table, table.num_tokens, cfg)
+        else:
+            fused_moe.launch_down(h, self.dn, y, table, table.num_tokens, cfg)
+
+    def grouped_mm(self, item: tuple) -> torch.Tensor:
+        """The path the fused kernels compete with: grouped GEMM, fused SwiGLU, grouped GEMM."""
+        table, x, _, _ = item
+        h = fused_swiglu(torch._grouped_mm(x, self.gu.transpose(1, 2), offs=table.offsets))
+        return torch._grouped_mm(h, self.dn.transpose(1, 2), offs=table.offsets)
+
+
+_WORKER: dict = {}
+
+
+def _compile(job: tuple) -> str | None:
+    """Worker: run one (shape, T, part, cfg) once, so that Triton compiles it into its disk cache."""
+    name, T, part, cfg = job
+    if name not in _WORKER:
+        _WORKER.clear()
+        _WORKER[name] = Problem(*SHAPES[name])
+    try:
+        _WORKER[name].run(part, cfg, _WORKER[name].routed(T)[0])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported; the timing run skips it
+        return f"{name} T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def precompile(jobs: list[tuple], workers: int) -> list[str]:
+    """Compile each distinct kernel once in parallel processes (tile kernels do not depend on T; the decode ones
+    unroll cdiv(T, BLOCK_M) chunks), grouped by shape so that a worker builds few problems."""
+    distinct = {(j[0], j[2], tuple(sorted(j[3].items())),
+                 None if j[3].get("schedule") == "tiles" else -(-j[1] // j[3]["BLOCK_M"])): j for j in jobs}
+    ordered = sorted(distinct.values(), key=lambda j: j[0])
+    if workers <= 1 or not ordered:
+        return []
+    with futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [e for e in pool.map(_compile, ordered, chunksize=max(1, len(ordered) // (2 * workers))) if e]
+
+
+def tune_shape(name: str, tokens, log: list) -> dict:
+    E, k, D, F = SHAPES[name]
+    problem = Problem(E, k, D, F)
     out = {}
-    for T in TOKENS:
-        tables, xs = [], []
-        for _ in range(4):  # rotating routings
-            ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
-            tables.append(build_routing_table(ids, torch.rand(T, k, device=dev), E))
-            xs.append(torch.randn(T * k, D, device=dev, dtype=torch.bfloat16))
-        h = torch.empty(T * k, F, device=dev, dtype=torch.bfloat16)
-        y = torch.empty(T * k, D, device=dev, dtype=torch.bfloat16)
+    for T in tokens:
+        items = problem.routed(T)
         best = {}
-        for name, space, run in (
-                ("gate_up", GATE_UP, lambda c, i: fused_moe.launch_gate_up(xs[i], gu, h, tables[i], T, c)),
-                ("down", DOWN, lambda c, i: fused_moe.launch_down(h, dn, y, tables[i], T, c))):
-            timings = []
-            for cfg in space:
-                if cfg["BLOCK_M"] > 16 and T < 16:
-                    continue
+        for part in ("gate_up", "down"):
+            timed = []
+            for cfg in candidates(part, T, D, F):
                 try:
-                    ms = time_fn(lambda i, cfg=cfg: run(cfg, i), range(4), dev)
+                    timed.append((time_fn(lambda item, cfg=cfg: problem.run(part, cfg, item), items, "cuda"), cfg))
                 except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                    log.append(f"{name} {cfg} failed: {type(e).__name__}")
-                    continue
-                timings.append((ms, cfg))
-            ms, cfg = min(timings, key=lambda p: p[0])
-            best[name] = {**cfg, "ms": round(ms, 4)}
+                    log.append(f"{name} T={T} {part} {cfg} failed: {type(e).__name__}")
+            ms, cfg = min(timed, key=lambda p: p[0])
+            best[part] = {**cfg, "ms": round(ms, 4)}
         fused_ms = best["gate_up"]["ms"] + best["down"]["ms"]
-        offs = [t.offsets for t in tables]
-        grouped = time_fn(lambda i: torch._grouped_mm(
-            swiglu(torch._grouped_mm(xs[i], gu.transpose(1, 2), offs=offs[i])), dn.transpose(1, 2), offs=offs[i]),
-            range(4), dev)
-        weight_bytes = 3 * F * D * 2 * torch.stack([(t.counts > 0).sum() for t in tables]).float().mean().item()
-        floor_ms = weight_bytes / 2.94e12 * 1e3
+        grouped = time_fn(problem.grouped_mm, items, "cuda")
+        # floor: the distinct experts hit, read once, or the FLOPs at the H100's measured 774 TFLOP/s
+        hit = torch.stack([(t.counts > 0).sum() for t, *_ in items]).float().mean().item()
+        floor_ms = max(3 * F * D * 2 * hit / 2.94e12, 2 * T * k * 3 * D * F / 774e12) * 1e3
         out[str(T)] = {**best, "fused_ms": round(fused_ms, 4), "grouped_mm_ms": round(grouped, 4),
                        "floor_ms": round(floor_ms, 4)}
-        log.append(f"E{E} D{D} F{F} T={T}: fused {fused_ms:.3f} ms (gate_up {best['gate_up']}, down {best['down']}) "
-                   f"| grouped_mm {grouped:.3f} ms | floor {floor_ms:.3f} ms")
+        log.append(f"{name} T={T}: fused {fused_ms:.3f} ms (gate_up {best['gate_up']}, down {best['down']}) | "
+                   f"grouped_mm + fused SwiGLU {grouped:.3f} ms | floor {floor_ms:.3f} ms")
         print(log[-1], flush=True)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="also copy the config JSON and the log here")
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                    help="processes that compile the candidates first (1: compile while timing)")
+    ap.add_argument("--no-write", action="store_true", help="print and save results, leave the config JSON alone")
+    ap.add_argument("--out", default=None, help="folder for the result JSON (default bench/results/)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_fused_moe needs a CUDA GPU (it times Triton kernels)")
+    shapes = args.shapes.split(",")
+    if set(shapes) - set(SHAPES):
+        sys.exit(f"unknown shape(s) {sorted(set(shapes) - set(SHAPES))}; choose from {sorted(SHAPES)}")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        sys.exit(f"--tokens takes comma-separated positive integers, got {args.tokens!r}")
+    if min(tokens) < 1:
+        sys.exit(f"--tokens takes comma-separated positive integers, got {args.tokens!r}")
+    start = time.perf_counter()
+    jobs = [(n, T, part, cfg) for n in shapes for T in tokens for part in ("gate_up", "down")
+            for cfg in candidates(part, T, *SHAPES[n][2:])]
+    log = precompile(jobs, args.workers)
+    print(f"compiled {len(jobs)} candidates with {args.workers} workers in {time.perf_counter() - start:.0f} s",
+          flush=True)
     name = torch.cuda.get_device_name()
-    log, table = [], {"device": name, "fused_moe": {}, "max_tokens": {}}
-    for label, (E, k, D, F) in SHAPES.items():
-        results = tune_shape(E, k, D, F, log)
-        key = shape_key(E, D, F)
-        table["fused_moe"][key] = {t: {"gate_up": r["gate_up"], "down": r["down"]} for t, r in results.items()}
-        table["max_tokens"][key] = max((int(t) for t, r in results.items() if r["fused_ms"] < r["grouped_mm_ms"]),
-                                       default=0)
-        table.setdefault("timings", {})[key] = {t: {f: r[f] for f in ("fused_ms", "grouped_mm_ms", "floor_ms")}
-                                                for t, r in results.items()}
-    path = write_sections(name, table)
-    print(f"wrote {path}")
-    if args.out:
-        shutil.copy(path, Path(args.out) / path.name)
-        (Path(args.out) / "tune_log.txt").write_text("\n".join(log) + "\n")
+    section = {}
+    for n in shapes:
+        E, _, D, F = SHAPES[n]
+        section[n] = results = tune_shape(n, tokens, log)
+        if not args.no_write:
+            key = shape_key(E, D, F)
+            write_sections(name, {
+                "fused_moe": {key: {t: {p: r[p] for p in ("gate_up", "down")} for t, r in results.items()}},
+                "timings": {key: {t: {f: r[f] for f in ("fused_ms", "grouped_mm_ms", "floor_ms")}
+                                  for t, r in results.items()}}})
+            timings = device_table(name)["timings"][key]  # this run's counts and those tuned before
+            wins = [int(t) for t, r in timings.items() if r["fused_ms"] < r["grouped_mm_ms"]]
+            print(f"wrote {write_sections(name, {'max_tokens': {key: max(wins, default=0)}})}")
+    record = result_record("tune_fused_moe", {"shapes": shapes, "tokens": tokens, "routings": ROUTINGS,
+                                              "timing": "triton.testing.do_bench median (L2 flushed)"},
+                           torch.device("cuda"))
+    record["fused_moe"], record["log"] = section, log
+    print(f"wrote {write_result(record, args.out)} in {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,3 +15,24 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """model/layers.py's RMSNorm expression (HF's) in plain torch, on any device: the fused kernel's reference."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def routing_ids(T: int, E: int, k: int, routing: str) -> torch.Tensor:
+    """[T, k] expert ids: "random" (k distinct per token), "one_expert" (every token picks expert E - 1) or
+    "two_experts" (experts 0 and 2, then 3.., the others get no rows)."""
+    if routing == "random":
+        return torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    if routing == "one_expert":  # one expert gets every token (more rows than BLOCK_M): chunks loop
+        return torch.stack([torch.cat([torch.tensor([E - 1]), torch.randperm(E - 1)[:k - 1]]) for _ in range(T)])
+    return torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)  # only two experts used, the others get no rows
+
+
+def expert_loop_fp64(ex, x_sorted, table):
+    """float64 reference: each slot through its own expert."""
+    out = torch.empty(x_sorted.shape, dtype=torch.float64, device=x_sorted.device)
+    gu, dn = ex.gate_up_proj.double(), ex.down_proj.double()
+    expert_of_slot = torch.repeat_interleave(torch.arange(ex.num_experts, device=x_sorted.device), table.counts)
+    for s, e in enumerate(expert_of_slot.tolist()):
+        g, u = (gu[e] @ x_sorted[s].double()).chunk(2)
+        out[s] = dn[e] @ (torch.nn.functional.silu(g) * u)
+    return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moeserve
-from checks import assert_same_top_k, torch_rms_norm
+from checks import assert_same_top_k, expert_loop_fp64, routing_ids, torch_rms_norm
 from moeserve.model.experts import grouped_mm_available
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
@@ -43,6 +43,28 @@ def test_grouped_experts_match_fp64_reference(T, E, k, D, F):
                 ref[t] += float(w[t, j]) * (dn[e] @ (torch.nn.functional.silu(g) * u))
     rel = (out - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("T,routing", [(300, "random"), (77, "one_expert"), (513, "random")])
+@pytest.mark.parametrize("E,k,D,F", [(8, 2, 1024, 1536), (64, 6, 512, 192)])
+def test_row_tile_experts_compiled_match_fp64(T, routing, E, k, D, F, tma):
+    """The prefill tile kernels compiled in bf16 at tile sizes the tuner picks (128-row tiles, wgmma), through
+    pointers and TMA descriptors: partial tiles, experts without rows, all tokens on one expert."""
+    from moeserve.kernels.routing import build_routing_table
+    from moeserve.kernels.triton.fused_moe import fused_experts
+
+    block = random_block(E, k, D, F)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    table = build_routing_table(routing_ids(T, E, k, routing).cuda(), torch.rand(T, k, device="cuda"), E)
+    cfg = {"gate_up": dict(schedule="tiles", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4,
+                           TMA=tma),
+           "down": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=tma)}
+    x_sorted = x[table.token_ids]
+    with torch.no_grad():
+        out = fused_experts(x_sorted, block.experts.gate_up_proj, block.experts.down_proj, table, cfg).double()
+        ref = expert_loop_fp64(block.experts, x_sorted, table)
+    assert (out - ref).norm() / ref.norm() < 1e-2
 
 
 @pytest.mark.parametrize("T", [1, 16, 64, 65])  # 65: past the fused router's limit, torch's kernels

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from checks import assert_same_top_k, torch_rms_norm  # noqa: E402
+from checks import assert_same_top_k, expert_loop_fp64, routing_ids, torch_rms_norm  # noqa: E402
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton.fused_moe import fused_experts  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
@@ -48,20 +48,39 @@ def test_fused_experts_match_the_loop(poisoned_outputs, T, routing, E, k, D, F):
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
     x_sorted = x[table.token_ids]
     got = fused_experts(x_sorted, ex.gate_up_proj.data, ex.down_proj.data, table, SMALL)
-    ref = _loop(ex, x_sorted, table)
+    ref = expert_loop_fp64(ex, x_sorted, table)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def _loop(ex, x_sorted, table):
-    """float64 reference: each slot through its own expert."""
-    out = torch.empty(x_sorted.shape, dtype=torch.float64, device=x_sorted.device)
-    gu, dn = ex.gate_up_proj.double(), ex.down_proj.double()
-    expert_of_slot = torch.repeat_interleave(torch.arange(ex.num_experts, device=x_sorted.device), table.counts)
-    for s, e in enumerate(expert_of_slot.tolist()):
-        g, u = (gu[e] @ x_sorted[s].double()).chunk(2)
-        out[s] = dn[e] @ (torch.nn.functional.silu(g) * u)
-    return out
+TILES = {"gate_up": dict(schedule="tiles", BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4),
+         "down": dict(schedule="tiles", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)}
+
+
+@pytest.mark.parametrize("T,routing", [(1, "random"), (9, "random"), (23, "random"), (37, "one_expert"),
+                                       (6, "two_experts")])
+@pytest.mark.parametrize("E,k,D,F", [(4, 2, 64, 48), (6, 3, 48, 80)])  # 48, 80: output blocks cut short
+@pytest.mark.parametrize("variant", ["pointers", "tma", "mixed"])
+def test_fused_experts_row_tiles_match_the_loop(poisoned_outputs, T, routing, E, k, D, F, variant):
+    """The prefill schedule: row tiles of one expert each, found from the counts; partial tiles, experts with no
+    rows, all rows on one expert, a grid larger than the tiles; operands through pointers or TMA descriptors;
+    mixed: tiled gate_up, decode-schedule down."""
+    ex = experts(E, D, F)
+    x = torch.randn(T, D, device=DEVICE)
+    table = build_routing_table(routing_ids(T, E, k, routing).to(DEVICE), torch.rand(T, k, device=DEVICE), E)
+    x_sorted = x[table.token_ids]
+    got = fused_experts(x_sorted, ex.gate_up_proj.data, ex.down_proj.data, table,
+                        {"pointers": TILES, "mixed": {**TILES, "down": SMALL["down"]},
+                         "tma": {p: {**c, "TMA": 1} for p, c in TILES.items()}}[variant])
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), expert_loop_fp64(ex, x_sorted, table), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_experts_row_tiles_reject_uneven_blocks():
+    ex = experts(4, 40, 48)  # BLOCK_K 16 does not divide D = 40
+    table = build_routing_table(torch.tensor([[0, 1]], device=DEVICE), torch.rand(1, 2, device=DEVICE), 4)
+    with pytest.raises(ValueError, match="gate_up tile config needs a BLOCK_K that divides its 40 inputs"):
+        fused_experts(torch.randn(2, 40, device=DEVICE), ex.gate_up_proj.data, ex.down_proj.data, table, TILES)
 
 
 def quantized(N, K, bits, group, rank=0, comp_bits=16):
@@ -253,14 +272,6 @@ def quantized_experts_as_float64(ex):
             dense.gate_up_proj[e] = reference(ex.gate_up[e], torch.eye(dense.gate_up_proj.shape[2], device=DEVICE)).T
             dense.down_proj[e] = reference(ex.down[e], torch.eye(dense.down_proj.shape[2], device=DEVICE)).T
     return dense
-
-
-def routing_ids(T, E, k, routing):
-    if routing == "random":
-        return torch.stack([torch.randperm(E)[:k] for _ in range(T)])
-    if routing == "one_expert":  # one expert gets every token (more rows than BLOCK_M): chunks loop
-        return torch.stack([torch.cat([torch.tensor([E - 1]), torch.randperm(E - 1)[:k - 1]]) for _ in range(T)])
-    return torch.tensor([[0, 2] + list(range(3, 3 + k - 2))] * T)  # only two experts used, the others get no rows
 
 
 @pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (40, 6, 64, 32), (5, 2, 3, 64)])

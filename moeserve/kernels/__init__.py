@@ -21,9 +21,12 @@ def triton_available() -> bool:
 def triton_serves(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether a Triton inference kernel may take this call: x on CUDA, Triton importable, and no autograd through
     x or weight (the kernels have no backward)."""
-    if not (x.is_cuda and triton_available()):
-        return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+    return x.is_cuda and triton_available() and not needs_grad(x, weight)
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op on these tensors (kernels without a backward must step aside)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def triton_interpreting() -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels import triton_available
+from moeserve.kernels import needs_grad, triton_available
 
 
 @dataclass
@@ -39,11 +39,14 @@ def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, 
         from moeserve.kernels.triton.routing import table_tensors
 
         return RoutingTable(**table_tensors(expert_ids, expert_weights, num_experts), num_tokens=expert_ids.shape[0])
-    return sorted_table(expert_ids, expert_weights, num_experts)
+    # on a GPU, slot_of lets combine gather (no zeroed output, no bf16 atomics)
+    return sorted_table(expert_ids, expert_weights, num_experts, inverse=expert_ids.is_cuda and triton_available())
 
 
-def sorted_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
-    """The table from a stable sort: any size, any device (the reference for the one-launch table)."""
+def sorted_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int,
+                 inverse: bool = False) -> RoutingTable:
+    """The table from a stable sort: any size, any device (the reference for the one-launch table); inverse: with
+    slot_of, the sort's inverse permutation."""
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
@@ -56,12 +59,15 @@ def sorted_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_exp
         counts=counts,
         offsets=torch.cumsum(counts, 0).to(torch.int32),
         num_tokens=expert_ids.shape[0],
+        slot_of=torch.empty_like(order, dtype=torch.int32).scatter_(
+            0, order, torch.arange(order.numel(), dtype=torch.int32, device=order.device)) if inverse else None,
     )
 
 
 def combine(expert_out: torch.Tensor, table: RoutingTable, num_tokens: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Scale each expert-sorted row by its gate weight and add it back to its token: [T, D]."""
-    if table.slot_of is not None:  # one launch: gather each token's rows (no zeroed output, no atomics)
+    if table.slot_of is not None and not needs_grad(expert_out, table.weights):
+        # one launch: gather each token's rows (no zeroed output, no atomics; no backward, so not under autograd)
         from moeserve.kernels.triton.routing import gather_combine
 
         return gather_combine(expert_out, table.slot_of, table.weights, table.slot_of.numel() // num_tokens,

@@ -40,6 +40,16 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
     return num_tokens <= fused_max_tokens(gpu_name(x.device.index or 0), E, D, two_f // 2)
 
 
+def default_tiles_available(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """The Triton row-tile kernels with their default configs: the fused path's conditions, less the token limit,
+    and D and F divisible by the default BLOCK_Ks."""
+    from moeserve.kernels.triton.configs import DEFAULT_TILES
+
+    E, two_f, D = gate_up_proj.shape
+    return (fused_moe_available(x, 0, gate_up_proj) and D % DEFAULT_TILES["gate_up"]["BLOCK_K"] == 0
+            and (two_f // 2) % DEFAULT_TILES["down"]["BLOCK_K"] == 0)
+
+
 class LoopedExperts(nn.Module):
     """Dispatch through the routing table, one FFN call per active expert, weighted combine.
 
@@ -91,20 +101,25 @@ class ResidentExperts(LoopedExperts):
         return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int) -> str:
-        """Which path computes num_tokens rows like x [.., D]: "fused" (Triton), "grouped_mm" or "loop"."""
+        """Which path computes num_tokens rows like x [.., D]: "fused" (Triton, tuned), "grouped_mm", "tiles"
+        (Triton row tiles with default configs, on GPUs without grouped GEMMs) or "loop"."""
         if fused_moe_available(x, num_tokens, self.gate_up_proj):
             return "fused"
-        return "grouped_mm" if grouped_mm_available(x, x.shape[1], self.ffn) else "loop"
+        if grouped_mm_available(x, x.shape[1], self.ffn):
+            return "grouped_mm"
+        return "tiles" if default_tiles_available(x, self.gate_up_proj) else "loop"
 
     def graph_safe(self, x: torch.Tensor) -> bool:
         return self.kernel_path(x, x.shape[0]) != "loop"  # fused and grouped GEMMs never sync
 
     def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
         path = self.kernel_path(x_sorted, table.num_tokens)
-        if path == "fused":
+        if path in ("fused", "tiles"):
+            from moeserve.kernels.triton.configs import DEFAULT_TILES
             from moeserve.kernels.triton.fused_moe import fused_experts
 
-            return fused_experts(x_sorted, self.gate_up_proj, self.down_proj, table)
+            return fused_experts(x_sorted, self.gate_up_proj, self.down_proj, table,
+                                 DEFAULT_TILES if path == "tiles" else None)
         if path == "loop":
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)

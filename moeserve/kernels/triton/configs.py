@@ -11,6 +11,9 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT = {"gate_up": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
            "down": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)}
+# prefill-sized batches where nothing is tuned and torch has no grouped GEMM (before sm90): the row-tile schedule
+DEFAULT_TILES = {"gate_up": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+                 "down": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)}
 
 
 @functools.cache
@@ -30,7 +33,7 @@ def shape_key(E: int, D: int, F: int) -> str:
 
 
 @functools.cache
-def _table(device_name: str) -> dict:
+def device_table(device_name: str) -> dict:
     path = CONFIG_DIR / f"{device_slug(device_name)}.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -51,7 +54,7 @@ def write_sections(device_name: str, sections: dict) -> Path:
     table = _merged(table, {"device": device_name, **sections}, 3)
     CONFIG_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
-    for cached in (_table, fused_max_tokens, fused_moe_config, lowbit_config, lowbit_moe_config):
+    for cached in (device_table, fused_max_tokens, fused_moe_config, lowbit_config, lowbit_moe_config):
         cached.cache_clear()
     return path
 
@@ -62,13 +65,13 @@ DEFAULT_MAX_TOKENS = 16  # untuned GPUs: the fused path for decode-sized batches
 @functools.cache
 def fused_max_tokens(device_name: str, E: int, D: int, F: int) -> int:
     """Largest token count for which the fused kernels beat grouped GEMMs on this GPU and shape."""
-    return int(_table(device_name).get("max_tokens", {}).get(shape_key(E, D, F), DEFAULT_MAX_TOKENS))
+    return int(device_table(device_name).get("max_tokens", {}).get(shape_key(E, D, F), DEFAULT_MAX_TOKENS))
 
 
 @functools.cache
 def fused_moe_config(device_name: str, E: int, D: int, F: int, tokens: int) -> dict:
     """The tuned config for the largest tuned token count <= tokens (else the smallest), or the default."""
-    by_tokens = _table(device_name).get("fused_moe", {}).get(shape_key(E, D, F))
+    by_tokens = device_table(device_name).get("fused_moe", {}).get(shape_key(E, D, F))
     return _at_most(by_tokens, tokens) if by_tokens else DEFAULT
 
 
@@ -101,7 +104,7 @@ def split_for(programs: int, steps: int) -> int:
 def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dict:
     """Tuned config for the largest tuned row count <= rows (a one-row GEMV config serves one row only), else a
     default with SPLIT_K from the shape."""
-    by_rows = _table(device_name).get("lowbit", {}).get(lowbit_shape_key(bits, N, K), {})
+    by_rows = device_table(device_name).get("lowbit", {}).get(lowbit_shape_key(bits, N, K), {})
     fits = [r for r in map(int, by_rows) if r <= rows and (r == 1) == (rows == 1)]
     if fits:
         return by_rows[str(max(fits))]
@@ -119,7 +122,7 @@ def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, token
     bench/tune_lowbit_moe.py; a one-token entry serves one token only), else
     the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F) for the rows an expert gets
     on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
-    by_tokens = _table(device_name).get("lowbit_moe", {}).get(lowbit_moe_key(bits, E, D, F), {})
+    by_tokens = device_table(device_name).get("lowbit_moe", {}).get(lowbit_moe_key(bits, E, D, F), {})
     fits = {t: cfg for t, cfg in by_tokens.items() if (t == "1") == (tokens == 1)}  # the GEMV entry: one token only
     if fits:
         return _at_most(fits, tokens)

@@ -1,11 +1,17 @@
-"""Fused MoE expert GEMMs in Triton over expert-sorted rows, for few tokens (decode).
-
-Two launches, each over (expert, output block) with a fixed grid and no host sync: experts with no
-rows return at once, the others read their weight tile once per block of input and multiply it with
-all their rows (tl.dot, rows padded to BLOCK_M; more rows loop in chunks of BLOCK_M).
+"""Fused MoE expert GEMMs in Triton over expert-sorted rows: two launches, no host sync.
 
     gate_up: h[rows] = silu(x[rows] Wg[e]^T) * (x[rows] Wu[e]^T)       gate_up_proj [E, 2F, D]
     down:    y[rows] = h[rows] Wd[e]^T                                  down_proj    [E, D, F]
+
+Two schedules of the same math:
+    decode (few tokens): a program per (expert, output block); experts with no rows return at once, the others
+        read their weight tile once per block of input and multiply it with all their rows (rows padded to BLOCK_M,
+        more rows loop in chunks of BLOCK_M).
+    tiles (prefill): a program per (row tile, output block), a row tile being BLOCK_M rows of one expert (each
+        expert's rows start a fresh tile). Each program finds its expert and rows from the per-expert counts, so
+        the grid is a fixed upper bound on the tiles and tiles past the last return at once. Axis 0 walks the
+        row tiles of one output block, so the programs in flight share their weight tiles through L2 and each
+        expert weight is read from HBM about once.
 
 The gate-weight scaling and the scatter back to tokens stay in kernels/routing.combine.
 """
@@ -78,6 +84,98 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _tile_rows(counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, end row) of this program's row tile (axis 0) in the expert-sorted order, from the
+    per-expert counts; a tile past the last one gets first row >= end row."""
+    tile = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] row tiles per expert
+    tile_end = tl.cumsum(tiles, axis=0)
+    row_end = tl.cumsum(counts, axis=0)
+    mine = (tile_end - tiles <= tile) & (tile < tile_end)  # one expert, or none past the last tile
+    expert = tl.sum(tl.where(mine, e, 0), axis=0)
+    end = tl.sum(tl.where(mine, row_end, 0), axis=0)
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
+    start = tl.sum(tl.where(mine, row_end - counts, 0), axis=0) + (tile - first_tile) * BLOCK_M
+    return expert, start, end
+
+
+@triton.jit
+def _tile_setup(counts_ptr, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A row tile's (expert, first row, end row, rows [BLOCK_M] clamped below the end, outputs [BLOCK_N], the same
+    clamped below N): clamped rows and outputs read real memory, so the K loop has no masks."""
+    expert, start, end = _tile_rows(counts_ptr, E, BLOCK_M, BLOCK_E)
+    rows = tl.minimum(start + tl.arange(0, BLOCK_M), end - 1)  # [BLOCK_M]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    return expert, start, end, rows, offs_n, tl.minimum(offs_n, N - 1)
+
+
+@triton.jit
+def _rows_tile(src, row0, row_ptrs, k0, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+    """Inputs [k0, k0 + BLOCK_K) of some rows of a row-major matrix: [R, BLOCK_K]. TMA: src is a descriptor and the
+    rows are row0.. (past the tensor's end they read as zeros); else the rows' pointers row_ptrs [R, 1]."""
+    if TMA:
+        tile = src.load([row0, k0])
+    else:
+        tile = tl.load(row_ptrs + (k0 + tl.arange(0, BLOCK_K))[None, :])
+    return tile
+
+
+@triton.jit
+def _store_rows(out_ptr, vals, start, end, offs_n, N, BLOCK_M: tl.constexpr):
+    """out[start + i, n] = vals[i, n] for the tile's real rows and outputs."""
+    rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=(rows < end)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _gate_up_tiles_kernel(x, w, h_ptr, counts_ptr, E, D, F, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
+                          TMA: tl.constexpr):
+    """x [T*k, D] and w [E * 2F, D] are pointers, or TMA descriptors of [BLOCK_M | BLOCK_N, BLOCK_K] blocks."""
+    expert, start, end, rows, offs_n, cols = _tile_setup(counts_ptr, E, F, BLOCK_M, BLOCK_N, BLOCK_E)
+    if start < end:
+        gate_row = expert * 2 * F + tl.program_id(1) * BLOCK_N  # TMA: first weight row (rows past F: never stored)
+        if TMA:
+            x_rows, wg_rows, wu_rows = x, w, w  # unused
+        else:
+            x_rows = x + rows[:, None].to(tl.int64) * D  # [BLOCK_M, 1]
+            wg_rows = w + (expert * 2 * F + cols[:, None]).to(tl.int64) * D  # [BLOCK_N, 1]
+            wu_rows = wg_rows + F * D
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):  # D % BLOCK_K == 0 (launch checks)
+            xs = _rows_tile(x, start, x_rows, k0, BLOCK_K, TMA)  # [BLOCK_M, BLOCK_K]
+            wg = _rows_tile(w, gate_row, wg_rows, k0, BLOCK_K, TMA)  # [BLOCK_N, BLOCK_K]
+            wu = _rows_tile(w, gate_row + F, wu_rows, k0, BLOCK_K, TMA)
+            acc_g = tl.dot(xs, wg.T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xs, wu.T, acc_u, input_precision=PRECISION)
+        _store_rows(h_ptr, silu_mul(acc_g, acc_u), start, end, offs_n, F, BLOCK_M)
+
+
+@triton.jit
+def _down_tiles_kernel(h, w, y_ptr, counts_ptr, E, D, F, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
+                       TMA: tl.constexpr):
+    """h [T*k, F] and w [E * D, F] are pointers, or TMA descriptors of [BLOCK_M | BLOCK_N, BLOCK_K] blocks."""
+    expert, start, end, rows, offs_n, cols = _tile_setup(counts_ptr, E, D, BLOCK_M, BLOCK_N, BLOCK_E)
+    if start < end:
+        w_row = expert * D + tl.program_id(1) * BLOCK_N
+        if TMA:
+            h_rows, w_rows = h, w  # unused
+        else:
+            h_rows = h + rows[:, None].to(tl.int64) * F  # [BLOCK_M, 1]
+            w_rows = w + (expert * D + cols[:, None]).to(tl.int64) * F  # [BLOCK_N, 1]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, F, BLOCK_K, num_stages=STAGES):  # F % BLOCK_K == 0 (launch checks)
+            acc = tl.dot(_rows_tile(h, start, h_rows, k0, BLOCK_K, TMA),
+                         _rows_tile(w, w_row, w_rows, k0, BLOCK_K, TMA).T, acc, input_precision=PRECISION)
+        _store_rows(y_ptr, acc, start, end, offs_n, D, BLOCK_M)
+
+
 def _precision(x: torch.Tensor) -> str:
     """fp32 inputs get exact (IEEE) dots, 16-bit ones tensor-core dots."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -100,20 +198,61 @@ def launch_down(h, down_proj, y, table: RoutingTable, num_tokens: int, cfg: dict
         BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
 
 
+def tiles_grid(cfg: dict, slots: int, E: int, N: int) -> tuple[int, int]:
+    """(row tiles, output blocks): the row tiles of `slots` rows over E experts are at most
+    cdiv(slots, BLOCK_M) + min(E, slots) - 1 (each expert with rows wastes at most one partial tile)."""
+    bm = cfg["BLOCK_M"]
+    return max(1, triton.cdiv(slots, bm) + min(E, slots) - 1), triton.cdiv(N, cfg["BLOCK_N"])
+
+
+def tiles_fit(cfg: dict, K: int) -> bool:
+    """The tile kernels' K loops run unmasked: a tile config's BLOCK_K must divide the projection's inputs K."""
+    return K % cfg["BLOCK_K"] == 0
+
+
+def _launch_tiles(kernel, a, w, out, table: RoutingTable, N: int, cfg: dict) -> None:
+    """a [T*k, K] @ w [E, N', K] per row tile -> out; cfg TMA: the operands go as TMA descriptors."""
+    E, _, K = w.shape
+    D, F = (K, N) if kernel is _gate_up_tiles_kernel else (N, K)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if not w.is_contiguous():
+        raise ValueError(f"the tile kernels read contiguous expert weights, got strides {w.stride()}")
+    tma = bool(cfg.get("TMA", 0))
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a, w = TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, K), [bn, bk])
+    kernel[tiles_grid(cfg, out.shape[0], E, N)](
+        a, w, out, table.counts, E, D, F, PRECISION=_precision(out), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_E=triton.next_power_of_2(E), STAGES=cfg.get("num_stages", 3), TMA=tma, num_warps=cfg["num_warps"])
+
+
 def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                   table: RoutingTable, config: dict | None = None) -> torch.Tensor:
     """x_sorted [T*k, D] expert-sorted rows -> expert outputs [T*k, D] (before gate weighting).
 
-    table.num_tokens bounds the rows of one expert, which fixes the kernels' loops without a sync."""
+    Each projection runs the decode schedule, or the row tiles where its config says "schedule": "tiles" (then its
+    BLOCK_K must divide its inputs). table.num_tokens bounds the rows of one expert, which fixes the decode
+    kernels' loops without a sync."""
     num_tokens = table.num_tokens
     E, two_f, D = gate_up_proj.shape
     F = two_f // 2
     if config is None:
         name = gpu_name(x_sorted.device.index or 0) if x_sorted.is_cuda else "cpu"
         config = fused_moe_config(name, E, D, F, num_tokens)
+    gate_up_tiles, down_tiles = (config[p].get("schedule") == "tiles" for p in ("gate_up", "down"))
+    for tiles, proj, K in ((gate_up_tiles, "gate_up", D), (down_tiles, "down", F)):
+        if tiles and not tiles_fit(config[proj], K):
+            raise ValueError(f"the {proj} tile config needs a BLOCK_K that divides its {K} inputs: {config[proj]}")
     x_sorted = x_sorted.contiguous()
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
     y = torch.empty(x_sorted.shape[0], D, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, D]
-    launch_gate_up(x_sorted, gate_up_proj, h, table, num_tokens, config["gate_up"])
-    launch_down(h, down_proj, y, table, num_tokens, config["down"])
+    if gate_up_tiles:
+        _launch_tiles(_gate_up_tiles_kernel, x_sorted, gate_up_proj, h, table, F, config["gate_up"])
+    else:
+        launch_gate_up(x_sorted, gate_up_proj, h, table, num_tokens, config["gate_up"])
+    if down_tiles:
+        _launch_tiles(_down_tiles_kernel, h, down_proj, y, table, D, config["down"])
+    else:
+        launch_down(h, down_proj, y, table, num_tokens, config["down"])
     return y
