@@ -274,9 +274,12 @@ def quantized_experts_as_float64(ex):
     return dense
 
 
-@pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (40, 6, 64, 32), (5, 2, 3, 64)])
-def test_one_launch_routing_table_equals_the_sort(T, k, E, block):
-    """Ranks counted by comparison (several programs, several chunks) give the stable sort's table exactly."""
+@pytest.mark.parametrize("T,k,E,block", [(1, 2, 8, 64), (37, 3, 9, 16), (40, 6, 64, 32), (5, 2, 3, 64),
+                                         (300, 2, 8, 64), (70, 6, 128, 32)])  # past RANK_MAX_SLOTS: counting
+@pytest.mark.parametrize("counting", [False, True])
+def test_one_launch_routing_table_equals_the_sort(T, k, E, block, counting):
+    """Ranks by comparison or by counting (several programs, several chunks) give the stable sort's table
+    exactly."""
     from moeserve.kernels.routing import sorted_table
     from moeserve.kernels.triton.routing import table_tensors
 
@@ -284,7 +287,8 @@ def test_one_launch_routing_table_equals_the_sort(T, k, E, block):
     if T > 5:
         ids[: T // 2, 0] = E - 1  # a crowded expert
     w = torch.rand(T, k, device=DEVICE)
-    got, ref = table_tensors(ids, w, E, block=block, chunk=block), sorted_table(ids, w, E)
+    got = table_tensors(ids, w, E, block=block, chunk=block, count_chunk=block if counting else None)
+    ref = sorted_table(ids, w, E)
     for name in ("token_ids", "weights", "counts", "offsets"):
         assert torch.equal(got[name], getattr(ref, name)), name
     order = torch.argsort(ids.reshape(-1), stable=True)

@@ -1,7 +1,7 @@
 """Token -> expert mapping table: group the (token, slot) pairs by expert, stably.
 
-No one-hot tensors: on a GPU with Triton, decode-sized batches get the table in one launch
-(kernels/triton/routing.py); otherwise it comes from a sort of the T*k expert ids, a count and a prefix
+No one-hot tensors in memory: on a GPU with Triton, batches up to about 2M (slot, expert) pairs get the table in
+one launch (kernels/triton/routing.py); otherwise it comes from a sort of the T*k expert ids, a count and a prefix
 sum, so its cost is independent of the number of experts.
 """
 
@@ -24,18 +24,18 @@ class RoutingTable:
     slot_of: torch.Tensor | None = None  # [T*k] int32 place of slot (t, j) in the sorted order (one-launch table)
 
 
-def one_launch(expert_ids: torch.Tensor) -> bool:
-    """Whether the Triton table and combine serve these [T, k] ids: CUDA, Triton, a decode-sized batch."""
+def one_launch(expert_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether the Triton table serves these [T, k] ids: CUDA, Triton, a batch it builds faster than the sort."""
     if not (expert_ids.is_cuda and triton_available()):
         return False
-    from moeserve.kernels.triton.routing import MAX_SLOTS
+    from moeserve.kernels.triton.routing import serves
 
-    return expert_ids.numel() <= MAX_SLOTS
+    return serves(expert_ids.numel(), num_experts)
 
 
 def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
     """expert_ids/expert_weights [T, k] -> slots sorted by expert (stable, so token order is kept)."""
-    if one_launch(expert_ids):
+    if one_launch(expert_ids, num_experts):
         from moeserve.kernels.triton.routing import table_tensors
 
         return RoutingTable(**table_tensors(expert_ids, expert_weights, num_experts), num_tokens=expert_ids.shape[0])
