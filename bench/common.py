@@ -13,6 +13,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -187,6 +188,27 @@ def add_run_args(ap) -> None:
     """--threads and --out, as every bench script takes them."""
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+
+
+def add_tuner_args(ap, shapes: dict, tokens) -> None:
+    """The kernel tuners' shared options: --shapes, --tokens, --workers, --no-write, --out."""
+    ap.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated subset of {','.join(shapes)}")
+    ap.add_argument("--tokens", default=",".join(map(str, tokens)), help="comma-separated token counts")
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                    help="processes that compile the candidates first (1: compile while timing)")
+    ap.add_argument("--no-write", action="store_true", help="print and save results, leave the config JSON alone")
+    ap.add_argument("--out", default=None, help="folder for the result JSON (default bench/results/)")
+
+
+def tuner_shapes(args, shapes: dict, tool: str) -> list[str]:
+    """The shape names --shapes chose; exits with one line without a CUDA GPU or for an unknown shape."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs a CUDA GPU (it times Triton kernels)")
+    chosen = args.shapes.split(",")
+    unknown = set(chosen) - set(shapes)
+    if unknown:
+        sys.exit(f"unknown shape(s) {sorted(unknown)}; choose from {sorted(shapes)}")
+    return chosen
 
 
 def run_device(args) -> tuple[torch.device, torch.dtype]:

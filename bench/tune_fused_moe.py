@@ -14,7 +14,6 @@ import argparse
 import concurrent.futures as futures
 import itertools
 import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from common import result_record, time_fn, write_result  # noqa: E402
+from common import add_tuner_args, result_record, time_fn, tuner_shapes, write_result  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton import fused_moe  # noqa: E402
@@ -151,18 +150,9 @@ def tune_shape(name: str, tokens, log: list) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
-    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
-                    help="processes that compile the candidates first (1: compile while timing)")
-    ap.add_argument("--no-write", action="store_true", help="print and save results, leave the config JSON alone")
-    ap.add_argument("--out", default=None, help="folder for the result JSON (default bench/results/)")
+    add_tuner_args(ap, SHAPES, TOKENS)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("tune_fused_moe needs a CUDA GPU (it times Triton kernels)")
-    shapes = args.shapes.split(",")
-    if set(shapes) - set(SHAPES):
-        sys.exit(f"unknown shape(s) {sorted(set(shapes) - set(SHAPES))}; choose from {sorted(SHAPES)}")
+    shapes = tuner_shapes(args, SHAPES, "tune_fused_moe")
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
     except ValueError:

@@ -17,7 +17,6 @@ import argparse
 import concurrent.futures as futures
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import capture_graph, result_record, write_result  # noqa: E402
+from common import add_tuner_args, capture_graph, result_record, tuner_shapes, write_result  # noqa: E402
 from kernels import load_variants, random_layer  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
@@ -221,26 +220,16 @@ def tune(name: str, bits: int, tokens, log: list) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    add_tuner_args(ap, SHAPES, TOKENS)
     ap.add_argument("--bits", default="4,3", help="comma-separated expert bit widths (default 4,3)")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
-    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
-                    help="processes that compile the candidates first (1: compile while timing)")
-    ap.add_argument("--no-write", action="store_true", help="print and save results, leave the config JSON alone")
-    ap.add_argument("--out", default=None, help="folder for the result JSON (default bench/results/)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("tune_lowbit_moe needs a CUDA GPU (it times Triton kernels)")
-    unknown = set(args.shapes.split(",")) - set(SHAPES)
-    if unknown:
-        sys.exit(f"unknown shape(s) {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    shapes = tuner_shapes(args, SHAPES, "tune_lowbit_moe")
     try:
         bit_list, tokens = [int(b) for b in args.bits.split(",")], [int(t) for t in args.tokens.split(",")]
     except ValueError:
         sys.exit(f"--bits and --tokens take comma-separated integers, got {args.bits!r} and {args.tokens!r}")
     if set(bit_list) - set(BITS) or min(tokens) < 1:
         sys.exit(f"--bits takes some of {BITS}, --tokens positive counts; got {args.bits!r} and {args.tokens!r}")
-    shapes = args.shapes.split(",")
     start = time.perf_counter()
     jobs = [(n, b, T, part, cfg) for n in shapes for b in bit_list for T in tokens
             for part, cfg in compile_jobs(T, *SHAPES[n])]
