@@ -75,9 +75,7 @@ class Problem:
     def run(self, part: str, cfg: dict, item: tuple) -> None:
         table, x, h, y = item
         if cfg.get("schedule") == "tiles":
-            kernel, args = ((fused_moe._gate_up_tiles_kernel, (x, self.gu, h)) if part == "gate_up" else
-                            (fused_moe._down_tiles_kernel, (h, self.dn, y)))
-            fused_moe._launch_tiles(kernel, *args, table, self.F if part == "gate_up" else self.D, cfg)
+            fused_moe.launch_tiles(part, *((x, self.gu, h) if part == "gate_up" else (h, self.dn, y)), table, cfg)
         elif part == "gate_up":
             fused_moe.launch_gate_up(x, self.gu, h, table, table.num_tokens, cfg)
         else:

@@ -210,10 +210,12 @@ def tiles_fit(cfg: dict, K: int) -> bool:
     return K % cfg["BLOCK_K"] == 0
 
 
-def _launch_tiles(kernel, a, w, out, table: RoutingTable, N: int, cfg: dict) -> None:
-    """a [T*k, K] @ w [E, N', K] per row tile -> out; cfg TMA: the operands go as TMA descriptors."""
+def launch_tiles(part: str, a, w, out, table: RoutingTable, cfg: dict) -> None:
+    """One projection ("gate_up": x -> h, or "down": h -> y) over row tiles: a [T*k, K] with the stacked weights w
+    -> out [T*k, N]; cfg TMA: the operands go as TMA descriptors."""
     E, _, K = w.shape
-    D, F = (K, N) if kernel is _gate_up_tiles_kernel else (N, K)
+    N = out.shape[1]
+    kernel, (D, F) = (_gate_up_tiles_kernel, (K, N)) if part == "gate_up" else (_down_tiles_kernel, (N, K))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if not w.is_contiguous():
         raise ValueError(f"the tile kernels read contiguous expert weights, got strides {w.stride()}")
@@ -248,11 +250,11 @@ def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
     y = torch.empty(x_sorted.shape[0], D, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, D]
     if gate_up_tiles:
-        _launch_tiles(_gate_up_tiles_kernel, x_sorted, gate_up_proj, h, table, F, config["gate_up"])
+        launch_tiles("gate_up", x_sorted, gate_up_proj, h, table, config["gate_up"])
     else:
         launch_gate_up(x_sorted, gate_up_proj, h, table, num_tokens, config["gate_up"])
     if down_tiles:
-        _launch_tiles(_down_tiles_kernel, h, down_proj, y, table, D, config["down"])
+        launch_tiles("down", h, down_proj, y, table, config["down"])
     else:
         launch_down(h, down_proj, y, table, num_tokens, config["down"])
     return y

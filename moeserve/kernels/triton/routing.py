@@ -1,12 +1,13 @@
-"""The token -> expert mapping table and the weighted combine in one Triton launch each (decode-sized batches).
+"""The token -> expert mapping table and the weighted combine in one Triton launch each.
 
 The sort-based table (kernels/routing.py) costs about ten small launches (radix sort, count, prefix sum,
 gathers); at one token they take longer than reading an expert's weights, and in eager prefill their host time
 exceeds a many-expert layer's GPU time. Here a slot's place in the expert-sorted order is its rank under the key
 (expert, slot). Decode sizes count it by comparing against every slot, O((T k)^2) work that is nothing there;
 larger batches by counting per expert (each program scans all expert ids once for the counts overall and
-before its chunk of slots, then ranks its chunk's slots among themselves), O(T k E) work per program. The combine gathers each
-token's k expert rows through the inverse permutation instead of scattering with atomics into a zeroed output.
+before its chunk of slots, then ranks its chunk's slots among themselves), O(T k E) work per program. The
+combine gathers each token's k expert rows through the inverse permutation instead of scattering with atomics
+into a zeroed output.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def serves(slots: int, num_experts: int) -> bool:
 
 
 @triton.jit
+def _place(i, i_ok, rank, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, K: tl.constexpr):
+    """Slots i (where i_ok) go to their ranks: token_ids[rank] = i // K, weights[rank] = w[i], slot_of[i] = rank."""
+    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=i_ok)
+    tl.store(w_sorted_ptr + rank, tl.load(w_ptr + i, mask=i_ok), mask=i_ok)
+    tl.store(slot_of_ptr + i, rank, mask=i_ok)
+
+
+@triton.jit
 def _table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, counts_ptr, offsets_ptr, n, E,
                   K: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Slots [pid * BLOCK, +BLOCK) of the flat [T*k] expert ids: rank = #slots j with (id_j, j) < (id_i, i); slot i
@@ -40,9 +49,7 @@ def _table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, counts_p
         key_j = tl.load(ids_ptr + j, mask=j < n, other=0).to(tl.int64) * n + j
         key_j = tl.where(j < n, key_j, tl.cast(2**62, tl.int64))  # past the end: larger than every key
         rank += tl.sum((key_j[None, :] < key[:, None]).to(tl.int32), axis=1)  # [BLOCK]
-    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=i_ok)
-    tl.store(w_sorted_ptr + rank, tl.load(w_ptr + i, mask=i_ok), mask=i_ok)
-    tl.store(slot_of_ptr + i, rank, mask=i_ok)
+    _place(i, i_ok, rank, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, K)
     if tl.program_id(0) == 0:
         e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
         counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -92,9 +99,7 @@ def _count_table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, co
     onehot = (tl.load(ids_ptr + i, mask=i_ok, other=-1)[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
     within = tl.cumsum(onehot, axis=0) - onehot  # slots of the same expert earlier in the chunk
     rank = tl.sum(onehot * (within + (end - total + before)[None, :]), axis=1)  # [CHUNK]
-    tl.store(token_ptr + rank, (i // K).to(tl.int64), mask=i_ok)
-    tl.store(w_sorted_ptr + rank, tl.load(w_ptr + i, mask=i_ok), mask=i_ok)
-    tl.store(slot_of_ptr + i, rank, mask=i_ok)
+    _place(i, i_ok, rank, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, K)
     if tl.program_id(0) == 0:
         tl.store(counts_ptr + e, total.to(tl.int64), mask=e < E)
         tl.store(offsets_ptr + e, end, mask=e < E)
