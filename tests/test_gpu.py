@@ -299,8 +299,7 @@ def test_lowbit_cuda_core_tiles_compiled(config, bits):
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("T", [1, 4, 64])
 def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
-    """QuantizedExperts on CUDA (stacked Triton low-bit MoE, ranks 0/8/16 padded), in slot order and on expert-sorted
-    rows, vs the per-expert dequantized loop."""
+    """QuantizedExperts on CUDA (stacked Triton low-bit MoE, ranks 0/8/16 padded) vs the per-expert dequantized loop."""
     from moeserve.kernels.routing import build_routing_table, combine
     from moeserve.model.experts import LoopedExperts, swiglu
     from moeserve.quant.qlinear import QuantizedExperts
@@ -326,10 +325,8 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
 
     table = build_routing_table(ids, w, E)
     ref = combine(Reference().run_sorted(x.float()[table.token_ids], table), table, T, torch.float32)
-    got_sorted = combine(ex.run_sorted(x[table.token_ids], table), table, T, torch.float32)  # expert-parallel's call
-    for out in (got, got_sorted):  # slot order (forward: no table), expert-sorted rows
-        assert not out.isnan().any()
-        assert ((out - ref).norm() / ref.norm()) < 2e-2
+    assert not got.isnan().any()
+    assert ((got - ref).norm() / ref.norm()) < 2e-2
 
 
 def test_quantized_model_decodes_through_a_cuda_graph(tmp_path):
