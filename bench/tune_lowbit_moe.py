@@ -28,7 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import add_tuner_args, capture_graph, result_record, tuner_shapes, write_result  # noqa: E402
 from kernels import load_variants, random_layer  # noqa: E402
 
-from moeserve.kernels.routing import build_routing_table  # noqa: E402
+from moeserve.kernels.routing import build_routing_table, slot_order_pays  # noqa: E402
 from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
 from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up  # noqa: E402
 from moeserve.kernels.triton.lowbit_linear import BITS, launch  # noqa: E402
@@ -39,7 +39,8 @@ TOKENS = (1, 2, 4, 16, 64)
 ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in decode)
 # the H100 winners of a wider first sweep (16 / 32 x 512 sub-tiled GEMVs; 1-2 rows of x per CUDA-core tile; 8-row
 # tiles never won and take 15 s each to compile at 3 bits)
-GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4)]  # BN, BK, warps, SUB
+# gate_up's BLOCK_N counts h outputs: PAIRED, its tiles hold 2 BLOCK_N weight rows (gate and up in one pipeline)
+GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 512, 4, 2)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
 SPLITS = (1, 2, 4, 8, 16, 32)
@@ -80,27 +81,30 @@ class Problem:
         self._routed: dict[int, list[tuple]] = {}
 
     def routed(self, T: int) -> list[tuple]:
-        """ROUTINGS x (table, x_sorted [T*k, D], h [T*k, F], y [T*k, D] fp32), made once per T."""
+        """ROUTINGS x (routing, x, h [T*k, F], y [T*k, D] fp32), made once per T, in the row order
+        QuantizedExperts.forward runs the kernels in: slot order (expert ids [T, k], x [T, D]) where slot_order_pays,
+        else expert-sorted (a routing table, x [T*k, D])."""
         if T in self._routed:
             return self._routed[T]
         dev = torch.device("cuda")
         out = self._routed[T] = []
+        slots = slot_order_pays(T)
         for _ in range(ROUTINGS):
             ids = torch.stack([torch.randperm(self.E, device=dev)[:self.k] for _ in range(T)])  # [T, k]
-            table = build_routing_table(ids, torch.rand(T, self.k, device=dev), self.E)
-            out.append((table, torch.randn(T * self.k, self.D, device=dev, dtype=torch.bfloat16),
+            routing = ids if slots else build_routing_table(ids, torch.rand(T, self.k, device=dev), self.E)
+            out.append((routing, torch.randn(T if slots else T * self.k, self.D, device=dev, dtype=torch.bfloat16),
                         torch.randn(T * self.k, self.F, device=dev, dtype=torch.bfloat16),
                         torch.zeros(T * self.k, self.D, device=dev, dtype=torch.float32)))
         return out
 
     def run(self, part: str, cfg: dict, item: tuple) -> None:
-        table, x, h, y = item
+        routing, x, h, y = item
         if part == "gate_up":
-            launch_gate_up(x, self.gate_up, h, table, {**cfg, "SPLIT_K": 1})
+            launch_gate_up(x, self.gate_up, h, routing, {**cfg, "SPLIT_K": 1})
         else:
             p = self.down
-            launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, table.num_tokens, self.E,
-                   routing=(table.offsets, table.counts))
+            launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, h.shape[0] // self.k,
+                   self.E, routing=routing)
 
 
 def graph_ms(fn, items, replays: int = 10) -> float:
@@ -122,7 +126,7 @@ def jobs_for(T: int, E: int, k: int, D: int, F: int) -> list[tuple[str, dict]]:
     """(part, config) pairs to time at T tokens before the one-token load variants."""
     out = []
     for tile in tiles(T, E, k):
-        out.append(("gate_up", {**tile, "SPLIT_K": 1}))
+        out += [("gate_up", {**tile, "SPLIT_K": 1, "PAIRED": paired}) for paired in (0, 1)]
         out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
     return out
 

@@ -276,6 +276,18 @@ def test_lowbit_linear_compiled_matches_fp32(bits, N, K, rank):
         assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 256, 4096), (2, 256, 14336), (6, 2048, 1408), (8, 300, 4100)])
+def test_skinny_linear_compiled_matches_float64(M, N, K):
+    """The compensators' x V^T (all experts' V at rank 32) for decode-sized rows, compiled, in bf16."""
+    from moeserve.kernels.triton.skinny import skinny_linear
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    ref = x.double() @ w.double().T
+    got = skinny_linear(x, w)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("config", [dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1, SUB=4),
                                     dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=7, SUB=4, AHEAD=2),
                                     dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, SPLIT_K=2, SUB=2, BLOCK_M=4),
@@ -299,7 +311,8 @@ def test_lowbit_cuda_core_tiles_compiled(config, bits):
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("T", [1, 4, 64])
 def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
-    """QuantizedExperts on CUDA (stacked Triton low-bit MoE, ranks 0/8/16 padded) vs the per-expert dequantized loop."""
+    """QuantizedExperts on CUDA (stacked Triton low-bit MoE, ranks 0/8/16 padded), in slot order and on expert-sorted
+    rows, vs the per-expert dequantized loop."""
     from moeserve.kernels.routing import build_routing_table, combine
     from moeserve.model.experts import LoopedExperts, swiglu
     from moeserve.quant.qlinear import QuantizedExperts
@@ -325,8 +338,10 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
 
     table = build_routing_table(ids, w, E)
     ref = combine(Reference().run_sorted(x.float()[table.token_ids], table), table, T, torch.float32)
-    assert not got.isnan().any()
-    assert ((got - ref).norm() / ref.norm()) < 2e-2
+    got_sorted = combine(ex.run_sorted(x[table.token_ids], table), table, T, torch.float32)  # expert-parallel's call
+    for out in (got, got_sorted):  # slot order (forward: no table), expert-sorted rows
+        assert not out.isnan().any()
+        assert ((out - ref).norm() / ref.norm()) < 2e-2
 
 
 def test_quantized_model_decodes_through_a_cuda_graph(tmp_path):

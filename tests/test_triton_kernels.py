@@ -224,8 +224,10 @@ def quantized_experts(E, D, F, bits, ranks):
                                                        (2, 17, "one_expert", 1), (4, 17, "one_expert", 1),
                                                        (3, 5, "two_experts", 1), (4, 9, "one_expert", 4),
                                                        (3, 5, "two_experts", 2)])
-def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, cuda_rows):
-    """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more)."""
+@pytest.mark.parametrize("order", ["sorted", "slots"])
+def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, cuda_rows, order):
+    """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more). order: rows
+    expert-sorted through a routing table, or in slot order found from the expert ids in-kernel."""
     from moeserve.kernels.triton.configs import lowbit_moe_config
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
     from moeserve.model.experts import LoopedExperts
@@ -234,19 +236,27 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     ex = quantized_experts(E, D, F, bits, ranks=[0, 8, 0, 20] if T != 3 else [0] * E)  # padded ranks, or none
     ids = routing_ids(T, E, k, routing)
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
-    x_sorted = torch.randn(T, D, device=DEVICE)[table.token_ids]
+    x = torch.randn(T, D, device=DEVICE)
+    x_sorted = x[table.token_ids]
     config = lowbit_moe_config("cpu", bits, E, D, F, T)
     rows = {"BLOCK_M": cuda_rows} if cuda_rows > 1 else {}
-    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 32, "SUB": 2, **rows},  # two interleaved sub-tiles
+    # two interleaved sub-tiles; 64 gate rows (and their up rows, in one pipeline) per program: a partial last block
+    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 64 if bits == 3 else 32, "SUB": 2, "PAIRED": int(bits == 3 or T in (1, 9)),
+                          **rows},
               "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2, **rows}}
-    got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, config)
     ex64 = quantized_experts_as_float64(ex)
     ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)
+    if order == "slots":
+        got = lowbit_experts(x, *ex.stacked(x.dtype), ids.to(DEVICE), config)
+        order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)  # sorted row r is slot order[r]
+        ref = torch.empty_like(ref).index_copy_(0, order, ref)  # [T*k, D] in slot order
+    else:
+        got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, config)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bits,rows", [(4, {"BLOCK_M": 2}), (4, {}), (3, {})])
+@pytest.mark.parametrize("bits,rows", [(4, {"BLOCK_M": 2, "PAIRED": 1}), (4, {}), (3, {"PAIRED": 1})])
 def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, rows):
     """The MoE kernels on bf16 rows: gate_up and down on fp16 pairs on CUDA cores (chunks of 2 rows on one expert),
     or on 16-bit codes on tensor cores (the 5 rows in one tile of 16)."""
@@ -300,9 +310,10 @@ def test_one_launch_routing_table_equals_the_sort(T, k, E, block, counting):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_combine_equals_the_scatter(dtype):
-    """Each token's rows gathered and weighted equal the float64 scatter; a weight-0 slot's NaN row adds nothing."""
+    """Each token's rows gathered and weighted equal the float64 scatter, from expert-sorted rows and from the same rows
+    in slot order; a weight-0 slot's NaN row adds nothing."""
     from moeserve.kernels.routing import RoutingTable, combine
-    from moeserve.kernels.triton.routing import table_tensors
+    from moeserve.kernels.triton.routing import gather_combine, table_tensors
 
     T, k, E, D = 9, 3, 5, 40  # D: not a multiple of the block
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)
@@ -312,6 +323,7 @@ def test_gather_combine_equals_the_scatter(dtype):
     rows = torch.randn(T * k, D, device=DEVICE)
     rows[fields["slot_of"][4 * k + 1]] = math.nan
     got = combine(rows, RoutingTable(**fields, num_tokens=T), T, dtype)
+    in_slot_order = gather_combine(rows[fields["slot_of"].long()], None, w, k, dtype)
     ref = torch.zeros(T, D, dtype=torch.float64, device=DEVICE)
     for t in range(T):
         for j in range(k):
@@ -320,6 +332,7 @@ def test_gather_combine_equals_the_scatter(dtype):
     assert got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+    assert torch.equal(in_slot_order, got)
 
 
 @pytest.mark.parametrize("n,F", [(1, 96), (7, 1500), (0, 64)])  # 1500: a partial column block; 0 rows: no launch
@@ -333,6 +346,29 @@ def test_fused_swiglu_matches_float64(poisoned_outputs, n, F):
     torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="2F"):
         fused_swiglu(h[:, 1:])
+
+
+@pytest.mark.parametrize("M,N,K,block_n", [(1, 7, 33, 1), (3, 20, 100, 2), (8, 5, 64, 4), (2, 9, 1500, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_matches_float64(poisoned_outputs, M, N, K, block_n, dtype):
+    """Few rows of x times a wide W: N and K not multiples of the blocks (1500: a partial last K block)."""
+    from moeserve.kernels.triton.skinny import skinny_linear
+
+    x, w = torch.randn(M, K, device=DEVICE, dtype=dtype), torch.randn(N, K, device=DEVICE, dtype=dtype)
+    got = skinny_linear(x, w, block_n)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [((9, 16), (4, 16), None, "1..8"),
+                                                          ((2, 16), (4, 15), None, r"w \[N, K\]"),
+                                                          ((2, 16), (4, 16), (torch.float32, torch.float16), "dtype")])
+def test_skinny_linear_rejects_what_it_cannot_run(x_shape, w_shape, dtypes, match):
+    from moeserve.kernels.triton.skinny import skinny_linear
+
+    dx, dw = dtypes or (torch.float32, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        skinny_linear(torch.randn(x_shape, dtype=dx), torch.randn(w_shape, dtype=dw))
 
 
 @pytest.mark.parametrize("T,E,k,D,normalize,weights_fp32", [(1, 8, 2, 64, True, True), (5, 60, 6, 40, False, False),

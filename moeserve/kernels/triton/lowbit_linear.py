@@ -28,8 +28,10 @@ groups.
         its scale/zero apply to the dot's result.
 
 SPLIT_K > 1 accumulates with fp32 atomics into an output that launch() zeroes (with prepare_x on CUDA cores).
-An optional low-rank compensator adds (x V^T) U^T in the epilogue of the first K slice: the caller passes
-xv = x V^T [rows, r] and U [N, r]; the kernel reads U once per output block.
+An optional low-rank compensator adds (x V^T) U^T in the first K slice, computed before the weight stream (after
+it, its live values crowd the stream's registers: a 3-bit down kernel went from 95 to 128 registers and twice the
+time): the caller passes xv = x V^T [rows, r] (skinny.low_rank_input) and U [N, r]; the kernel reads U once per
+output block.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.skinny import low_rank_input
 
 BITS = (2, 3, 4, 8)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,12 +229,27 @@ def _step_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.conste
 
 
 @triton.jit
-def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr):
-    """Sub-tile j holds weight rows n0 + j + SUB * i (i < ROWS), clamped below n_end (the clamped rows' sums are
-    never stored): a tuple of SUB (word pointers [ROWS], group offsets [ROWS])."""
+def _weight_rows(n0, n_end, v, TILE_N: tl.constexpr, PAIRED: tl.constexpr):
+    """The weight rows of tile rows v [..]: n0 + v, or (PAIRED: a stacked gate/up weight [2 n_end, K], one pipeline
+    for both) n0 + v of the gate half for v < TILE_N / 2 and n0 + v - TILE_N / 2 of the up half after. Returns
+    (rows clamped in range [..] int64, in-range mask): the clamped rows' sums are never stored."""
+    if PAIRED:
+        local = n0 + v % (TILE_N // 2)
+        second = (v >= TILE_N // 2).to(tl.int64) * n_end
+    else:
+        local = n0 + v
+        second = 0
+    return tl.minimum(local, n_end - 1).to(tl.int64) + second, local < n_end
+
+
+@triton.jit
+def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.constexpr, SUB: tl.constexpr,
+               PAIRED: tl.constexpr):
+    """Sub-tile j holds tile rows j + SUB * i (i < ROWS), weight rows by _weight_rows: a tuple of SUB (word pointers
+    [ROWS], group offsets [ROWS])."""
     tiles = ()
     for j in tl.static_range(SUB):
-        n = tl.minimum(n0 + j + SUB * tl.arange(0, ROWS), n_end - 1).to(tl.int64)
+        n, _ = _weight_rows(n0, n_end, j + SUB * tl.arange(0, ROWS), ROWS * SUB, PAIRED)
         tiles = tiles + ((w_base + n * words_per_row, n * groups_per_row),)
     return tiles
 
@@ -349,12 +367,12 @@ def _interleave(parts, N: tl.constexpr):
 
 
 @triton.jit
-def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
+def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
           exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
           AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-          INTERPRET: tl.constexpr):
-    """Rows [row0, min(row0 + M, end)) of x times steps [step0, step1) of weight rows [n0, n0 + BLOCK_N), on CUDA
-    cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
+          INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
+    """Rows x_rows [M] of x (all in range: masked rows repeat a real one) times steps [step0, step1) of BLOCK_N weight
+    rows from n0 (_weight_rows), on CUDA cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
     xw_ptr: the prepared x [rows, steps, XSLOTS, G * CPG] (prepare_x, zero past the last column). Per column
     s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x), scale/zero loaded once per (row, group). Nothing is masked:
@@ -372,11 +390,12 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # prepared x per column and step (x_slots)
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
-    tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB)
-    x_rows = ()
+    tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB, PAIRED)
+    x_row_ptrs = ()
     acc = ()
     for m in tl.static_range(M):
-        x_rows = x_rows + (xw_ptr + tl.minimum(row0 + m, end - 1).to(tl.int64) * steps * XSLOTS * CPS,)
+        row = tl.sum(tl.where(tl.arange(0, M) == m, x_rows, 0), axis=0).to(tl.int64)  # x_rows[m]
+        x_row_ptrs = x_row_ptrs + (xw_ptr + row * steps * XSLOTS * CPS,)
         for j in tl.static_range(SUB):
             acc = acc + (tl.zeros((ROWS, G, CPG), dtype=tl.float32),)
     if PIPE > 1:
@@ -385,7 +404,7 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
             words = _word_loads(tiles, step, last, G, CPG, BITS, SUB)
             cur = scales
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
-            acc = _sums(acc, words, cur, _x_steps(x_rows, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
+            acc = _sums(acc, words, cur, _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
                         HALF, INTERPRET)
     else:
         nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
@@ -398,7 +417,7 @@ def _gemv(xw_ptr, row0, end, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, step
                 nxt, nxt2 = nxt2, fresh
             else:
                 nxt = fresh
-            acc = _sums(acc, cur[0], cur[1], _x_steps(x_rows, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB,
+            acc = _sums(acc, cur[0], cur[1], _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB,
                         M, HALF, INTERPRET)
     outs = ()
     for m in tl.static_range(M):
@@ -446,10 +465,10 @@ def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
+def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
          groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows `rows` [BLOCK_M] of x times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
+    """Rows x_rows [BLOCK_M] of x (r_mask: the real ones) times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
     dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
     step's words and scale/zero are loaded before this step's dot.
     HALF (2/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
@@ -464,7 +483,7 @@ def _dot(x_ptr, rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, ste
                          C, VPC, HALF)
         kk = tl.arange(0, C * VPC)
         off = (step * C + kk // VPC) * VPC + _slot_offsets(kk % VPC, BITS)  # [C * VPC] inputs in the tile's order
-        xt = tl.load(x_ptr + rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
+        xt = tl.load(x_ptr + x_rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
                      other=0.0)  # [C * VPC, BLOCK_M]
         s = s.to(tl.float32)
         if HALF:
@@ -501,48 +520,75 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
 
 
 @triton.jit
-def _tile(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
+def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows [row0, min(row0 + BLOCK_M, end)) of x times weight rows [n0, min(n0 + BLOCK_N, n_end)):
-    (acc [BLOCK_N, BLOCK_M], rows, r_mask)."""
-    rows = row0 + tl.arange(0, BLOCK_M)
-    r_mask = rows < end
+          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
+          PAIRED: tl.constexpr = False):
+    """Rows x_rows [BLOCK_M] of x (_tile_rows) times BLOCK_N weight rows from n0 (_weight_rows: rows [n0, n_end), or
+    PAIRED, BLOCK_N / 2 gate rows then their up rows): acc [BLOCK_N, BLOCK_M] fp32."""
     if USE_DOT:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_end
-        n = tl.where(n_mask, offs_n, n0).to(tl.int64)
-        acc = _dot(x_ptr, rows, r_mask, w_base + n * words_per_row, n * groups_per_row, s_base, z_base, n_mask,
+        n, n_mask = _weight_rows(n0, n_end, tl.arange(0, BLOCK_N), BLOCK_N, PAIRED)
+        acc = _dot(x_ptr, x_rows, r_mask, w_base + n * words_per_row, n * groups_per_row, s_base, z_base, n_mask,
                    step0, step1, K, words_per_row, groups_per_row, exp, BITS, GROUP, PRECISION, BLOCK_N, BLOCK_M, C,
                    VPC, HALF, INTERPRET)
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
-        acc = _gemv(x_ptr, row0, end, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
+        acc = _gemv(x_ptr, x_rows, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB, BLOCK_M, PIPE, HALF, INTERPRET)
-    return acc, rows, r_mask
+                    SUB, BLOCK_M, PIPE, HALF, INTERPRET, PAIRED)
+    return acc
+
+
+DENSE, SORTED, SLOTS = 0, 1, 2  # how a kernel finds its rows (ROUTE): see _expert_rows
+_DENSE, _SORTED, _SLOTS = tl.constexpr(DENSE), tl.constexpr(SORTED), tl.constexpr(SLOTS)  # the same, for kernels
 
 
 @triton.jit
-def _row_range(offsets_ptr, counts_ptr, M, IS_MOE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's rows [start, end) and expert (grid axis 2): an expert's sorted rows, or a block of rows."""
+def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
+    """This program's rows (grid axis 2) as (start, end, expert, match, rank); its tiles are rows [start, end) in
+    BLOCK_M steps (_tile_rows).
+    DENSE: block pid of the M rows of x. SORTED: expert pid's rows of expert-sorted x (route_a/b = the routing table's
+    end offsets and counts). SLOTS: rows in slot order (slot t * k + j: token t's j-th expert), route_a = the M flat
+    expert ids [T*k] (NSLOTS >= M): match/rank [NSLOTS] say which slots are expert pid's and their order among them
+    (no routing table, no gather)."""
     pid = tl.program_id(2)
-    if IS_MOE:
-        end = tl.load(offsets_ptr + pid)
-        start = end - tl.load(counts_ptr + pid)
-        e = pid.to(tl.int64)
-    else:
+    s = tl.arange(0, NSLOTS)
+    match, rank = s < 0, s
+    if ROUTE == _SLOTS:
+        match = tl.load(route_a + s, mask=s < M, other=-1) == pid
+        hit = match.to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit  # [NSLOTS] place among the expert's slots
+        start, end = 0, tl.sum(hit, axis=0)
+    if ROUTE == _SORTED:
+        end = tl.load(route_a + pid)
+        start = end - tl.load(route_b + pid)
+    e = pid.to(tl.int64)
+    if ROUTE == _DENSE:
         start = pid * BLOCK_M
         end = tl.minimum(start + BLOCK_M, M)
-        e = pid.to(tl.int64) * 0
-    return start, end, e
+        e = e * 0
+    return start, end, e, match, rank
 
 
 @triton.jit
-def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr, counts_ptr,
+def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
+    """Tile rows [row0, row0 + BLOCK_M) of _expert_rows -> (their rows [BLOCK_M], in range [BLOCK_M]); rows past the
+    end repeat a real one. SLOTS: the slots of ranks row0 .. row0 + BLOCK_M - 1."""
+    r = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    r_mask = r < end
+    if ROUTE == _SLOTS:
+        hit = match[None, :] & (rank[None, :] == tl.minimum(r, end - 1)[:, None])  # [BLOCK_M, NSLOTS]
+        rows = tl.sum(tl.where(hit, tl.arange(0, NSLOTS)[None, :], 0), axis=1)
+    else:
+        rows = tl.minimum(r, end - 1)
+    return rows, r_mask
+
+
+@triton.jit
+def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b,
                    M, N, K, R, words_per_row, groups_per_row, steps_per_split, exp_bits,
-                   BITS: tl.constexpr, GROUP: tl.constexpr, IS_MOE: tl.constexpr, USE_DOT: tl.constexpr,
-                   HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+                   BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
+                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
                    INTERPRET: tl.constexpr):
@@ -551,19 +597,21 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, offsets_ptr
     C: tl.constexpr = BLOCK_K // VPC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    start, end, e = _row_range(offsets_ptr, counts_ptr, M, IS_MOE, BLOCK_M)
+    start, end, e, match, rank = _expert_rows(route_a, route_b, M, ROUTE, BLOCK_M, NSLOTS)
     step0 = tl.program_id(1) * steps_per_split
     step1 = tl.minimum(step0 + steps_per_split, tl.cdiv(K, BLOCK_K))
     for row0 in range(start, end, BLOCK_M):  # an expert's rows, BLOCK_M at a time (a loop: no host sync)
-        acc, rows, r_mask = _tile(x_ptr, row0, end, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
-                                  z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
-                                  words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N,
-                                  BLOCK_M, C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET)
-        if HAS_LR:
+        rows, r_mask = _tile_rows(row0, end, match, rank, ROUTE, BLOCK_M, NSLOTS)
+        lr = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if HAS_LR:  # before the weight stream (see the module docstring)
             if tl.program_id(1) == 0:
-                xv_stride = R * tl.num_programs(2) if IS_MOE else R  # MoE: grid axis 2 = the E experts
-                acc += _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
-                                 USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+                xv_stride = R if ROUTE == _DENSE else R * tl.num_programs(2)  # MoE: grid axis 2 = the E experts
+                lr = _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
+                               USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+        acc = _tile(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
+                    z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
+                    groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
+                    PIPE, HALF, INTERPRET) + lr
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -767,13 +815,27 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
 
 
+def route_args(routing, rows: int, placeholder: torch.Tensor) -> dict:
+    """The kernels' row arguments (_expert_rows) for a routing: None (dense, `rows` rows), a RoutingTable (sorted rows:
+    its end offsets and counts) or expert ids [T, k] (slot order: the T*k flat ids)."""
+    if routing is None:
+        return dict(a=placeholder, b=placeholder, rows=rows, ROUTE=DENSE, NSLOTS=1)
+    if isinstance(routing, torch.Tensor):
+        ids = routing.reshape(-1)
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        return dict(a=ids, b=ids, rows=ids.numel(), ROUTE=SLOTS, NSLOTS=max(16, triton.next_power_of_2(ids.numel())))
+    return dict(a=routing.offsets, b=routing.counts, rows=rows, ROUTE=SORTED, NSLOTS=1)
+
+
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing: tuple | None = None) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
-    routing = (offsets, counts) of expert-sorted rows (grid axis 2 = expert, weights stacked [E, N, ...]);
-    without it, grid axis 2 walks blocks of rows_per_block rows of a dense matmul."""
+    routing (grid axis 2 = expert, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
+    expert ids [T, k] (x and y in slot order, [T*k, ...]); see route_args. Without it, grid axis 2 walks blocks of
+    rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
     steps = triton.cdiv(K, tile["BLOCK_K"])
@@ -784,12 +846,12 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
     R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
-    offsets, counts = routing if routing is not None else (y, y)
+    route = route_args(routing, x.shape[0], y)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
-        xk, qweight, scale, zero, y, u, xv, offsets, counts, x.shape[0], N, K, R, qweight.shape[-1], scale.shape[-1],
-        per_split, exp, IS_MOE=routing is not None, ATOMIC=split > 1, **tile)
+        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
+        qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile)
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -811,7 +873,7 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
     lr = None
     if lowrank is not None:
         u, v = lowrank
-        lr = (u.contiguous(), torch.nn.functional.linear(x2, v).contiguous())  # U [N, r], xv [M, r]
+        lr = (u.contiguous(), low_rank_input(x2, v).contiguous())  # U [N, r], xv [M, r]
     split = config["SPLIT_K"] > 1
     y = torch.empty(M, N, dtype=torch.float32 if split else x.dtype, device=x.device)  # split-K: launch zeroes it
     rows_per_block = M if M == 1 else min(M, config.get("BLOCK_M", 64))  # CUDA-core tiles: a program per BLOCK_M rows
