@@ -241,8 +241,8 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     config = lowbit_moe_config("cpu", bits, E, D, F, T)
     rows = {"BLOCK_M": cuda_rows} if cuda_rows > 1 else {}
     # two interleaved sub-tiles; 64 gate rows (and their up rows, in one pipeline) per program: a partial last block
-    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 64 if bits == 3 else 32, "SUB": 2, "PAIRED": int(bits == 3 or T in (1, 9)),
-                          **rows},
+    config = {"gate_up": {**config["gate_up"], "BLOCK_N": 64 if bits == 3 else 32, "SUB": 2,
+                          "PAIRED": int(bits == 3 or T in (1, 9)), **rows},
               "down": {**config["down"], "BLOCK_N": 16, "SPLIT_K": 2, **rows}}
     ex64 = quantized_experts_as_float64(ex)
     ref = LoopedExperts.run_sorted(ex64, x_sorted.double(), table)

@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _low_rank, _tile, _tile_rows,
                                                    check_activation, check_weight, kernel_inputs, launch, route_args,
-                                                   tile_constexprs)
+                                                   routed_tokens, tile_constexprs)
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
 
@@ -102,14 +101,13 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     lr = p.low_rank_inputs(x)
     u, xv = lr if lr is not None else (h, h)
     route = route_args(routing, x.shape[0], h)
-    rows = routing.shape[0] if isinstance(routing, torch.Tensor) else routing.num_tokens  # most rows of one expert
-    tile = tile_constexprs(cfg, p.bits, p.group, rows, x.dtype, lr is not None)
+    T = routed_tokens(routing)
+    tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
     xk, exp = kernel_inputs(x, tile)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, E)](
         xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
         p.in_features, p.u.shape[-1] if lr is not None else 0, p.qweight.shape[-1], p.scale.shape[-1], exp,
-        routing.shape[1] if isinstance(routing, torch.Tensor) else 1, PAIRED=bool(cfg.get("PAIRED", 0)), **route,
-        **tile)
+        h.shape[0] // T, PAIRED=bool(cfg.get("PAIRED", 0)), **route, **tile)  # h [T*k, F]: top_k
 
 
 def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, routing,
@@ -122,9 +120,8 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         check_weight(p.qweight, p.scale, p.zero, p.bits, p.group, p.in_features)
     E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
     F = two_f // 2
-    slots = isinstance(routing, torch.Tensor)
-    T = routing.shape[0] if slots else routing.num_tokens
-    n = routing.numel() if slots else x.shape[0]  # rows of h and y
+    T = routed_tokens(routing)
+    n = routing.numel() if isinstance(routing, torch.Tensor) else x.shape[0]  # rows of h and y: T * top_k
     if config is None:
         from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
 

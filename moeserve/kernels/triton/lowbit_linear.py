@@ -468,8 +468,8 @@ def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, step1, K, words_per_row,
          groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows x_rows [BLOCK_M] of x (r_mask: the real ones) times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32 (weight as the A operand), one
-    dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
+    """Rows x_rows [BLOCK_M] of x (r_mask: the real ones) times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32
+    (weight as the A operand), one dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the tile's value order. The next
     step's words and scale/zero are loaded before this step's dot.
     HALF (2/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
     s * (that - (z + 2^BITS) * sum x) scales it per group after: a shift + LOP3 per two weights instead of a decode,
@@ -813,6 +813,11 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+
+
+def routed_tokens(routing) -> int:
+    """The tokens T behind a routing (expert ids [T, k] or a RoutingTable): the most rows one expert can get."""
+    return routing.shape[0] if isinstance(routing, torch.Tensor) else routing.num_tokens
 
 
 def route_args(routing, rows: int, placeholder: torch.Tensor) -> dict:
