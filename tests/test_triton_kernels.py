@@ -221,13 +221,15 @@ def quantized_experts(E, D, F, bits, ranks):
 
 
 @pytest.mark.parametrize("bits,T,routing,cuda_rows", [(4, 1, "random", 1), (3, 1, "random", 1), (3, 3, "random", 1),
+                                                       (4, 2, "one_expert", 1),
                                                        (2, 17, "one_expert", 1), (4, 17, "one_expert", 1),
                                                        (3, 5, "two_experts", 1), (4, 9, "one_expert", 4),
                                                        (3, 5, "two_experts", 2)])
 @pytest.mark.parametrize("order", ["sorted", "slots"])
 def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, cuda_rows, order):
     """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more). order: rows
-    expert-sorted through a routing table, or in slot order found from the expert ids in-kernel."""
+    expert-sorted through a routing table, or in slot order found from the expert ids in-kernel (T * k <= E: a
+    program per slot, T = 2 with experts shared between tokens)."""
     from moeserve.kernels.triton.configs import lowbit_moe_config
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
     from moeserve.model.experts import LoopedExperts
@@ -434,3 +436,16 @@ def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtyp
     with pytest.raises(ValueError, match="power-of-two"):
         rotary(x[..., :12], cos[..., :12], sin[..., :12])
     assert rotary(x[:, :0], cos, sin).shape == (B, 0, S, Dh)  # no heads: no launch
+
+
+def test_dependent_launch_stays_off_where_it_cannot_run(monkeypatch):
+    """PDL needs CUDA on Hopper or later, compiled kernels and no MOESERVE_PDL=0: elsewhere the kernels get PDL=False
+    and no launch option (griddepcontrol does not exist before sm_90)."""
+    from moeserve.kernels.triton.pdl import ENV, dependent_launch, pdl_enabled
+
+    assert dependent_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(ENV, "0")
+    assert dependent_launch(torch.device("cuda", 0)) == {"PDL": False}

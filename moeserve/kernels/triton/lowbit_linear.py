@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 from moeserve.kernels.triton.skinny import low_rank_input
 
 BITS = (2, 3, 4, 8)
@@ -539,8 +540,9 @@ def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1
     return acc
 
 
-DENSE, SORTED, SLOTS = 0, 1, 2  # how a kernel finds its rows (ROUTE): see _expert_rows
-_DENSE, _SORTED, _SLOTS = tl.constexpr(DENSE), tl.constexpr(SORTED), tl.constexpr(SLOTS)  # the same, for kernels
+DENSE, SORTED, SLOTS, SLOT_PROGRAMS = 0, 1, 2, 3  # how a kernel finds its rows (ROUTE): see _expert_rows
+_DENSE, _SORTED, _SLOTS, _SLOT_PROGRAMS = (tl.constexpr(DENSE), tl.constexpr(SORTED), tl.constexpr(SLOTS),
+                                           tl.constexpr(SLOT_PROGRAMS))  # the same, for kernels
 
 
 @triton.jit
@@ -548,21 +550,29 @@ def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr
     """This program's rows (grid axis 2) as (start, end, expert, match, rank); its tiles are rows [start, end) in
     BLOCK_M steps (_tile_rows).
     DENSE: block pid of the M rows of x. SORTED: expert pid's rows of expert-sorted x (route_a/b = the routing table's
-    end offsets and counts). SLOTS: rows in slot order (slot t * k + j: token t's j-th expert), route_a = the M flat
-    expert ids [T*k] (NSLOTS >= M): match/rank [NSLOTS] say which slots are expert pid's and their order among them
-    (no routing table, no gather)."""
+    end offsets and counts). Slot order (ROUTE >= SLOTS; slot t * k + j: token t's j-th expert), route_a = the M flat
+    expert ids [T*k] (NSLOTS >= M): match/rank [NSLOTS] say which slots are the program's expert's and their order
+    among them (no routing table, no gather). SLOTS: program pid serves expert pid. SLOT_PROGRAMS (M <= experts):
+    program pid serves slot pid's expert if pid is that expert's first slot, else nothing; so no program waits on an
+    expert no token chose (at one token, 6 of Mixtral's 8 and 58 of a 64-expert model's)."""
     pid = tl.program_id(2)
     s = tl.arange(0, NSLOTS)
     match, rank = s < 0, s
-    if ROUTE == _SLOTS:
-        match = tl.load(route_a + s, mask=s < M, other=-1) == pid
+    e = pid.to(tl.int64)
+    if ROUTE >= _SLOTS:
+        ids = tl.load(route_a + s, mask=s < M, other=-1)  # [NSLOTS]
+        if ROUTE == _SLOT_PROGRAMS:
+            e = tl.load(route_a + pid).to(tl.int64)
+            match = ids == e
+            match = match & (tl.min(tl.where(match, s, NSLOTS), axis=0) == pid)  # the expert's first slot only
+        else:
+            match = ids == e
         hit = match.to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit  # [NSLOTS] place among the expert's slots
         start, end = 0, tl.sum(hit, axis=0)
     if ROUTE == _SORTED:
         end = tl.load(route_a + pid)
         start = end - tl.load(route_b + pid)
-    e = pid.to(tl.int64)
     if ROUTE == _DENSE:
         start = pid * BLOCK_M
         end = tl.minimum(start + BLOCK_M, M)
@@ -576,7 +586,7 @@ def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexp
     end repeat a real one. SLOTS: the slots of ranks row0 .. row0 + BLOCK_M - 1."""
     r = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     r_mask = r < end
-    if ROUTE == _SLOTS:
+    if ROUTE >= _SLOTS:
         hit = match[None, :] & (rank[None, :] == tl.minimum(r, end - 1)[:, None])  # [BLOCK_M, NSLOTS]
         rows = tl.sum(tl.where(hit, tl.arange(0, NSLOTS)[None, :], 0), axis=1)
     else:
@@ -586,7 +596,7 @@ def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexp
 
 @triton.jit
 def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b,
-                   M, N, K, R, words_per_row, groups_per_row, steps_per_split, exp_bits,
+                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
                    BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
                    USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -605,7 +615,6 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
         lr = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if HAS_LR:  # before the weight stream (see the module docstring)
             if tl.program_id(1) == 0:
-                xv_stride = R if ROUTE == _DENSE else R * tl.num_programs(2)  # MoE: grid axis 2 = the E experts
                 lr = _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
                                USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
         acc = _tile(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
@@ -727,13 +736,15 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 @triton.jit
 def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
-                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr):
+                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
     """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
     column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
     r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
     = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
     FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
     saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
+    after_previous(PDL)
     if FILL:
         FILL_BLOCK: tl.constexpr = 256
         programs = tl.num_programs(0) * tl.num_programs(1)
@@ -796,7 +807,8 @@ def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
                      device=x.device)
     _prepare_x_kernel[(steps, M)](x, xw, K, cols, xw if fill is None else fill, 0 if fill is None else fill.numel(),
                                   BITS=bits, VPC=per_column, CPS=cps, HALF=half,
-                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None)
+                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None,
+                                  **dependent_launch(x.device))
     return xw
 
 
@@ -820,26 +832,31 @@ def routed_tokens(routing) -> int:
     return routing.shape[0] if isinstance(routing, torch.Tensor) else routing.num_tokens
 
 
-def route_args(routing, rows: int, placeholder: torch.Tensor) -> dict:
-    """The kernels' row arguments (_expert_rows) for a routing: None (dense, `rows` rows), a RoutingTable (sorted rows:
-    its end offsets and counts) or expert ids [T, k] (slot order: the T*k flat ids)."""
+def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int, by_slot: bool = True) -> dict:
+    """The kernels' row arguments (_expert_rows) and grid axis 2 (`programs`: the experts, or the row blocks of a
+    dense matmul) for a routing: None (dense, `rows` rows), a RoutingTable (sorted rows: its end offsets and counts) or
+    expert ids [T, k] (slot order: the T*k flat ids; with by_slot, a program per slot where there are no more slots
+    than experts)."""
     if routing is None:
-        return dict(a=placeholder, b=placeholder, rows=rows, ROUTE=DENSE, NSLOTS=1)
+        return dict(a=placeholder, b=placeholder, rows=rows, programs=programs, ROUTE=DENSE, NSLOTS=1)
     if isinstance(routing, torch.Tensor):
         ids = routing.reshape(-1)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        return dict(a=ids, b=ids, rows=ids.numel(), ROUTE=SLOTS, NSLOTS=max(16, triton.next_power_of_2(ids.numel())))
-    return dict(a=routing.offsets, b=routing.counts, rows=rows, ROUTE=SORTED, NSLOTS=1)
+        n = ids.numel()
+        by_slot = by_slot and n <= programs
+        return dict(a=ids, b=ids, rows=n, programs=n if by_slot else programs,
+                    ROUTE=SLOT_PROGRAMS if by_slot else SLOTS, NSLOTS=max(16, triton.next_power_of_2(n)))
+    return dict(a=routing.offsets, b=routing.counts, rows=rows, programs=programs, ROUTE=SORTED, NSLOTS=1)
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None, by_slot: bool = True) -> None:
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
-    routing (grid axis 2 = expert, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
-    expert ids [T, k] (x and y in slot order, [T*k, ...]); see route_args. Without it, grid axis 2 walks blocks of
+    routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
+    expert ids [T, k] (x and y in slot order, [T*k, ...]; by_slot: see route_args). Without it, grid axis 2 walks blocks of
     rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
@@ -851,12 +868,12 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
     R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
-    route = route_args(routing, x.shape[0], y)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, grid_z)
+    route = route_args(routing, x.shape[0], y, grid_z, by_slot)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, route.pop("programs"))
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
         xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
-        qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile)
+        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile)
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

@@ -14,15 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton.pdl import after_previous, dependent_launch
+
 MAX_TOKENS = 64  # above this, cuBLAS and torch's kernels (one program per token re-reads the gate weight)
 TILE = 4096  # gate-weight values per loop step (BLOCK_E * BLOCK_D): 32 fp32 accumulators per thread at 4 warps
 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Token t = program 0: logits = x_t W^T [E], p = softmax(logits), the K largest p (lowest expert on ties),
     optionally renormalised to sum to one."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_ok = e < E
@@ -71,5 +74,6 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     block_e = triton.next_power_of_2(E)
     block_d = min(triton.next_power_of_2(D), max(16, TILE // block_e))
     _router_kernel[(T,)](x, weight, logits, ids, weights, D, E, K=k, NORMALIZE=normalize, BLOCK_E=block_e,
-                         BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4, num_warps=4)
+                         BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4, num_warps=4,
+                         **dependent_launch(x.device))
     return ids, weights, logits

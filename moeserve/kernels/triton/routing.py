@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton.pdl import after_previous, dependent_launch
+
 RANK_MAX_SLOTS = 256  # T * k above this, counting: the rank loop took 29 us at 2048 slots on an H100 (64 per program)
 # counting programs each scan all T*k ids against every expert: above this T*k*E the sort is faster (H100, eager:
 # 1.5M took 108 us vs the sort's 254, 4.2M 293-364 us vs 161-250)
@@ -63,10 +65,11 @@ def _table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, counts_p
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, SORTED: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t, d] = sum over token t's K slots of w * y[row, d]: the rows are gathered, summed in fp32, written once.
     SORTED: y and w in expert-sorted order, slot (t, j) at row slot_of[t * K + j]; else in slot order (row t * K + j).
     A slot with weight 0 (a masked-out expert) adds nothing, whatever its row holds."""
+    after_previous(PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_ok = d < D
@@ -146,5 +149,5 @@ def gather_combine(expert_out: torch.Tensor, slot_of: torch.Tensor | None, weigh
     block_d = min(block_d, triton.next_power_of_2(D))
     _combine_kernel[(n // k, triton.cdiv(D, block_d))](
         expert_out.contiguous(), weights if slot_of is None else slot_of, weights.contiguous(), out, D, K=k,
-        SORTED=slot_of is not None, BLOCK_D=block_d, num_warps=4)
+        SORTED=slot_of is not None, BLOCK_D=block_d, num_warps=4, **dependent_launch(out.device))
     return out
