@@ -346,8 +346,8 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_dependent_launches_in_a_cuda_graph_match_plain_launches(bits, monkeypatch):
-    """A one-token quantized MoE block (router, x V^T, prepare_x, combine launched dependent on Hopper) replayed from a
-    CUDA graph on fresh inputs gives what plain eager launches give."""
+    """A one-token quantized MoE block (its Triton kernels launched dependent on Hopper: each may start before the
+    previous one ends) replayed from a CUDA graph on fresh inputs gives what plain eager launches give."""
     from moeserve.kernels.triton.pdl import ENV, pdl_enabled
     from moeserve.quant.qlinear import QuantizedExperts
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _low_rank, _tile, _tile_rows,
                                                    check_activation, check_weight, kernel_inputs, launch, route_args,
                                                    routed_tokens, tile_constexprs)
+from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
 
@@ -57,7 +58,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
                     SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
-                    PAIRED: tl.constexpr):
+                    PAIRED: tl.constexpr, PDL: tl.constexpr):
+    after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
     n0 = tl.program_id(0) * BLOCK_N
@@ -109,7 +111,8 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, route.pop("programs"))](
         xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
         p.in_features, p.u.shape[-1] if lr is not None else 0, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
-        exp, h.shape[0] // T, PAIRED=bool(cfg.get("PAIRED", 0)), **route, **tile)  # h [T*k, F]: top_k
+        exp, h.shape[0] // T, PAIRED=bool(cfg.get("PAIRED", 0)), **route, **tile,
+        **dependent_launch(x.device))  # h [T*k, F]: top_k
 
 
 def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, routing,

@@ -601,8 +601,9 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
                    USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
+    after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -856,8 +857,8 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
-    expert ids [T, k] (x and y in slot order, [T*k, ...]; by_slot: see route_args). Without it, grid axis 2 walks blocks of
-    rows_per_block rows of a dense matmul."""
+    expert ids [T, k] (x and y in slot order, [T*k, ...]; by_slot: see route_args). Without it, grid axis 2 walks
+    blocks of rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
     steps = triton.cdiv(K, tile["BLOCK_K"])
@@ -873,7 +874,8 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
         xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
-        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile)
+        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile,
+        **dependent_launch(x.device))
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

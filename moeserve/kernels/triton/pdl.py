@@ -1,16 +1,15 @@
-"""Programmatic dependent launch (Hopper and later): a small decode kernel launches while the kernel before it finishes.
+"""Programmatic dependent launch (Hopper and later): a decode kernel launches while the kernel before it finishes.
 
-A one-token MoE block is six to eight launches back to back, most of them tiny (router, the compensators' x V^T,
-prepare_x, combine); between two of them the GPU idles for the next launch. A kernel launched with launch_pdl may be
+Decoding one token runs hundreds of launches, many of them tiny (router, prepare_x, combine) and the rest a few tens
+of microseconds; between two of them the GPU idles for the next launch. A kernel launched with launch_pdl may be
 scheduled before the previous kernel completes; after_previous, at its top before it touches memory, waits
 (griddepcontrol.wait) until that kernel has completed and its writes are visible, so the stream's order of reads and
 writes is kept and only launch latency overlaps. It also lets the next kernel launch at once (launch_dependents),
-which takes effect when all of this kernel's programs have started.
+which takes effect when all of this kernel's programs have started, i.e. in the last wave.
 
-Only the small kernels take part. H100, one-token blocks in CUDA graphs, PDL on the small kernels vs none: Mixtral
-4-bit + rank-32 compensators 134.8 -> 131.7 us, 3-bit 148.7 -> 147.8, a 64-expert top-6 4-bit 49.2 -> 48.2. On the
-big gate_up/down kernels too it lost where it should not (Mixtral 3-bit 152.5 us; with compensators, early-launched
-x V^T behind a big kernel up to +25 us), cause not found.
+H100, Mixtral-8x7B-shaped decode in a CUDA graph (bench/lowbit_decode.py, one machine): 4-bit 154 -> 171 tok/s,
+3-bit + rank-32 compensators 128 -> 130. The compensators' x V^T (skinny.py) stays out: launched early behind a big
+kernel it cost up to 25 us a block (3-bit + rank 32 decode 124 tok/s with it), cause not found.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ TILE = 4096  # gate-weight values per loop step (BLOCK_E * BLOCK_D): 32 fp32 acc
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                   PDL: tl.constexpr):
     """Token t = program 0: logits = x_t W^T [E], p = softmax(logits), the K largest p (lowest expert on ties),
     optionally renormalised to sum to one."""
     after_previous(PDL)

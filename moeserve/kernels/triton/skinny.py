@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 
 MAX_ROWS = 8  # rows of x the kernel keeps in registers
 PAYS_ROWS = 2  # rows up to which it beats cuBLAS at K 4096 and 14336 (H100: 8 rows of 14336 take 23 vs 13 us)
@@ -21,9 +20,8 @@ PRODUCT = 4096  # BLOCK_N * BLOCK_M * BLOCK_K: the [BLOCK_N, BLOCK_M, BLOCK_K] p
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """y[m, n] = sum_k x[m, k] w[n, k] for this program's BLOCK_N columns n and all M rows, in float32."""
-    after_previous(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     n_ok, m_ok = n < N, m < M
@@ -59,7 +57,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 1) -> torch.T
     block_k = max(16, min(PRODUCT // (block_m * block_n), triton.next_power_of_2(K)))
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     _skinny_kernel[(triton.cdiv(N, block_n),)](x, w, y, M, N, K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                               STAGES=3, num_warps=4, **dependent_launch(x.device))
+                                               STAGES=3, num_warps=4)
     return y
 
 
