@@ -156,7 +156,7 @@ class QuantizedExperts(LoopedExperts):
         return self._stacked[1]
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        """One token takes the fused path in slot order (each expert's kernel programs find its slots among the ids):
+        """One token takes the fused path in slot order (the kernels find each routed expert's slots among the ids):
         no routing table and no gather, two launches fewer per layer than the sorted path (slot_order_pays)."""
         if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)) or needs_grad(expert_weights):
             return super().forward(x, expert_ids, expert_weights)
