@@ -26,7 +26,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import measure_hbm_bandwidth, result_record, time_cuda_graph, time_fn, write_result  # noqa: E402
 
 from moeserve.kernels.triton.configs import lowbit_config, lowbit_shape_key, split_for, write_sections  # noqa: E402
-from moeserve.kernels.triton.lowbit_linear import HALF_BITS, lowbit_linear  # noqa: E402
+from moeserve.kernels.triton.lowbit_linear import lowbit_linear  # noqa: E402
 from moeserve.quant import milo  # noqa: E402
 from moeserve.quant.hqq import QuantizedWeight  # noqa: E402
 from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
@@ -136,7 +136,7 @@ def bench(N, K, bits, M, layers, dense, x, bw, device, quick, sweep=True) -> tup
         if best is not None:
             graphs["best_graph_ms"] = best_gpu_ms
             graphs["best_graph_hbm_share"] = nbytes / bw["bytes_per_s"] * 1e3 / best_gpu_ms
-            if bits in HALF_BITS and (M == 1 or "BLOCK_M" in best):  # the same CUDA-core tile summing in fp32
+            if M == 1 or "BLOCK_M" in best:  # the same CUDA-core tile summing in fp32
                 graphs["fp32_sums_graph_ms"] = gpu_time(lambda l: call(l, x, {**best, "HALF": 0}), layers, device)
                 print(f"   fp16 pairs {best_gpu_ms:.4f} ms vs fp32 sums {graphs['fp32_sums_graph_ms']:.4f} ms")
         print(f"   graph replay: ours {graphs['dispatch_graph_ms']:.4f} ms ({100 * graphs['graph_hbm_share']:.0f}% of "

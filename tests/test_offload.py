@@ -13,7 +13,7 @@ from moeserve.offload.budget import plan_slots
 from moeserve.offload.experts import enable_offload
 from moeserve.offload.policies import POLICIES, Policy
 from moeserve.offload.simulate import simulate
-from moeserve.offload.store import ExpertStore
+from moeserve.offload.store import META_FILE, ExpertStore
 from moeserve.errors import MoeserveError
 
 
@@ -78,6 +78,14 @@ def test_store_round_trip(tiny, tmp_path):
                 assert torch.equal(x, y)
     with pytest.raises(MoeserveError, match="not an expert store"):
         ExpertStore.open(tmp_path)
+    three = ExpertStore.from_model(moeserve.load_model(path), low_bits=3, group=16)
+    three.save(tmp_path / "s3")
+    assert ExpertStore.open(tmp_path / "s3").meta["low_bits"] == 3
+    meta = json.loads((tmp_path / "s3" / META_FILE).read_text())
+    del meta["pack_layout"]  # a store of the first 3-bit layout (codes in order)
+    (tmp_path / "s3" / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(MoeserveError, match="offload-prepare"):
+        ExpertStore.open(tmp_path / "s3")
 
 
 def test_budget_planner():

@@ -28,6 +28,14 @@ def test_8bit_rtn_matches_float_model(hf_checkpoints, tmp_path):
     tokens = torch.randint(3, 97, (2, 11))
     a, b = logits(q, tokens), logits(f, tokens)
     assert ((a - b).norm() / b.norm()) < 0.02
+    downgrade_manifest(tmp_path / "q8")  # format 1 differs only at 3 bits: still read
+    assert torch.equal(logits(moeserve.load_model(tmp_path / "q8"), tokens), a)
+
+
+def downgrade_manifest(path):
+    """Mark a compressed checkpoint as written by the first format (3-bit codes packed in order)."""
+    f = path / MANIFEST
+    f.write_text(json.dumps({**json.loads(f.read_text()), "format": "moeserve-quant-1"}))
 
 
 @pytest.mark.parametrize("method,ranks,cbits", [("hqq", "", 16), ("milo", "dense=16,experts=kurtosis:8", 8),
@@ -58,6 +66,9 @@ def test_checkpoint_round_trip_equals_in_memory_quantized_model(hf_checkpoints, 
     assert (logits(loaded, tokens) - logits(ref, tokens)).abs().max() < 1e-4
     if method == "milo":
         assert any(t["rank"] > 0 for t in manifest["tensors"].values())
+    downgrade_manifest(tmp_path / "q")  # its 3-bit codes would be read in the wrong order: refused, by name
+    with pytest.raises(MoeserveError, match="moeserve quantize"):
+        moeserve.load_model(tmp_path / "q")
 
 
 def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path, monkeypatch):

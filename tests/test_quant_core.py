@@ -34,12 +34,16 @@ def test_pack_round_trip_every_value(bits):
 
 
 def test_3bit_layout_is_the_documented_one():
+    """Values i and i + 5 of a word 16 bits apart (the GPU kernels decode them as one pair); values 30 and 31 spread
+    over bits 15 and 31 of the three words."""
     codes = torch.randint(0, 8, (32,), dtype=torch.uint8)
     words = [int(w) & 0xFFFFFFFF for w in pack(codes, 3)]
-    rest = int(codes[30]) | int(codes[31]) << 3
     for k in range(3):
-        assert all((words[k] >> (3 * j)) & 7 == codes[10 * k + j] for j in range(10))
-        assert words[k] >> 30 == (rest >> (2 * k)) & 3
+        for j in range(5):
+            assert (words[k] >> (3 * j)) & 7 == codes[10 * k + j]
+            assert (words[k] >> (16 + 3 * j)) & 7 == codes[10 * k + 5 + j]
+        assert (words[k] >> 15) & 1 == (int(codes[30]) >> k) & 1
+        assert words[k] >> 31 == (int(codes[31]) >> k) & 1
 
 
 @pytest.mark.parametrize("bits,n,message", [(5, 32, "widths"), (3, 48, "multiple of 32"), (4, 20, "multiple of 32")])

@@ -164,6 +164,7 @@ PAIR_CONFIGS = [SPLIT, {**WHOLE, "BLOCK_N": 32, "SUB": 2, "AHEAD": 2},
 
 
 @pytest.mark.parametrize("bits,config", [(4, PAIR_CONFIGS[0]), (4, PAIR_CONFIGS[1]), (4, PAIR_CONFIGS[2]),
+                                         (3, PAIR_CONFIGS[0]), (3, PAIR_CONFIGS[1]), (3, PAIR_CONFIGS[2]),
                                          (2, PAIR_CONFIGS[0]), (8, PAIR_CONFIGS[2])])
 def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
     """16-bit activations on CUDA cores take the fp16-pair path: error at bf16's rounding level, at any magnitude

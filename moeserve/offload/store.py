@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import save_safetensors_atomic
 from moeserve.errors import MoeserveError
-from moeserve.quant import hqq
+from moeserve.quant import hqq, pack
 from moeserve.quant.qlinear import QuantizedLinear
 
 META_FILE = "expert_store.json"
@@ -28,7 +28,7 @@ def _layer_file(path: Path, layer: int) -> Path:
 
 def _meta(spec, layers: list[int], low_bits: int, group: int) -> dict:
     return {"layers": layers, "num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.expert_ffn,
-            "low_bits": low_bits, "group": group}
+            "low_bits": low_bits, "group": group, "pack_layout": pack.LAYOUT}
 
 
 def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int) -> dict[str, torch.Tensor]:
@@ -95,6 +95,9 @@ class ExpertStore:
         if not (path / META_FILE).is_file():
             raise MoeserveError(f"{path} is not an expert store (no {META_FILE})")
         meta = json.loads((path / META_FILE).read_text())
+        if meta["low_bits"] == 3 and meta.get("pack_layout", 1) != pack.LAYOUT:
+            raise MoeserveError(f"{path} holds 3-bit experts in an older bit layout that this moeserve no longer "
+                                f"reads; build the store again with `moeserve offload-prepare`")
         handles = {layer: safe_open(str(_layer_file(path, layer)), framework="pt") for layer in meta["layers"]}
 
         class _Mapped:

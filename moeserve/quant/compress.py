@@ -27,7 +27,7 @@ from moeserve.quant.ranks import TensorInfo, assign_ranks, expert_frequency, par
 from moeserve.spec import ModelSpec
 
 MANIFEST = "moeserve_quant.json"
-FORMAT = "moeserve-quant-1"
+FORMAT = "moeserve-quant-2"  # 2: pack.py's 3-bit layout pairs values 16 bits apart (1 packed them in order)
 METHODS = ("rtn", "hqq", "milo")
 KINDS = ("attention", "shared_expert", "dense_ffn", "expert")
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -177,7 +177,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, cfg: QuantConfig, *, f
             raise MoeserveError(f"rank {ranks[t.name]} is larger than {t.name} {t.shape}")
     fingerprint = source_fingerprint(src)
     partial = out.with_name(out.name + ".partial")
-    job = json.loads(json.dumps({"source": fingerprint, "config": asdict(cfg)}))  # as read back from disk
+    job = json.loads(json.dumps({"source": fingerprint, "config": asdict(cfg), "format": FORMAT}))  # as read back
     if partial.exists():
         old = json.loads((partial / "job.json").read_text()) if (partial / "job.json").is_file() else None
         if old != job:
@@ -271,8 +271,13 @@ def read_manifest(path: Path) -> dict | None:
     if not f.is_file():
         return None
     manifest = json.loads(f.read_text())
-    if manifest.get("format") != FORMAT:
-        raise MoeserveError(f"{f} has format {manifest.get('format')!r}; this moeserve reads {FORMAT!r}")
+    found = manifest.get("format")
+    if found == "moeserve-quant-1" and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
+        raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of moeserve-quant-1, which this moeserve "
+                            f"no longer reads ({FORMAT} pairs the values for the GPU kernels); quantize the source "
+                            f"checkpoint again with `moeserve quantize`")
+    if found not in ("moeserve-quant-1", FORMAT):  # 1 differs from 2 in the 3-bit layout only
+        raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r}")
     return manifest
 
 

@@ -2,10 +2,11 @@
 
 2/4/8 bits: word w holds values w*n .. w*n+n-1 (n = 32/bits), value j of the word in bits [j*b, j*b+b).
 
-3 bits: 32 values fill exactly 3 words (96 bits). Word k (k = 0, 1, 2) holds values 10k .. 10k+9 in its
-low 30 bits; the last two values (30 and 31) form a 6-bit remainder r = v30 | v31 << 3 whose 2-bit
-pieces go to the top two bits of the three words (bits [2k, 2k+2) of r in word k). A kernel reads
-30 values with a shift and a mask and rebuilds the last two from the three top bit pairs.
+3 bits: 32 values fill exactly 3 words (96 bits). Word k (k = 0, 1, 2) holds values 10k .. 10k+4 in bits
+[0, 15) (value 10k+i at bit 3i) and values 10k+5 .. 10k+9 in bits [16, 31) (at bit 16+3i), so values i and
+i+5 of a word sit 16 bits apart, like the values p and p + n/2 of a 2/4/8-bit word: a GPU kernel decodes
+such a pair into two 16-bit floats with one shift and one mask. Bit k of value 30 is bit 15 of word k,
+bit k of value 31 is bit 31 of word k (rebuilt into one more such pair).
 
 Packing is along the last dimension, which must be a multiple of 32 values (every width packs whole
 words then); callers pad rows (see QuantizedLinear).
@@ -18,6 +19,7 @@ import torch
 from moeserve.errors import MoeserveError
 
 BITS = (2, 3, 4, 8)
+LAYOUT = 2  # bumped when a width's layout changes (2: 3-bit values paired 16 bits apart; 1 packed them in order)
 GROUP_VALUES = 32  # values per packing unit: 32 * bits / 32 = `bits` words
 
 
@@ -49,10 +51,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 3:
         c = c.reshape(*codes.shape[:-1], n // 32, 32)  # [..., units, 32]
         body = c[..., :30].reshape(*c.shape[:-1], 3, 10)  # [..., units, 3 words, 10 values]
-        shifts = torch.arange(10, device=c.device) * 3
-        words = (body << shifts).sum(-1)  # [..., units, 3]
-        rest = c[..., 30] | (c[..., 31] << 3)  # [..., units] 6-bit remainder
-        words = words | (((rest.unsqueeze(-1) >> (torch.arange(3, device=c.device) * 2)) & 3) << 30)
+        words = (body << _unit_shifts(c.device)).sum(-1)  # [..., units, 3]
+        k = torch.arange(3, device=c.device)
+        words = words | (((c[..., 30:31] >> k) & 1) << 15) | (((c[..., 31:32] >> k) & 1) << 31)
     else:
         per_word = 32 // bits
         c = c.reshape(*codes.shape[:-1], n // per_word, per_word)
@@ -69,13 +70,20 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     lead = words.shape[:-1]
     if bits == 3:
         w = w.reshape(*lead, n // 32, 3)  # [..., units, 3]
-        body = (w.unsqueeze(-1) >> (torch.arange(10, device=w.device) * 3)) & 7  # [..., units, 3, 10]
-        rest = ((w >> 30) << (torch.arange(3, device=w.device) * 2)).sum(-1)  # [..., units]
-        codes = torch.cat([body.flatten(-2), (rest & 7).unsqueeze(-1), (rest >> 3).unsqueeze(-1)], -1)
+        body = (w.unsqueeze(-1) >> _unit_shifts(w.device)) & 7  # [..., units, 3, 10]
+        k = torch.arange(3, device=w.device)
+        last = [(((w >> bit) & 1) << k).sum(-1, keepdim=True) for bit in (15, 31)]  # values 30, 31 [..., units, 1]
+        codes = torch.cat([body.flatten(-2), *last], -1)
     else:
         per_word = 32 // bits
         codes = (w.unsqueeze(-1) >> (torch.arange(per_word, device=w.device) * bits)) & ((1 << bits) - 1)
     return codes.reshape(*lead, n).to(torch.uint8)
+
+
+def _unit_shifts(device) -> torch.Tensor:
+    """Bit offsets of values 10k .. 10k+9 within 3-bit word k: five in the low half, five in the high half."""
+    i = torch.arange(5, device=device) * 3
+    return torch.cat([i, i + 16])
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -96,16 +96,25 @@ def uses_lut(isa: str, bits: int) -> bool:
     return (1 << bits) <= LUT_LANES.get(isa, 0)
 
 
+def _code_source(bits: int, i: int, t: int) -> tuple[str, int]:
+    """(vector, bit offset) holding code i (0..31) of the current unit for output vector t: word i // n at
+    (i % n) * bits; 3 bits (pack.py): value 10k + j of word k at bit 3j (j < 5) or 16 + 3(j - 5), values 30 and
+    31 at bits 0 and 16 of the rebuilt rest{t}."""
+    if bits != 3:
+        word, j = divmod(i, 32 // bits)
+        return f"q{t}_{word}", j * bits
+    if i >= 30:
+        return f"rest{t}", 16 * (i - 30)
+    word, j = divmod(i, 10)
+    return f"q{t}_{word}", 3 * j if j < 5 else 16 + 3 * (j - 5)
+
+
 def _extract(bits: int, i: int, t: int, lut: bool) -> str:
     """Float expression for code i (0..31) of the current unit, lane-wise, for output vector t."""
-    if bits == 3 and i >= 30:
-        shifted = f"rest{t}" if i == 30 else f"SRLI(rest{t}, 3)"
-    else:
-        word, shift = divmod(i, 10) if bits == 3 else divmod(i, 32 // bits)
-        shift *= bits
-        shifted = f"q{t}_{word}" if shift == 0 else f"SRLI(q{t}_{word}, {shift})"
-        if shift + bits == 32:
-            return f"LUT({shifted}, lut)" if lut else f"CVT({shifted})"
+    source, shift = _code_source(bits, i, t)
+    shifted = source if shift == 0 else f"SRLI({source}, {shift})"
+    if shift + bits == 32:
+        return f"LUT({shifted}, lut)" if lut else f"CVT({shifted})"
     # the permute reads only the low bits, and its table repeats every 2^bits entries: no mask needed
     return f"LUT({shifted}, lut)" if lut else f"CVT(ANDI({shifted}, mask))"
 
@@ -133,8 +142,9 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
         base = f"w + ((size_t)(ob + {t}) * W + word) * {lanes}"
         L += [f"      const VI q{t}_{j} = LOADI({base} + {j * lanes});" for j in range(bits)]
         if bits == 3:
-            L.append(f"      const VI rest{t} = ORI(ORI(SRLI(q{t}_0, 30), SLLI(SRLI(q{t}_1, 30), 2)), "
-                     f"SLLI(SRLI(q{t}_2, 30), 4));")
+            # bits 15 and 31 of word k are bit k of values 30 and 31: gathered to bits 0..2 and 16..18
+            L.append(f"      const VI rest{t} = ORI(ORI(ANDI(SRLI(q{t}_0, 15), SET1I(0x10001)), "
+                     f"ANDI(SRLI(q{t}_1, 14), SET1I(0x20002))), ANDI(SRLI(q{t}_2, 13), SET1I(0x40004)));")
     for r in R:
         L.append(f"      const float* x{r} = x + {r} * ldx + k;")
     for i in range(32):

@@ -2,11 +2,13 @@
 
 Each program owns BLOCK_N outputs and one of SPLIT_K slices of the input dimension (so that a 4096-output
 matrix still fills every SM). A *column* of a packed row is one word (2/4/8 bits) or one 32-value 3-bit unit,
-read as its three stored words (values 10t..10t+7 in bits 0..23) plus a fourth rebuilt from their bits
-24..31 (values 8, 9, 18, 19, 28, 29, 30, 31). Value i of a word becomes the float 2^bits + q with one shift
-(its bits onto the top of the mantissa) and one LOP3 (mask, exponent): no subtract and no quarter-rate
-int->float conversion; the 2^bits per value comes off with the zero (z + 2^bits). A column never spans two
-groups.
+read as its three stored words plus a fourth rebuilt from their bits 15 and 31 (values 30 and 31). A column's
+values are taken in *slot* order: slot p < VPC / 2 and slot p + VPC / 2 are the two values of pair p, 16 bits
+apart in one word (pack.py: values p and p + VPC / 2 of a 2/4/8-bit word; at 3 bits, values 10t + i and
+10t + i + 5 of word t for pair 5t + i, values 30 and 31 for pair 15). A value becomes the float 2^bits + q with
+one shift (its bits onto the top of the mantissa) and one LOP3 (mask, exponent), a pair the two halves of a
+16-bit float pair the same way: no subtract and no quarter-rate int->float conversion; the 2^bits per value
+comes off with the zero (z + 2^bits). A column never spans two groups.
 
     GEMV (one row, or BLOCK_M <= 8 rows by config; CUDA cores): the weight rows are SUB interleaved sub-tiles,
         each [BLOCK_N / SUB, groups, columns per group], so 2/4/8-bit words load as 16-byte vectors and
@@ -18,14 +20,13 @@ groups.
         once for all rows of x. Nothing in the loop is masked (rows and groups clamped, x zero-padded); the
         next AHEAD steps' words and scale/zero are loaded before this step's arithmetic, or (config PIPE) the
         words go through PIPE shared-memory stages (cp.async) and only scale/zero are loaded ahead.
-        HALF (16-bit x, 2/4/8 bits): the same sums on fp16 pairs, two codes per shift + LOP3 and one HFMA2 per
-        two values, x scaled per step by a power of two so the fp16 sums cannot overflow.
+        HALF (16-bit x): the same sums on fp16 pairs, two codes per shift + LOP3 and one HFMA2 per two values,
+        x scaled per step by a power of two so the fp16 sums cannot overflow.
     DOT  (more rows, padded to BLOCK_M >= 16, tensor cores): each step decodes its [BLOCK_N, C] columns slot by
         slot, interleaves the slots in registers into one [BLOCK_N, BLOCK_K] tile and runs one dot against x
-        [BLOCK_K, BLOCK_M] gathered in the tile's value order (natural for 2/4/8 bits, a fixed permutation within
-        each 3-bit unit); the next step's words and scale/zero are loaded before this step's dot. HALF (16-bit x,
-        2/4 bits, 8 with fp16): the tile holds the exact codes 2^bits + q in x's dtype, a step is one group, and
-        its scale/zero apply to the dot's result.
+        [BLOCK_K, BLOCK_M] gathered in the tile's slot order; the next step's words and scale/zero are loaded
+        before this step's dot. HALF (16-bit x, 2/3/4 bits, 8 with fp16): the tile holds the exact codes
+        2^bits + q in x's dtype, a step is one group, and its scale/zero apply to the dot's result.
 
 SPLIT_K > 1 accumulates with fp32 atomics into an output that launch() zeroes (with prepare_x on CUDA cores).
 An optional low-rank compensator adds (x V^T) U^T in the first K slice, computed before the weight stream (after
@@ -49,12 +50,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
-    """Value i of each word as the float 2^BITS + q: one shift puts its bits on top of the mantissa, one LOP3 masks
-    them and sets the exponent (no subtract, no int->float conversion; callers take off 2^BITS per value).
+def _code(word, exp, POS: tl.constexpr, BITS: tl.constexpr):
+    """The value at bit POS of each word as the float 2^BITS + q: one shift puts its bits on top of the mantissa, one
+    LOP3 masks them and sets the exponent (no subtract, no int->float conversion; callers take off 2^BITS per value).
     exp = (127 + BITS) << 23 comes as a run-time argument: as a second immediate beside the mask, Triton 3.6's ptxas
     splits the LOP3 in two (one more instruction per value)."""
-    SHIFT: tl.constexpr = 23 - BITS - i * BITS  # value i's lowest bit lands on mantissa bit 23 - BITS
+    SHIFT: tl.constexpr = 23 - BITS - POS  # the value's lowest bit lands on mantissa bit 23 - BITS
     if SHIFT >= 0:
         w = word << SHIFT
     else:
@@ -64,18 +65,40 @@ def _code(word, exp, i: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pair_code(word, exp2, p: tl.constexpr, BITS: tl.constexpr, MANT: tl.constexpr = 10):
-    """Values p and p + VPC / 2 of each word (16 bits apart) as the 16-bit float pair (2^BITS + q_p,
-    2^BITS + q_p+VPC/2) in an int32, fp16 (MANT = 10 mantissa bits) or bf16 (7): one shift puts both fields on top
-    of their halves' mantissas, one LOP3 masks them and sets both exponents (exp2 = exponent_bits(BITS, True, MANT),
-    a run-time argument as in _code)."""
-    SHIFT: tl.constexpr = MANT - BITS - p * BITS
+def _pair_code(word, exp2, POS: tl.constexpr, BITS: tl.constexpr, MANT: tl.constexpr = 10):
+    """The values at bits POS and POS + 16 of each word as the 16-bit float pair (2^BITS + q_lo, 2^BITS + q_hi) in an
+    int32, fp16 (MANT = 10 mantissa bits) or bf16 (7): one shift puts both fields on top of their halves' mantissas,
+    one LOP3 masks them and sets both exponents (exp2 = exponent_bits(BITS, True, MANT), a run-time argument as in
+    _code)."""
+    SHIFT: tl.constexpr = MANT - BITS - POS
     if SHIFT >= 0:
         w = word << SHIFT
     else:
         w = word >> -SHIFT
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (MANT - BITS)
     return (w & (FIELD | (FIELD << 16))) | exp2
+
+
+@triton.jit
+def _slot_code(words, exp, S: tl.constexpr, BITS: tl.constexpr):
+    """Slot S of each column (words: the column's decode words, _column_words) as the float 2^BITS + q (_code). Pair
+    p = S % (VPC / 2) sits in word p // 5 at bit 3 (p % 5) at 3 bits (word 3, the rebuilt one, for p = 15), in the
+    column's word at bit p * BITS otherwise; slots past VPC / 2 are the pairs' high values, 16 bits up."""
+    if BITS == 3:
+        code = _code(words[(S % 16) // 5], exp, 3 * ((S % 16) % 5) + 16 * (S // 16), BITS)
+    else:
+        code = _code(words[0], exp, S * BITS, BITS)
+    return code
+
+
+@triton.jit
+def _slot_pair(words, exp2, P: tl.constexpr, BITS: tl.constexpr, MANT: tl.constexpr = 10):
+    """Pair P of each column (slots P and P + VPC / 2, see _slot_code) as a 16-bit float pair (_pair_code)."""
+    if BITS == 3:
+        pair = _pair_code(words[P // 5], exp2, 3 * (P % 5), BITS, MANT)
+    else:
+        pair = _pair_code(words[0], exp2, P * BITS, BITS, MANT)
+    return pair
 
 
 @triton.jit
@@ -129,16 +152,14 @@ def _load_words(row_ptr, n_mask, col, words_per_row, STRIDE: tl.constexpr, T: tl
 
 @triton.jit
 def _top_word(w0, w1, w2):
-    """A 3-bit unit's fourth word rebuilt from bits 24..31 of its three stored words."""
-    top = ((w0 >> 24) & 0x3F) | (((w1 >> 24) & 0x3F) << 6) | (((w2 >> 24) & 0x3F) << 12)
-    return top | (((w0 >> 30) & 3) << 18) | (((w1 >> 30) & 3) << 20) | (((w2 >> 30) & 3) << 22)
+    """A 3-bit unit's fourth word, values 30 and 31 at bits 0 and 16, rebuilt from bit k (15 and 31) of word k."""
+    return ((w0 >> 15) & 0x10001) | ((w1 >> 14) & 0x20002) | ((w2 >> 13) & 0x40004)
 
 
 @triton.jit
 def _column_words(stored, BITS: tl.constexpr):
     """The stored words of a column (a tuple: one word, or a 3-bit unit's three) -> the words its values are decoded
-    from: the word itself, or the unit's three plus the fourth rebuilt from their top bits (value slot 8t + i is value
-    i of word t)."""
+    from: the word itself, or the unit's three plus the fourth rebuilt from their bits 15 and 31 (_slot_code)."""
     if BITS == 3:
         words = (stored[0], stored[1], stored[2], _top_word(stored[0], stored[1], stored[2]))
     else:
@@ -148,10 +169,11 @@ def _column_words(stored, BITS: tl.constexpr):
 
 @triton.jit
 def _slot_offsets(j, BITS: tl.constexpr):
-    """Input offset within its column of value slot j [..] (slot 8t + i of a 3-bit unit: value i of word t)."""
+    """Input offset within its column of value slot j [..] (_slot_code; at 3 bits slot j of pair p = j % 16 is value
+    10 (p // 5) + p % 5 + 5 (j // 16), and value 30 + j // 16 for p = 15)."""
     if BITS == 3:
-        t, i = j // 8, j % 8
-        off = tl.where(t < 3, 10 * t + i, tl.where(i < 6, 10 * (i // 2) + 8 + i % 2, 24 + i))
+        p, high = j % 16, j // 16
+        off = tl.where(p < 15, 10 * (p // 5) + p % 5 + 5 * high, 30 + high)
     else:
         off = j
     return off
@@ -162,22 +184,21 @@ def _dequant_tile(words, s, zs, exp, dtype: tl.constexpr, BITS: tl.constexpr, VP
     """Column words [BLOCK_N, C] (a tuple: one word, or a 3-bit unit's four) -> dequantized [BLOCK_N, C * VPC] in
     dtype, slot j of column c at c * VPC + j: the slots are decoded apart and interleaved in registers."""
     vals = ()
-    for t in tl.static_range(len(words)):
-        for i in tl.static_range(VPC // len(words)):
-            vals = vals + ((_code(words[t], exp, i, BITS) * s - zs).to(dtype),)
+    for j in tl.static_range(VPC):
+        vals = vals + ((_slot_code(words, exp, j, BITS) * s - zs).to(dtype),)
     return _interleave(vals, VPC)
 
 
 @triton.jit
-def _code_tile(word, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
-    """Words [BLOCK_N, C] -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype (fp16 or bf16), slot j of column
-    c at c * VPC + j: a shift + LOP3 per two values (_pair_code), no scale/zero arithmetic (_dot applies them per
-    group, after the dot)."""
+def _code_tile(words, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
+    """Column words [BLOCK_N, C] (_column_words) -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype (fp16 or
+    bf16), slot j of column c at c * VPC + j: a shift + LOP3 per two values (_slot_pair), no scale/zero arithmetic
+    (_dot applies them per group, after the dot)."""
     MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 10
     lo = ()
     hi = ()
     for p in tl.static_range(VPC // 2):
-        lo_p, hi_p = _split_pair(_pair_code(word, exp2, p, BITS, MANT), dtype)
+        lo_p, hi_p = _split_pair(_slot_pair(words, exp2, p, BITS, MANT), dtype)
         lo = lo + (lo_p,)
         hi = hi + (hi_p,)
     return _interleave(lo + hi, VPC)
@@ -256,40 +277,27 @@ def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.conste
 
 
 @triton.jit
-def _slot_fmas(qx, words, x_steps, col, exp, SLOT0: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-               CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr):
-    """qx[m * SUB + j] [ROWS, G, CPG] + sum_i (2^BITS + q_i) x_m,i over the PER values of each sub-tile's words:
-    each code is decoded once for all M rows of x, each x load serves all SUB sub-tiles. x of value i of column c
-    is x_steps[m][(SLOT0 + i) * CPS + c] of this step's prepared x: a constant offset from one address."""
-    for i in tl.static_range(PER):
-        codes = ()
-        for j in tl.static_range(SUB):
-            codes = codes + (_code(words[j], exp, i, BITS),)
-        new = ()
-        for m in tl.static_range(M):
-            x = tl.load(x_steps[m] + (SLOT0 + i) * CPS + col)[None, :, :]  # [1, G, CPG] fp32
-            for j in tl.static_range(SUB):
-                new = new + (qx[m * SUB + j] + codes[j] * x,)
-        qx = new
-    return qx
-
-
-@triton.jit
 def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
                SUB: tl.constexpr, M: tl.constexpr):
-    """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column."""
+    """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column.
+    Each code is decoded once for all M rows of x, each x load serves all SUB sub-tiles: x of slot i of column c is
+    x_steps[m][i * CPS + c] of this step's prepared x, a constant offset from one address."""
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
     units = ()
     for j in tl.static_range(SUB):
         units = units + (_column_words(words[j], BITS),)
-    WORDS: tl.constexpr = 4 if BITS == 3 else 1  # words a column's values are decoded from
-    for t in tl.static_range(WORDS):
-        word_t = ()
+    for i in tl.static_range(VPC):
+        codes = ()
         for j in tl.static_range(SUB):
-            word_t = word_t + (units[j][t],)
-        qx = _slot_fmas(qx, word_t, x_steps, col, exp, t * (VPC // WORDS), BITS, VPC // WORDS, CPS, SUB, M)
+            codes = codes + (_slot_code(units[j], exp, i, BITS),)
+        new = ()
+        for m in tl.static_range(M):
+            x = tl.load(x_steps[m] + i * CPS + col)[None, :, :]  # [1, G, CPG] fp32
+            for j in tl.static_range(SUB):
+                new = new + (qx[m * SUB + j] + codes[j] * x,)
+        qx = new
     new = ()
     for m in tl.static_range(M):
         xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
@@ -302,18 +310,21 @@ def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
 @triton.jit
 def _half_step_sums(acc, words, scales, x_steps, col, exp2, BITS: tl.constexpr, VPC: tl.constexpr,
                     CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, INTERPRET: tl.constexpr):
-    """_step_sums on fp16 pairs (2/4/8 bits): per word, sum (2^BITS + q) x over its VPC / 2 value pairs with one
-    HFMA2 per pair into an fp16 pair (the prepared x is scaled per step so that it cannot overflow), then in fp32
+    """_step_sums on fp16 pairs: per column, sum (2^BITS + q) x over its VPC / 2 value pairs with one HFMA2 per
+    pair into an fp16 pair (the prepared x is scaled per step so that it cannot overflow), then in fp32
     s / r * (that pair's two halves - (z + 2^BITS) * sum x), r the step's x scale. Half the FMAs of _step_sums
     and one shift + LOP3 per two values."""
     PAIRS: tl.constexpr = VPC // 2
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.int32),)  # fp16 pair (0, 0)
+    units = ()
+    for j in tl.static_range(SUB):
+        units = units + (_column_words(words[j], BITS),)
     for p in tl.static_range(PAIRS):
         codes = ()
         for j in tl.static_range(SUB):
-            codes = codes + (_pair_code(words[j][0], exp2, p, BITS),)
+            codes = codes + (_slot_pair(units[j], exp2, p, BITS),)
         new = ()
         for m in tl.static_range(M):
             x = tl.load(x_steps[m] + p * CPS + col)[None, :, :]  # [1, G, CPG] fp16 pairs
@@ -488,7 +499,7 @@ def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, s
                      other=0.0)  # [C * VPC, BLOCK_M]
         s = s.to(tl.float32)
         if HALF:
-            codes = _code_tile(stored[0], exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
+            codes = _code_tile(_column_words(stored, BITS), exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
             part = _dot16(codes, xt, tl.zeros_like(acc), PRECISION, INTERPRET)  # [BLOCK_N, BLOCK_M] sum (2^BITS + q) x
             xs = tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_M] the group's sum of x
             acc += s[:, None] * (part - (z.to(tl.float32) + (1 << BITS))[:, None] * xs[None, :])
@@ -642,14 +653,11 @@ def exponent_bits(bits: int, half: bool = False, mantissa: int = 10) -> int:
     return ((bias + bits) << mantissa) * 0x10001
 
 
-HALF_BITS = (2, 4, 8)  # widths whose words split into fp16 pairs (value p and p + VPC / 2 sit 16 bits apart)
-
-
 def pair_codes(bits: int, dtype: torch.dtype, use_dot: bool) -> bool:
-    """Whether a tile runs on 16-bit pairs: CUDA-core tiles on fp16 pairs for 16-bit x (prepare_x converts it);
-    tensor-core tiles on codes in x's own dtype, which holds 2^bits + q exactly only while bits fit its mantissa
-    (bf16: 7 bits)."""
-    if dtype == torch.float32 or bits not in HALF_BITS:
+    """Whether a tile runs on 16-bit pairs (every width's values pair up 16 bits apart, see _slot_code): CUDA-core
+    tiles on fp16 pairs for 16-bit x (prepare_x converts it); tensor-core tiles on codes in x's own dtype, which holds
+    2^bits + q exactly only while bits fit its mantissa (bf16: 7 bits)."""
+    if dtype == torch.float32:
         return False
     return not use_dot or bits < 8 or dtype == torch.float16
 
