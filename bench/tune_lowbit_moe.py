@@ -1,5 +1,7 @@
 """Tune the low-bit fused MoE's launch configs on this GPU and write them as data: the "lowbit_moe" section of
-moeserve/kernels/triton/configs/<gpu>.json, per (bits, MoE shape, token count), gate_up and down tuned apart.
+moeserve/kernels/triton/configs/<gpu>.json, per (bits, MoE shape, token count), gate_up and down tuned apart, for
+experts without compensators and (key `_lr`) with rank-32 ones (the low-rank term held through the weight stream
+moves the best tile: Mixtral 3-bit, one token, H100: 176 us with the plain entry, down to ~150 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
 cp.async stages); 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
@@ -7,8 +9,8 @@ rows an expert gets; 4 tokens and up, tensor-core tiles. down also tries K split
 GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are host
 noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
 
-    python bench/tune_lowbit_moe.py                         # Mixtral and DeepSeek-like, 4 and 3 bits, 1..64 tokens
-    python bench/tune_lowbit_moe.py --shapes mixtral --bits 4 --tokens 1,16 --no-write
+    python bench/tune_lowbit_moe.py               # Mixtral and DeepSeek-like, 4 and 3 bits, 1..64 tokens, ranks 0, 32
+    python bench/tune_lowbit_moe.py --shapes mixtral --bits 4 --tokens 1,16 --ranks 0 --no-write
 """
 
 from __future__ import annotations
@@ -68,13 +70,14 @@ def splits(cfg: dict, K: int) -> list[int]:
 
 
 class Problem:
-    """Stacked random experts of one (shape, bits) and rotating routings per token count, on the GPU."""
+    """Stacked random experts of one (shape, bits, compensator rank) and rotating routings per token count, on the
+    GPU."""
 
-    def __init__(self, E: int, k: int, D: int, F: int, bits: int, seed: int = 0):
+    def __init__(self, E: int, k: int, D: int, F: int, bits: int, rank: int = 0, seed: int = 0):
         torch.manual_seed(seed)
         dev = torch.device("cuda")
-        experts = QuantizedExperts([random_layer(2 * F, D, bits, dev) for _ in range(E)],
-                                   [random_layer(D, F, bits, dev) for _ in range(E)])
+        experts = QuantizedExperts([random_layer(2 * F, D, bits, dev, rank) for _ in range(E)],
+                                   [random_layer(D, F, bits, dev, rank) for _ in range(E)])
         self.gate_up, self.down = experts.stacked(torch.bfloat16)
         self.E, self.k, self.D, self.F, self.bits = E, k, D, F, bits
         self.experts = experts  # keeps the stacked buffers alive
@@ -104,7 +107,7 @@ class Problem:
         else:
             p = self.down
             launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, h.shape[0] // self.k,
-                   self.E, routing=routing)
+                   self.E, lowrank=p.low_rank_inputs(h), routing=routing)
 
 
 def graph_ms(fn, items, replays: int = 10) -> float:
@@ -143,28 +146,29 @@ _WORKER: dict = {}
 
 
 def _compile(job: tuple) -> str | None:
-    """Worker: run one (shape, bits, T, part, cfg) once, so Triton compiles it into its disk cache."""
-    name, bits, T, part, cfg = job
-    key = (name, bits)
+    """Worker: run one (shape, bits, rank, T, part, cfg) once, so Triton compiles it into its disk cache."""
+    name, bits, rank, T, part, cfg = job
+    key = (name, bits, rank)
     if key not in _WORKER:
         _WORKER.clear()
-        _WORKER[key] = Problem(*SHAPES[name], bits)
+        _WORKER[key] = Problem(*SHAPES[name], bits, rank)
     problem = _WORKER[key]
     try:
         problem.run(part, cfg, problem.routed(T)[0])
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported, then skipped by the timing run
-        return f"{name} {bits}-bit T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+        return f"{name} {bits}-bit r{rank} T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
     return None
 
 
 def compiled_as(job: tuple) -> tuple:
     """What Triton compiles a job's launch as: its config but the K split (only split or not), and for down, how
-    Triton specializes the row count T*k (1, a multiple of 16, other)."""
-    name, bits, T, part, cfg = job
+    Triton specializes the row count T*k (1, a multiple of 16, other), and whether it has compensators."""
+    name, bits, rank, T, part, cfg = job
     rows = T * SHAPES[name][1]
     spec = (rows == 1, rows % 16 == 0) if part == "down" else ()
-    return name, bits, part, spec, cfg["SPLIT_K"] > 1, tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K"))
+    return (name, bits, rank > 0, part, spec, cfg["SPLIT_K"] > 1,
+            tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K")))
 
 
 def precompile(jobs: list[tuple], workers: int) -> list[str]:
@@ -173,20 +177,20 @@ def precompile(jobs: list[tuple], workers: int) -> list[str]:
         return []
     by_problem: dict = {}
     for job in {compiled_as(j): j for j in jobs}.values():  # a worker keeps one problem: jobs grouped by problem
-        by_problem.setdefault(job[:2], []).append(job)
+        by_problem.setdefault(job[:3], []).append(job)
     ordered = [j for group in by_problem.values() for j in group]
     with futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return [e for e in pool.map(_compile, ordered, chunksize=max(1, len(ordered) // (2 * workers))) if e]
 
 
-def table_key(name: str, bits: int) -> str:
+def table_key(name: str, bits: int, rank: int) -> str:
     E, _, D, F = SHAPES[name]
-    return lowbit_moe_key(bits, E, D, F)
+    return lowbit_moe_key(bits, E, D, F, rank > 0)
 
 
-def tune(name: str, bits: int, tokens, log: list) -> dict:
+def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
     E, k, D, F = SHAPES[name]
-    problem = Problem(E, k, D, F, bits)
+    problem = Problem(E, k, D, F, bits, rank)
     table = {}
     for T in tokens:
         items = problem.routed(T)
@@ -196,7 +200,7 @@ def tune(name: str, bits: int, tokens, log: list) -> dict:
             try:
                 ms = graph_ms(lambda item: problem.run(part, cfg, item), items)
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                log.append(f"{name} b{bits} T={T} {part} {cfg} failed: {type(e).__name__}")
+                log.append(f"{name} b{bits} r{rank} T={T} {part} {cfg} failed: {type(e).__name__}")
                 return
             timed[part].append((ms, cfg))
 
@@ -207,7 +211,7 @@ def tune(name: str, bits: int, tokens, log: list) -> dict:
                 best = min(timed[part], key=lambda p: p[0])[1]
                 for cfg in load_variants(best):
                     time_job(part, cfg)
-        default = lowbit_moe_config(torch.cuda.get_device_name(), bits, E, D, F, T, k)  # the dispatch until now
+        default = lowbit_moe_config(torch.cuda.get_device_name(), bits, E, D, F, T, k, rank > 0)  # dispatch till now
         default_ms = {part: graph_ms(lambda item: problem.run(part, default[part], item), items)
                       for part in ("gate_up", "down")}
         entry = {}
@@ -215,7 +219,7 @@ def tune(name: str, bits: int, tokens, log: list) -> dict:
             ms, cfg = min(timed[part], key=lambda p: p[0])
             entry[part] = {**cfg, "ms": round(ms, 4)}
         total, before = entry["gate_up"]["ms"] + entry["down"]["ms"], sum(default_ms.values())
-        log.append(f"{name} {bits}-bit T={T}: {total:.4f} ms (dispatch before {before:.4f}) | gate_up "
+        log.append(f"{name} {bits}-bit r{rank} T={T}: {total:.4f} ms (dispatch before {before:.4f}) | gate_up "
                    f"{entry['gate_up']} | down {entry['down']}")
         print(log[-1], flush=True)
         table[str(T)] = {**entry, "dispatch_before_ms": round(before, 4)}
@@ -226,16 +230,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_tuner_args(ap, SHAPES, TOKENS)
     ap.add_argument("--bits", default="4,3", help="comma-separated expert bit widths (default 4,3)")
+    ap.add_argument("--ranks", default="0,32", help="comma-separated compensator ranks: 0 tunes the plain entries, "
+                    "any other rank the `_lr` ones used by every expert with compensators (default 0,32)")
     args = ap.parse_args(argv)
     shapes = tuner_shapes(args, SHAPES, "tune_lowbit_moe")
     try:
         bit_list, tokens = [int(b) for b in args.bits.split(",")], [int(t) for t in args.tokens.split(",")]
+        ranks = [int(r) for r in args.ranks.split(",")]
     except ValueError:
-        sys.exit(f"--bits and --tokens take comma-separated integers, got {args.bits!r} and {args.tokens!r}")
-    if set(bit_list) - set(BITS) or min(tokens) < 1:
-        sys.exit(f"--bits takes some of {BITS}, --tokens positive counts; got {args.bits!r} and {args.tokens!r}")
+        sys.exit(f"--bits, --tokens and --ranks take comma-separated integers, got {args.bits!r}, {args.tokens!r} "
+                 f"and {args.ranks!r}")
+    if set(bit_list) - set(BITS) or min(tokens) < 1 or min(ranks) < 0 or len({r > 0 for r in ranks}) < len(ranks):
+        sys.exit(f"--bits takes some of {BITS}, --tokens positive counts, --ranks 0 and/or one positive rank; got "
+                 f"{args.bits!r}, {args.tokens!r} and {args.ranks!r}")
     start = time.perf_counter()
-    jobs = [(n, b, T, part, cfg) for n in shapes for b in bit_list for T in tokens
+    jobs = [(n, b, r, T, part, cfg) for n in shapes for b in bit_list for r in ranks for T in tokens
             for part, cfg in compile_jobs(T, *SHAPES[n])]
     errors = precompile(jobs, args.workers)
     print(f"compiled {len({compiled_as(j) for j in jobs})} kernels for {len(jobs)} candidates with {args.workers} "
@@ -244,12 +253,13 @@ def main(argv=None) -> int:
     section = {}
     for n in shapes:
         for b in bit_list:
-            section[table_key(n, b)] = tuned = tune(n, b, tokens, log)
-            if not args.no_write:  # after each problem: a run cut short keeps what it finished
-                entries = {T: {part: e[part] for part in ("gate_up", "down")} for T, e in tuned.items()}
-                path = write_sections(torch.cuda.get_device_name(), {"lowbit_moe": {table_key(n, b): entries}})
-                print(f"wrote {path}")
-    record = result_record("tune_lowbit_moe", {"shapes": shapes, "bits": bit_list, "tokens": tokens,
+            for r in ranks:
+                key = table_key(n, b, r)
+                section[key] = tuned = tune(n, b, r, tokens, log)
+                if not args.no_write:  # after each problem: a run cut short keeps what it finished
+                    entries = {T: {part: e[part] for part in ("gate_up", "down")} for T, e in tuned.items()}
+                    print(f"wrote {write_sections(torch.cuda.get_device_name(), {'lowbit_moe': {key: entries}})}")
+    record = result_record("tune_lowbit_moe", {"shapes": shapes, "bits": bit_list, "ranks": ranks, "tokens": tokens,
                                                "routings": ROUTINGS, "timing": "CUDA graph replay, median of 10"},
                            torch.device("cuda"))
     record["lowbit_moe"], record["log"] = section, log

@@ -450,3 +450,26 @@ def test_dependent_launch_stays_off_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv(ENV, "0")
     assert dependent_launch(torch.device("cuda", 0)) == {"PDL": False}
+
+
+def test_lowbit_moe_configs_with_compensators_prefer_their_own_entries(tmp_path, monkeypatch):
+    """Tuned `_lr` entries serve experts with compensators; without one, the plain entry does; a run that tunes one
+    key keeps the others."""
+    from moeserve.kernels.triton import configs
+
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.device_table.cache_clear()
+    plain = {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}, "down": {"BLOCK_N": 32, "BLOCK_K": 512,
+                                                                                  "num_warps": 4, "SPLIT_K": 2}}
+    lowrank = {"gate_up": {**plain["gate_up"], "SUB": 4}, "down": {**plain["down"], "BLOCK_N": 16}}
+    try:
+        configs.write_sections("Test GPU", {"lowbit_moe": {configs.lowbit_moe_key(3, 8, 64, 96): {"1": plain}}})
+        assert configs.lowbit_moe_config("Test GPU", 3, 8, 64, 96, 1, 2, True) == plain  # no _lr entry yet
+        configs.write_sections("Test GPU", {"lowbit_moe": {configs.lowbit_moe_key(3, 8, 64, 96, True): {"1": lowrank}}})
+        assert configs.lowbit_moe_config("Test GPU", 3, 8, 64, 96, 1, 2, True) == lowrank
+        assert configs.lowbit_moe_config("Test GPU", 3, 8, 64, 96, 1, 2, False) == plain
+        assert configs.lowbit_moe_config("Test GPU", 4, 8, 64, 96, 1, 2, True) != lowrank  # other widths: defaults
+    finally:
+        monkeypatch.undo()
+        for cached in (configs.device_table, configs.lowbit_config, configs.lowbit_moe_config):
+            cached.cache_clear()

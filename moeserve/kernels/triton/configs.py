@@ -112,20 +112,24 @@ def lowbit_config(device_name: str, bits: int, rows: int, N: int, K: int) -> dic
     return {**cfg, "SPLIT_K": split_for(-(-N // cfg["BLOCK_N"]), -(-K // cfg["BLOCK_K"]))}
 
 
-def lowbit_moe_key(bits: int, E: int, D: int, F: int) -> str:
-    return f"b{bits}_{shape_key(E, D, F)}"
+def lowbit_moe_key(bits: int, E: int, D: int, F: int, lowrank: bool = False) -> str:
+    """The table key of a low-bit MoE shape; `_lr`: experts with compensators (their kernels hold the low-rank term
+    in registers through the weight stream, which moves the best tile)."""
+    return f"b{bits}_{shape_key(E, D, F)}{'_lr' if lowrank else ''}"
 
 
 @functools.cache
-def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int, top_k: int = 2) -> dict:
+def lowbit_moe_config(device_name: str, bits: int, E: int, D: int, F: int, tokens: int, top_k: int = 2,
+                      lowrank: bool = False) -> dict:
     """{"gate_up": cfg, "down": cfg} for the low-bit fused MoE: tuned (largest tuned token count <= tokens, by
-    bench/tune_lowbit_moe.py; a one-token entry serves one token only), else
-    the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F) for the rows an expert gets
-    on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
-    by_tokens = device_table(device_name).get("lowbit_moe", {}).get(lowbit_moe_key(bits, E, D, F), {})
-    fits = {t: cfg for t, cfg in by_tokens.items() if (t == "1") == (tokens == 1)}  # the GEMV entry: one token only
-    if fits:
-        return _at_most(fits, tokens)
+    bench/tune_lowbit_moe.py; a one-token entry serves one token only; with compensators the `_lr` entry where
+    there is one), else the dense low-bit config of the same matrix shapes (gate_up tiles F x D, down D x F) for the
+    rows an expert gets on average; gate_up is never split (SiLU needs whole sums), down splits K to fill the GPU."""
+    table = device_table(device_name).get("lowbit_moe", {})
+    for key in dict.fromkeys((lowbit_moe_key(bits, E, D, F, lowrank), lowbit_moe_key(bits, E, D, F))):
+        fits = {t: cfg for t, cfg in table.get(key, {}).items() if (t == "1") == (tokens == 1)}  # GEMV: one token only
+        if fits:
+            return _at_most(fits, tokens)
     average = -(-tokens * top_k // E)  # rows an expert gets on average
     if tokens == 1:
         rows = 1  # the GEMV

@@ -131,13 +131,11 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
 
         name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
-        config = lowbit_moe_config(name, gate_up.bits, E, D, F, T, n // T)
+        config = lowbit_moe_config(name, gate_up.bits, E, D, F, T, n // T, gate_up.u is not None or down.u is not None)
     x = x.contiguous()
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
     launch_gate_up(x, gate_up, h, routing, config["gate_up"])
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
-    # a program per slot, except a 3-bit down with compensators: there it ran 2-3x slower than a program per expert
-    # (H100, Triton 3.6, Mixtral one token, BLOCK_N 32: 122-224 vs 58-73 us; cause not found)
     launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config["down"], T, E,
-           lowrank=down.low_rank_inputs(h), routing=routing, by_slot=down.bits != 3 or down.u is None)
+           lowrank=down.low_rank_inputs(h), routing=routing)
     return y

@@ -841,11 +841,11 @@ def routed_tokens(routing) -> int:
     return routing.shape[0] if isinstance(routing, torch.Tensor) else routing.num_tokens
 
 
-def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int, by_slot: bool = True) -> dict:
+def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int) -> dict:
     """The kernels' row arguments (_expert_rows) and grid axis 2 (`programs`: the experts, or the row blocks of a
     dense matmul) for a routing: None (dense, `rows` rows), a RoutingTable (sorted rows: its end offsets and counts) or
-    expert ids [T, k] (slot order: the T*k flat ids; with by_slot, a program per slot where there are no more slots
-    than experts)."""
+    expert ids [T, k] (slot order: the T*k flat ids; a program per slot where there are no more slots than
+    experts)."""
     if routing is None:
         return dict(a=placeholder, b=placeholder, rows=rows, programs=programs, ROUTE=DENSE, NSLOTS=1)
     if isinstance(routing, torch.Tensor):
@@ -853,7 +853,7 @@ def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int, by_
         if not ids.is_contiguous():
             ids = ids.contiguous()
         n = ids.numel()
-        by_slot = by_slot and n <= programs
+        by_slot = n <= programs
         return dict(a=ids, b=ids, rows=n, programs=n if by_slot else programs,
                     ROUTE=SLOT_PROGRAMS if by_slot else SLOTS, NSLOTS=max(16, triton.next_power_of_2(n)))
     return dict(a=routing.offsets, b=routing.counts, rows=rows, programs=programs, ROUTE=SORTED, NSLOTS=1)
@@ -861,11 +861,11 @@ def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int, by_
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None, by_slot: bool = True) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
-    expert ids [T, k] (x and y in slot order, [T*k, ...]; by_slot: see route_args). Without it, grid axis 2 walks
+    expert ids [T, k] (x and y in slot order, [T*k, ...]; see route_args). Without it, grid axis 2 walks
     blocks of rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
@@ -877,7 +877,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
     R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
-    route = route_args(routing, x.shape[0], y, grid_z, by_slot)
+    route = route_args(routing, x.shape[0], y, grid_z)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, route.pop("programs"))
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
