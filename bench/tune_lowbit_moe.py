@@ -5,9 +5,10 @@ moves the best tile: Mixtral 3-bit, one token, H100: 176 us with the plain entry
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
 cp.async stages); 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
-rows an expert gets; 4 tokens and up, tensor-core tiles. down also tries K splits. Each candidate is timed as the
-GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are host
-noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
+rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
+also tries K splits. Each candidate, and the config the dispatch used until now (kept where nothing beats it), is
+timed as the GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are
+host noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
 
     python bench/tune_lowbit_moe.py               # Mixtral and DeepSeek-like, 4 and 3 bits, 1..64 tokens, ranks 0, 32
     python bench/tune_lowbit_moe.py --shapes mixtral --bits 4 --tokens 1,16 --ranks 0 --no-write
@@ -59,8 +60,8 @@ def tiles(T: int, E: int, k: int) -> list[dict]:
     elif T <= CUDA_CORE_MAX_TOKENS:
         out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, SUB=sub, BLOCK_M=m) for bn, bk, w, sub, m in ROWS
                 if m <= max(2, 2 * average)]
-    if T >= DOT_MIN_TOKENS:
-        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in DOT]
+    if T >= DOT_MIN_TOKENS:  # the dot on 16-bit codes, scale/zero per group after it (HALF), or on dequantized tiles
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **half) for bn, bk, w in DOT for half in ({}, {"HALF": 0})]
     return [{**t, "num_stages": 3} for t in out]
 
 
@@ -215,9 +216,9 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
         default_ms = {part: graph_ms(lambda item: problem.run(part, default[part], item), items)
                       for part in ("gate_up", "down")}
         entry = {}
-        for part in ("gate_up", "down"):
-            ms, cfg = min(timed[part], key=lambda p: p[0])
-            entry[part] = {**cfg, "ms": round(ms, 4)}
+        for part in ("gate_up", "down"):  # the dispatch's own config stays where no candidate beat it
+            ms, cfg = min(timed[part] + [(default_ms[part], default[part])], key=lambda p: p[0])
+            entry[part] = {**{k: v for k, v in cfg.items() if k != "ms"}, "ms": round(ms, 4)}
         total, before = entry["gate_up"]["ms"] + entry["down"]["ms"], sum(default_ms.values())
         log.append(f"{name} {bits}-bit r{rank} T={T}: {total:.4f} ms (dispatch before {before:.4f}) | gate_up "
                    f"{entry['gate_up']} | down {entry['down']}")
