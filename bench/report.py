@@ -26,6 +26,8 @@ def newest_runs(results_dir: Path) -> list[dict]:
         # does not hide a full one, nor a 3-bit run a 4-bit one
         if rec["name"] == "kernels":  # runs may time a subset of the rows (--rows): the newest of each row counts
             rec = _with_newest_rows(runs.get(key), rec)
+        if rec["name"] == "lowbit_decode":  # runs may skip the transformers baseline (--hf-layers 0)
+            rec = _with_baseline(runs.get(key), rec)
         if key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
@@ -43,6 +45,19 @@ def _with_newest_rows(old: dict | None, new: dict) -> dict:
     have = {(r["N"], r["K"], r["bits"], r["rows"]) for r in newer["rows"]}
     rows = newer["rows"] + [r for r in older["rows"] if (r["N"], r["K"], r["bits"], r["rows"]) not in have]
     return {**newer, "rows": sorted(rows, key=lambda r: (-r["N"], r["K"], -r["bits"], r["rows"]))}
+
+
+def _with_baseline(old: dict | None, new: dict, name: str = "hf_accelerate_bf16") -> dict:
+    """The newer of two decode runs, with the other's baseline result `name` where it has none (marked with the
+    commit and date it was measured at)."""
+    if old is None:
+        return new
+    newer, older = (new, old) if new["date"] > old["date"] else (old, new)
+    if name in newer["results"] or name not in older["results"]:
+        return newer
+    carried = older["results"][name]
+    when = carried.get("measured", f"{older['date'][:10]}, commit {older['git']['commit'][:8]}")
+    return {**newer, "results": {**newer["results"], name: {**carried, "measured": when}}}
 
 
 def _source(rec: dict) -> str:
@@ -231,7 +246,9 @@ def lowbit_decode_table(rec: dict) -> list[str]:
              "| run | tokens/s | share of floor |", "|---|---:|---:|"]
     for name, r in rec["results"].items():
         if "tokens_per_s" in r:
-            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['tokens_per_s'] / rec['floor_tokens_per_s']:.0%} |")
+            when = f" (measured {r['measured']})" if "measured" in r else ""
+            share = r["tokens_per_s"] / rec["floor_tokens_per_s"]
+            lines.append(f"| {name}{when} | {r['tokens_per_s']:.2f} | {share:.0%} |")
     return lines + [""]
 
 
