@@ -483,7 +483,7 @@ def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, s
     """Rows x_rows [BLOCK_M] of x (r_mask: the real ones) times steps [step0, step1): [BLOCK_N, BLOCK_M] fp32
     (weight as the A operand), one dot per step over the whole dequantized [BLOCK_N, C * VPC] tile, x gathered in the
     tile's value order. The next step's words and scale/zero are loaded before this step's dot.
-    HALF (2/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
+    HALF (2/3/4 bits, 8 with fp16 x; a step is one group): the dot runs on the exact 16-bit codes 2^BITS + q, and
     s * (that - (z + 2^BITS) * sum x) scales it per group after: a shift + LOP3 per two weights instead of a decode,
     an FMA and a convert per weight, which bound this loop (0.8 TB/s at 16 rows of a 4-bit 14336x4096 on an H100)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
