@@ -27,7 +27,8 @@ from moeserve.quant.ranks import TensorInfo, assign_ranks, expert_frequency, par
 from moeserve.spec import ModelSpec
 
 MANIFEST = "moeserve_quant.json"
-FORMAT = "moeserve-quant-2"  # 2: pack.py's 3-bit layout pairs values 16 bits apart (1 packed them in order)
+FORMAT = "moeserve-quant-2"  # 2: pack.py's 3-bit layout pairs values 16 bits apart
+FIRST_FORMAT = "moeserve-quant-1"  # the same but for 3-bit codes, packed in order
 METHODS = ("rtn", "hqq", "milo")
 KINDS = ("attention", "shared_expert", "dense_ffn", "expert")
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -272,11 +273,11 @@ def read_manifest(path: Path) -> dict | None:
         return None
     manifest = json.loads(f.read_text())
     found = manifest.get("format")
-    if found == "moeserve-quant-1" and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
-        raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of moeserve-quant-1, which this moeserve "
+    if found == FIRST_FORMAT and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
+        raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of {FIRST_FORMAT}, which this moeserve "
                             f"no longer reads ({FORMAT} pairs the values for the GPU kernels); quantize the source "
                             f"checkpoint again with `moeserve quantize`")
-    if found not in ("moeserve-quant-1", FORMAT):  # 1 differs from 2 in the 3-bit layout only
+    if found not in (FIRST_FORMAT, FORMAT):
         raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r}")
     return manifest
 

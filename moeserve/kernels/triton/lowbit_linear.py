@@ -277,17 +277,15 @@ def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.conste
 
 
 @triton.jit
-def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+def _step_sums(acc, units, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
                SUB: tl.constexpr, M: tl.constexpr):
-    """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column.
+    """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column,
+    units[j] the decode words (_column_words) of sub-tile j.
     Each code is decoded once for all M rows of x, each x load serves all SUB sub-tiles: x of slot i of column c is
     x_steps[m][i * CPS + c] of this step's prepared x, a constant offset from one address."""
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
-    units = ()
-    for j in tl.static_range(SUB):
-        units = units + (_column_words(words[j], BITS),)
     for i in tl.static_range(VPC):
         codes = ()
         for j in tl.static_range(SUB):
@@ -308,7 +306,7 @@ def _step_sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
 
 
 @triton.jit
-def _half_step_sums(acc, words, scales, x_steps, col, exp2, BITS: tl.constexpr, VPC: tl.constexpr,
+def _half_step_sums(acc, units, scales, x_steps, col, exp2, BITS: tl.constexpr, VPC: tl.constexpr,
                     CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, INTERPRET: tl.constexpr):
     """_step_sums on fp16 pairs: per column, sum (2^BITS + q) x over its VPC / 2 value pairs with one HFMA2 per
     pair into an fp16 pair (the prepared x is scaled per step so that it cannot overflow), then in fp32
@@ -318,9 +316,6 @@ def _half_step_sums(acc, words, scales, x_steps, col, exp2, BITS: tl.constexpr, 
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.int32),)  # fp16 pair (0, 0)
-    units = ()
-    for j in tl.static_range(SUB):
-        units = units + (_column_words(words[j], BITS),)
     for p in tl.static_range(PAIRS):
         codes = ()
         for j in tl.static_range(SUB):
@@ -353,11 +348,14 @@ def _x_steps(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.conste
 @triton.jit
 def _sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
           SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    """One step of the GEMV: on fp16 pairs (HALF) or in fp32."""
+    """One step of the GEMV (words: each sub-tile's stored words): on fp16 pairs (HALF) or in fp32."""
+    units = ()
+    for j in tl.static_range(SUB):
+        units = units + (_column_words(words[j], BITS),)
     if HALF:
-        acc = _half_step_sums(acc, words, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, INTERPRET)
+        acc = _half_step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, INTERPRET)
     else:
-        acc = _step_sums(acc, words, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
+        acc = _step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
     return acc
 
 
