@@ -604,14 +604,34 @@ def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b,
-                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
+def _combine_rows(acc, rows, r_mask, offs_n, n_mask, sum_ptr, count_ptr, gate_ptr, out_ptr, N, top_k, arrivals):
+    """Slot-order rows' results acc [BLOCK_N, BLOCK_M] times their gate weights, added into their tokens' fp32 sums
+    (token = slot // top_k; a weight-0 slot adds nothing, whatever its rows hold); the program that brings a token's count for this output block to `arrivals` (its slots
+    times the K slices) writes that block of the sums to out in out's dtype. The adds are acq_rel atomics, so each is
+    done before its thread reaches the barrier and the program counts itself; the writer reads the sums from L2."""
+    tok = (rows // top_k).to(tl.int64)  # [BLOCK_M]
+    gate = tl.load(gate_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
+    sums = sum_ptr + tok[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+    tl.atomic_add(sums, tl.where(gate[None, :] != 0, acc * gate[None, :], 0.0), mask=n_mask[:, None] & r_mask[None, :])
+    tl.debug_barrier()
+    seen = tl.atomic_add(count_ptr + tok * tl.num_programs(0) + tl.program_id(0), 1, mask=r_mask)  # [BLOCK_M]
+    tl.debug_barrier()
+    last = r_mask & (seen == arrivals - 1)
+    total = tl.load(sums, mask=n_mask[:, None] & last[None, :], cache_modifier=".cg")
+    tl.store(out_ptr + tok[None, :] * N + offs_n[:, None], total.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & last[None, :])
+
+
+@triton.jit
+def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b, sum_ptr, count_ptr, gate_ptr,
+                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits, top_k, arrivals,
                    BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
-                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
+                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, COMBINE: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr, AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr,
+                   HALF: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert); COMBINE
+    (slot order): y[token, N] = the sum over the token's slots of gate weight * that, in place of per-slot rows."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -631,12 +651,15 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
                     z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
                     groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
                     PIPE, HALF, INTERPRET) + lr
-        y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
-        mask = n_mask[:, None] & r_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(y, acc, mask=mask, sem="relaxed")
+        if COMBINE:
+            _combine_rows(acc, rows, r_mask, offs_n, n_mask, sum_ptr, count_ptr, gate_ptr, y_ptr, N, top_k, arrivals)
         else:
-            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+            mask = n_mask[:, None] & r_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(y, acc, mask=mask, sem="relaxed")
+            else:
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
@@ -742,30 +765,17 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
-                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
-    column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
-    r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
-    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
-    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
-    saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
-    after_previous(PDL)
-    if FILL:
-        FILL_BLOCK: tl.constexpr = 256
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
-        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
-        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
-            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
-            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
-    c = tl.program_id(0) * CPS + tl.arange(0, CPS)
+def prepare_step(x_row, xw_ptr, row, step, steps, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+                 HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
+    """Step `step` of row `row` of the prepared x (x_row: the row's K inputs; zero past the last column), fp32:
+    xw[row, step, j, c] = x[input index of value slot j of column step * CPS + c] and xw[row, step, VPC, c] = that
+    column's sum of x. HALF: the step's x is scaled by a power of two r (max |x r| < 2^LOG2_LIMIT),
+    xw[.., p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[.., VPC / 2, c] = the column's sum of those fp16
+    values (fp32 bits), xw[.., VPC / 2 + 1, :] = 1 / r (fp32 bits)."""
+    c = step * CPS + tl.arange(0, CPS)
     c_ok = c < cols
-    x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
-    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * XSLOTS * CPS
-    out = xw_step + tl.arange(0, CPS)
+    out = xw_ptr + (row.to(tl.int64) * steps + step) * XSLOTS * CPS + tl.arange(0, CPS)
     vals = ()
     for j in tl.static_range(VPC):
         off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
@@ -789,6 +799,27 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constex
         tl.store(out + VPC * CPS, total)
 
 
+@triton.jit
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
+                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program (step, row): prepare_step. FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values
+    (the GEMV's split-K target), which saves the separate fill launch: at one row that launch costs as much as a tenth
+    of the GEMV."""
+    after_previous(PDL)
+    if FILL:
+        FILL_BLOCK: tl.constexpr = 256
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
+        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
+        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
+            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
+            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
+    row = tl.program_id(1)
+    prepare_step(x_ptr + row.to(tl.int64) * K, xw_ptr, row, tl.program_id(0), tl.num_programs(0), K, cols, BITS, VPC,
+                 CPS, HALF, LOG2_LIMIT)
+
+
 def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(what the kernels read as x, the exponent bits their decode ORs in) for tile_constexprs `tile`: x itself for
     tensor-core tiles, prepare_x(x) for the CUDA-core path. fill (fp32): zeroed on the way (by prepare_x)."""
@@ -800,22 +831,30 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None)
     return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
 
 
-def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
-              fill: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, steps, x_slots, CPS] for the CUDA-core kernel, a step = block_k inputs = CPS columns: per step,
-    the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
-    j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
-    half, the step's 1 / scale). The kernel finds each slot at a constant offset from the step."""
+def prepared_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False) -> tuple[torch.Tensor, dict]:
+    """The empty prepared-x buffer for x [M, K] (prepare_x) and prepare_step's arguments beyond x and the buffer:
+    K, cols, steps (grid axis 0) and its constexprs."""
     per_column = values_per_column(bits)
     M, K = x.shape
     cols, cps = K // per_column, block_k // per_column
     steps = triton.cdiv(cols, cps)
     xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
                      device=x.device)
-    _prepare_x_kernel[(steps, M)](x, xw, K, cols, xw if fill is None else fill, 0 if fill is None else fill.numel(),
-                                  BITS=bits, VPC=per_column, CPS=cps, HALF=half,
-                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None,
-                                  **dependent_launch(x.device))
+    return xw, dict(K=K, cols=cols, steps=steps, BITS=bits, VPC=per_column, CPS=cps, HALF=half,
+                    LOG2_LIMIT=half_x_limit(bits) if half else 0)
+
+
+def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
+              fill: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, steps, x_slots, CPS] for the CUDA-core kernel, a step = block_k inputs = CPS columns: per step,
+    the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
+    j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
+    half, the step's 1 / scale). The kernel finds each slot at a constant offset from the step."""
+    xw, args = prepared_x(x, bits, block_k, half)
+    steps = args.pop("steps")
+    _prepare_x_kernel[(steps, x.shape[0])](x, xw, args.pop("K"), args.pop("cols"), xw if fill is None else fill,
+                                           0 if fill is None else fill.numel(), FILL=fill is not None, **args,
+                                           **dependent_launch(x.device))
     return xw
 
 
@@ -859,29 +898,39 @@ def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int) -> 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None,
+           gate_weights: torch.Tensor | None = None) -> None:
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
     expert ids [T, k] (x and y in slot order, [T*k, ...]; see route_args). Without it, grid axis 2 walks
-    blocks of rows_per_block rows of a dense matmul."""
+    blocks of rows_per_block rows of a dense matmul. gate_weights [T, k] (slot order): y is [T, N], each token's
+    rows times their weights, summed (the combine in this launch; y in any float dtype)."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
     steps = triton.cdiv(K, tile["BLOCK_K"])
     split = min(cfg["SPLIT_K"], steps)
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
-    if split > 1 and y.dtype != torch.float32:
+    if split > 1 and y.dtype != torch.float32 and gate_weights is None:
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
     R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
     route = route_args(routing, x.shape[0], y, grid_z)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, route.pop("programs"))
-    xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
+    if gate_weights is not None:
+        if route["ROUTE"] < SLOTS:
+            raise ValueError("the combine in the matmul launch takes rows in slot order (expert ids)")
+        top_k = gate_weights.shape[-1]
+        sums = torch.empty(y.numel() + y.shape[0] * grid[0], dtype=torch.float32, device=y.device)  # prepare_x zeroes
+        fill, combine = sums, (sums, sums[y.numel():].view(torch.int32), gate_weights.contiguous(), top_k, top_k * split)
+    else:
+        fill, combine = (y if split > 1 else None), (y, y, y, 1, 1)
+    xk, exp = kernel_inputs(x, tile, fill)
     _lowbit_kernel[grid](
-        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
-        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile,
-        **dependent_launch(x.device))
+        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), *combine[:3], route.pop("rows"), N, K, R,
+        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, *combine[3:], ATOMIC=split > 1,
+        COMBINE=gate_weights is not None, **route, **tile, **dependent_launch(x.device))
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
