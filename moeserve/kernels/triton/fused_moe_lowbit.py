@@ -64,7 +64,8 @@ def _routed_slot(part_ptr, ids_ptr, gates_ptr, chunks, E, LOGITS: tl.constexpr, 
     if (tl.program_id(0) == 0) & (slot == 0):
         tl.store(ids_ptr + s, ids, mask=s < TOP_K)
         tl.store(gates_ptr + s, gates.to(gates_ptr.dtype.element_ty), mask=s < TOP_K)
-    return 0, 1, tl.sum(tl.where(s == slot, ids, 0), axis=0), s == slot, s * 0
+    mine = s == slot
+    return 0, tl.sum(mine.to(tl.int32), axis=0), tl.sum(tl.where(mine, ids, 0), axis=0), mine, s * 0
 
 
 @triton.jit
