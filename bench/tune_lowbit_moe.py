@@ -85,10 +85,9 @@ class Problem:
         self._routed: dict[int, list[tuple]] = {}
 
     def routed(self, T: int) -> list[tuple]:
-        """ROUTINGS x (routing, x, h [T*k, F], y, gate weights), made once per T, in the row order and output
-        QuantizedExperts.forward runs the kernels in: slot order (expert ids [T, k], x [T, D], the down launch
-        combining into y [T, D] bf16 with the gate weights [T, k]) where slot_order_pays, else expert-sorted (a routing
-        table, x [T*k, D], y [T*k, D] fp32, no gate weights)."""
+        """ROUTINGS x (routing, x, h [T*k, F], y [T*k, D] fp32), made once per T, in the row order
+        QuantizedExperts.forward runs the kernels in: slot order (expert ids [T, k], x [T, D]) where slot_order_pays,
+        else expert-sorted (a routing table, x [T*k, D])."""
         if T in self._routed:
             return self._routed[T]
         dev = torch.device("cuda")
@@ -99,19 +98,17 @@ class Problem:
             routing = ids if slots else build_routing_table(ids, torch.rand(T, self.k, device=dev), self.E)
             out.append((routing, torch.randn(T if slots else T * self.k, self.D, device=dev, dtype=torch.bfloat16),
                         torch.randn(T * self.k, self.F, device=dev, dtype=torch.bfloat16),
-                        torch.zeros(T, self.D, device=dev, dtype=torch.bfloat16) if slots else
-                        torch.zeros(T * self.k, self.D, device=dev, dtype=torch.float32),
-                        torch.rand(T, self.k, device=dev) if slots else None))
+                        torch.zeros(T * self.k, self.D, device=dev, dtype=torch.float32)))
         return out
 
     def run(self, part: str, cfg: dict, item: tuple) -> None:
-        routing, x, h, y, gate_weights = item
+        routing, x, h, y = item
         if part == "gate_up":
             launch_gate_up(x, self.gate_up, h, routing, {**cfg, "SPLIT_K": 1})
         else:
             p = self.down
             launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, h.shape[0] // self.k,
-                   self.E, lowrank=p.low_rank_inputs(h), routing=routing, gate_weights=gate_weights)
+                   self.E, lowrank=p.low_rank_inputs(h), routing=routing)
 
 
 def graph_ms(fn, items, replays: int = 10) -> float:

@@ -347,7 +347,7 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
 @pytest.mark.parametrize("bits,E,k,D,F", [(3, 8, 2, 1024, 1536), (4, 64, 6, 2048, 256)])
 def test_routed_block_matches_router_then_experts(bits, E, k, D, F):
     """One token through a quantized MoE block takes the routed path (router GEMV in chunks, top k in the gate/up
-    kernel, combine in the down kernel) and equals the torch router, then the dequantized per-expert loop."""
+    kernel) and equals the torch router, then the dequantized per-expert loop."""
     from moeserve.model.experts import LoopedExperts, swiglu
     from moeserve.model.router import softmax_topk
     from moeserve.quant.qlinear import QuantizedExperts

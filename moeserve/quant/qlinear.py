@@ -157,18 +157,19 @@ class QuantizedExperts(LoopedExperts):
         return self._stacked[1]
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        """One token takes the fused path in slot order (the kernels find each routed expert's slots among the ids,
-        the down launch combines): no routing table, gather or combine, three launches fewer per layer than the
-        sorted path (slot_order_pays)."""
+        """One token takes the fused path in slot order (the kernels find each routed expert's slots among the ids):
+        no routing table and no gather, two launches fewer per layer than the sorted path (slot_order_pays)."""
         if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)) or needs_grad(expert_weights):
             return super().forward(x, expert_ids, expert_weights)
         from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+        from moeserve.kernels.triton.routing import gather_combine
 
-        return lowbit_experts(x, *self.stacked(x.dtype), expert_ids, gate_weights=expert_weights)  # [T, D]
+        y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids)  # [k, D] fp32, slot order
+        return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
 
     def forward_routed(self, x: torch.Tensor, gate: TopKRouter) -> torch.Tensor | None:
-        """Router and experts for one token in three launches (fused_moe_lowbit.routed_lowbit_moe: no router launch,
-        no combine launch), or None where that path does not apply: more tokens, autograd, or a router that is
+        """Router and experts for one token with no router launch (fused_moe_lowbit.routed_lowbit_moe), or None where
+        that path does not apply: more tokens, autograd, or a router that is
         observed (hooks) or not the plain softmax top-k."""
         plain = type(gate) is TopKRouter and not (gate._forward_hooks or gate._forward_pre_hooks)
         if not (plain and x.shape[0] == 1 and gate.weight.shape[0] == self.num_experts and gate.fused_applies(x)

@@ -604,37 +604,14 @@ def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _combine_rows(acc, rows, r_mask, offs_n, n_mask, sum_ptr, count_ptr, gate_ptr, out_ptr, N, top_k, arrivals):
-    """Slot-order rows' results acc [BLOCK_N, BLOCK_M] times their gate weights, added into their tokens' fp32 sums
-    (token = slot // top_k; a weight-0 slot adds nothing, whatever its rows hold); the program that brings a token's count for this output block to `arrivals` (its slots
-    times the K slices) writes that block of the sums to out in out's dtype. The count is a release: after the
-    barrier it publishes the whole program's adds (as a CUTLASS semaphore does); the writer's reads depend on the
-    count it got and go to L2 (.cg), where the adds are. Acquire semantics would invalidate the SM's L1 under the
-    programs still streaming there (H100: the 3-bit Mixtral down launch took 65 us instead of 48)."""
-    tok = (rows // top_k).to(tl.int64)  # [BLOCK_M]
-    gate = tl.load(gate_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
-    sums = sum_ptr + tok[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
-    tl.atomic_add(sums, tl.where(gate[None, :] != 0, acc * gate[None, :], 0.0), mask=n_mask[:, None] & r_mask[None, :],
-                  sem="relaxed")
-    tl.debug_barrier()
-    seen = tl.atomic_add(count_ptr + tok * tl.num_programs(0) + tl.program_id(0), 1, mask=r_mask,
-                         sem="release")  # [BLOCK_M]
-    last = r_mask & (seen == arrivals - 1)
-    total = tl.load(sums, mask=n_mask[:, None] & last[None, :], cache_modifier=".cg")
-    tl.store(out_ptr + tok[None, :] * N + offs_n[:, None], total.to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & last[None, :])
-
-
-@triton.jit
-def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b, sum_ptr, count_ptr, gate_ptr,
-                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits, top_k, arrivals,
+def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b,
+                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
                    BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
-                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, COMBINE: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_R: tl.constexpr, AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr,
-                   HALF: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert); COMBINE
-    (slot order): y[token, N] = the sum over the token's slots of gate weight * that, in place of per-slot rows."""
+                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
+                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -654,15 +631,12 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
                     z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
                     groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
                     PIPE, HALF, INTERPRET) + lr
-        if COMBINE:
-            _combine_rows(acc, rows, r_mask, offs_n, n_mask, sum_ptr, count_ptr, gate_ptr, y_ptr, N, top_k, arrivals)
+        y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+        mask = n_mask[:, None] & r_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(y, acc, mask=mask, sem="relaxed")
         else:
-            y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
-            mask = n_mask[:, None] & r_mask[None, :]
-            if ATOMIC:
-                tl.atomic_add(y, acc, mask=mask, sem="relaxed")
-            else:
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
@@ -901,39 +875,29 @@ def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int) -> 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None,
-           gate_weights: torch.Tensor | None = None) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
     """Run the kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
     expert ids [T, k] (x and y in slot order, [T*k, ...]; see route_args). Without it, grid axis 2 walks
-    blocks of rows_per_block rows of a dense matmul. gate_weights [T, k] (slot order): y is [T, N], each token's
-    rows times their weights, summed (the combine in this launch; y in any float dtype)."""
+    blocks of rows_per_block rows of a dense matmul."""
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
     steps = triton.cdiv(K, tile["BLOCK_K"])
     split = min(cfg["SPLIT_K"], steps)
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
-    if split > 1 and y.dtype != torch.float32 and gate_weights is None:
+    if split > 1 and y.dtype != torch.float32:
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
     u, xv = lowrank if lowrank is not None else (y, y)
     R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
     route = route_args(routing, x.shape[0], y, grid_z)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, route.pop("programs"))
-    if gate_weights is not None:
-        if route["ROUTE"] < SLOTS:
-            raise ValueError("the combine in the matmul launch takes rows in slot order (expert ids)")
-        top_k = gate_weights.shape[-1]
-        sums = torch.empty(y.numel() + y.shape[0] * grid[0], dtype=torch.float32, device=y.device)  # prepare_x zeroes
-        fill, combine = sums, (sums, sums[y.numel():].view(torch.int32), gate_weights.contiguous(), top_k, top_k * split)
-    else:
-        fill, combine = (y if split > 1 else None), (y, y, y, 1, 1)
-    xk, exp = kernel_inputs(x, tile, fill)
+    xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     _lowbit_kernel[grid](
-        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), *combine[:3], route.pop("rows"), N, K, R,
-        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, *combine[3:], ATOMIC=split > 1,
-        COMBINE=gate_weights is not None, **route, **tile, **dependent_launch(x.device))
+        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
+        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile,
+        **dependent_launch(x.device))
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

@@ -64,18 +64,20 @@ def _table_kernel(ids_ptr, w_ptr, token_ptr, w_sorted_ptr, slot_of_ptr, counts_p
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr):
+def _combine_kernel(y_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, SORTED: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t, d] = sum over token t's K slots of w * y[row, d]: the rows are gathered, summed in fp32, written once.
-    y and w in expert-sorted order, slot (t, j) at row slot_of[t * K + j]. A slot with weight 0 (a masked-out expert)
-    adds nothing, whatever its row holds."""
+    SORTED: y and w in expert-sorted order, slot (t, j) at row slot_of[t * K + j]; else in slot order (row t * K + j).
+    A slot with weight 0 (a masked-out expert) adds nothing, whatever its row holds."""
     after_previous(PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_ok = d < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(K):
-        slot = tl.load(slot_of_ptr + t.to(tl.int64) * K + j).to(tl.int64)
+        slot = t.to(tl.int64) * K + j
+        if SORTED:
+            slot = tl.load(slot_of_ptr + slot).to(tl.int64)
         w = tl.load(w_ptr + slot).to(tl.float32)
         if w != 0:
             acc += w * tl.load(y_ptr + slot * D + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -138,14 +140,14 @@ def table_tensors(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_ex
     return out
 
 
-def gather_combine(expert_out: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor, k: int,
+def gather_combine(expert_out: torch.Tensor, slot_of: torch.Tensor | None, weights: torch.Tensor, k: int,
                    out_dtype: torch.dtype, block_d: int = 1024) -> torch.Tensor:
     """expert_out [T*k, D] -> [T, D]: each token's k rows times their gate weights, summed. Rows and weights
-    expert-sorted, slot_of: each slot's sorted place. (In slot order the low-bit down launch combines itself.)"""
+    expert-sorted (slot_of: each slot's sorted place), or with slot_of None in slot order (weights [T, k])."""
     n, D = expert_out.shape
     out = torch.empty(n // k, D, dtype=out_dtype, device=expert_out.device)
     block_d = min(block_d, triton.next_power_of_2(D))
     _combine_kernel[(n // k, triton.cdiv(D, block_d))](
-        expert_out.contiguous(), slot_of, weights.contiguous(), out, D, K=k, BLOCK_D=block_d, num_warps=4,
-        **dependent_launch(out.device))
+        expert_out.contiguous(), weights if slot_of is None else slot_of, weights.contiguous(), out, D, K=k,
+        SORTED=slot_of is not None, BLOCK_D=block_d, num_warps=4, **dependent_launch(out.device))
     return out
