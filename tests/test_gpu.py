@@ -344,34 +344,6 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
         assert ((out - ref).norm() / ref.norm()) < 2e-2
 
 
-@pytest.mark.parametrize("bits,E,k,D,F", [(3, 8, 2, 1024, 1536), (4, 64, 6, 2048, 256)])
-def test_routed_block_matches_router_then_experts(bits, E, k, D, F):
-    """One token through a quantized MoE block takes the routed path (router GEMV in chunks, top k in the gate/up
-    kernel) and equals the torch router, then the dequantized per-expert loop."""
-    from moeserve.model.experts import LoopedExperts, swiglu
-    from moeserve.model.router import softmax_topk
-    from moeserve.quant.qlinear import QuantizedExperts
-
-    ranks = [(0, 8, 16)[e % 3] for e in range(E)]
-    block = random_block(E, k, D, F)
-    block.experts = QuantizedExperts([_random_quantized(2 * F, D, bits, r) for r in ranks],
-                                     [_random_quantized(D, F, bits, r) for r in ranks])
-    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        assert block.experts.forward_routed(x, block.gate) is not None
-        got = block(x).float()
-        ids, w = softmax_topk(torch.nn.functional.linear(x, block.gate.weight), k, block.gate.normalize)
-
-    def dense(m, rows):  # dequantized weight + compensator in float32
-        uv = m.compensator(torch.float32)
-        return rows @ m.weight(torch.float32).T + (rows @ uv[1].T) @ uv[0].T if uv else rows @ m.weight().T
-
-    ref = sum(w[0, j] * dense(block.experts.down[e], swiglu(dense(block.experts.gate_up[e], x.float())))
-              for j, e in enumerate(ids[0].tolist()))
-    assert not got.isnan().any()
-    assert ((got - ref).norm() / ref.norm()) < 2e-2
-
-
 @pytest.mark.parametrize("bits", [3, 4])
 def test_dependent_launches_in_a_cuda_graph_match_plain_launches(bits, monkeypatch):
     """A one-token quantized MoE block (its Triton kernels launched dependent on Hopper: each may start before the

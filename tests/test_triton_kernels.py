@@ -280,31 +280,6 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
     assert float((got.double() - ref.detach()).norm() / ref.detach().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("E,k,D,F,bits,normalize,dtype", [(6, 2, 64, 96, 4, True, torch.float32),
-                                                          (64, 6, 256, 64, 3, False, torch.bfloat16)])
-def test_routed_lowbit_moe_matches_the_router_and_the_loop(poisoned_outputs, E, k, D, F, bits, normalize, dtype):
-    """One token through the router's GEMV in chunks (1, and 4 of 64 experts) and the top k picked in the gate/up
-    kernel equals softmax top-k then the float64 experts, weighted and summed."""
-    from moeserve.kernels.triton.fused_moe_lowbit import routed_lowbit_moe
-    from moeserve.model.router import softmax_topk
-
-    ex = quantized_experts(E, D, F, bits, ranks=[8 * (e % 3 == 1) for e in range(E)])
-    x = torch.randn(1, D, device=DEVICE, dtype=dtype)
-    router = torch.randn(E, D, device=DEVICE, dtype=dtype) * D ** -0.5
-    got = routed_lowbit_moe(x, router, k, normalize, torch.float32, *ex.stacked(dtype))
-    ids, weights = softmax_topk((x.double() @ router.double().T).to(dtype), k, normalize)  # [1, k]
-    dense = quantized_experts_as_float64(ex)
-    with torch.no_grad():
-        ref = sum(weights[0, j].double() * dense.expert_ffn(int(ids[0, j]), x.double()) for j in range(k))  # [1, D]
-    assert got.dtype == dtype and got.shape == (1, D)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert float((got.double() - ref).norm() / ref.norm()) < tol
-    with pytest.raises(ValueError, match="one token"):
-        routed_lowbit_moe(x.repeat(2, 1), router, k, normalize, torch.float32, *ex.stacked(dtype))
-    with pytest.raises(ValueError, match="experts"):
-        routed_lowbit_moe(x, router[:-1], k, normalize, torch.float32, *ex.stacked(dtype))
-
-
 def quantized_experts_as_float64(ex):
     """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
     dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)

@@ -26,14 +26,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
-        routed = getattr(self.experts, "forward_routed", None)  # a backend that runs the router in its own launches
-        out = routed(x, self.gate) if routed is not None else None  # [T, D] or None
-        if out is None:
-            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
-            if self.shared_expert is not None and getattr(self.experts, "overlaps_dense", False):
-                # an expert-parallel backend computes the shared expert while its tokens are in flight
-                return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
-            out = self.experts(x, expert_ids, expert_weights)  # [T, D]
+        expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
+        if self.shared_expert is not None and getattr(self.experts, "overlaps_dense", False):
+            # an expert-parallel backend computes the shared expert while its tokens are in flight
+            return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
+        out = self.experts(x, expert_ids, expert_weights)  # [T, D]
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return out.reshape(shape)

@@ -19,7 +19,6 @@ from moeserve.kernels import needs_grad, triton_serves
 from moeserve.kernels.cpu import gemv as cpu_gemv
 from moeserve.kernels.routing import slot_order_pays
 from moeserve.model.experts import LoopedExperts, swiglu
-from moeserve.model.router import TopKRouter
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, padded_length, unpack
@@ -166,19 +165,6 @@ class QuantizedExperts(LoopedExperts):
 
         y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids)  # [k, D] fp32, slot order
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
-
-    def forward_routed(self, x: torch.Tensor, gate: TopKRouter) -> torch.Tensor | None:
-        """Router and experts for one token with no router launch (fused_moe_lowbit.routed_lowbit_moe), or None where
-        that path does not apply: more tokens, autograd, or a router that is
-        observed (hooks) or not the plain softmax top-k."""
-        plain = type(gate) is TopKRouter and not (gate._forward_hooks or gate._forward_pre_hooks)
-        if not (plain and x.shape[0] == 1 and gate.weight.shape[0] == self.num_experts and gate.fused_applies(x)
-                and self.fused_applies(x, 1)):
-            return None
-        from moeserve.kernels.triton.fused_moe_lowbit import routed_lowbit_moe
-
-        return routed_lowbit_moe(x, gate.weight, gate.top_k, gate.normalize,
-                                 torch.float32 if gate.weights_fp32 else x.dtype, *self.stacked(x.dtype))
 
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
         if not self.fused_applies(x_sorted, table.num_tokens):

@@ -742,17 +742,30 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def prepare_step(x_row, xw_ptr, row, step, steps, K, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
-                 HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
-    """Step `step` of row `row` of the prepared x (x_row: the row's K inputs; zero past the last column), fp32:
-    xw[row, step, j, c] = x[input index of value slot j of column step * CPS + c] and xw[row, step, VPC, c] = that
-    column's sum of x. HALF: the step's x is scaled by a power of two r (max |x r| < 2^LOG2_LIMIT),
-    xw[.., p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[.., VPC / 2, c] = the column's sum of those fp16
-    values (fp32 bits), xw[.., VPC / 2 + 1, :] = 1 / r (fp32 bits)."""
-    c = step * CPS + tl.arange(0, CPS)
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
+                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
+    column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
+    r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
+    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
+    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
+    saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
+    after_previous(PDL)
+    if FILL:
+        FILL_BLOCK: tl.constexpr = 256
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
+        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
+        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
+            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
+            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
+    c = tl.program_id(0) * CPS + tl.arange(0, CPS)
     c_ok = c < cols
+    x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
-    out = xw_ptr + (row.to(tl.int64) * steps + step) * XSLOTS * CPS + tl.arange(0, CPS)
+    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * XSLOTS * CPS
+    out = xw_step + tl.arange(0, CPS)
     vals = ()
     for j in tl.static_range(VPC):
         off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
@@ -776,27 +789,6 @@ def prepare_step(x_row, xw_ptr, row, step, steps, K, cols, BITS: tl.constexpr, V
         tl.store(out + VPC * CPS, total)
 
 
-@triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
-                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Program (step, row): prepare_step. FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values
-    (the GEMV's split-K target), which saves the separate fill launch: at one row that launch costs as much as a tenth
-    of the GEMV."""
-    after_previous(PDL)
-    if FILL:
-        FILL_BLOCK: tl.constexpr = 256
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
-        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
-        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
-            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
-            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
-    row = tl.program_id(1)
-    prepare_step(x_ptr + row.to(tl.int64) * K, xw_ptr, row, tl.program_id(0), tl.num_programs(0), K, cols, BITS, VPC,
-                 CPS, HALF, LOG2_LIMIT)
-
-
 def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(what the kernels read as x, the exponent bits their decode ORs in) for tile_constexprs `tile`: x itself for
     tensor-core tiles, prepare_x(x) for the CUDA-core path. fill (fp32): zeroed on the way (by prepare_x)."""
@@ -808,30 +800,22 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None)
     return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
 
 
-def prepared_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False) -> tuple[torch.Tensor, dict]:
-    """The empty prepared-x buffer for x [M, K] (prepare_x) and prepare_step's arguments beyond x and the buffer:
-    K, cols, steps (grid axis 0) and its constexprs."""
-    per_column = values_per_column(bits)
-    M, K = x.shape
-    cols, cps = K // per_column, block_k // per_column
-    steps = triton.cdiv(cols, cps)
-    xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
-                     device=x.device)
-    return xw, dict(K=K, cols=cols, steps=steps, BITS=bits, VPC=per_column, CPS=cps, HALF=half,
-                    LOG2_LIMIT=half_x_limit(bits) if half else 0)
-
-
 def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
               fill: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, steps, x_slots, CPS] for the CUDA-core kernel, a step = block_k inputs = CPS columns: per step,
     the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
     j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
     half, the step's 1 / scale). The kernel finds each slot at a constant offset from the step."""
-    xw, args = prepared_x(x, bits, block_k, half)
-    steps = args.pop("steps")
-    _prepare_x_kernel[(steps, x.shape[0])](x, xw, args.pop("K"), args.pop("cols"), xw if fill is None else fill,
-                                           0 if fill is None else fill.numel(), FILL=fill is not None, **args,
-                                           **dependent_launch(x.device))
+    per_column = values_per_column(bits)
+    M, K = x.shape
+    cols, cps = K // per_column, block_k // per_column
+    steps = triton.cdiv(cols, cps)
+    xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
+                     device=x.device)
+    _prepare_x_kernel[(steps, M)](x, xw, K, cols, xw if fill is None else fill, 0 if fill is None else fill.numel(),
+                                  BITS=bits, VPC=per_column, CPS=cps, HALF=half,
+                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None,
+                                  **dependent_launch(x.device))
     return xw
 
 

@@ -21,28 +21,6 @@ TILE = 4096  # gate-weight values per loop step (BLOCK_E * BLOCK_D): 32 fp32 acc
 
 
 @triton.jit
-def _softmax_top_k(logits, e, e_ok, K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """logits [BLOCK_E] (fp32, of experts e where e_ok) -> the K largest softmax probabilities (lowest expert on ties),
-    optionally renormalised to sum to one: (ids [BLOCK_K] int64, weights [BLOCK_K] fp32)."""
-    z = tl.where(e_ok, logits, float("-inf"))
-    p = tl.exp(z - tl.max(z, axis=0))
-    p = p / tl.sum(p, axis=0)  # [BLOCK_E] softmax in fp32
-    kk = tl.arange(0, BLOCK_K)
-    top_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    top_p = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    left = tl.where(e_ok, p, -1.0)  # probabilities are >= 0: -1 marks taken or absent experts
-    for j in tl.static_range(K):
-        best = tl.max(left, axis=0)
-        pick = tl.min(tl.where(left == best, e, e.shape[0]), axis=0)  # the lowest expert holding the maximum
-        top_ids = tl.where(kk == j, pick.to(tl.int64), top_ids)
-        top_p = tl.where(kk == j, best, top_p)
-        left = tl.where(e == pick, -1.0, left)
-    if NORMALIZE:
-        top_p = top_p / tl.sum(top_p, axis=0)
-    return top_ids, top_p
-
-
-@triton.jit
 def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.constexpr, NORMALIZE: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                    PDL: tl.constexpr):
@@ -61,51 +39,23 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.c
         acc += w.to(tl.float32) * x[None, :]  # [BLOCK_E, BLOCK_D]
     logits = tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty)  # [BLOCK_E] rounded as F.linear's output
     tl.store(logits_ptr + t * E + e, logits, mask=e_ok)
-    top_ids, top_p = _softmax_top_k(logits.to(tl.float32), e, e_ok, K, NORMALIZE, BLOCK_K)
+    z = tl.where(e_ok, logits.to(tl.float32), float("-inf"))
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)  # [BLOCK_E] softmax in fp32
     kk = tl.arange(0, BLOCK_K)
+    top_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    top_p = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    left = tl.where(e_ok, p, -1.0)  # probabilities are >= 0: -1 marks taken or absent experts
+    for j in tl.static_range(K):
+        best = tl.max(left, axis=0)
+        pick = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)  # the lowest expert holding the maximum
+        top_ids = tl.where(kk == j, pick.to(tl.int64), top_ids)
+        top_p = tl.where(kk == j, best, top_p)
+        left = tl.where(e == pick, -1.0, left)
+    if NORMALIZE:
+        top_p = top_p / tl.sum(top_p, axis=0)
     tl.store(ids_ptr + t * K + kk, top_ids, mask=kk < K)
     tl.store(weights_ptr + t * K + kk, top_p.to(weights_ptr.dtype.element_ty), mask=kk < K)
-
-
-@triton.jit
-def partial_logits(x_ptr, w_ptr, part_ptr, chunk, D, E, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """part[chunk, :E] = W[:, chunk's BLOCK_D inputs] x[those] in fp32 (one token): a share of the router's GEMV that
-    many programs take at once, summed by top_k_of_partials."""
-    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    d_ok = d < D
-    x = tl.load(x_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & d_ok[None, :], other=0.0)
-    tl.store(part_ptr + chunk * E + e, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=e < E)
-
-
-@triton.jit
-def top_k_of_partials(part_ptr, chunks, E, LOGITS: tl.constexpr, K: tl.constexpr, NORMALIZE: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The router's choice from partial_logits' [chunks, E]: logits summed and rounded to LOGITS (the activation
-    dtype, as F.linear's output is), then _softmax_top_k: (ids [BLOCK_K] int64, weights [BLOCK_K] fp32)."""
-    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    e_ok = e < E
-    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for c0 in range(0, chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-        part = tl.load(part_ptr + c[:, None] * E + e[None, :], mask=(c < chunks)[:, None] & e_ok[None, :], other=0.0)
-        logits += tl.sum(part, axis=0)
-    return _softmax_top_k(logits.to(LOGITS).to(tl.float32), e, e_ok, K, NORMALIZE, BLOCK_K)
-
-
-def router_blocks(E: int, D: int) -> tuple[int, int]:
-    """(BLOCK_E, BLOCK_D) for the router's loop steps or partial_logits' chunks: TILE gate-weight values."""
-    block_e = triton.next_power_of_2(E)
-    return block_e, min(triton.next_power_of_2(D), max(16, TILE // block_e))
-
-
-def check_router(weight: torch.Tensor, D: int, k: int) -> None:
-    """Raise ValueError naming the problem for a gate weight [E, D] and top-k the kernels cannot take."""
-    if weight.shape[1] != D:
-        raise ValueError(f"the gate weight is {tuple(weight.shape)}, the input has {D} features")
-    if not 1 <= k <= weight.shape[0]:
-        raise ValueError(f"top-{k} of {weight.shape[0]} experts")
 
 
 def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
@@ -114,12 +64,16 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     in x's dtype: softmax over all experts, the top k, optionally renormalised (TopKRouter's definition)."""
     T, D = x.shape
     E = weight.shape[0]
-    check_router(weight, D, k)
+    if weight.shape[1] != D:
+        raise ValueError(f"the gate weight is {tuple(weight.shape)}, the input has {D} features")
+    if not 1 <= k <= E:
+        raise ValueError(f"top-{k} of {E} experts")
     x, weight = x.contiguous(), weight.contiguous()
     ids = torch.empty(T, k, dtype=torch.long, device=x.device)
     weights = torch.empty(T, k, dtype=weights_dtype, device=x.device)
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
-    block_e, block_d = router_blocks(E, D)
+    block_e = triton.next_power_of_2(E)
+    block_d = min(triton.next_power_of_2(D), max(16, TILE // block_e))
     _router_kernel[(T,)](x, weight, logits, ids, weights, D, E, K=k, NORMALIZE=normalize, BLOCK_E=block_e,
                          BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4, num_warps=4,
                          **dependent_launch(x.device))
