@@ -19,14 +19,14 @@ from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 MAX_TOKENS = 64  # above this, cuBLAS and torch's kernels (one program per token re-reads the gate weight)
 
 
-def tile(num_experts: int) -> int:
-    """Gate-weight values per loop step (BLOCK_E * BLOCK_D, 4 warps): many-expert routers keep more of their weight
-    in flight with larger steps. H100, one token, 8 routers chained in a CUDA graph, us per router with 4096 / 16384
-    (8192 at 128 experts): 64 experts x 2048 inputs 11.9 / 8.6, 128 x 2048 21.0 / 13.2; one-token 64-expert top-6
-    MoE block 44.6 -> 41.6 us (3-bit), 44.8 -> 43.7 (4-bit). Fewer experts keep 4096: the 8-expert router alone gained
-    0.6 us with 16384 but a 3-bit Mixtral-shaped block lost 23 us (131 -> 154 us; cause not found)."""
-    experts = triton.next_power_of_2(num_experts)
-    return 4096 if experts < 64 else 16384 if experts == 64 else 8192
+def tile(block_e: int) -> int:
+    """Gate-weight values per loop step (BLOCK_E * BLOCK_D, 4 warps) for BLOCK_E experts (padded to a power of two):
+    many-expert routers keep more of their weight in flight with larger steps. H100, one token, 8 routers chained in
+    a CUDA graph, us per router with 4096 / 16384 (8192 at 128 experts): 64 experts x 2048 inputs 11.9 / 8.6,
+    128 x 2048 21.0 / 13.2; one-token 64-expert top-6 MoE block 44.6 -> 41.6 us (3-bit), 44.8 -> 43.7 (4-bit).
+    Fewer experts keep 4096: the 8-expert router alone gained 0.6 us with 16384 but a 3-bit Mixtral-shaped block
+    lost 23 us (131 -> 154 us; cause not found)."""
+    return 4096 if block_e < 64 else 16384 if block_e == 64 else 8192
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     weights = torch.empty(T, k, dtype=weights_dtype, device=x.device)
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
     block_e = triton.next_power_of_2(E)
-    block_d = min(triton.next_power_of_2(D), max(16, tile(E) // block_e))
+    block_d = min(triton.next_power_of_2(D), max(16, tile(block_e) // block_e))
     _router_kernel[(T,)](x, weight, logits, ids, weights, D, E, K=k, NORMALIZE=normalize, BLOCK_E=block_e,
                          BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4, num_warps=4,
                          **dependent_launch(x.device))
