@@ -43,7 +43,8 @@ ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in
 # the H100 winners of a wider first sweep (16 / 32 x 512 sub-tiled GEMVs; 1-2 rows of x per CUDA-core tile; 8-row
 # tiles never won and take 15 s each to compile at 3 bits)
 # gate_up's BLOCK_N counts h outputs: PAIRED, its tiles hold 2 BLOCK_N weight rows (gate and up in one pipeline)
-GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 512, 4, 2)]  # BN, BK, warps, SUB
+GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 512, 4, 2),
+        (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
 SPLITS = (1, 2, 4, 8, 16, 32)

@@ -293,10 +293,13 @@ def test_skinny_linear_compiled_matches_float64(M, N, K):
                                     dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, SPLIT_K=2, SUB=2, BLOCK_M=4),
                                     dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, SPLIT_K=1, BLOCK_M=8),
                                     dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=3, SUB=4, PIPE=3),
-                                    dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, SPLIT_K=1, SUB=2, BLOCK_M=4, PIPE=4)])
+                                    dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, SPLIT_K=1, SUB=2, BLOCK_M=4, PIPE=4),
+                                    dict(BLOCK_N=32, BLOCK_K=1024, num_warps=4, SPLIT_K=2, SUB=4),
+                                    dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1, SUB=2, AHEAD=2)])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_lowbit_cuda_core_tiles_compiled(config, bits):
-    """The swept CUDA-core configs (sub-tiles, two steps ahead, rows of x per tile) compiled, at odd shapes."""
+    """The swept CUDA-core configs (sub-tiles, two steps ahead, rows of x per tile; the last two load 3-bit words
+    as 8-byte pairs) compiled, at odd shapes."""
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear
 
     layer = _random_quantized(1000, 4160, bits)

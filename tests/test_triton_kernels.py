@@ -103,6 +103,9 @@ def reference(layer, x):
 
 SPLIT = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, SPLIT_K=3)  # fp32 atomics over 3 K slices
 WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
+# a whole 3-bit group (6 words) per thread of one warp: 16 rows per sub-tile x 2 groups per step; K = 320: 3 steps,
+# the last clamped
+WIDE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=1, SUB=2, SPLIT_K=1)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -114,12 +117,15 @@ WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
                                                (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4}),
                                                (33, 320, 64, {**WHOLE, "BLOCK_M": 8}),  # CUDA cores, rows of x
                                                (70, 96, 32, {**SPLIT, "BLOCK_N": 32, "SUB": 2, "PIPE": 3}),
-                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 2, "PIPE": 4})])  # cp.async
+                                               (33, 320, 64, {**WHOLE, "BLOCK_M": 2, "PIPE": 4}),  # cp.async
+                                               (33, 320, 64, WIDE)])
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
-    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported, tile_constexprs
 
     if not supported(bits, group):
         pytest.skip("3-bit groups hold whole 32-value units")
+    if config is WIDE:  # the tile the test means to exercise: 8-byte pair loads at 3 bits
+        assert tile_constexprs(config, bits, group, 1, torch.float32, False)["WIDE"] == (bits == 3)
     layer = quantized(N, K, bits, group)
     for M in (1, 3, 16, 17):  # 1 (or a config's BLOCK_M rows): CUDA cores; more: tensor-core tiles of 16 / 32 rows
         x = torch.randn(M, K, device=DEVICE)
@@ -160,11 +166,12 @@ def test_lowbit_linear_rejects_what_it_cannot_run(problem, call):
 
 
 PAIR_CONFIGS = [SPLIT, {**WHOLE, "BLOCK_N": 32, "SUB": 2, "AHEAD": 2},
-                {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4, "PIPE": 3}]
+                {**SPLIT, "BLOCK_N": 32, "SUB": 2, "BLOCK_M": 4, "PIPE": 3}, WIDE]
 
 
 @pytest.mark.parametrize("bits,config", [(4, PAIR_CONFIGS[0]), (4, PAIR_CONFIGS[1]), (4, PAIR_CONFIGS[2]),
                                          (3, PAIR_CONFIGS[0]), (3, PAIR_CONFIGS[1]), (3, PAIR_CONFIGS[2]),
+                                         (3, PAIR_CONFIGS[3]),
                                          (2, PAIR_CONFIGS[0]), (8, PAIR_CONFIGS[2])])
 def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
     """16-bit activations on CUDA cores take the fp16-pair path: error at bf16's rounding level, at any magnitude

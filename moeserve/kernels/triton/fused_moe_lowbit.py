@@ -58,7 +58,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
                     SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
-                    PAIRED: tl.constexpr, PDL: tl.constexpr):
+                    WIDE: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr):
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
@@ -83,15 +83,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
         if PAIRED:  # one pipeline over the gate rows and their up rows: [2 BLOCK_N, BLOCK_M] -> g, u
             gu = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                        groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, 2 * BLOCK_N, BLOCK_M, C, VPC, AHEAD,
-                       SUB, PIPE, HALF, INTERPRET, PAIRED=True)
+                       SUB, PIPE, HALF, INTERPRET, WIDE, PAIRED=True)
             g, u = tl.split(tl.permute(tl.reshape(gu, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))  # [BLOCK_N, BLOCK_M] each
         else:  # the gate rows, then the up rows
             g = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                       groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET)
+                      PIPE, HALF, INTERPRET, WIDE)
             u = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K, words_per_row,
                       groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET)
+                      PIPE, HALF, INTERPRET, WIDE)
         h = silu_mul(g + lr_g, u + lr_u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])

@@ -217,17 +217,27 @@ def _step_groups(step, last, G: tl.constexpr):
 
 
 @triton.jit
-def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr):
+def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr,
+                WIDE: tl.constexpr):
     """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile (2/4/8 bits: vector loads)
-    or a 3-bit unit's three stored words (stride 3). A tuple of SUB stored-word tuples. No mask: rows come clamped."""
-    col = _group_cols(_step_groups(step, last, G), CPG)[None, :, :] * (3 if BITS == 3 else 1)  # [1, G, CPG]
+    or a 3-bit unit's three stored words (stride 3). A tuple of SUB stored-word tuples. No mask: rows come clamped.
+    WIDE (3 bits, two units per group): a group's six words load as three 8-byte pairs (a, b, c) and regroup in
+    registers, words t of units 0 and 1 being (a0, b1), (a1, c0), (b0, c1) (wide_loads says where it pays)."""
+    groups = _step_groups(step, last, G)  # [G]
     out = ()
     for j in tl.static_range(SUB):
-        ptr = tiles[j][0][:, None, None] + col
-        if BITS == 3:
-            out = out + ((tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2)),)
+        if WIDE:
+            pair = tiles[j][0][:, None, None] + groups[None, :, None] * 6 + tl.arange(0, 2)[None, None, :]  # [ROWS, G, 2]
+            a0, a1 = tl.split(tl.load(pair))
+            b0, b1 = tl.split(tl.load(pair + 2))
+            c0, c1 = tl.split(tl.load(pair + 4))
+            out = out + ((tl.join(a0, b1), tl.join(a1, c0), tl.join(b0, c1)),)
         else:
-            out = out + ((tl.load(ptr),),)
+            ptr = tiles[j][0][:, None, None] + _group_cols(groups, CPG)[None, :, :] * (3 if BITS == 3 else 1)
+            if BITS == 3:
+                out = out + ((tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2)),)
+            else:
+                out = out + ((tl.load(ptr),),)
     return out
 
 
@@ -245,9 +255,10 @@ def _scale_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, SUB: tl.const
 
 @triton.jit
 def _step_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
-                SUB: tl.constexpr):
+                SUB: tl.constexpr, WIDE: tl.constexpr):
     """Everything step `step` reads from HBM: (_word_loads, _scale_loads)."""
-    return (_word_loads(tiles, step, last, G, CPG, BITS, SUB), _scale_loads(tiles, s_ptr, z_ptr, step, last, G, SUB))
+    return (_word_loads(tiles, step, last, G, CPG, BITS, SUB, WIDE),
+            _scale_loads(tiles, s_ptr, z_ptr, step, last, G, SUB))
 
 
 @triton.jit
@@ -380,7 +391,7 @@ def _interleave(parts, N: tl.constexpr):
 def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
           exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
           AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-          INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
+          INTERPRET: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr):
     """Rows x_rows [M] of x (all in range: masked rows repeat a real one) times steps [step0, step1) of BLOCK_N weight
     rows from n0 (_weight_rows), on CUDA cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
@@ -411,18 +422,18 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
     if PIPE > 1:
         scales = _scale_loads(tiles, s_ptr, z_ptr, step0, last, G, SUB)
         for step in tl.range(step0, step1, num_stages=PIPE):
-            words = _word_loads(tiles, step, last, G, CPG, BITS, SUB)
+            words = _word_loads(tiles, step, last, G, CPG, BITS, SUB, WIDE)
             cur = scales
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
             acc = _sums(acc, words, cur, _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
                         HALF, INTERPRET)
     else:
-        nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
+        nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB, WIDE)
         if AHEAD == 2:
-            nxt2 = _step_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
+            nxt2 = _step_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB, WIDE)
         for step in range(step0, step1):
             cur = nxt
-            fresh = _step_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB)  # in flight from now
+            fresh = _step_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB, WIDE)  # in flight from now
             if AHEAD == 2:
                 nxt, nxt2 = nxt2, fresh
             else:
@@ -533,7 +544,7 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
 def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
+          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
           PAIRED: tl.constexpr = False):
     """Rows x_rows [BLOCK_M] of x (_tile_rows) times BLOCK_N weight rows from n0 (_weight_rows: rows [n0, n_end), or
     PAIRED, BLOCK_N / 2 gate rows then their up rows): acc [BLOCK_N, BLOCK_M] fp32."""
@@ -545,7 +556,7 @@ def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, x_rows, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB, BLOCK_M, PIPE, HALF, INTERPRET, PAIRED)
+                    SUB, BLOCK_M, PIPE, HALF, INTERPRET, PAIRED, WIDE)
     return acc
 
 
@@ -610,7 +621,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
                    USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                   INTERPRET: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
@@ -630,7 +641,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
         acc = _tile(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
                     z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
                     groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                    PIPE, HALF, INTERPRET) + lr
+                    PIPE, HALF, INTERPRET, WIDE) + lr
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -827,11 +838,22 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     half = pair_codes(bits, dtype, use_dot) and bool(cfg.get("HALF", 1))
     if use_dot and half:
         block_k = group  # a step is one group: its scale/zero apply to the step's dot
+    sub_rows = cfg["BLOCK_N"] * (2 if cfg.get("PAIRED") else 1) // cfg.get("SUB", 1)
     return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, HALF=half,
                 INTERPRET=triton_interpreting(),
+                WIDE=wide_loads(bits, group, use_dot, sub_rows, block_k, cfg["num_warps"]),
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
+
+
+def wide_loads(bits: int, group: int, use_dot: bool, sub_rows: int, block_k: int, num_warps: int) -> bool:
+    """Whether a CUDA-core tile loads its 3-bit words as 8-byte pairs (_word_loads WIDE): for groups of two units,
+    where a sub-tile (sub_rows rows x block_k inputs) has a whole group for every thread. Then it takes fewer
+    instructions and registers than three 4-byte loads per unit, with no shared-memory round trip (sm_90, MoE
+    gate_up, 32 x 1024 tile of 4 sub-tiles: 145 vs 168 registers, 1720 vs 1920 instructions); with fewer groups than
+    threads the pairs would be spread through shared memory (16 x 512 of 2: 91 vs 72 registers)."""
+    return bits == 3 and group == 64 and not use_dot and sub_rows * (block_k // group) >= 32 * num_warps
 
 
 def routed_tokens(routing) -> int:
