@@ -41,7 +41,8 @@ SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)} 
 TOKENS = (1, 2, 4, 16, 64)
 ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in decode)
 # the H100 winners of a wider first sweep (16 / 32 x 512 sub-tiled GEMVs; 1-2 rows of x per CUDA-core tile; 8-row
-# tiles never won and take 15 s each to compile at 3 bits)
+# tiles never won and take 15 s each to compile at 3 bits), and the tiles large enough for 3-bit 8-byte pair loads
+# (lowbit_linear.wide_loads; 1024-input steps won Mixtral's 3-bit experts at one token)
 # gate_up's BLOCK_N counts h outputs: PAIRED, its tiles hold 2 BLOCK_N weight rows (gate and up in one pipeline)
 GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 512, 4, 2),
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB

@@ -11,9 +11,10 @@ one shift (its bits onto the top of the mantissa) and one LOP3 (mask, exponent),
 comes off with the zero (z + 2^bits). A column never spans two groups.
 
     GEMV (one row, or BLOCK_M <= 8 rows by config; CUDA cores): the weight rows are SUB interleaved sub-tiles,
-        each [BLOCK_N / SUB, groups, columns per group], so 2/4/8-bit words load as 16-byte vectors and
-        scale/zero once per (row, group), in the tile's layout (keep a sub-tile's rows * groups per step below
-        the thread count, or Triton converts the tile through shared memory); x comes prepared per step
+        each [BLOCK_N / SUB, groups, columns per group], so 2/4/8-bit words load as 16-byte vectors (3-bit ones
+        as 8-byte pairs where each thread holds a whole group: wide_loads) and scale/zero once per (row, group),
+        in the tile's layout (keep a sub-tile's rows * groups per step below the thread count, or Triton converts
+        the tile through shared memory); x comes prepared per step
         (prepare_x: the inputs of each value slot side by side, plus each column's sum of x), so its loads are
         vectors at constant offsets, one per thread for all SUB sub-tiles (L1 bandwidth bounds this loop), and
         acc += s * (sum_i f_i x_i - (z + 2^bits) * sum x) needs no per-value zero term. Each code is decoded
