@@ -228,7 +228,9 @@ def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.
     out = ()
     for j in tl.static_range(SUB):
         if WIDE:
-            pair = tiles[j][0][:, None, None] + groups[None, :, None] * 6 + tl.arange(0, 2)[None, None, :]  # [ROWS, G, 2]
+            tl.static_assert(BITS == 3 and CPG == 2, "pair loads take 3-bit groups of two units (wide_loads)")
+            pair = tiles[j][0][:, None, None] + groups[None, :, None] * (3 * CPG) + tl.arange(0, 2)[None, None, :]
+            # pair: [ROWS, G, 2], words 0 and 1 of each group
             a0, a1 = tl.split(tl.load(pair))
             b0, b1 = tl.split(tl.load(pair + 2))
             c0, c1 = tl.split(tl.load(pair + 4))
