@@ -22,13 +22,14 @@ def newest_runs(results_dir: Path) -> list[dict]:
         if "name" not in rec or rec.get("config", {}).get("quick"):  # hardware profiles are not benchmark runs
             continue
         key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
-               json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))  # a run over fewer token counts
-        # does not hide a full one, nor a 3-bit run a 4-bit one
-        if rec["name"] == "kernels":  # runs may time a subset of the rows (--rows): the newest of each row counts
-            rec = _with_newest_rows(runs.get(key), rec)
-        if rec["name"] == "lowbit_decode":  # runs may skip the transformers baseline (--hf-layers 0)
-            rec = _with_baseline(runs.get(key), rec)
-        if key not in runs or rec["date"] > runs[key]["date"]:
+               "" if rec["name"] == "moe_block" else json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))
+        # a run over fewer token counts does not hide a full one, nor a 3-bit run a 4-bit one
+        merge = {"kernels": _with_newest_rows,  # runs may time a subset of the rows (--rows)
+                 "moe_block": _with_newest_block_rows,  # runs may time a subset of the token counts
+                 "lowbit_decode": _with_baseline}.get(rec["name"])  # runs may skip transformers (--hf-layers 0)
+        if merge is not None:  # the merge keeps the newer run's fields whatever the file order
+            runs[key] = merge(runs.get(key), rec)
+        elif key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
 
@@ -45,6 +46,36 @@ def _with_newest_rows(old: dict | None, new: dict) -> dict:
     have = {(r["N"], r["K"], r["bits"], r["rows"]) for r in newer["rows"]}
     rows = newer["rows"] + [r for r in older["rows"] if (r["N"], r["K"], r["bits"], r["rows"]) not in have]
     return {**newer, "rows": sorted(rows, key=lambda r: (-r["N"], r["K"], -r["bits"], r["rows"]))}
+
+
+def _measured(rec: dict) -> str:
+    return f"{rec['date'][:10]}, {rec['git']['commit'][:8]}"
+
+
+def _with_newest_block_rows(old: dict | None, new: dict) -> dict:
+    """The newer of two MoE block runs, each shape's rows completed by the other's token counts (and low-bit
+    (experts, tokens) rows) it lacks; each row keeps the date and commit it was measured at."""
+    for rec in (old, new):
+        for shape in rec["shapes"] if rec else []:
+            for r in shape["rows"] + shape.get("lowbit", []):
+                r.setdefault("measured", _measured(rec))
+    if old is None:
+        return new
+    newer, older = (new, old) if new["date"] > old["date"] else (old, new)
+    shapes = {s["shape"]: s for s in older["shapes"]}
+    for shape in newer["shapes"]:
+        prev = shapes.get(shape["shape"], {})
+        have = {r["tokens"] for r in shape["rows"]}
+        rows = shape["rows"] + [r for r in prev.get("rows", []) if r["tokens"] not in have]
+        have_lb = {(r["experts"], r["tokens"]) for r in shape.get("lowbit", [])}
+        lowbit = shape.get("lowbit", []) + [r for r in prev.get("lowbit", [])
+                                            if (r["experts"], r["tokens"]) not in have_lb]
+        shapes[shape["shape"]] = {**shape, "rows": sorted(rows, key=lambda r: r["tokens"]),
+                                  "lowbit": sorted(lowbit, key=lambda r: (_EXPERTS.index(r["experts"]), r["tokens"]))}
+    return {**newer, "shapes": list(shapes.values())}
+
+
+_EXPERTS = ("bf16", "4-bit", "3-bit")
 
 
 def _with_baseline(old: dict | None, new: dict, name: str = "hf_accelerate_bf16") -> dict:
@@ -67,22 +98,27 @@ def _source(rec: dict) -> str:
 
 
 def moe_block_tables(rec: dict) -> list[str]:
+    """Per shape: the block against transformers, then the block as a CUDA graph with bf16 / 4-bit / 3-bit experts;
+    each row from the newest run that measured it (`measured`: date, commit)."""
     lines = []
     for shape in rec["shapes"]:
         lines += [f"**MoE block, {shape['shape']}** (E={shape['num_experts']}, top-{shape['top_k']}, "
-                  f"D={shape['hidden']}, F={shape['ffn']}, {shape['dtype']}; {_source(rec)})", "",
+                  f"D={shape['hidden']}, F={shape['ffn']}, {shape['dtype']}; {rec['device']}, torch {rec['torch']}, "
+                  f"transformers {rec['transformers']}; each row from the newest run that measured it; "
+                  "`python bench/moe_block.py`)", "",
                   "| tokens | moeserve ms | HF eager ms | HF grouped_mm ms | floor ms | time moeserve / floor | "
-                  "time moeserve / HF grouped_mm |", "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "time moeserve / HF grouped_mm | measured |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in shape["rows"]:
             lines.append(f"| {r['tokens']} | {r['ours_ms']:.3f} | {r['hf_eager_ms']:.3f} | {r['hf_grouped_mm_ms']:.3f}"
                          f" | {r['floor_ms']:.3f} ({r['floor_bound']}) | {r['ours_over_floor']:.2f} | "
-                         f"{r['ours_over_hf_grouped_mm']:.2f} |")
+                         f"{r['ours_over_hf_grouped_mm']:.2f} | {r.get('measured', _measured(rec))} |")
         lines.append("")
         if shape.get("lowbit"):
-            lines += ["| experts | tokens | eager ms | CUDA graph ms | byte floor ms | graph / floor |",
-                      "|---|---:|---:|---:|---:|---:|"]
+            lines += ["| experts | tokens | eager ms | CUDA graph ms | byte floor ms | graph / floor | measured |",
+                      "|---|---:|---:|---:|---:|---:|---|"]
             lines += [f"| {r['experts']} | {r['tokens']} | {r['eager_ms']:.3f} | {r['cuda_graph_ms']:.3f} | "
-                      f"{r['floor_ms']:.3f} | {r['cuda_graph_ms'] / r['floor_ms']:.2f} |" for r in shape["lowbit"]]
+                      f"{r['floor_ms']:.3f} | {r['cuda_graph_ms'] / r['floor_ms']:.2f} | "
+                      f"{r.get('measured', _measured(rec))} |" for r in shape["lowbit"]]
             lines.append("")
     return lines
 

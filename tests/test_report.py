@@ -1,0 +1,38 @@
+"""bench/report.py: MoE block runs over different token counts merge into one table per shape, newest row wins."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import report  # noqa: E402
+
+
+def block_run(date: str, commit: str, tokens: list[int], ours: float) -> dict:
+    row = dict(ours_ms=ours, hf_eager_ms=2.0, hf_grouped_mm_ms=1.0, floor_ms=0.5, floor_bound="bytes",
+               ours_over_floor=ours / 0.5, ours_over_hf_grouped_mm=ours)
+    lowbit = [dict(experts=e, tokens=t, eager_ms=1.0, cuda_graph_ms=ours, floor_ms=0.1)
+              for e in ("3-bit", "bf16") for t in tokens]
+    shape = dict(shape="mixtral", num_experts=8, top_k=2, hidden=64, ffn=128, dtype="bfloat16",
+                 rows=[{**row, "tokens": t} for t in tokens], lowbit=lowbit)
+    return dict(name="moe_block", date=date, device="GPU X", device_type="cuda", torch="t", transformers="tf",
+                git=dict(commit=commit), config=dict(tokens=tokens), shapes=[shape])
+
+
+def test_moe_block_runs_merge_newest_row_per_token_count(tmp_path):
+    runs = [block_run("2026-01-01T00:00", "aaaaaaaa1", [1, 16, 1024], 0.9),
+            block_run("2026-01-02T00:00", "bbbbbbbb2", [1], 0.3),
+            block_run("2025-12-31T00:00", "cccccccc3", [4], 0.7)]  # older, but the only 4-token row
+    for i, rec in enumerate(runs):
+        (tmp_path / f"moe_block-{i}.json").write_text(json.dumps(rec))
+    (merged,) = report.newest_runs(tmp_path)
+    (shape,) = merged["shapes"]
+    assert [(r["tokens"], r["ours_ms"], r["measured"]) for r in shape["rows"]] == [
+        (1, 0.3, "2026-01-02, bbbbbbbb"), (4, 0.7, "2025-12-31, cccccccc"), (16, 0.9, "2026-01-01, aaaaaaaa"),
+        (1024, 0.9, "2026-01-01, aaaaaaaa")]
+    assert [(r["experts"], r["tokens"], r["cuda_graph_ms"]) for r in shape["lowbit"]] == [
+        ("bf16", 1, 0.3), ("bf16", 4, 0.7), ("bf16", 16, 0.9), ("bf16", 1024, 0.9),
+        ("3-bit", 1, 0.3), ("3-bit", 4, 0.7), ("3-bit", 16, 0.9), ("3-bit", 1024, 0.9)]
+    text = report.report(tmp_path)
+    assert text.count("**MoE block, mixtral**") == 1
+    assert "| 4 | 0.700 |" in text and "2025-12-31, cccccccc |" in text
