@@ -4,7 +4,7 @@ experts without compensators and (key `_lr`) with rank-32 ones (the low-rank ter
 moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain entry, 0.127 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages); 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
+cp.async stages), and for 2/4/8-bit experts without compensators gate_up tiles fed by TMA; 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
 rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
 also tries K splits. Each candidate, and the config the dispatch used until now (kept where nothing beats it), is
 timed as the GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are
@@ -48,6 +48,9 @@ GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
+# one-token gate_up by TMA (fused_moe_lowbit.tma_gate_up: 2/4/8 bits, no compensators): BN, BK, warps, stages
+TMA_GATE_UP = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
+               (32, 512, 8, 3), (16, 1024, 8, 2)]
 SPLITS = (1, 2, 4, 8, 16, 32)
 CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4
@@ -128,20 +131,26 @@ def graph_ms(fn, items, replays: int = 10) -> float:
     return statistics.median(times[2:])
 
 
-def jobs_for(T: int, E: int, k: int, D: int, F: int) -> list[tuple[str, dict]]:
-    """(part, config) pairs to time at T tokens before the one-token load variants."""
+def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, dict]]:
+    """(part, config) pairs to time at T tokens before the one-token load variants; tma: the experts can take the
+    one-token TMA gate_up (2/4/8 bits, no compensators)."""
     out = []
     for tile in tiles(T, E, k):
         out += [("gate_up", {**tile, "SPLIT_K": 1, "PAIRED": paired}) for paired in (0, 1)]
         out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
+    if T == 1 and tma:
+        out += [("gate_up", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1))
+                for bn, bk, w, st in TMA_GATE_UP if bk <= D]
     return out
 
 
-def compile_jobs(T: int, E: int, k: int, D: int, F: int) -> list[tuple[str, dict]]:
-    """jobs_for, plus the load variants of every one-token tile (whichever wins, its variants are compiled)."""
-    jobs = jobs_for(T, E, k, D, F)
+def compile_jobs(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, dict]]:
+    """jobs_for, plus the load variants of every one-token register-prefetch tile (whichever wins, its variants are
+    compiled)."""
+    jobs = jobs_for(T, E, k, D, F, tma)
     if T == 1:
-        jobs += [(part, variant) for part, cfg in jobs if cfg["SPLIT_K"] <= 2 for variant in load_variants(cfg)]
+        jobs += [(part, variant) for part, cfg in jobs if cfg["SPLIT_K"] <= 2 and not cfg.get("TMA")
+                 for variant in load_variants(cfg)]
     return jobs
 
 
@@ -186,6 +195,11 @@ def precompile(jobs: list[tuple], workers: int) -> list[str]:
         return [e for e in pool.map(_compile, ordered, chunksize=max(1, len(ordered) // (2 * workers))) if e]
 
 
+def tma_capable(bits: int, rank: int) -> bool:
+    """Whether experts of these bits and compensator rank can take the one-token TMA gate_up on this GPU."""
+    return bits in (2, 4, 8) and rank == 0 and torch.cuda.get_device_capability()[0] >= 9
+
+
 def table_key(name: str, bits: int, rank: int) -> str:
     E, _, D, F = SHAPES[name]
     return lowbit_moe_key(bits, E, D, F, rank > 0)
@@ -207,11 +221,11 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
                 return
             timed[part].append((ms, cfg))
 
-        for part, cfg in jobs_for(T, E, k, D, F):
+        for part, cfg in jobs_for(T, E, k, D, F, tma_capable(bits, rank)):
             time_job(part, cfg)
         if T == 1:
             for part in ("gate_up", "down"):
-                best = min(timed[part], key=lambda p: p[0])[1]
+                best = min([t for t in timed[part] if not t[1].get("TMA")], key=lambda p: p[0])[1]
                 for cfg in load_variants(best):
                     time_job(part, cfg)
         default = lowbit_moe_config(torch.cuda.get_device_name(), bits, E, D, F, T, k, rank > 0)  # dispatch till now
@@ -248,7 +262,7 @@ def main(argv=None) -> int:
                  f"{args.bits!r}, {args.tokens!r} and {args.ranks!r}")
     start = time.perf_counter()
     jobs = [(n, b, r, T, part, cfg) for n in shapes for b in bit_list for r in ranks for T in tokens
-            for part, cfg in compile_jobs(T, *SHAPES[n])]
+            for part, cfg in compile_jobs(T, *SHAPES[n], tma_capable(b, r))]
     errors = precompile(jobs, args.workers)
     print(f"compiled {len({compiled_as(j) for j in jobs})} kernels for {len(jobs)} candidates with {args.workers} "
           f"workers in {time.perf_counter() - start:.0f} s{f' ({len(errors)} failed)' if errors else ''}", flush=True)

@@ -347,6 +347,31 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
         assert ((out - ref).norm() / ref.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_lowbit_one_token_tma_gate_up_compiled(bits):
+    """The one-token gate_up by TMA (Hopper) at several tiles and pipeline depths, F not a multiple of the row
+    blocks and the last expert chosen, against float32 dequantized experts."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit, launch_gate_up, tma_gate_up
+    from moeserve.model.experts import swiglu
+
+    E, D, F = 8, 4096, 1000
+    layers = [_random_quantized(2 * F, D, bits, 0) for _ in range(E)]
+    gate_up = StackedLowbit(*(torch.stack([getattr(m, n) for m in layers]) for n in ("qweight", "scale", "zero")),
+                            bits=bits, group=64, in_features=D)
+    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[E - 1, 2]], device="cuda")
+    ref = torch.stack([swiglu(x.float() @ layers[int(e)].weight(torch.float32).T)[0] for e in ids[0]])  # [2, F]
+    for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (16, 2048, 4, 4)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1)
+        assert tma_gate_up(cfg, gate_up, ids, x.device)
+        h = torch.full((2, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_gate_up(x, gate_up, h, ids, cfg)
+        assert not h.isnan().any(), cfg
+        assert ((h.float() - ref).norm() / ref.norm()) < 1e-2, cfg
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 def test_dependent_launches_in_a_cuda_graph_match_plain_launches(bits, monkeypatch):
     """A one-token quantized MoE block (its Triton kernels launched dependent on Hopper: each may start before the

@@ -287,6 +287,34 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
     assert float((got.double() - ref.detach()).norm() / ref.detach().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (2, torch.bfloat16), (8, torch.bfloat16)])
+def test_lowbit_fused_moe_one_token_tma_gate_up(poisoned_outputs, bits, dtype):
+    """One token, config TMA: gate_up's words and scale/zero by TMA descriptors, gate and up rows as two sub-tiles
+    (a partial last row block: F = 192, blocks of 128; the up rows of the last expert's last block run past the
+    stacked rows and come zero-filled), against the float64 experts."""
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_gate_up
+    from moeserve.model.experts import LoopedExperts
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    E, k, D, F = 4, 2, 1024, 192
+    ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)], [quantized(D, F, bits, 64) for _ in range(E)])
+    ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
+    ids[0, 0] = E - 1  # the last expert's rows end the stacked weight
+    x = torch.randn(1, D, device=DEVICE, dtype=dtype)
+    gate_up, down = ex.stacked(dtype)
+    config = {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1, "TMA": 1},
+              "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "SUB": 2, "SPLIT_K": 1}}
+    assert tma_gate_up(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
+    got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order
+    table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
+    ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)
+    order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)  # sorted row r is slot order[r]
+    ref = torch.empty_like(ref).index_copy_(0, order, ref)
+    assert not got.isnan().any()
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
 def quantized_experts_as_float64(ex):
     """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
     dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)

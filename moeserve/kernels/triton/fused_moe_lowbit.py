@@ -8,6 +8,10 @@
 Grid (output block, K slice, expert); experts with no rows return at once, so there is no host sync. In slot order
 with no more slots than experts the last axis is the slot instead (route_args): at one token, no program is spent on
 the experts nobody chose (H100, one token, Mixtral 3-bit block 161 -> 149 us, a 64-expert top-6 4-bit 52 -> 49).
+One token with 2/4/8-bit experts, no compensators and config TMA: gate_up's words, scales and zeros come by TMA
+(descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, the gate and up rows
+as two sub-tiles of one loop (_gate_up_tma_kernel; H100 probes: the register-prefetch loop holds about one step in
+flight per program and waits on it, Mixtral 4-bit gate_up 65 -> 56-59 us).
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
 each row's expert's r columns.
@@ -21,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _low_rank, _tile, _tile_rows,
-                                                   check_activation, check_weight, kernel_inputs, launch, route_args,
-                                                   routed_tokens, tile_constexprs)
+from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
+                                                   _tile_rows, _x_steps, check_activation, check_weight,
+                                                   kernel_inputs, launch, route_args, routed_tokens, tile_constexprs)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -97,9 +102,71 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
                  mask=n_mask[:, None] & r_mask[None, :])
 
 
+@triton.jit
+def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps, exp_bits,
+                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                        STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T) * (x Wu[e]^T), e = ids[slot] (grid axis 2: the k slots,
+    distinct experts). w_desc: TMA descriptor of the words [E * 2F, words] in [BLOCK_N, G * CPG] blocks, s/z_desc of
+    the scales/zeros [E * 2F, groups] in [BLOCK_N, G]; the gate and up rows are two sub-tiles of _sums."""
+    after_previous(PDL)
+    VPC: tl.constexpr = 32 // BITS
+    CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_gate_up)
+    CPS: tl.constexpr = G * CPG
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+    slot = tl.program_id(2)
+    n0 = tl.program_id(0) * BLOCK_N
+    row_g = tl.load(ids_ptr + slot).to(tl.int32) * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
+    col = _group_cols(tl.arange(0, G), CPG)
+    acc = (tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32), tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32))
+    for step in tl.range(0, steps, num_stages=STAGES):
+        words = ()
+        scales = ()
+        for half in tl.static_range(2):
+            row = row_g + half * F
+            words = words + ((w_desc.load([row, step * CPS]).reshape(BLOCK_N, G, CPG),),)
+            scales = scales + ((s_desc.load([row, step * G]).reshape(BLOCK_N, G, 1),
+                                z_desc.load([row, step * G]).reshape(BLOCK_N, G, 1)),)
+        acc = _sums(acc, words, scales, _x_steps((xw_ptr,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS, 2,
+                    1, HALF, INTERPRET)
+    h = silu_mul(tl.sum(tl.sum(acc[0], axis=2), axis=1), tl.sum(tl.sum(acc[1], axis=2), axis=1))  # [BLOCK_N]
+    offs = n0 + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + slot * F + offs, h.to(h_ptr.dtype.element_ty), mask=offs < F)
+
+
+def tma_gate_up(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
+    """Whether gate_up runs _gate_up_tma_kernel: config TMA, one token in slot order, 2/4/8 bits, no compensators,
+    steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of groups % 8 == 0), and TMA (Hopper, or the
+    interpreter)."""
+    if not (cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1 and p.u is None
+            and p.bits in (2, 4, 8) and p.group == 64 and cfg["BLOCK_K"] >= 8 * p.group
+            and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features):
+        return False
+    return triton_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
+    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_gate_up said yes)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, two_f, words = p.qweight.shape
+    F, G = two_f // 2, cfg["BLOCK_K"] // p.group
+    tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
+    xw, exp = kernel_inputs(x, tile)
+    bn = cfg["BLOCK_N"]
+    w_desc = TensorDescriptor.from_tensor(p.qweight.view(E * two_f, words), [bn, cfg["BLOCK_K"] * p.bits // 32])
+    s_desc, z_desc = (TensorDescriptor.from_tensor(t.view(E * two_f, -1), [bn, G]) for t in (p.scale, p.zero))
+    _gate_up_tma_kernel[(triton.cdiv(F, bn), 1, ids.numel())](
+        xw, w_desc, s_desc, z_desc, ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), exp, BITS=p.bits,
+        BLOCK_N=bn, G=G, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        num_warps=cfg["num_warps"], **dependent_launch(x.device))
+
+
 def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
     [T, k] (x the T tokens, h [T*k, F] in slot order)."""
+    if tma_gate_up(cfg, p, routing, x.device):
+        return launch_gate_up_tma(x, p, h, routing, cfg)
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
     lr = p.low_rank_inputs(x)
