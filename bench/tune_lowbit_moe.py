@@ -4,7 +4,7 @@ experts without compensators and (key `_lr`) with rank-32 ones (the low-rank ter
 moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain entry, 0.127 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages), and for 2/4/8-bit experts without compensators gate_up tiles fed by TMA; 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
+cp.async stages), and for 2/4/8-bit experts without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
 rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
 also tries K splits. Each candidate, and the config the dispatch used until now (kept where nothing beats it), is
 timed as the GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are
@@ -48,9 +48,10 @@ GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
-# one-token gate_up by TMA (fused_moe_lowbit.tma_gate_up: 2/4/8 bits, no compensators): BN, BK, warps, stages
-TMA_GATE_UP = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
-               (32, 512, 8, 3), (16, 1024, 8, 2)]
+# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: 2/4/8 bits, no compensators): BN, BK, warps,
+# stages; down's programs take 2 BN rows
+TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
+             (32, 512, 8, 3), (16, 1024, 8, 2)]
 SPLITS = (1, 2, 4, 8, 16, 32)
 CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4
@@ -140,7 +141,9 @@ def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[
         out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
     if T == 1 and tma:
         out += [("gate_up", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1))
-                for bn, bk, w, st in TMA_GATE_UP if bk <= D]
+                for bn, bk, w, st in TMA_TILES if bk <= D]
+        out += [("down", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=s, TMA=1))
+                for bn, bk, w, st in TMA_TILES if bk <= F for s in (1, 2, 4)]
     return out
 
 

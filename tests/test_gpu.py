@@ -348,12 +348,13 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_lowbit_one_token_tma_gate_up_compiled(bits):
-    """The one-token gate_up by TMA (Hopper) at several tiles and pipeline depths, F not a multiple of the row
-    blocks and the last expert chosen, against float32 dequantized experts."""
+def test_lowbit_one_token_tma_compiled(bits):
+    """The one-token gate_up and down by TMA (Hopper) at several tiles, pipeline depths and K splits, F not a
+    multiple of gate_up's row blocks and the last expert chosen, against float32 dequantized experts."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0")
-    from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit, launch_gate_up, tma_gate_up
+    from moeserve.kernels.triton.fused_moe_lowbit import (StackedLowbit, launch_down_tma, launch_gate_up,
+                                                           tma_one_token)
     from moeserve.model.experts import swiglu
 
     E, D, F = 8, 4096, 1000
@@ -365,11 +366,23 @@ def test_lowbit_one_token_tma_gate_up_compiled(bits):
     ref = torch.stack([swiglu(x.float() @ layers[int(e)].weight(torch.float32).T)[0] for e in ids[0]])  # [2, F]
     for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (16, 2048, 4, 4)]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1)
-        assert tma_gate_up(cfg, gate_up, ids, x.device)
+        assert tma_one_token(cfg, gate_up, ids, x.device)
         h = torch.full((2, F), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch_gate_up(x, gate_up, h, ids, cfg)
         assert not h.isnan().any(), cfg
         assert ((h.float() - ref).norm() / ref.norm()) < 1e-2, cfg
+    h = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+    downs = [_random_quantized(D, 1024, bits, 0) for _ in range(E)]
+    down = StackedLowbit(*(torch.stack([getattr(m, n) for m in downs]) for n in ("qweight", "scale", "zero")),
+                         bits=bits, group=64, in_features=1024)
+    ref = torch.stack([h[j].float() @ downs[int(e)].weight(torch.float32).T for j, e in enumerate(ids[0])])  # [2, D]
+    for bn, bk, warps, stages, split in [(32, 512, 4, 3, 2), (16, 512, 4, 2, 1), (64, 1024, 8, 3, 1)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, TMA=1)
+        assert tma_one_token(cfg, down, ids, x.device)
+        y = torch.full((2, D), float("nan"), device="cuda")
+        launch_down_tma(h, down, y, ids, cfg)
+        assert not y.isnan().any(), cfg
+        assert ((y - ref).norm() / ref.norm()) < 1e-2, cfg
 
 
 @pytest.mark.parametrize("bits", [3, 4])

@@ -287,24 +287,28 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
     assert float((got.double() - ref.detach()).norm() / ref.detach().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (2, torch.bfloat16), (8, torch.bfloat16)])
-def test_lowbit_fused_moe_one_token_tma_gate_up(poisoned_outputs, bits, dtype):
-    """One token, config TMA: gate_up's words and scale/zero by TMA descriptors, gate and up rows as two sub-tiles
-    (a partial last row block: F = 192, blocks of 128; the up rows of the last expert's last block run past the
-    stacked rows and come zero-filled), against the float64 experts."""
-    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_gate_up
+@pytest.mark.parametrize("bits,dtype,F", [(4, torch.float32, 192), (2, torch.bfloat16, 192), (8, torch.bfloat16, 192),
+                                          (4, torch.bfloat16, 1024), (2, torch.float32, 1024)])
+def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F):
+    """One token, config TMA: words and scale/zero by TMA descriptors, two row blocks per program as two sub-tiles,
+    against the float64 experts. F = 192: gate_up only (a partial last row block of 128; the up rows of the last
+    expert's last block run past the stacked rows and come zero-filled); F = 1024: down too, its 2 steps split in
+    two (fp32 atomics)."""
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts
 
-    E, k, D, F = 4, 2, 1024, 192
+    E, k, D = 4, 2, 1024
     ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)], [quantized(D, F, bits, 64) for _ in range(E)])
     ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
-    ids[0, 0] = E - 1  # the last expert's rows end the stacked weight
+    ids[0, 0] = E - 1  # the last expert's rows end the stacked weights
     x = torch.randn(1, D, device=DEVICE, dtype=dtype)
     gate_up, down = ex.stacked(dtype)
-    config = {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1, "TMA": 1},
-              "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "SUB": 2, "SPLIT_K": 1}}
-    assert tma_gate_up(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
+    tma = dict(BLOCK_N=128, BLOCK_K=512, num_warps=4, num_stages=2, TMA=1)
+    config = {"gate_up": {**tma, "SPLIT_K": 1},
+              "down": {**tma, "SPLIT_K": 2} if F >= 512 else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1)}
+    assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
+    assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)
     got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order
     table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
     ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)

@@ -8,10 +8,11 @@
 Grid (output block, K slice, expert); experts with no rows return at once, so there is no host sync. In slot order
 with no more slots than experts the last axis is the slot instead (route_args): at one token, no program is spent on
 the experts nobody chose (H100, one token, Mixtral 3-bit block 161 -> 149 us, a 64-expert top-6 4-bit 52 -> 49).
-One token with 2/4/8-bit experts, no compensators and config TMA: gate_up's words, scales and zeros come by TMA
-(descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, the gate and up rows
-as two sub-tiles of one loop (_gate_up_tma_kernel; H100 probes: the register-prefetch loop holds about one step in
-flight per program and waits on it, Mixtral 4-bit gate_up 65 -> 56-59 us).
+One token with 2/4/8-bit experts, no compensators and config TMA (tma_one_token): the words, scales and zeros come
+by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
+per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
+probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
+gate_up 65 -> 56 us).
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
 each row's expert's r columns.
@@ -103,41 +104,80 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
 
 
 @triton.jit
+def _tma_gemv(xw_row, w_desc, s_desc, z_desc, rows, step0, step1, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+              G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """One row of prepared x (xw_row: prepare_x) times weight rows [rows[j], rows[j] + BLOCK_N) for each of NSUB
+    sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once for all). The
+    words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and [BLOCK_N, G]
+    blocks, STAGES deep in shared memory; rows and steps past the tensors read zeros."""
+    VPC: tl.constexpr = 32 // BITS
+    CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_one_token)
+    CPS: tl.constexpr = G * CPG
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+    col = _group_cols(tl.arange(0, G), CPG)
+    acc = ()
+    for _ in tl.static_range(NSUB):
+        acc = acc + (tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32),)
+    for step in tl.range(step0, step1, num_stages=STAGES):
+        words = ()
+        scales = ()
+        for j in tl.static_range(NSUB):
+            words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),),)
+            scales = scales + ((s_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1),
+                                z_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1)),)
+        acc = _sums(acc, words, scales, _x_steps((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
+                    NSUB, 1, HALF, INTERPRET)
+    out = ()
+    for j in tl.static_range(NSUB):
+        out = out + (tl.sum(tl.sum(acc[j], axis=2), axis=1),)
+    return out
+
+
+@triton.jit
 def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps, exp_bits,
                         BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                         STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T) * (x Wu[e]^T), e = ids[slot] (grid axis 2: the k slots,
-    distinct experts). w_desc: TMA descriptor of the words [E * 2F, words] in [BLOCK_N, G * CPG] blocks, s/z_desc of
-    the scales/zeros [E * 2F, groups] in [BLOCK_N, G]; the gate and up rows are two sub-tiles of _sums."""
+    distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv."""
     after_previous(PDL)
-    VPC: tl.constexpr = 32 // BITS
-    CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_gate_up)
-    CPS: tl.constexpr = G * CPG
-    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     row_g = tl.load(ids_ptr + slot).to(tl.int32) * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    col = _group_cols(tl.arange(0, G), CPG)
-    acc = (tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32), tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32))
-    for step in tl.range(0, steps, num_stages=STAGES):
-        words = ()
-        scales = ()
-        for half in tl.static_range(2):
-            row = row_g + half * F
-            words = words + ((w_desc.load([row, step * CPS]).reshape(BLOCK_N, G, CPG),),)
-            scales = scales + ((s_desc.load([row, step * G]).reshape(BLOCK_N, G, 1),
-                                z_desc.load([row, step * G]).reshape(BLOCK_N, G, 1)),)
-        acc = _sums(acc, words, scales, _x_steps((xw_ptr,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS, 2,
-                    1, HALF, INTERPRET)
-    h = silu_mul(tl.sum(tl.sum(acc[0], axis=2), axis=1), tl.sum(tl.sum(acc[1], axis=2), axis=1))  # [BLOCK_N]
+    g, u = _tma_gemv(xw_ptr, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, exp_bits, BITS, BLOCK_N, G, 2,
+                     HALF, STAGES, INTERPRET)
     offs = n0 + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + slot * F + offs, h.to(h_ptr.dtype.element_ty), mask=offs < F)
+    tl.store(h_ptr + slot * F + offs, silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=offs < F)
 
 
-def tma_gate_up(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
-    """Whether gate_up runs _gate_up_tma_kernel: config TMA, one token in slot order, 2/4/8 bits, no compensators,
-    steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of groups % 8 == 0), and TMA (Hopper, or the
-    interpreter)."""
+@triton.jit
+def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, per_split, exp_bits,
+                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                     STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
+    """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T over K slice pid 1, e = ids[slot]; two sub-tiles
+    of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed."""
+    after_previous(PDL)
+    VPC: tl.constexpr = 32 // BITS
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+    slot = tl.program_id(2)
+    n0 = tl.program_id(0) * 2 * BLOCK_N
+    row = tl.load(ids_ptr + slot).to(tl.int32) * D + n0
+    step0 = tl.program_id(1) * per_split
+    xw_row = hw_ptr + slot.to(tl.int64) * steps * XSLOTS * (G * 64 // VPC)
+    parts = _tma_gemv(xw_row, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
+                      tl.minimum(step0 + per_split, steps), exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
+    for j in tl.static_range(2):
+        offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ATOMIC:
+            tl.atomic_add(y_ptr + slot * D + offs, parts[j], mask=offs < D, sem="relaxed")
+        else:
+            tl.store(y_ptr + slot * D + offs, parts[j], mask=offs < D)
+
+
+def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
+    """Whether a projection runs its TMA kernel (_gate_up_tma_kernel, _down_tma_kernel): config TMA, one token in
+    slot order, 2/4/8 bits, no compensators, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
+    groups % 8 == 0), and TMA (Hopper, or the interpreter)."""
     if not (cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1 and p.u is None
             and p.bits in (2, 4, 8) and p.group == 64 and cfg["BLOCK_K"] >= 8 * p.group
             and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features):
@@ -145,27 +185,47 @@ def tma_gate_up(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> b
     return triton_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
-    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_gate_up said yes)."""
+def tma_descriptors(p: StackedLowbit, cfg: dict) -> tuple:
+    """TMA descriptors of the stacked words [E * N, words] in [BLOCK_N, BLOCK_K * bits / 32] blocks and of the
+    scales and zeros [E * N, groups] in [BLOCK_N, BLOCK_K / group]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    E, two_f, words = p.qweight.shape
-    F, G = two_f // 2, cfg["BLOCK_K"] // p.group
+    E, N, words = p.qweight.shape
+    bn = cfg["BLOCK_N"]
+    return (TensorDescriptor.from_tensor(p.qweight.view(E * N, words), [bn, cfg["BLOCK_K"] * p.bits // 32]),
+            *(TensorDescriptor.from_tensor(t.view(E * N, -1), [bn, cfg["BLOCK_K"] // p.group]) for t in (p.scale, p.zero)))
+
+
+def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
+    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
+    F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile)
-    bn = cfg["BLOCK_N"]
-    w_desc = TensorDescriptor.from_tensor(p.qweight.view(E * two_f, words), [bn, cfg["BLOCK_K"] * p.bits // 32])
-    s_desc, z_desc = (TensorDescriptor.from_tensor(t.view(E * two_f, -1), [bn, G]) for t in (p.scale, p.zero))
-    _gate_up_tma_kernel[(triton.cdiv(F, bn), 1, ids.numel())](
-        xw, w_desc, s_desc, z_desc, ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), exp, BITS=p.bits,
-        BLOCK_N=bn, G=G, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
-        num_warps=cfg["num_warps"], **dependent_launch(x.device))
+    _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
+        xw, *tma_descriptors(p, cfg), ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), exp, BITS=p.bits,
+        BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3),
+        INTERPRET=tile["INTERPRET"], num_warps=cfg["num_warps"], **dependent_launch(x.device))
+
+
+def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
+    """_down_tma_kernel for one token's h [k, F] -> y [k, D] fp32 (tma_one_token said yes); cfg SPLIT_K slices of
+    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows."""
+    D = p.qweight.shape[1]
+    tile = tile_constexprs(cfg, p.bits, p.group, 1, h.dtype, False)
+    steps = triton.cdiv(p.in_features, cfg["BLOCK_K"])
+    per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
+    split = triton.cdiv(steps, per_split)
+    hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
+    _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
+        hw, *tma_descriptors(p, cfg), ids, y, D, steps, per_split, exp, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 
 
 def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
     [T, k] (x the T tokens, h [T*k, F] in slot order)."""
-    if tma_gate_up(cfg, p, routing, x.device):
+    if tma_one_token(cfg, p, routing, x.device):
         return launch_gate_up_tma(x, p, h, routing, cfg)
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
@@ -203,6 +263,9 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
     launch_gate_up(x, gate_up, h, routing, config["gate_up"])
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
-    launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config["down"], T, E,
-           lowrank=down.low_rank_inputs(h), routing=routing)
+    if tma_one_token(config["down"], down, routing, x.device):
+        launch_down_tma(h, down, y, routing, config["down"])
+    else:
+        launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config["down"], T, E,
+               lowrank=down.low_rank_inputs(h), routing=routing)
     return y
