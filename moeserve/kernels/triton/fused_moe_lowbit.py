@@ -177,9 +177,10 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
 def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
     """Whether a projection runs its TMA kernel (_gate_up_tma_kernel, _down_tma_kernel): config TMA, one token in
     slot order, 2/4/8 bits, no compensators, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
-    groups % 8 == 0), and TMA (Hopper, or the interpreter)."""
+    groups % 8 == 0) and of at most 256 words, and TMA (Hopper, or the interpreter)."""
     if not (cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1 and p.u is None
             and p.bits in (2, 4, 8) and p.group == 64 and cfg["BLOCK_K"] >= 8 * p.group
+            and cfg["BLOCK_K"] * p.bits // 32 <= 256  # a TMA box row holds at most 256 elements
             and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features):
         return False
     return triton_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
