@@ -4,8 +4,8 @@ experts without compensators and (key `_lr`) with rank-32 ones (the low-rank ter
 moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain entry, 0.127 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages), and for 2/4/8-bit experts without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles of 1..4 rows of x (each code decoded once for them) sized to the
-rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
+cp.async stages), and for 2/4/8-bit experts without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles
+of 1..4 rows of x (each code decoded once for them) sized to the rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
 also tries K splits. Each candidate, and the config the dispatch used until now (kept where nothing beats it), is
 timed as the GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are
 host noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).

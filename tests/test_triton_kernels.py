@@ -299,14 +299,16 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F):
     from moeserve.quant.qlinear import QuantizedExperts
 
     E, k, D = 4, 2, 1024
-    ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)], [quantized(D, F, bits, 64) for _ in range(E)])
+    ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)],
+                          [quantized(D, F, bits, 64) for _ in range(E)])
     ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
     ids[0, 0] = E - 1  # the last expert's rows end the stacked weights
     x = torch.randn(1, D, device=DEVICE, dtype=dtype)
     gate_up, down = ex.stacked(dtype)
     tma = dict(BLOCK_N=128, BLOCK_K=512, num_warps=4, num_stages=2, TMA=1)
     config = {"gate_up": {**tma, "SPLIT_K": 1},
-              "down": {**tma, "SPLIT_K": 2} if F >= 512 else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1)}
+              "down": ({**tma, "SPLIT_K": 2} if F >= 512
+                       else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1))}
     assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
     assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)
     got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order

@@ -193,8 +193,9 @@ def tma_descriptors(p: StackedLowbit, cfg: dict) -> tuple:
 
     E, N, words = p.qweight.shape
     bn = cfg["BLOCK_N"]
+    groups = cfg["BLOCK_K"] // p.group
     return (TensorDescriptor.from_tensor(p.qweight.view(E * N, words), [bn, cfg["BLOCK_K"] * p.bits // 32]),
-            *(TensorDescriptor.from_tensor(t.view(E * N, -1), [bn, cfg["BLOCK_K"] // p.group]) for t in (p.scale, p.zero)))
+            *(TensorDescriptor.from_tensor(t.view(E * N, -1), [bn, groups]) for t in (p.scale, p.zero)))
 
 
 def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
