@@ -51,7 +51,8 @@ DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  #
 # one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: 2/4/8 bits, no compensators): BN, BK, warps,
 # stages; down's programs take 2 BN rows
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
-             (32, 512, 8, 3), (16, 1024, 8, 2)]
+             (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),
+             (4, 1024, 2, 3)]
 SPLITS = (1, 2, 4, 8, 16, 32)
 CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4
