@@ -48,6 +48,9 @@ def _with_newest_rows(old: dict | None, new: dict) -> dict:
     return {**newer, "rows": sorted(rows, key=lambda r: (-r["N"], r["K"], -r["bits"], r["rows"]))}
 
 
+_EXPERTS = ("bf16", "4-bit", "3-bit")  # the order of a block's low-bit rows
+
+
 def _measured(rec: dict) -> str:
     return f"{rec['date'][:10]}, {rec['git']['commit'][:8]}"
 
@@ -73,9 +76,6 @@ def _with_newest_block_rows(old: dict | None, new: dict) -> dict:
         shapes[shape["shape"]] = {**shape, "rows": sorted(rows, key=lambda r: r["tokens"]),
                                   "lowbit": sorted(lowbit, key=lambda r: (_EXPERTS.index(r["experts"]), r["tokens"]))}
     return {**newer, "shapes": list(shapes.values())}
-
-
-_EXPERTS = ("bf16", "4-bit", "3-bit")
 
 
 def _with_baseline(old: dict | None, new: dict, name: str = "hf_accelerate_bf16") -> dict:

@@ -5,10 +5,11 @@ moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain ent
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
 cp.async stages), and for 2/4/8-bit experts without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles
-of 1..4 rows of x (each code decoded once for them) sized to the rows an expert gets; 4 tokens and up, tensor-core tiles (the dot on 16-bit codes or on dequantized weights). down
-also tries K splits. Each candidate, and the config the dispatch used until now (kept where nothing beats it), is
-timed as the GPU time of a CUDA graph over rotating routings (decode replays graphs; eager times of 20-us kernels are
-host noise). The kernels compile first in parallel worker processes (Triton's disk cache then serves the timing run).
+of 1..4 rows of x (each code decoded once for them) sized to the rows an expert gets; 4 tokens and up, tensor-core
+tiles (the dot on 16-bit codes or on dequantized weights). down also tries K splits. Each candidate, and the config
+the dispatch used until now (kept where nothing beats it), is timed as the GPU time of a CUDA graph over rotating
+routings (decode replays graphs; eager times of 20-us kernels are host noise). The kernels compile first in parallel
+worker processes (Triton's disk cache then serves the timing run).
 
     python bench/tune_lowbit_moe.py               # Mixtral and DeepSeek-like, 4 and 3 bits, 1..64 tokens, ranks 0, 32
     python bench/tune_lowbit_moe.py --shapes mixtral --bits 4 --tokens 1,16 --ranks 0 --no-write
@@ -29,11 +30,11 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_tuner_args, capture_graph, result_record, tuner_shapes, write_result  # noqa: E402
-from kernels import load_variants, random_layer  # noqa: E402
+from kernels import GROUP, load_variants, random_layer  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table, slot_order_pays  # noqa: E402
 from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
-from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up  # noqa: E402
+from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up, tma_experts  # noqa: E402
 from moeserve.kernels.triton.lowbit_linear import BITS, launch  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 
@@ -135,7 +136,7 @@ def graph_ms(fn, items, replays: int = 10) -> float:
 
 def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, dict]]:
     """(part, config) pairs to time at T tokens before the one-token load variants; tma: the experts can take the
-    one-token TMA gate_up (2/4/8 bits, no compensators)."""
+    one-token TMA kernels (fused_moe_lowbit.tma_experts)."""
     out = []
     for tile in tiles(T, E, k):
         out += [("gate_up", {**tile, "SPLIT_K": 1, "PAIRED": paired}) for paired in (0, 1)]
@@ -199,11 +200,6 @@ def precompile(jobs: list[tuple], workers: int) -> list[str]:
         return [e for e in pool.map(_compile, ordered, chunksize=max(1, len(ordered) // (2 * workers))) if e]
 
 
-def tma_capable(bits: int, rank: int) -> bool:
-    """Whether experts of these bits and compensator rank can take the one-token TMA gate_up on this GPU."""
-    return bits in (2, 4, 8) and rank == 0 and torch.cuda.get_device_capability()[0] >= 9
-
-
 def table_key(name: str, bits: int, rank: int) -> str:
     E, _, D, F = SHAPES[name]
     return lowbit_moe_key(bits, E, D, F, rank > 0)
@@ -225,7 +221,7 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
                 return
             timed[part].append((ms, cfg))
 
-        for part, cfg in jobs_for(T, E, k, D, F, tma_capable(bits, rank)):
+        for part, cfg in jobs_for(T, E, k, D, F, tma_experts(bits, GROUP, rank > 0, torch.device("cuda"))):
             time_job(part, cfg)
         if T == 1:
             for part in ("gate_up", "down"):
@@ -266,7 +262,7 @@ def main(argv=None) -> int:
                  f"{args.bits!r}, {args.tokens!r} and {args.ranks!r}")
     start = time.perf_counter()
     jobs = [(n, b, r, T, part, cfg) for n in shapes for b in bit_list for r in ranks for T in tokens
-            for part, cfg in compile_jobs(T, *SHAPES[n], tma_capable(b, r))]
+            for part, cfg in compile_jobs(T, *SHAPES[n], tma_experts(b, GROUP, r > 0, torch.device("cuda")))]
     errors = precompile(jobs, args.workers)
     print(f"compiled {len({compiled_as(j) for j in jobs})} kernels for {len(jobs)} candidates with {args.workers} "
           f"workers in {time.perf_counter() - start:.0f} s{f' ({len(errors)} failed)' if errors else ''}", flush=True)

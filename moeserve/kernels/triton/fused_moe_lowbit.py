@@ -30,7 +30,7 @@ from moeserve.kernels import triton_interpreting
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
                                                    _tile_rows, _x_steps, check_activation, check_weight,
                                                    kernel_inputs, launch, route_args, routed_tokens, tile_constexprs)
-from moeserve.kernels.triton.pdl import after_previous, dependent_launch
+from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
 
@@ -104,17 +104,19 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
 
 
 @triton.jit
-def _tma_gemv(xw_row, w_desc, s_desc, z_desc, rows, step0, step1, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-              G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
+def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, exp_bits, BITS: tl.constexpr,
+              BLOCK_N: tl.constexpr, G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
               INTERPRET: tl.constexpr):
-    """One row of prepared x (xw_row: prepare_x) times weight rows [rows[j], rows[j] + BLOCK_N) for each of NSUB
-    sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once for all). The
+    """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times weight rows [rows[j], rows[j] + BLOCK_N)
+    for each of NSUB sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once
+    for all). The
     words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and [BLOCK_N, G]
     blocks, STAGES deep in shared memory; rows and steps past the tensors read zeros."""
     VPC: tl.constexpr = 32 // BITS
     CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_one_token)
     CPS: tl.constexpr = G * CPG
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+    xw_row = xw_ptr + (x_row * steps).to(tl.int64) * (XSLOTS * CPS)
     col = _group_cols(tl.arange(0, G), CPG)
     acc = ()
     for _ in tl.static_range(NSUB):
@@ -144,8 +146,8 @@ def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     row_g = tl.load(ids_ptr + slot).to(tl.int32) * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    g, u = _tma_gemv(xw_ptr, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, exp_bits, BITS, BLOCK_N, G, 2,
-                     HALF, STAGES, INTERPRET)
+    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, exp_bits, BITS,
+                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
     offs = n0 + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * F + offs, silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=offs < F)
 
@@ -157,14 +159,11 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
     """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T over K slice pid 1, e = ids[slot]; two sub-tiles
     of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed."""
     after_previous(PDL)
-    VPC: tl.constexpr = 32 // BITS
-    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * 2 * BLOCK_N
     row = tl.load(ids_ptr + slot).to(tl.int32) * D + n0
     step0 = tl.program_id(1) * per_split
-    xw_row = hw_ptr + slot.to(tl.int64) * steps * XSLOTS * (G * 64 // VPC)
-    parts = _tma_gemv(xw_row, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
+    parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
                       tl.minimum(step0 + per_split, steps), exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,16 +173,21 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
             tl.store(y_ptr + slot * D + offs, parts[j], mask=offs < D)
 
 
+def tma_experts(bits: int, group: int, has_lr: bool, device: torch.device) -> bool:
+    """Whether experts can take the one-token TMA kernels at all: 2/4/8 bits (power-of-two words per step), group 64,
+    no compensators, and TMA (Hopper, or the interpreter)."""
+    return (bits in (2, 4, 8) and group == 64 and not has_lr
+            and (triton_interpreting() or (device.type == "cuda" and hopper(device))))
+
+
 def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
     """Whether a projection runs its TMA kernel (_gate_up_tma_kernel, _down_tma_kernel): config TMA, one token in
-    slot order, 2/4/8 bits, no compensators, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
-    groups % 8 == 0) and of at most 256 words, and TMA (Hopper, or the interpreter)."""
-    if not (cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1 and p.u is None
-            and p.bits in (2, 4, 8) and p.group == 64 and cfg["BLOCK_K"] >= 8 * p.group
-            and cfg["BLOCK_K"] * p.bits // 32 <= 256  # a TMA box row holds at most 256 elements
-            and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features):
-        return False
-    return triton_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    slot order, experts tma_experts takes, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
+    groups % 8 == 0) and of at most 256 words."""
+    return bool(cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1
+                and cfg["BLOCK_K"] >= 8 * p.group and cfg["BLOCK_K"] * p.bits // 32 <= 256  # TMA box rows: <= 256
+                and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features
+                and tma_experts(p.bits, p.group, p.u is not None, device))
 
 
 def tma_descriptors(p: StackedLowbit, cfg: dict) -> tuple:
@@ -228,7 +232,8 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
     [T, k] (x the T tokens, h [T*k, F] in slot order)."""
     if tma_one_token(cfg, p, routing, x.device):
-        return launch_gate_up_tma(x, p, h, routing, cfg)
+        launch_gate_up_tma(x, p, h, routing, cfg)
+        return
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
     lr = p.low_rank_inputs(x)

@@ -34,15 +34,20 @@ ENV = "MOESERVE_PDL"  # "0" turns it off (A/B benchmarks, debugging)
 
 
 @functools.cache
-def _capable(index: int) -> bool:
+def _hopper_index(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether a CUDA device has compute capability 9.0 or later (PDL, TMA); asked once per device."""
+    return _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch dependent: CUDA with compute capability >= 9.0, a Triton with grid
     dependency control, not the interpreter, and not switched off with MOESERVE_PDL=0."""
     return (device.type == "cuda" and HAS_GDC and not triton_interpreting() and os.environ.get(ENV, "1") != "0"
-            and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+            and hopper(device))
 
 
 def dependent_launch(device: torch.device) -> dict:
