@@ -116,7 +116,7 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, 
     CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_one_token)
     CPS: tl.constexpr = G * CPG
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
-    xw_row = xw_ptr + (x_row * steps).to(tl.int64) * (XSLOTS * CPS)
+    xw_row = xw_ptr + x_row * steps * (XSLOTS * CPS)  # int32: a slot of one token; ints where Triton specializes 1
     col = _group_cols(tl.arange(0, G), CPG)
     acc = ()
     for _ in tl.static_range(NSUB):
