@@ -39,6 +39,9 @@ GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2)
 # 2..8 rows on CUDA cores: BLOCK_N, BLOCK_K, warps, SUB, BLOCK_M (rows of x per tile; codes decoded once for them)
 GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32, 512, 4, 4, 2), (16, 512, 4, 2, 2)]
 DOT_SWEEP = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4)]  # BN, BK, warps (64 x 256 at 4 warps spills)
+# tensor cores on dequantized tiles, PIPE steps in flight through shared memory (lowbit_linear._dot): BN, BK, warps,
+# PIPE (an H100 probe's best four at 16 and 64 rows of the 4-bit Mixtral FFN shapes)
+PIPED_DOT_SWEEP = [(64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 3), (128, 256, 8, 4)]
 
 
 def load_variants(best: dict) -> list[dict]:
@@ -89,9 +92,10 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
         sweep = [(*tile, 1) for tile in GEMV_SWEEP]
     else:
         sweep = ([tile for tile in GEMV_ROWS_SWEEP if tile[4] <= 2 * M] if M <= 8 else []) + [
-            (*tile, 1, 0) for tile in DOT_SWEEP]  # BLOCK_M 0: tensor cores
+            (*tile, 1, 0) for tile in DOT_SWEEP] + [  # BLOCK_M 0: tensor cores
+            (bn, bk, warps, 1, 0, pipe) for bn, bk, warps, pipe in PIPED_DOT_SWEEP if M > 8]
     out = []
-    for bn, bk, warps, sub, block_m in sweep[:1 if quick else None]:
+    for bn, bk, warps, sub, block_m, *pipe in sweep[:1 if quick else None]:
         auto = split_for(-(-N // bn), -(-K // bk))
         steps = -(-K // bk)
         splits = {auto, 2 * auto, 4 * auto, steps // 2, steps} if M == 1 else {1, 4, auto, 2 * auto}
@@ -101,6 +105,8 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
                 cfg["SUB"] = sub
             if block_m > 1:
                 cfg["BLOCK_M"] = block_m
+            if pipe:
+                cfg["PIPE"] = pipe[0]
             if cfg not in out:
                 out.append(cfg)
     return out

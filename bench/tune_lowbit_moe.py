@@ -49,6 +49,8 @@ GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
+# tensor cores on dequantized tiles with PIPE steps in flight (lowbit_linear._dot): BN, BK, warps, PIPE
+PIPED_DOT = [(64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 256, 4, 4)]
 # one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: 2/4/8 bits, no compensators): BN, BK, warps,
 # stages; down's programs take 2 BN rows
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
@@ -70,6 +72,7 @@ def tiles(T: int, E: int, k: int) -> list[dict]:
                 if m <= max(2, 2 * average)]
     if T >= DOT_MIN_TOKENS:  # the dot on 16-bit codes, scale/zero per group after it (HALF), or on dequantized tiles
         out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **half) for bn, bk, w in DOT for half in ({}, {"HALF": 0})]
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, PIPE=pipe) for bn, bk, w, pipe in PIPED_DOT]
     return [{**t, "num_stages": 3} for t in out]
 
 

@@ -201,9 +201,10 @@ def test_lowbit_linear_fp16_pairs_match_float64(poisoned_outputs, bits, config):
                                         (8, torch.bfloat16)])
 def test_lowbit_linear_tensor_core_codes_match_float64(poisoned_outputs, bits, dtype):
     """16-bit rows on tensor cores: the dot on the exact codes 2^bits + q with scale/zero per group after it rounds
-    once (the output), the dequantize-then-dot path twice (each weight to x's dtype, then the output): error within
+    once (the output), the dequantize-then-dot paths twice (each weight to x's dtype, then the output): error within
     2^-8 per bf16 rounding (the interpreter truncates, so both sat at one rounding's bound in 15 draws); bf16 cannot
-    hold 8-bit codes, so 8-bit bf16 decodes."""
+    hold 8-bit codes, so 8-bit bf16 decodes. PIPE: the pipelined dequantize-then-dot loop over steps of two groups
+    (K = 320: the last step half past the end), the same sums as the register-prefetch loop."""
     from moeserve.kernels.triton.lowbit_linear import lowbit_linear, pair_codes
 
     layer = quantized(70, 320, bits, 64)
@@ -211,14 +212,23 @@ def test_lowbit_linear_tensor_core_codes_match_float64(poisoned_outputs, bits, d
     ref = reference(layer, x)
     codes = pair_codes(bits, dtype, use_dot=True)
     ys = []
-    for half in (1, 0):
+    for half, pipe in ((1, 0), (0, 0), (1, 3)):  # PIPE takes the dequantize path whatever HALF says
         ys.append(lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 320,
-                                config={**SPLIT, "BLOCK_K": 128, "HALF": half}))
+                                config={**SPLIT, "BLOCK_K": 128, "HALF": half, "PIPE": pipe}))
         assert ys[-1].dtype == dtype and not ys[-1].isnan().any()
         err = float((ys[-1].double() - ref).norm() / ref.norm())
-        roundings = 1 if half and codes else 2
-        assert err < roundings * 2 ** -8, (half, err)
-    assert torch.equal(*ys) != codes  # the codes path ran where it applies
+        roundings = 1 if half and codes and not pipe else 2
+        assert err < roundings * 2 ** -8, (half, pipe, err)
+    assert torch.equal(ys[0], ys[1]) != codes  # the codes path ran where it applies
+    if triton_interpreting():  # programs run in order there, so the split-K atomics add in the same order too
+        assert torch.equal(ys[1], ys[2])  # the same sums in the same order
+
+
+def test_pipelined_tensor_core_config_needs_whole_groups():
+    from moeserve.kernels.triton.lowbit_linear import tile_constexprs
+
+    with pytest.raises(ValueError, match="multiple of the group"):
+        tile_constexprs({**SPLIT, "BLOCK_K": 96, "PIPE": 3}, 4, 64, 16, torch.bfloat16, False)
 
 
 def quantized_experts(E, D, F, bits, ranks):
