@@ -347,6 +347,39 @@ def test_lowbit_fused_moe_compiled_matches_the_loop(bits, T):
         assert ((out - ref).norm() / ref.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("T,routing", [(16, "random"), (37, "one_expert"), (64, "two_experts")])
+def test_lowbit_fused_moe_pipelined_dot_tiles_compiled(bits, T, routing):
+    """The MoE's pipelined tensor-core tiles (PIPE: dequantize-then-dot with steps of words, scale/zero and x in
+    flight), gate_up plain and PAIRED, down whole and split-K, on expert-sorted rows with skewed routings (experts
+    with no rows, a row count no tile divides) and compensators on some experts, vs the dequantized float32 loop."""
+    from moeserve.kernels.routing import build_routing_table
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+    from moeserve.model.experts import swiglu
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    E, k, D, F = 8, 2, 1024, 1472  # F: 23 groups, not a multiple of a 256-input step
+    ranks = [0, 8, 0, 16, 0, 0, 0, 0]
+    ex = QuantizedExperts([_random_quantized(2 * F, D, bits, r) for r in ranks],
+                          [_random_quantized(D, F, bits, r) for r in ranks])
+    ids = routing_ids(T, E, k, routing).cuda()
+    table = build_routing_table(ids, torch.rand(T, k, device="cuda"), E)
+    x_sorted = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)[table.token_ids]
+
+    def dense(m, rows):  # dequantized weight + compensator in float32
+        uv = m.compensator(torch.float32)
+        return rows @ m.weight(torch.float32).T + ((rows @ uv[1].T) @ uv[0].T if uv else 0)
+
+    ref = torch.cat([dense(ex.down[e], swiglu(dense(ex.gate_up[e], rows)))
+                     for e, rows in enumerate(x_sorted.float().split(table.counts.tolist()))])
+    for bn, bk, warps, pipe, paired, split in [(64, 256, 4, 3, 0, 1), (128, 256, 8, 3, 1, 4), (32, 256, 4, 4, 1, 2)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, PIPE=pipe)
+        got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table,
+                             {"gate_up": {**cfg, "SPLIT_K": 1, "PAIRED": paired}, "down": {**cfg, "SPLIT_K": split}})
+        assert not got.isnan().any(), cfg
+        assert ((got.float() - ref).norm() / ref.norm()) < 2e-2, cfg
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_lowbit_one_token_tma_compiled(bits):
     """The one-token gate_up and down by TMA (Hopper) at several tiles, pipeline depths and K splits, F not a
