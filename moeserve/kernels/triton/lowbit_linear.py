@@ -220,6 +220,16 @@ def _step_groups(step, last, G: tl.constexpr):
 
 
 @triton.jit
+def _unit_words(a, b, c):
+    """A 3-bit group of two units, its six words loaded as three 8-byte pairs a, b, c [.., 2] -> words 0, 1, 2 of
+    units 0 and 1 side by side, each [.., 2]: (a0, b1), (a1, c0), (b0, c1), regrouped in registers."""
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    c0, c1 = tl.split(c)
+    return tl.join(a0, b1), tl.join(a1, c0), tl.join(b0, c1)
+
+
+@triton.jit
 def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr,
                 WIDE: tl.constexpr):
     """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile (2/4/8 bits: vector loads)
@@ -233,10 +243,7 @@ def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.
             tl.static_assert(BITS == 3 and CPG == 2, "pair loads take 3-bit groups of two units (wide_loads)")
             pair = tiles[j][0][:, None, None] + groups[None, :, None] * (3 * CPG) + tl.arange(0, 2)[None, None, :]
             # pair: [ROWS, G, 2], words 0 and 1 of each group
-            a0, a1 = tl.split(tl.load(pair))
-            b0, b1 = tl.split(tl.load(pair + 2))
-            c0, c1 = tl.split(tl.load(pair + 4))
-            out = out + ((tl.join(a0, b1), tl.join(a1, c0), tl.join(b0, c1)),)
+            out = out + (_unit_words(tl.load(pair), tl.load(pair + 2), tl.load(pair + 4)),)
         else:
             ptr = tiles[j][0][:, None, None] + _group_cols(groups, CPG)[None, :, :] * (3 if BITS == 3 else 1)
             if BITS == 3:
@@ -495,13 +502,21 @@ def _dot_group_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row
                      C: tl.constexpr, G: tl.constexpr):
     """What a pipelined (PIPE) tensor-core step reads: the stored words of its C columns (as _dot_loads) and the
     scale/zero of its G whole groups, [BLOCK_N, G] fp16 (one load per group, not per column: these go through the
-    shared-memory stages)."""
+    shared-memory stages). 3-bit groups of two units load their six words as three 8-byte pairs (_unit_words), not
+    as three 4-byte loads a unit: a third of the copies into shared memory per group."""
     col = step * C + tl.arange(0, C)
     g = step * G + tl.arange(0, G)
     mask = n_mask[:, None] & (g < groups_per_row)[None, :]
     s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    if BITS == 3:
+    if BITS == 3 and C == 2 * G:
+        pair = row_ptr[:, None, None] + g[None, :, None] * 6 + tl.arange(0, 2)[None, None, :]  # [BLOCK_N, G, 2]
+        pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+        units = _unit_words(tl.load(pair, mask=pair_mask, other=0), tl.load(pair + 2, mask=pair_mask, other=0),
+                            tl.load(pair + 4, mask=pair_mask, other=0))
+        stored = (tl.reshape(units[0], (s.shape[0], C)), tl.reshape(units[1], (s.shape[0], C)),
+                  tl.reshape(units[2], (s.shape[0], C)))  # [BLOCK_N, C]: column 2 g + u is unit u of group g
+    elif BITS == 3:
         stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
                   _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
                   _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
