@@ -183,20 +183,35 @@ def _slot_offsets(j, BITS: tl.constexpr):
 
 
 @triton.jit
+def _in_value_order(slots, BITS: tl.constexpr, VPC: tl.constexpr):
+    """A column's VPC decoded slots (_slot_code's order) -> the same tensors in input order, a permutation at compile
+    time: at 3 bits value v sits in slot 5 (v // 10) + v % 5 + 16 ((v // 5) % 2) (_slot_offsets), 15 and 31 for values
+    30 and 31; at 2/4/8 bits slot j is value j. In input order the tensor-core tiles load x as contiguous rows."""
+    vals = ()
+    for v in tl.static_range(VPC):
+        if BITS == 3:
+            vals = vals + (slots[5 * (v // 10) + (v % 5) * (1 - v // 30) + 16 * ((v // 5) % 2) + 16 * (v // 31)],)
+        else:
+            vals = vals + (slots[v],)
+    return vals
+
+
+@triton.jit
 def _dequant_tile(words, s, zs, exp, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
     """Column words [BLOCK_N, C] (a tuple: one word, or a 3-bit unit's four) -> dequantized [BLOCK_N, C * VPC] in
-    dtype, slot j of column c at c * VPC + j: the slots are decoded apart and interleaved in registers."""
+    dtype, in input order (value i of column c at c * VPC + i): the slots are decoded apart and interleaved in
+    registers."""
     vals = ()
     for j in tl.static_range(VPC):
         vals = vals + ((_slot_code(words, exp, j, BITS) * s - zs).to(dtype),)
-    return _interleave(vals, VPC)
+    return _interleave(_in_value_order(vals, BITS, VPC), VPC)
 
 
 @triton.jit
 def _code_tile(words, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr):
     """Column words [BLOCK_N, C] (_column_words) -> the exact codes 2^BITS + q [BLOCK_N, C * VPC] in dtype (fp16 or
-    bf16), slot j of column c at c * VPC + j: a shift + LOP3 per two values (_slot_pair), no scale/zero arithmetic
-    (_dot applies them per group, after the dot)."""
+    bf16), in input order: a shift + LOP3 per two values (_slot_pair), no scale/zero arithmetic (_dot applies them
+    per group, after the dot)."""
     MANT: tl.constexpr = 7 if dtype == tl.bfloat16 else 10
     lo = ()
     hi = ()
@@ -204,7 +219,7 @@ def _code_tile(words, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.con
         lo_p, hi_p = _split_pair(_slot_pair(words, exp2, p, BITS, MANT), dtype)
         lo = lo + (lo_p,)
         hi = hi + (hi_p,)
-    return _interleave(lo + hi, VPC)
+    return _interleave(_in_value_order(lo + hi, BITS, VPC), VPC)
 
 
 @triton.jit
@@ -532,10 +547,9 @@ def _per_column(v, BLOCK_N: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, x_rows, r_mask, step, K, BITS: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr):
-    """x [C * VPC, BLOCK_M] of step `step` in the weight tile's value order (_slot_offsets), zero past K."""
-    kk = tl.arange(0, C * VPC)
-    off = (step * C + kk // VPC) * VPC + _slot_offsets(kk % VPC, BITS)  # [C * VPC] inputs in the tile's order
+def _x_tile(x_ptr, x_rows, r_mask, step, K, C: tl.constexpr, VPC: tl.constexpr):
+    """x [C * VPC, BLOCK_M] of step `step` (the weight tiles are in input order: contiguous loads), zero past K."""
+    off = step * (C * VPC) + tl.arange(0, C * VPC)  # [C * VPC]
     return tl.load(x_ptr + x_rows[None, :].to(tl.int64) * K + off[:, None], mask=(off < K)[:, None] & r_mask[None, :],
                    other=0.0)  # [C * VPC, BLOCK_M]
 
@@ -565,7 +579,7 @@ def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, s
             zs = (z.to(tl.float32) + (1 << BITS)) * s  # _code's values carry 2^BITS
             w = _dequant_tile(_column_words(stored, BITS), _per_column(s, BLOCK_N, G, C),
                               _per_column(zs, BLOCK_N, G, C), exp, x_ptr.dtype.element_ty, BITS, VPC)
-            acc = _dot16(w, _x_tile(x_ptr, x_rows, r_mask, step, K, BITS, C, VPC), acc, PRECISION, INTERPRET)
+            acc = _dot16(w, _x_tile(x_ptr, x_rows, r_mask, step, K, C, VPC), acc, PRECISION, INTERPRET)
     else:
         nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step0, words_per_row, groups_per_row, BITS, GROUP,
                          C, VPC, HALF)
@@ -573,7 +587,7 @@ def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, s
             stored, s, z = nxt
             nxt = _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step + 1, words_per_row, groups_per_row, BITS,
                              GROUP, C, VPC, HALF)
-            xt = _x_tile(x_ptr, x_rows, r_mask, step, K, BITS, C, VPC)
+            xt = _x_tile(x_ptr, x_rows, r_mask, step, K, C, VPC)
             s = s.to(tl.float32)
             if HALF:
                 codes = _code_tile(_column_words(stored, BITS), exp, x_ptr.dtype.element_ty, BITS, VPC)  # [BLOCK_N, GROUP]
