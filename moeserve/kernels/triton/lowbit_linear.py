@@ -477,6 +477,19 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
 
 
 @triton.jit
+def _column_loads(row_ptr, n_mask, col, words_per_row, BITS: tl.constexpr):
+    """The stored words of columns `col` [C] of the packed rows: a tuple of [BLOCK_N, C] int32, one word a column, or
+    a 3-bit unit's three (stride 3), masked past the row."""
+    if BITS == 3:
+        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
+                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
+                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
+    else:
+        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 1, 0),)
+    return stored
+
+
+@triton.jit
 def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
                GROUP: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, HALF: tl.constexpr):
     """What step `step` of the tensor-core path reads from HBM: the stored words of its C columns (a tuple of
@@ -492,13 +505,7 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
         mask = n_mask[:, None] & (g < groups_per_row)[None, :]
         s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
         z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    if BITS == 3:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
-    else:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 1, 0),)
-    return stored, s, z
+    return _column_loads(row_ptr, n_mask, col, words_per_row, BITS), s, z
 
 
 @triton.jit
@@ -515,7 +522,7 @@ def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot_group_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
                      C: tl.constexpr, G: tl.constexpr):
-    """What a pipelined (PIPE) tensor-core step reads: the stored words of its C columns (as _dot_loads) and the
+    """What a pipelined (PIPE) tensor-core step reads: the stored words of its C columns (_column_loads) and the
     scale/zero of its G whole groups, [BLOCK_N, G] fp16 (one load per group, not per column: these go through the
     shared-memory stages). 3-bit groups of two units load their six words as three 8-byte pairs (_unit_words), not
     as three 4-byte loads a unit: a third of the copies into shared memory per group."""
@@ -531,12 +538,8 @@ def _dot_group_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row
                             tl.load(pair + 4, mask=pair_mask, other=0))
         stored = (tl.reshape(units[0], (s.shape[0], C)), tl.reshape(units[1], (s.shape[0], C)),
                   tl.reshape(units[2], (s.shape[0], C)))  # [BLOCK_N, C]: column 2 g + u is unit u of group g
-    elif BITS == 3:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
     else:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 1, 0),)
+        stored = _column_loads(row_ptr, n_mask, col, words_per_row, BITS)
     return stored, s, z
 
 
