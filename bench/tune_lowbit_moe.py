@@ -4,7 +4,7 @@ experts without compensators and (key `_lr`) with rank-32 ones (the low-rank ter
 moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain entry, 0.127 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages), and for 2/4/8-bit experts without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles
+cp.async stages), and for experts of group 64 without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles
 of 1..4 rows of x (each code decoded once for them) sized to the rows an expert gets; 4 tokens and up, tensor-core
 tiles (the dot on 16-bit codes or on dequantized weights). down also tries K splits. Each candidate, and the config
 the dispatch used until now (kept where nothing beats it), is timed as the GPU time of a CUDA graph over rotating
@@ -42,8 +42,8 @@ SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)} 
 TOKENS = (1, 2, 4, 16, 64)
 ROUTINGS = 4  # rotating routings per token count (the experts hit change, as in decode)
 # the H100 winners of a wider first sweep (16 / 32 x 512 sub-tiled GEMVs; 1-2 rows of x per CUDA-core tile; 8-row
-# tiles never won and take 15 s each to compile at 3 bits), and the tiles large enough for 3-bit 8-byte pair loads
-# (lowbit_linear.wide_loads; 1024-input steps won Mixtral's 3-bit experts at one token)
+# tiles never won and take 15 s each to compile at 3 bits), and tiles with a whole group for every thread (a 3-bit
+# plane's two words of a group as one 8-byte vector; 1024-input steps won Mixtral's 3-bit experts at one token)
 # gate_up's BLOCK_N counts h outputs: PAIRED, its tiles hold 2 BLOCK_N weight rows (gate and up in one pipeline)
 GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 512, 4, 2),
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
@@ -51,7 +51,7 @@ ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, w
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
 # tensor cores on dequantized tiles with PIPE steps in flight (lowbit_linear._dot): BN, BK, warps, PIPE
 PIPED_DOT = [(64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 256, 4, 4)]
-# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: 2/4/8 bits, no compensators): BN, BK, warps,
+# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: group 64, no compensators): BN, BK, warps,
 # stages; down's programs take 2 BN rows
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
              (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),

@@ -380,14 +380,16 @@ def test_lowbit_fused_moe_pipelined_dot_tiles_compiled(bits, T, routing):
         assert ((got.float() - ref).norm() / ref.norm()) < 2e-2, cfg
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_lowbit_one_token_tma_compiled(bits):
     """The one-token gate_up and down by TMA (Hopper) at several tiles, pipeline depths and K splits, F not a
-    multiple of gate_up's row blocks and the last expert chosen, against float32 dequantized experts."""
+    multiple of gate_up's row blocks and the last expert chosen, against float32 dequantized experts (3 bits: a
+    block per plane)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0")
     from moeserve.kernels.triton.fused_moe_lowbit import (StackedLowbit, launch_down_tma, launch_gate_up,
                                                            tma_one_token)
+    from moeserve.kernels.triton.lowbit_linear import values_per_column
     from moeserve.model.experts import swiglu
 
     E, D, F = 8, 4096, 1000
@@ -397,10 +399,11 @@ def test_lowbit_one_token_tma_compiled(bits):
     x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[E - 1, 2]], device="cuda")
     ref = torch.stack([swiglu(x.float() @ layers[int(e)].weight(torch.float32).T)[0] for e in ids[0]])  # [2, F]
-    for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (8, 8192 // bits, 4, 2)]:
+    vpc = values_per_column(bits)
+    for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (8, min(256 * vpc, D), 4, 2)]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1)
         assert tma_one_token(cfg, gate_up, ids, x.device)
-        assert not tma_one_token({**cfg, "BLOCK_K": 8192 * 4 // bits}, gate_up, ids, x.device)  # 512-word boxes
+        assert not tma_one_token({**cfg, "BLOCK_K": 512 * vpc}, gate_up, ids, x.device)  # 512-word boxes
         h = torch.full((2, F), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch_gate_up(x, gate_up, h, ids, cfg)
         assert not h.isnan().any(), cfg

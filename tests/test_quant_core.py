@@ -6,7 +6,7 @@ import torch
 
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
-from moeserve.quant.pack import pack, unpack
+from moeserve.quant.pack import pack, planar_from_units, units_from_planar, unpack
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import TensorInfo, assign_ranks, parse_rank_policy, weight_kurtosis
 
@@ -35,15 +35,28 @@ def test_pack_round_trip_every_value(bits):
 
 def test_3bit_layout_is_the_documented_one():
     """Values i and i + 5 of a word 16 bits apart (the GPU kernels decode them as one pair); values 30 and 31 spread
-    over bits 15 and 31 of the three words."""
-    codes = torch.randint(0, 8, (32,), dtype=torch.uint8)
-    words = [int(w) & 0xFFFFFFFF for w in pack(codes, 3)]
-    for k in range(3):
-        for j in range(5):
-            assert (words[k] >> (3 * j)) & 7 == codes[10 * k + j]
-            assert (words[k] >> (16 + 3 * j)) & 7 == codes[10 * k + 5 + j]
-        assert (words[k] >> 15) & 1 == (int(codes[30]) >> k) & 1
-        assert words[k] >> 31 == (int(codes[31]) >> k) & 1
+    over bits 15 and 31 of the unit's three words; rows word-planar (word k of unit u at k * units + u)."""
+    units = 3
+    codes = torch.randint(0, 8, (2, 32 * units), dtype=torch.uint8)
+    for row, packed in zip(codes, pack(codes, 3)):
+        for u in range(units):
+            unit = row[32 * u:32 * (u + 1)]
+            words = [int(packed[k * units + u]) & 0xFFFFFFFF for k in range(3)]
+            for k in range(3):
+                for j in range(5):
+                    assert (words[k] >> (3 * j)) & 7 == unit[10 * k + j]
+                    assert (words[k] >> (16 + 3 * j)) & 7 == unit[10 * k + 5 + j]
+                assert (words[k] >> 15) & 1 == (int(unit[30]) >> k) & 1
+                assert words[k] >> 31 == (int(unit[31]) >> k) & 1
+
+
+def test_3bit_planar_rows_convert_from_the_unit_order():
+    """LAYOUT 2 stored each unit's three words together: planar_from_units is the permutation between the two."""
+    codes = torch.randint(0, 8, (4, 5, 32 * 7), dtype=torch.uint8)
+    planar = pack(codes, 3)
+    by_unit = units_from_planar(planar)
+    assert not torch.equal(by_unit, planar) and torch.equal(planar_from_units(by_unit), planar)
+    assert torch.equal(by_unit.reshape(4, 5, 7, 3)[:, :, 2, 1], planar.reshape(4, 5, 3, 7)[:, :, 1, 2])
 
 
 @pytest.mark.parametrize("bits,n,message", [(5, 32, "widths"), (3, 48, "multiple of 32"), (4, 20, "multiple of 32")])

@@ -103,8 +103,8 @@ def reference(layer, x):
 
 SPLIT = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, SPLIT_K=3)  # fp32 atomics over 3 K slices
 WHOLE = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, SPLIT_K=1)
-# a whole 3-bit group (6 words) per thread of one warp: 16 rows per sub-tile x 2 groups per step; K = 320: 3 steps,
-# the last clamped
+# a whole group per thread of one warp (3 bits: a plane's two words of a group as one 8-byte vector): 16 rows per
+# sub-tile x 2 groups per step; K = 320: 3 steps, the last clamped
 WIDE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=1, SUB=2, SPLIT_K=1)
 
 
@@ -120,12 +120,10 @@ WIDE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=1, SUB=2, SPLIT_K=1)
                                                (33, 320, 64, {**WHOLE, "BLOCK_M": 2, "PIPE": 4}),  # cp.async
                                                (33, 320, 64, WIDE)])
 def test_lowbit_linear_matches_float64(poisoned_outputs, bits, N, K, group, config):
-    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported, tile_constexprs
+    from moeserve.kernels.triton.lowbit_linear import lowbit_linear, supported
 
     if not supported(bits, group):
         pytest.skip("3-bit groups hold whole 32-value units")
-    if config is WIDE:  # the tile the test means to exercise: 8-byte pair loads at 3 bits
-        assert tile_constexprs(config, bits, group, 1, torch.float32, False)["WIDE"] == (bits == 3)
     layer = quantized(N, K, bits, group)
     for M in (1, 3, 16, 17):  # 1 (or a config's BLOCK_M rows): CUDA cores; more: tensor-core tiles of 16 / 32 rows
         x = torch.randn(M, K, device=DEVICE)
@@ -305,27 +303,30 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
         assert torch.equal(got, run({**rows, "PIPE": 0, "HALF": 0}))
 
 
-@pytest.mark.parametrize("bits,dtype,F", [(4, torch.float32, 192), (2, torch.bfloat16, 192), (8, torch.bfloat16, 192),
-                                          (4, torch.bfloat16, 1024), (2, torch.float32, 1024)])
-def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F):
-    """One token, config TMA: words and scale/zero by TMA descriptors, two row blocks per program as two sub-tiles,
-    against the float64 experts. F = 192: gate_up only (a partial last row block of 128; the up rows of the last
-    expert's last block run past the stacked rows and come zero-filled); F = 1024: down too, its 2 steps split in
-    two (fp32 atomics)."""
+@pytest.mark.parametrize("bits,dtype,F,D,BK", [(4, torch.float32, 192, 1024, 512), (2, torch.bfloat16, 192, 1024, 512),
+                                               (8, torch.bfloat16, 192, 1024, 512), (4, torch.bfloat16, 1024, 1024, 512),
+                                               (2, torch.float32, 1024, 1024, 512), (3, torch.float32, 192, 1024, 512),
+                                               (3, torch.bfloat16, 1024, 1536, 1024)])
+def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK):
+    """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
+    per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
+    128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
+    too, its 2 steps split in two (fp32 atomics). D = 1536 in steps of 1024: gate_up's last step is half past the
+    row (at 3 bits its plane blocks run into the next plane and past the row)."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts
 
-    E, k, D = 4, 2, 1024
+    E, k = 4, 2
     ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)],
                           [quantized(D, F, bits, 64) for _ in range(E)])
     ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
     ids[0, 0] = E - 1  # the last expert's rows end the stacked weights
     x = torch.randn(1, D, device=DEVICE, dtype=dtype)
     gate_up, down = ex.stacked(dtype)
-    tma = dict(BLOCK_N=128, BLOCK_K=512, num_warps=4, num_stages=2, TMA=1)
+    tma = dict(BLOCK_N=128, BLOCK_K=BK, num_warps=4, num_stages=2, TMA=1)
     config = {"gate_up": {**tma, "SPLIT_K": 1},
-              "down": ({**tma, "SPLIT_K": 2} if F >= 512
+              "down": ({**tma, "BLOCK_K": 512, "SPLIT_K": 2} if F >= 512
                        else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1))}
     assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
     assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)

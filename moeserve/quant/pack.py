@@ -19,7 +19,8 @@ import torch
 from moeserve.errors import MoeserveError
 
 BITS = (2, 3, 4, 8)
-LAYOUT = 2  # bumped when a width's layout changes (2: 3-bit values paired 16 bits apart; 1 packed them in order)
+LAYOUT = 3  # bumped when a width's layout changes (3: 3-bit rows word-planar; 2: unit after unit, values paired 16
+# bits apart; 1 packed them in order)
 GROUP_VALUES = 32  # values per packing unit: 32 * bits / 32 = `bits` words
 
 
@@ -54,6 +55,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         words = (body << _unit_shifts(c.device)).sum(-1)  # [..., units, 3]
         k = torch.arange(3, device=c.device)
         words = words | (((c[..., 30:31] >> k) & 1) << 15) | (((c[..., 31:32] >> k) & 1) << 31)
+        words = words.transpose(-1, -2)  # [..., 3 words, units]: word-planar
     else:
         per_word = 32 // bits
         c = c.reshape(*codes.shape[:-1], n // per_word, per_word)
@@ -69,7 +71,7 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     w = words.to(torch.int64) & 0xFFFFFFFF  # [..., W] as unsigned
     lead = words.shape[:-1]
     if bits == 3:
-        w = w.reshape(*lead, n // 32, 3)  # [..., units, 3]
+        w = w.reshape(*lead, 3, n // 32).transpose(-1, -2)  # [..., units, 3]
         body = (w.unsqueeze(-1) >> _unit_shifts(w.device)) & 7  # [..., units, 3, 10]
         k = torch.arange(3, device=w.device)
         last = [(((w >> bit) & 1) << k).sum(-1, keepdim=True) for bit in (15, 31)]  # values 30, 31 [..., units, 1]
@@ -78,6 +80,17 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         per_word = 32 // bits
         codes = (w.unsqueeze(-1) >> (torch.arange(per_word, device=w.device) * bits)) & ((1 << bits) - 1)
     return codes.reshape(*lead, n).to(torch.uint8)
+
+
+def planar_from_units(words: torch.Tensor) -> torch.Tensor:
+    """3-bit words [..., 3U] stored unit after unit (LAYOUT 2: the three words of unit 0, then of unit 1, ...) ->
+    the word-planar rows of LAYOUT 3. A permutation: reading older checkpoints costs no quantization."""
+    return words.reshape(*words.shape[:-1], -1, 3).transpose(-1, -2).reshape(words.shape).contiguous()
+
+
+def units_from_planar(words: torch.Tensor) -> torch.Tensor:
+    """Word-planar 3-bit rows [..., 3U] -> the three words of each unit side by side (the CPU kernels' order)."""
+    return words.reshape(*words.shape[:-1], 3, -1).transpose(-1, -2).reshape(words.shape).contiguous()
 
 
 def _unit_shifts(device) -> torch.Tensor:

@@ -8,7 +8,7 @@
 Grid (output block, K slice, expert); experts with no rows return at once, so there is no host sync. In slot order
 with no more slots than experts the last axis is the slot instead (route_args): at one token, no program is spent on
 the experts nobody chose (H100, one token, Mixtral 3-bit block 161 -> 149 us, a 64-expert top-6 4-bit 52 -> 49).
-One token with 2/4/8-bit experts, no compensators and config TMA (tma_one_token): the words, scales and zeros come
+One token with experts of group 64, no compensators and config TMA (tma_one_token): the words, scales and zeros come
 by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
 per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
 probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
@@ -29,7 +29,8 @@ import triton.language as tl
 from moeserve.kernels import triton_interpreting
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
                                                    _tile_rows, _x_steps, check_activation, check_weight,
-                                                   kernel_inputs, launch, route_args, routed_tokens, tile_constexprs)
+                                                   kernel_inputs, launch, route_args, routed_tokens, tile_constexprs,
+                                                   values_per_column)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -64,7 +65,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
                     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
                     SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
-                    WIDE: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr):
+                    PAIRED: tl.constexpr, PDL: tl.constexpr):
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
@@ -89,31 +90,32 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
         if PAIRED:  # one pipeline over the gate rows and their up rows: [2 BLOCK_N, BLOCK_M] -> g, u
             gu = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                        groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, 2 * BLOCK_N, BLOCK_M, C, VPC, AHEAD,
-                       SUB, PIPE, HALF, INTERPRET, WIDE, PAIRED=True)
+                       SUB, PIPE, HALF, INTERPRET, PAIRED=True)
             g, u = tl.split(tl.permute(tl.reshape(gu, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))  # [BLOCK_N, BLOCK_M] each
         else:  # the gate rows, then the up rows
             g = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                       groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET, WIDE)
+                      PIPE, HALF, INTERPRET)
             u = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K, words_per_row,
                       groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET, WIDE)
+                      PIPE, HALF, INTERPRET)
         h = silu_mul(g + lr_g, u + lr_u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
-def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, exp_bits, BITS: tl.constexpr,
-              BLOCK_N: tl.constexpr, G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
-              INTERPRET: tl.constexpr):
+def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, plane, exp_bits,
+              BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr,
+              STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times weight rows [rows[j], rows[j] + BLOCK_N)
     for each of NSUB sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once
-    for all). The
-    words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and [BLOCK_N, G]
-    blocks, STAGES deep in shared memory; rows and steps past the tensors read zeros."""
-    VPC: tl.constexpr = 32 // BITS
-    CPG: tl.constexpr = 64 // VPC  # words per group of 64 (tma_one_token)
+    for all). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and
+    [BLOCK_N, G] blocks, STAGES deep in shared memory; 3-bit words as three such blocks, one per plane (`plane` words
+    apart: a step's 96 words are no power of two, its 32 words of a plane are); rows and steps past the tensors read
+    zeros (a 3-bit step past a plane's end reads the next plane's words: the prepared x there is zero)."""
+    VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
+    CPG: tl.constexpr = 64 // VPC  # columns per group of 64 (tma_one_token)
     CPS: tl.constexpr = G * CPG
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
     xw_row = xw_ptr + x_row * steps * (XSLOTS * CPS)  # int32: a slot of one token; ints where Triton specializes 1
@@ -125,7 +127,12 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, 
         words = ()
         scales = ()
         for j in tl.static_range(NSUB):
-            words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),),)
+            if BITS == 3:
+                words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),
+                                  w_desc.load([rows[j], plane + step * CPS]).reshape(BLOCK_N, G, CPG),
+                                  w_desc.load([rows[j], 2 * plane + step * CPS]).reshape(BLOCK_N, G, CPG)),)
+            else:
+                words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),),)
             scales = scales + ((s_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1),
                                 z_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1)),)
         acc = _sums(acc, words, scales, _x_steps((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
@@ -137,7 +144,7 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, 
 
 
 @triton.jit
-def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps, exp_bits,
+def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps, plane, exp_bits,
                         BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                         STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T) * (x Wu[e]^T), e = ids[slot] (grid axis 2: the k slots,
@@ -146,14 +153,14 @@ def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     row_g = tl.load(ids_ptr + slot).to(tl.int32) * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, exp_bits, BITS,
+    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
                      BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
     offs = n0 + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * F + offs, silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=offs < F)
 
 
 @triton.jit
-def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, per_split, exp_bits,
+def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, per_split, plane, exp_bits,
                      BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                      STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
     """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T over K slice pid 1, e = ids[slot]; two sub-tiles
@@ -164,7 +171,8 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
     row = tl.load(ids_ptr + slot).to(tl.int32) * D + n0
     step0 = tl.program_id(1) * per_split
     parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
-                      tl.minimum(step0 + per_split, steps), exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
+                      tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES,
+                      INTERPRET)
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         if ATOMIC:
@@ -174,32 +182,43 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
 
 
 def tma_experts(bits: int, group: int, has_lr: bool, device: torch.device) -> bool:
-    """Whether experts can take the one-token TMA kernels at all: 2/4/8 bits (power-of-two words per step), group 64,
-    no compensators, and TMA (Hopper, or the interpreter)."""
-    return (bits in (2, 4, 8) and group == 64 and not has_lr
+    """Whether experts can take the one-token TMA kernels at all: group 64, no compensators, and TMA (Hopper, or the
+    interpreter); at 2/4/8 bits a step's words are a power of two, at 3 bits those of each plane."""
+    return (bits in (2, 3, 4, 8) and group == 64 and not has_lr
             and (triton_interpreting() or (device.type == "cuda" and hopper(device))))
 
 
 def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) -> bool:
     """Whether a projection runs its TMA kernel (_gate_up_tma_kernel, _down_tma_kernel): config TMA, one token in
     slot order, experts tma_experts takes, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
-    groups % 8 == 0) and of at most 256 words."""
+    groups % 8 == 0) and of at most 256 columns, and (3 bits) 16-byte planes (units % 4 == 0)."""
     return bool(cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1
-                and cfg["BLOCK_K"] >= 8 * p.group and cfg["BLOCK_K"] * p.bits // 32 <= 256  # TMA box rows: <= 256
+                and cfg["BLOCK_K"] >= 8 * p.group and step_columns(cfg, p.bits) <= 256  # TMA box rows: <= 256
                 and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features
+                and (p.bits != 3 or p.qweight.shape[-1] % 12 == 0)
                 and tma_experts(p.bits, p.group, p.u is not None, device))
 
 
+def step_columns(cfg: dict, bits: int) -> int:
+    """Packed columns (words, or 3-bit units) in a step of cfg's BLOCK_K inputs: a TMA block's width in words."""
+    return cfg["BLOCK_K"] // values_per_column(bits)
+
+
 def tma_descriptors(p: StackedLowbit, cfg: dict) -> tuple:
-    """TMA descriptors of the stacked words [E * N, words] in [BLOCK_N, BLOCK_K * bits / 32] blocks and of the
-    scales and zeros [E * N, groups] in [BLOCK_N, BLOCK_K / group]."""
+    """TMA descriptors of the stacked words [E * N, words] in [BLOCK_N, step_columns] blocks and of the scales and
+    zeros [E * N, groups] in [BLOCK_N, BLOCK_K / group]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     E, N, words = p.qweight.shape
     bn = cfg["BLOCK_N"]
     groups = cfg["BLOCK_K"] // p.group
-    return (TensorDescriptor.from_tensor(p.qweight.view(E * N, words), [bn, cfg["BLOCK_K"] * p.bits // 32]),
+    return (TensorDescriptor.from_tensor(p.qweight.view(E * N, words), [bn, step_columns(cfg, p.bits)]),
             *(TensorDescriptor.from_tensor(t.view(E * N, -1), [bn, groups]) for t in (p.scale, p.zero)))
+
+
+def planes(p: StackedLowbit) -> int:
+    """Words between the planes of a 3-bit row (pack.py), 0 at other widths."""
+    return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
 def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
@@ -208,7 +227,8 @@ def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: 
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg), ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), exp, BITS=p.bits,
+        xw, *tma_descriptors(p, cfg), ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), exp,
+        BITS=p.bits,
         BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3),
         INTERPRET=tile["INTERPRET"], num_warps=cfg["num_warps"], **dependent_launch(x.device))
 
@@ -223,7 +243,7 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     split = triton.cdiv(steps, per_split)
     hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
-        hw, *tma_descriptors(p, cfg), ids, y, D, steps, per_split, exp, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        hw, *tma_descriptors(p, cfg), ids, y, D, steps, per_split, planes(p), exp, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
         G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
         ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 

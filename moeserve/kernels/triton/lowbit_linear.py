@@ -2,7 +2,9 @@
 
 Each program owns BLOCK_N outputs and one of SPLIT_K slices of the input dimension (so that a 4096-output
 matrix still fills every SM). A *column* of a packed row is one word (2/4/8 bits) or one 32-value 3-bit unit,
-read as its three stored words plus a fourth rebuilt from their bits 15 and 31 (values 30 and 31). A column's
+read as its three stored words plus a fourth rebuilt from their bits 15 and 31 (values 30 and 31). 3-bit rows are
+word-planar (pack.py: word t of unit u at t * units + u), so a run of columns is three runs of words, each loaded as
+2/4/8-bit words are. A column's
 values are taken in *slot* order: slot p < VPC / 2 and slot p + VPC / 2 are the two values of pair p, 16 bits
 apart in one word (pack.py: values p and p + VPC / 2 of a 2/4/8-bit word; at 3 bits, values 10t + i and
 10t + i + 5 of word t for pair 5t + i, values 30 and 31 for pair 15). A value becomes the float 2^bits + q with
@@ -11,8 +13,8 @@ one shift (its bits onto the top of the mantissa) and one LOP3 (mask, exponent),
 comes off with the zero (z + 2^bits). A column never spans two groups.
 
     GEMV (one row, or BLOCK_M <= 8 rows by config; CUDA cores): the weight rows are SUB interleaved sub-tiles,
-        each [BLOCK_N / SUB, groups, columns per group], so 2/4/8-bit words load as 16-byte vectors (3-bit ones
-        as 8-byte pairs where each thread holds a whole group: wide_loads) and scale/zero once per (row, group),
+        each [BLOCK_N / SUB, groups, columns per group], so words load as vectors of a group's columns (16 bytes at
+        4 bits, 8 per plane at 3 bits, group 64) and scale/zero once per (row, group),
         in the tile's layout (keep a sub-tile's rows * groups per step below the thread count, or Triton converts
         the tile through shared memory); x comes prepared per step
         (prepare_x: the inputs of each value slot side by side, plus each column's sum of x), so its loads are
@@ -147,10 +149,16 @@ def _pair_sum(h, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_words(row_ptr, n_mask, col, words_per_row, STRIDE: tl.constexpr, T: tl.constexpr):
-    """Word T of each column `col` [C] (STRIDE words per column) of the packed rows: [BLOCK_N, C] int32."""
-    idx = col * STRIDE + T
-    return tl.load(row_ptr[:, None] + idx[None, :], mask=n_mask[:, None] & (idx < words_per_row)[None, :], other=0)
+def _load_words(row_ptr, n_mask, col, cols):
+    """Words `col` [C] (< cols) of the packed rows (or of one 3-bit plane of them): [BLOCK_N, C] int32."""
+    return tl.load(row_ptr[:, None] + col[None, :], mask=n_mask[:, None] & (col < cols)[None, :], other=0)
+
+
+@triton.jit
+def _plane(words_per_row, CPG: tl.constexpr):
+    """Words between the planes of a 3-bit row (its units, pack.py); a multiple of the CPG columns of a group (the
+    input dimension holds whole groups), which lets a group's words of one plane load as one vector."""
+    return tl.multiple_of(words_per_row // 3, CPG)
 
 
 @triton.jit
@@ -235,36 +243,19 @@ def _step_groups(step, last, G: tl.constexpr):
 
 
 @triton.jit
-def _unit_words(a, b, c):
-    """A 3-bit group of two units, its six words loaded as three 8-byte pairs a, b, c [.., 2] -> words 0, 1, 2 of
-    units 0 and 1 side by side, each [.., 2]: (a0, b1), (a1, c0), (b0, c1), regrouped in registers."""
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    c0, c1 = tl.split(c)
-    return tl.join(a0, b1), tl.join(a1, c0), tl.join(b0, c1)
-
-
-@triton.jit
-def _word_loads(tiles, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr, SUB: tl.constexpr,
-                WIDE: tl.constexpr):
-    """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile (2/4/8 bits: vector loads)
-    or a 3-bit unit's three stored words (stride 3). A tuple of SUB stored-word tuples. No mask: rows come clamped.
-    WIDE (3 bits, two units per group): a group's six words load as three 8-byte pairs (a, b, c) and regroup in
-    registers, words t of units 0 and 1 being (a0, b1), (a1, c0), (b0, c1) (wide_loads says where it pays)."""
+def _word_loads(tiles, plane, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
+                SUB: tl.constexpr):
+    """The packed words step `step` reads from HBM, per sub-tile: one [ROWS, G, CPG] tile of words (vector loads),
+    three at 3 bits (a unit's stored words, one per plane, `plane` words apart). A tuple of SUB stored-word tuples.
+    No mask: rows come clamped."""
     groups = _step_groups(step, last, G)  # [G]
     out = ()
     for j in tl.static_range(SUB):
-        if WIDE:
-            tl.static_assert(BITS == 3 and CPG == 2, "pair loads take 3-bit groups of two units (wide_loads)")
-            pair = tiles[j][0][:, None, None] + groups[None, :, None] * (3 * CPG) + tl.arange(0, 2)[None, None, :]
-            # pair: [ROWS, G, 2], words 0 and 1 of each group
-            out = out + (_unit_words(tl.load(pair), tl.load(pair + 2), tl.load(pair + 4)),)
+        ptr = tiles[j][0][:, None, None] + _group_cols(groups, CPG)[None, :, :]  # [ROWS, G, CPG]
+        if BITS == 3:
+            out = out + ((tl.load(ptr), tl.load(ptr + plane), tl.load(ptr + 2 * plane)),)
         else:
-            ptr = tiles[j][0][:, None, None] + _group_cols(groups, CPG)[None, :, :] * (3 if BITS == 3 else 1)
-            if BITS == 3:
-                out = out + ((tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2)),)
-            else:
-                out = out + ((tl.load(ptr),),)
+            out = out + ((tl.load(ptr),),)
     return out
 
 
@@ -281,10 +272,10 @@ def _scale_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, SUB: tl.const
 
 
 @triton.jit
-def _step_loads(tiles, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
-                SUB: tl.constexpr, WIDE: tl.constexpr):
+def _step_loads(tiles, plane, s_ptr, z_ptr, step, last, G: tl.constexpr, CPG: tl.constexpr, BITS: tl.constexpr,
+                SUB: tl.constexpr):
     """Everything step `step` reads from HBM: (_word_loads, _scale_loads)."""
-    return (_word_loads(tiles, step, last, G, CPG, BITS, SUB, WIDE),
+    return (_word_loads(tiles, plane, step, last, G, CPG, BITS, SUB),
             _scale_loads(tiles, s_ptr, z_ptr, step, last, G, SUB))
 
 
@@ -418,7 +409,7 @@ def _interleave(parts, N: tl.constexpr):
 def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, words_per_row, groups_per_row,
           exp, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, CPG: tl.constexpr, VPC: tl.constexpr,
           AHEAD: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-          INTERPRET: tl.constexpr, PAIRED: tl.constexpr, WIDE: tl.constexpr):
+          INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
     """Rows x_rows [M] of x (all in range: masked rows repeat a real one) times steps [step0, step1) of BLOCK_N weight
     rows from n0 (_weight_rows), on CUDA cores, a step = G whole groups of CPG columns: [BLOCK_N, M] fp32.
 
@@ -439,6 +430,7 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
     col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB, PAIRED)
+    plane = _plane(words_per_row, CPG)  # 3 bits
     x_row_ptrs = ()
     acc = ()
     for m in tl.static_range(M):
@@ -449,18 +441,18 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
     if PIPE > 1:
         scales = _scale_loads(tiles, s_ptr, z_ptr, step0, last, G, SUB)
         for step in tl.range(step0, step1, num_stages=PIPE):
-            words = _word_loads(tiles, step, last, G, CPG, BITS, SUB, WIDE)
+            words = _word_loads(tiles, plane, step, last, G, CPG, BITS, SUB)
             cur = scales
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
             acc = _sums(acc, words, cur, _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
                         HALF, INTERPRET)
     else:
-        nxt = _step_loads(tiles, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB, WIDE)
+        nxt = _step_loads(tiles, plane, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
         if AHEAD == 2:
-            nxt2 = _step_loads(tiles, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB, WIDE)
+            nxt2 = _step_loads(tiles, plane, s_ptr, z_ptr, step0 + 1, last, G, CPG, BITS, SUB)
         for step in range(step0, step1):
             cur = nxt
-            fresh = _step_loads(tiles, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB, WIDE)  # in flight from now
+            fresh = _step_loads(tiles, plane, s_ptr, z_ptr, step + AHEAD, last, G, CPG, BITS, SUB)  # in flight from now
             if AHEAD == 2:
                 nxt, nxt2 = nxt2, fresh
             else:
@@ -477,15 +469,15 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
 
 
 @triton.jit
-def _column_loads(row_ptr, n_mask, col, words_per_row, BITS: tl.constexpr):
-    """The stored words of columns `col` [C] of the packed rows: a tuple of [BLOCK_N, C] int32, one word a column, or
-    a 3-bit unit's three (stride 3), masked past the row."""
+def _column_loads(row_ptr, n_mask, col, words_per_row, BITS: tl.constexpr, CPG: tl.constexpr):
+    """The stored words of columns `col` [C] of the packed rows (CPG columns a group): a tuple of [BLOCK_N, C] int32,
+    one word a column, or a 3-bit unit's three (one per plane), masked past the row."""
     if BITS == 3:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 3, 0),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 1),
-                  _load_words(row_ptr, n_mask, col, words_per_row, 3, 2))
+        plane = _plane(words_per_row, CPG)
+        stored = (_load_words(row_ptr, n_mask, col, plane), _load_words(row_ptr + plane, n_mask, col, plane),
+                  _load_words(row_ptr + 2 * plane, n_mask, col, plane))
     else:
-        stored = (_load_words(row_ptr, n_mask, col, words_per_row, 1, 0),)
+        stored = (_load_words(row_ptr, n_mask, col, words_per_row),)
     return stored
 
 
@@ -505,7 +497,7 @@ def _dot_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, grou
         mask = n_mask[:, None] & (g < groups_per_row)[None, :]
         s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
         z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    return _column_loads(row_ptr, n_mask, col, words_per_row, BITS), s, z
+    return _column_loads(row_ptr, n_mask, col, words_per_row, BITS, GROUP // VPC), s, z
 
 
 @triton.jit
@@ -522,25 +514,15 @@ def _dot16(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot_group_loads(row_ptr, s_ptr, z_ptr, grp_ptr, n_mask, step, words_per_row, groups_per_row, BITS: tl.constexpr,
                      C: tl.constexpr, G: tl.constexpr):
-    """What a pipelined (PIPE) tensor-core step reads: the stored words of its C columns (_column_loads) and the
-    scale/zero of its G whole groups, [BLOCK_N, G] fp16 (one load per group, not per column: these go through the
-    shared-memory stages). 3-bit groups of two units load their six words as three 8-byte pairs (_unit_words), not
-    as three 4-byte loads a unit: a third of the copies into shared memory per group."""
+    """What a pipelined (PIPE) tensor-core step reads: the stored words of its C columns (_column_loads: vectors of
+    whole groups, per plane at 3 bits) and the scale/zero of its G whole groups, [BLOCK_N, G] fp16 (one load per
+    group, not per column: these go through the shared-memory stages)."""
     col = step * C + tl.arange(0, C)
     g = step * G + tl.arange(0, G)
     mask = n_mask[:, None] & (g < groups_per_row)[None, :]
     s = tl.load(s_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + grp_ptr[:, None] + g[None, :], mask=mask, other=0.0)
-    if BITS == 3 and C == 2 * G:
-        pair = row_ptr[:, None, None] + g[None, :, None] * 6 + tl.arange(0, 2)[None, None, :]  # [BLOCK_N, G, 2]
-        pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
-        units = _unit_words(tl.load(pair, mask=pair_mask, other=0), tl.load(pair + 2, mask=pair_mask, other=0),
-                            tl.load(pair + 4, mask=pair_mask, other=0))
-        stored = (tl.reshape(units[0], (s.shape[0], C)), tl.reshape(units[1], (s.shape[0], C)),
-                  tl.reshape(units[2], (s.shape[0], C)))  # [BLOCK_N, C]: column 2 g + u is unit u of group g
-    else:
-        stored = _column_loads(row_ptr, n_mask, col, words_per_row, BITS)
-    return stored, s, z
+    return _column_loads(row_ptr, n_mask, col, words_per_row, BITS, C // G), s, z
 
 
 @triton.jit
@@ -629,7 +611,7 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
 def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
           BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr, WIDE: tl.constexpr,
+          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
           PAIRED: tl.constexpr = False):
     """Rows x_rows [BLOCK_M] of x (_tile_rows) times BLOCK_N weight rows from n0 (_weight_rows: rows [n0, n_end), or
     PAIRED, BLOCK_N / 2 gate rows then their up rows): acc [BLOCK_N, BLOCK_M] fp32."""
@@ -641,7 +623,7 @@ def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1
     else:  # CUDA cores: x_ptr is the prepared x [rows, steps, VPC + 1, C] (prepare_x)
         acc = _gemv(x_ptr, x_rows, w_base, s_base, z_base, n0, n_end, step0, step1, tl.cdiv(K, C * VPC),
                     words_per_row, groups_per_row, exp, BITS, BLOCK_N, C * VPC // GROUP, GROUP // VPC, VPC, AHEAD,
-                    SUB, BLOCK_M, PIPE, HALF, INTERPRET, PAIRED, WIDE)
+                    SUB, BLOCK_M, PIPE, HALF, INTERPRET, PAIRED)
     return acc
 
 
@@ -706,7 +688,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
                    USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
-                   INTERPRET: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
+                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
@@ -726,7 +708,7 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
         acc = _tile(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
                     z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
                     groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                    PIPE, HALF, INTERPRET, WIDE) + lr
+                    PIPE, HALF, INTERPRET) + lr
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -927,22 +909,11 @@ def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dt
     half = pair_codes(bits, dtype, use_dot) and bool(cfg.get("HALF", 1)) and not pipelined_dot
     if use_dot and half:
         block_k = group  # a step is one group: its scale/zero apply to the step's dot
-    sub_rows = cfg["BLOCK_N"] * (2 if cfg.get("PAIRED") else 1) // cfg.get("SUB", 1)
     return dict(BITS=bits, GROUP=group, USE_DOT=use_dot, HAS_LR=has_lr, HALF=half,
                 INTERPRET=triton_interpreting(),
-                WIDE=wide_loads(bits, group, use_dot, sub_rows, block_k, cfg["num_warps"]),
                 PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_N=cfg["BLOCK_N"], BLOCK_M=block_m,
                 BLOCK_K=block_k, BLOCK_R=cfg.get("BLOCK_R", 32), AHEAD=cfg.get("AHEAD", 1), SUB=cfg.get("SUB", 1),
                 PIPE=cfg.get("PIPE", 0), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3))
-
-
-def wide_loads(bits: int, group: int, use_dot: bool, sub_rows: int, block_k: int, num_warps: int) -> bool:
-    """Whether a CUDA-core tile loads its 3-bit words as 8-byte pairs (_word_loads WIDE): for groups of two units,
-    where a sub-tile (sub_rows rows x block_k inputs) has a whole group for every thread. Then it takes fewer
-    instructions and registers than three 4-byte loads per unit, with no shared-memory round trip (sm_90, MoE
-    gate_up, 32 x 1024 tile of 4 sub-tiles: 145 vs 168 registers, 1720 vs 1920 instructions); with fewer groups than
-    threads the pairs would be spread through shared memory (16 x 512 of 2: 91 vs 72 registers)."""
-    return bits == 3 and group == 64 and not use_dot and sub_rows * (block_k // group) >= 32 * num_warps
 
 
 def routed_tokens(routing) -> int:
