@@ -13,7 +13,7 @@ from moeserve.checkpoint import CheckpointReader, read_tensor
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
-from moeserve.quant.compress import install_quantized_modules, read_manifest
+from moeserve.quant.compress import install_quantized_modules, read_manifest, stored_to_current
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
 
@@ -92,6 +92,7 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     (a tuple of slices) of the stored tensor to read, None for all of it: a tensor-parallel rank reads only
     its slice, and the tensor's meta shape is that of the slice."""
     spec = model.spec
+    manifest = read_manifest(reader.path)  # None for a float checkpoint
     tensors = [t for t in _tensors_to_load(model) if skip is None or not skip(t[0][0])]
     for names, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
                                        leave=False, delay=1.0):
@@ -99,6 +100,8 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
         t = read_tensor(reader, name, spec.family, spec.num_experts, None if index_of is None else index_of(name))
         if tuple(t.shape) != tuple(meta.shape):
             raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
+        if is_buffer:
+            t = stored_to_current(manifest, name, t)  # an older format's 3-bit rows, in this moeserve's layout
         # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
         t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
         t = t if is_buffer else nn.Parameter(t, requires_grad=False)

@@ -14,6 +14,7 @@ from moeserve.offload.experts import enable_offload
 from moeserve.offload.policies import POLICIES, Policy
 from moeserve.offload.simulate import simulate
 from moeserve.offload.store import META_FILE, ExpertStore
+from moeserve.quant.pack import units_from_planar
 from moeserve.errors import MoeserveError
 
 
@@ -81,11 +82,37 @@ def test_store_round_trip(tiny, tmp_path):
     three = ExpertStore.from_model(moeserve.load_model(path), low_bits=3, group=16)
     three.save(tmp_path / "s3")
     assert ExpertStore.open(tmp_path / "s3").meta["low_bits"] == 3
-    meta = json.loads((tmp_path / "s3" / META_FILE).read_text())
+
+
+def test_store_of_older_3bit_layouts(tiny, tmp_path):
+    """Layout 2 (3-bit rows unit after unit) is read through a permutation; layout 1 (codes in order) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny
+    three = ExpertStore.from_model(moeserve.load_model(path), low_bits=3, group=16)
+    three.save(tmp_path / "s")
+    moved = 0
+    for f in (tmp_path / "s").glob("*.safetensors"):
+        state = load_file(f)
+        old = {k: units_from_planar(t) if k.endswith(".qweight") else t for k, t in state.items()}
+        moved += sum(not torch.equal(old[k], state[k]) for k in state)
+        save_file(old, f)
+    assert moved  # rows of several units: the stored words differ from those of layout 3
+    meta = json.loads((tmp_path / "s" / META_FILE).read_text())
+    (tmp_path / "s" / META_FILE).write_text(json.dumps({**meta, "pack_layout": 2}))
+    older = ExpertStore.open(tmp_path / "s")
+    first = older.meta["layers"][0]
+    assert older.host_parts(first, 0, True)[0] is older.host_parts(first, 0, True)[0]  # converted once (CpuExperts)
+    older.save(tmp_path / "resaved")  # written in this moeserve's layout
+    for store in (older, ExpertStore.open(tmp_path / "resaved")):
+        for layer in three.meta["layers"]:
+            for e in range(three.meta["num_experts"]):
+                for a, b in zip(three.host_parts(layer, e, True), store.host_parts(layer, e, True)):
+                    assert torch.equal(a, b)
     del meta["pack_layout"]  # a store of the first 3-bit layout (codes in order)
-    (tmp_path / "s3" / META_FILE).write_text(json.dumps(meta))
+    (tmp_path / "s" / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(MoeserveError, match="offload-prepare"):
-        ExpertStore.open(tmp_path / "s3")
+        ExpertStore.open(tmp_path / "s")
 
 
 def test_budget_planner():

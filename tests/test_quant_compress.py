@@ -1,6 +1,7 @@
 """Compressed checkpoints: quantize -> write -> load gives the in-memory quantized model; resumable; errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.quant import compress
 from moeserve.quant.compress import MANIFEST, QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
+from moeserve.quant.pack import units_from_planar
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
 
@@ -32,10 +34,36 @@ def test_8bit_rtn_matches_float_model(hf_checkpoints, tmp_path):
     assert torch.equal(logits(moeserve.load_model(tmp_path / "q8"), tokens), a)
 
 
-def downgrade_manifest(path):
-    """Mark a compressed checkpoint as written by the first format (3-bit codes packed in order)."""
+def downgrade_manifest(path, found="moeserve-quant-1"):
+    """Mark a compressed checkpoint as written by an earlier format (default the first: 3-bit codes in order)."""
     f = path / MANIFEST
-    f.write_text(json.dumps({**json.loads(f.read_text()), "format": "moeserve-quant-1"}))
+    f.write_text(json.dumps({**json.loads(f.read_text()), "format": found}))
+
+
+def test_format_2_checkpoint_loads_its_3bit_rows_unit_after_unit(hf_checkpoints, tmp_path):
+    """Format 2 stored 3-bit weights and INT3 compensator codes unit after unit: made word-planar on load, so the
+    model computes exactly what the format-3 checkpoint does (and would not, read as format 3)."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = hf_checkpoints["mixtral"]
+    cfg = QuantConfig(bits=3, group=16, method="milo", ranks="uniform:4", compensator_bits=3)
+    quantize_checkpoint(path, tmp_path / "q3", cfg, progress=False)
+    shutil.copytree(tmp_path / "q3", tmp_path / "q2")
+    moved = set()  # buffers whose words the rewrite moved (rows of one unit are the same in both layouts)
+    for shard in (tmp_path / "q2").glob("*.safetensors"):
+        state = load_file(shard)
+        for name, t in state.items():
+            if name.rsplit(".", 1)[1] in ("qweight", "comp_u_q", "comp_v_q"):
+                state[name] = units_from_planar(t)
+                if not torch.equal(state[name], t):
+                    moved.add(name.rsplit(".", 1)[1])
+        save_file(state, shard)
+    assert moved == {"qweight", "comp_u_q", "comp_v_q"}
+    tokens = torch.randint(3, 97, (2, 9))
+    expected = logits(moeserve.load_model(tmp_path / "q3"), tokens)
+    assert not torch.allclose(logits(moeserve.load_model(tmp_path / "q2"), tokens), expected)  # read as format 3
+    downgrade_manifest(tmp_path / "q2", "moeserve-quant-2")
+    assert torch.equal(logits(moeserve.load_model(tmp_path / "q2"), tokens), expected)
 
 
 @pytest.mark.parametrize("method,ranks,cbits", [("hqq", "", 16), ("milo", "dense=16,experts=kurtosis:8", 8),
@@ -71,9 +99,11 @@ def test_checkpoint_round_trip_equals_in_memory_quantized_model(hf_checkpoints, 
         moeserve.load_model(tmp_path / "q")
 
 
-def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("first_format", [compress.FORMAT, compress.UNITS_FORMAT])
+def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path, monkeypatch, first_format):
+    """A run interrupted by this moeserve resumes; one left by a moeserve of another format starts over."""
     _, path = hf_checkpoints["olmoe"]
-    cfg = QuantConfig(bits=4, group=8, method="rtn")
+    cfg = QuantConfig(bits=3, group=8, method="rtn")
     real = compress.quantize_tensor
     spec = moeserve.ModelSpec.from_dir(path)
     per_layer = len([t for t in linear_tensors(spec) if t.layer == 0])
@@ -86,12 +116,16 @@ def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path
         return real(*args, **kw)
 
     monkeypatch.setattr(compress, "quantize_tensor", flaky)
+    current = compress.FORMAT
+    monkeypatch.setattr(compress, "FORMAT", first_format)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(path, tmp_path / "q", cfg, progress=False)
     assert not (tmp_path / "q").exists() and (tmp_path / "q.partial" / "layer-00000.safetensors").is_file()
+    monkeypatch.setattr(compress, "FORMAT", current)
     calls["n"] = -10**9  # no more failures; count what the resumed run does
     quantize_checkpoint(path, tmp_path / "q", cfg, progress=False)
-    assert calls["n"] + 10**9 == (spec.num_layers - 1) * per_layer  # layer 0 is not redone
+    redone = 0 if first_format == current else 1  # layer 0 of another format's job is quantized again
+    assert calls["n"] + 10**9 == (spec.num_layers - 1 + redone) * per_layer
     assert not (tmp_path / "q.partial").exists()
     moeserve.load_model(tmp_path / "q")
 

@@ -20,6 +20,7 @@ from moeserve.quant.qlinear import QuantizedLinear
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
 PROJECTIONS = ("gate_up", "down")
+UNITS_LAYOUT = 2  # pack.py layout whose 3-bit rows are read by a permutation (pack.planar_from_units)
 
 
 def _layer_file(path: Path, layer: int) -> Path:
@@ -90,27 +91,36 @@ class ExpertStore:
 
     @classmethod
     def open(cls, path: str | Path) -> "ExpertStore":
-        """Memory-map a saved store: nothing is read until an expert is loaded."""
+        """Memory-map a saved store: nothing is read until an expert is loaded. A 3-bit store of pack layout 2
+        is read too: each 3-bit weight is made word-planar when first read, then kept in RAM."""
         path = Path(path)
         if not (path / META_FILE).is_file():
             raise MoeserveError(f"{path} is not an expert store (no {META_FILE})")
         meta = json.loads((path / META_FILE).read_text())
-        if meta["low_bits"] == 3 and meta.get("pack_layout", 1) != pack.LAYOUT:
-            raise MoeserveError(f"{path} holds 3-bit experts in an older bit layout that this moeserve no longer "
-                                f"reads; build the store again with `moeserve offload-prepare`")
-        handles = {layer: safe_open(str(_layer_file(path, layer)), framework="pt") for layer in meta["layers"]}
+        layout = meta.get("pack_layout", 1)
+        from_units = meta["low_bits"] == 3 and layout == UNITS_LAYOUT  # 3-bit rows made word-planar as read
+        if meta["low_bits"] == 3 and layout not in (UNITS_LAYOUT, pack.LAYOUT):
+            raise MoeserveError(f"{path} holds 3-bit experts in a bit layout ({layout}) that this moeserve does not "
+                                f"read; build the store again with `moeserve offload-prepare`")
+        meta["pack_layout"] = pack.LAYOUT  # what this store hands out (and save() writes)
 
         class _Mapped:
             def __init__(self, handle):
-                self.handle = handle
+                self.handle, self.converted = handle, {}
 
             def __getitem__(self, name):
-                return self.handle.get_tensor(name)
+                if not (from_units and name.endswith(".qweight")):
+                    return self.handle.get_tensor(name)
+                if name not in self.converted:  # once, then kept in RAM: its address keys the CPU kernels' repack
+                    self.converted[name] = pack.planar_from_units(self.handle.get_tensor(name))
+                return self.converted[name]
 
             def __iter__(self):
                 return iter(self.handle.keys())
 
-        return cls(meta, lambda layer: _Mapped(handles[layer]))
+        mapped = {layer: _Mapped(safe_open(str(_layer_file(path, layer)), framework="pt"))
+                  for layer in meta["layers"]}
+        return cls(meta, mapped.__getitem__)
 
     # ---- reading one expert ----------------------------------------------------------------------
     def part_names(self, expert: int, low: bool) -> list[str]:

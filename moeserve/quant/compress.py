@@ -22,13 +22,15 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, read_tensor, save
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
+from moeserve.quant.pack import planar_from_units
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 from moeserve.quant.ranks import TensorInfo, assign_ranks, expert_frequency, parse_rank_policy, weight_kurtosis
 from moeserve.spec import ModelSpec
 
 MANIFEST = "moeserve_quant.json"
-FORMAT = "moeserve-quant-2"  # 2: pack.py's 3-bit layout pairs values 16 bits apart
-FIRST_FORMAT = "moeserve-quant-1"  # the same but for 3-bit codes, packed in order
+FORMAT = "moeserve-quant-3"  # 3: 3-bit rows word-planar (pack.py LAYOUT 3)
+UNITS_FORMAT = "moeserve-quant-2"  # the same but 3-bit rows unit after unit: made word-planar on load
+FIRST_FORMAT = "moeserve-quant-1"  # the same but 3-bit codes packed in order: not read at 3 bits
 METHODS = ("rtn", "hqq", "milo")
 KINDS = ("attention", "shared_expert", "dense_ffn", "expert")
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -182,7 +184,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, cfg: QuantConfig, *, f
     if partial.exists():
         old = json.loads((partial / "job.json").read_text()) if (partial / "job.json").is_file() else None
         if old != job:
-            shutil.rmtree(partial)  # a different job's leftovers: start over
+            shutil.rmtree(partial)  # a different job's leftovers (another source, config or format): start over
     partial.mkdir(parents=True, exist_ok=True)
     (partial / "job.json").write_text(json.dumps(job))
 
@@ -275,11 +277,24 @@ def read_manifest(path: Path) -> dict | None:
     found = manifest.get("format")
     if found == FIRST_FORMAT and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
         raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of {FIRST_FORMAT}, which this moeserve "
-                            f"no longer reads ({FORMAT} pairs the values for the GPU kernels); quantize the source "
-                            f"checkpoint again with `moeserve quantize`")
-    if found not in (FIRST_FORMAT, FORMAT):
-        raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r}")
+                            f"no longer reads (later formats pair the values for the GPU kernels); quantize the "
+                            f"source checkpoint again with `moeserve quantize`")
+    if found not in (FIRST_FORMAT, UNITS_FORMAT, FORMAT):
+        raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r} and the earlier "
+                            f"{UNITS_FORMAT!r} and {FIRST_FORMAT!r}")
     return manifest
+
+
+def stored_to_current(manifest: dict | None, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Tensor `name` as stored in a compressed checkpoint -> as this moeserve holds it. Format 2 stored 3-bit rows
+    (packed weights, INT3 compensator codes) unit after unit: a permutation makes them word-planar, so older
+    checkpoints load without quantizing again."""
+    if not manifest or manifest["format"] != UNITS_FORMAT:
+        return t
+    leaf = name.rsplit(".", 1)[1]  # a QuantizedLinear buffer (see milo.compensator_buffers for the comp_ names)
+    three_bit = ((leaf == "qweight" and manifest["bits"] == 3)
+                 or (leaf in ("comp_u_q", "comp_v_q") and manifest["compensator_bits"] == 3))
+    return planar_from_units(t) if three_bit else t
 
 
 def install_quantized_modules(model: nn.Module, manifest: dict) -> None:

@@ -2,8 +2,9 @@
 
 Weights come in the pack.py codes, repacked once so that each SIMD lane is one output row: the words of
 output rows o..o+V-1 are interleaved ([out / V, words per row, V] int32, see gemv.py). One unit of 32
-input values is `bits` words per lane for every width (3-bit: 10 + 10 + 10 values and the last two from
-the top bit pairs), so the same loop serves 2/3/4/8 bits.
+input values is `bits` consecutive words per lane for every width (3-bit: 10 + 10 + 10 values and the last
+two from the top bit pairs; gemv.py puts pack.py's word-planar 3-bit rows unit after unit, word k of unit u at
+3u + k), so the same loop serves 2/3/4/8 bits.
 
 The arithmetic uses y = sum_g s_g (<x_g, q_g> - z_g <x_g, 1>): the inner loop is shift, mask,
 int->float and one FMA per row of the register tile (where a register permute can index a table of the
@@ -98,8 +99,8 @@ def uses_lut(isa: str, bits: int) -> bool:
 
 def _code_source(bits: int, i: int, t: int) -> tuple[str, int]:
     """(vector, bit offset) holding code i (0..31) of the current unit for output vector t: word i // n at
-    (i % n) * bits; 3 bits (pack.py): value 10k + j of word k at bit 3j (j < 5) or 16 + 3(j - 5), values 30 and
-    31 at bits 0 and 16 of the rebuilt rest{t}."""
+    (i % n) * bits; 3 bits (pack.py's bits, words unit after unit): value 10k + j of the unit's word k at bit 3j
+    (j < 5) or 16 + 3(j - 5), values 30 and 31 at bits 0 and 16 of the rebuilt rest{t}."""
     if bits != 3:
         word, j = divmod(i, 32 // bits)
         return f"q{t}_{word}", j * bits
@@ -137,7 +138,7 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
     L += [f"    VF ga{r}_{t} = ZERO();" for r in R for t in T]
     L += ["    for (int u = 0; u < units; u++) {",
           "      const int k = g * group + u * 32;",
-          f"      const size_t word = (size_t)(k / 32) * {bits};"]
+          f"      const size_t word = (size_t)(k / 32) * {bits};"]  # the unit's words, side by side (gemv.py)
     for t in T:
         base = f"w + ((size_t)(ob + {t}) * W + word) * {lanes}"
         L += [f"      const VI q{t}_{j} = LOADI({base} + {j * lanes});" for j in range(bits)]

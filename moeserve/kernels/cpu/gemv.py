@@ -4,6 +4,8 @@ the fallback decision used by QuantizedLinear.
 Repacked layout (one-time, at the first CPU call): the pack.py words of output rows o..o+V-1 are
 interleaved so that one vector load gives the same word of V rows ([out/V, words, V] int32); the fp16
 scales and zeros likewise ([out/V, groups, V]). Outputs are padded to whole tiles with zero scales.
+3-bit rows are first put unit after unit (pack.units_from_planar: a unit's three words side by side, where
+pack.py stores them word-planar), so a kernel reads each 32-value unit from consecutive words at every width.
 """
 
 from __future__ import annotations
@@ -72,9 +74,11 @@ def supports(in_features: int, group: int, bits: int) -> bool:
 def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                  kernel: CpuKernel, packed_words: bool = False) -> PackedForCpu:
     """From uint8 codes [out, in] (or pack.py words [out, in*bits/32]) to the kernel's layout."""
-    from moeserve.quant.pack import pack
+    from moeserve.quant.pack import pack, units_from_planar
 
     words = codes_or_words if packed_words else pack(codes_or_words, bits)
+    if bits == 3:
+        words = units_from_planar(words)  # word 3u + k = word k of unit u, as the kernels index it
     out, W = words.shape
     in_features = W * 32 // bits
     if not supports(in_features, group, bits):
