@@ -4,7 +4,7 @@ experts without compensators and (key `_lr`) with rank-32 ones (the low-rank ter
 moves the best tile: Mixtral 3-bit, one token, H100: 0.142 ms with the plain entry, 0.127 with its own).
 
 Candidates: one token, CUDA-core GEMV tiles (then the best with two steps of register prefetch, or with 3 or 4
-cp.async stages), and for experts of group 64 without compensators tiles fed by TMA; 2..16 tokens, CUDA-core tiles
+cp.async stages), and for experts of group 64 tiles fed by TMA; 2..16 tokens, CUDA-core tiles
 of 1..4 rows of x (each code decoded once for them) sized to the rows an expert gets; 4 tokens and up, tensor-core
 tiles (the dot on 16-bit codes or on dequantized weights). down also tries K splits. Each candidate, and the config
 the dispatch used until now (kept where nothing beats it), is timed as the GPU time of a CUDA graph over rotating
@@ -51,7 +51,7 @@ ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, w
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
 # tensor cores on dequantized tiles with PIPE steps in flight (lowbit_linear._dot): BN, BK, warps, PIPE
 PIPED_DOT = [(64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 256, 4, 4)]
-# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: group 64, no compensators): BN, BK, warps,
+# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: group 64): BN, BK, warps,
 # stages; down's programs take 2 BN rows
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
              (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),
@@ -224,7 +224,7 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
                 return
             timed[part].append((ms, cfg))
 
-        for part, cfg in jobs_for(T, E, k, D, F, tma_experts(bits, GROUP, rank > 0, torch.device("cuda"))):
+        for part, cfg in jobs_for(T, E, k, D, F, tma_experts(bits, GROUP, torch.device("cuda"))):
             time_job(part, cfg)
         if T == 1:
             for part in ("gate_up", "down"):
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
                  f"{args.bits!r}, {args.tokens!r} and {args.ranks!r}")
     start = time.perf_counter()
     jobs = [(n, b, r, T, part, cfg) for n in shapes for b in bit_list for r in ranks for T in tokens
-            for part, cfg in compile_jobs(T, *SHAPES[n], tma_experts(b, GROUP, r > 0, torch.device("cuda")))]
+            for part, cfg in compile_jobs(T, *SHAPES[n], tma_experts(b, GROUP, torch.device("cuda")))]
     errors = precompile(jobs, args.workers)
     print(f"compiled {len({compiled_as(j) for j in jobs})} kernels for {len(jobs)} candidates with {args.workers} "
           f"workers in {time.perf_counter() - start:.0f} s{f' ({len(errors)} failed)' if errors else ''}", flush=True)

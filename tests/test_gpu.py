@@ -380,25 +380,47 @@ def test_lowbit_fused_moe_pipelined_dot_tiles_compiled(bits, T, routing):
         assert ((got.float() - ref).norm() / ref.norm()) < 2e-2, cfg
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_lowbit_one_token_tma_compiled(bits):
+def _dense_float32(layer):
+    """A QuantizedLinear's weight with its compensator folded in: W + U V, float32."""
+    uv = layer.compensator(torch.float32)
+    return layer.weight(torch.float32) + (0 if uv is None else uv[0] @ uv[1])
+
+
+def _stacked(layers, rank):
+    """E QuantizedLinears -> one StackedLowbit (bf16 compensators zero-padded to `rank`, as QuantizedExperts does)."""
+    from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit
+
+    first = layers[0]
+    p = StackedLowbit(*(torch.stack([getattr(m, n) for m in layers]) for n in ("qweight", "scale", "zero")),
+                      bits=first.bits, group=first.group, in_features=first.in_features)
+    if rank:
+        uvs = [m.compensator(torch.bfloat16) for m in layers]
+        p.u = torch.stack([torch.zeros(first.out_features, rank, dtype=torch.bfloat16, device="cuda") if uv is None
+                           else uv[0] for uv in uvs])  # [E, N, r]
+        p.v = torch.cat([torch.zeros(rank, first.in_features, dtype=torch.bfloat16, device="cuda") if uv is None
+                         else uv[1] for uv in uvs])  # [E * r, K]
+    return p
+
+
+@pytest.mark.parametrize("bits,rank", [(2, 0), (3, 0), (4, 0), (8, 0), (3, 32), (4, 32)])
+def test_lowbit_one_token_tma_compiled(bits, rank):
     """The one-token gate_up and down by TMA (Hopper) at several tiles, pipeline depths and K splits, F not a
     multiple of gate_up's row blocks and the last expert chosen, against float32 dequantized experts (3 bits: a
-    block per plane)."""
+    block per plane; rank: rank-32 compensators on all but expert 2, added before the weight stream)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0")
-    from moeserve.kernels.triton.fused_moe_lowbit import (StackedLowbit, launch_down_tma, launch_gate_up,
-                                                           tma_one_token)
+    from moeserve.kernels.triton.fused_moe_lowbit import launch_down_tma, launch_gate_up, tma_one_token
     from moeserve.kernels.triton.lowbit_linear import values_per_column
     from moeserve.model.experts import swiglu
 
     E, D, F = 8, 4096, 1000
-    layers = [_random_quantized(2 * F, D, bits, 0) for _ in range(E)]
-    gate_up = StackedLowbit(*(torch.stack([getattr(m, n) for m in layers]) for n in ("qweight", "scale", "zero")),
-                            bits=bits, group=64, in_features=D)
+    ranks = [0 if e == 2 else rank for e in range(E)]
+    layers = [_random_quantized(2 * F, D, bits, ranks[e]) for e in range(E)]
+    downs = [_random_quantized(D, 1024, bits, ranks[e]) for e in range(E)]
+    gate_up, down = _stacked(layers, rank), _stacked(downs, rank)
     x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[E - 1, 2]], device="cuda")
-    ref = torch.stack([swiglu(x.float() @ layers[int(e)].weight(torch.float32).T)[0] for e in ids[0]])  # [2, F]
+    ref = torch.stack([swiglu(x.float() @ _dense_float32(layers[int(e)]).T)[0] for e in ids[0]])  # [2, F]
     vpc = values_per_column(bits)
     for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (8, min(256 * vpc, D), 4, 2)]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1)
@@ -409,10 +431,7 @@ def test_lowbit_one_token_tma_compiled(bits):
         assert not h.isnan().any(), cfg
         assert ((h.float() - ref).norm() / ref.norm()) < 1e-2, cfg
     h = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
-    downs = [_random_quantized(D, 1024, bits, 0) for _ in range(E)]
-    down = StackedLowbit(*(torch.stack([getattr(m, n) for m in downs]) for n in ("qweight", "scale", "zero")),
-                         bits=bits, group=64, in_features=1024)
-    ref = torch.stack([h[j].float() @ downs[int(e)].weight(torch.float32).T for j, e in enumerate(ids[0])])  # [2, D]
+    ref = torch.stack([h[j].float() @ _dense_float32(downs[int(e)]).T for j, e in enumerate(ids[0])])  # [2, D]
     big = (64, 1024, 8, 3, 1) if bits < 8 else (16, 1024, 8, 2, 1)  # 64 x 256 8-bit words x 3 stages: over 228 KB
     for bn, bk, warps, stages, split in [(32, 512, 4, 3, 2), (16, 512, 4, 2, 1), big]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, TMA=1)

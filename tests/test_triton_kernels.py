@@ -303,23 +303,30 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
         assert torch.equal(got, run({**rows, "PIPE": 0, "HALF": 0}))
 
 
-@pytest.mark.parametrize("bits,dtype,F,D,BK", [(4, torch.float32, 192, 1024, 512), (2, torch.bfloat16, 192, 1024, 512),
-                                               (8, torch.bfloat16, 192, 1024, 512), (4, torch.bfloat16, 1024, 1024, 512),
-                                               (2, torch.float32, 1024, 1024, 512), (3, torch.float32, 192, 1024, 512),
-                                               (3, torch.bfloat16, 1024, 1536, 1024)])
-def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK):
+@pytest.mark.parametrize("bits,dtype,F,D,BK,rank", [(4, torch.float32, 192, 1024, 512, 0),
+                                                    (2, torch.bfloat16, 192, 1024, 512, 0),
+                                                    (8, torch.bfloat16, 192, 1024, 512, 0),
+                                                    (4, torch.bfloat16, 1024, 1024, 512, 0),
+                                                    (2, torch.float32, 1024, 1024, 512, 0),
+                                                    (3, torch.float32, 192, 1024, 512, 0),
+                                                    (3, torch.bfloat16, 1024, 1536, 1024, 0),
+                                                    (3, torch.float32, 1024, 1024, 512, 16),
+                                                    (4, torch.float32, 192, 1024, 512, 8)])
+def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK, rank):
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
     per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
     128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
     too, its 2 steps split in two (fp32 atomics). D = 1536 in steps of 1024: gate_up's last step is half past the
-    row (at 3 bits its plane blocks run into the next plane and past the row)."""
+    row (at 3 bits its plane blocks run into the next plane and past the row). rank: compensators of ranks rank, 0,
+    rank / 2, rank on the four experts (zero-padded to one rank), added before the weight stream."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts
 
     E, k = 4, 2
-    ex = QuantizedExperts([quantized(2 * F, D, bits, 64) for _ in range(E)],
-                          [quantized(D, F, bits, 64) for _ in range(E)])
+    ranks = (rank, 0, rank // 2, rank)
+    ex = QuantizedExperts([quantized(2 * F, D, bits, 64, ranks[e]) for e in range(E)],
+                          [quantized(D, F, bits, 64, ranks[e]) for e in range(E)])
     ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
     ids[0, 0] = E - 1  # the last expert's rows end the stacked weights
     x = torch.randn(1, D, device=DEVICE, dtype=dtype)

@@ -8,7 +8,7 @@
 Grid (output block, K slice, expert); experts with no rows return at once, so there is no host sync. In slot order
 with no more slots than experts the last axis is the slot instead (route_args): at one token, no program is spent on
 the experts nobody chose (H100, one token, Mixtral 3-bit block 161 -> 149 us, a 64-expert top-6 4-bit 52 -> 49).
-One token with experts of group 64, no compensators and config TMA (tma_one_token): the words, scales and zeros come
+One token with experts of group 64 and config TMA (tma_one_token): the words, scales and zeros come
 by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
 per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
 probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
@@ -144,31 +144,63 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, 
 
 
 @triton.jit
-def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, F, steps, plane, exp_bits,
-                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                        STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T) * (x Wu[e]^T), e = ids[slot] (grid axis 2: the k slots,
-    distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv."""
-    after_previous(PDL)
-    slot = tl.program_id(2)
-    n0 = tl.program_id(0) * BLOCK_N
-    row_g = tl.load(ids_ptr + slot).to(tl.int32) * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
-                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
-    offs = n0 + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + slot * F + offs, silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=offs < F)
+def _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, rows_per_expert, offs, n_mask, x_row, R, BLOCK_N: tl.constexpr,
+                      BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """(x V^T) U^T of expert e for outputs offs [BLOCK_N] of one row x_row of x: [BLOCK_N] fp32 (_low_rank on CUDA
+    cores; U stacked [E, rows_per_expert, R], x V_all^T [rows, E * R])."""
+    lr = _low_rank(u_ptr + e.to(tl.int64) * rows_per_expert * R, xv_ptr + e * R, xv_stride, offs, n_mask,
+                   tl.full((1,), 0, tl.int32) + x_row, tl.full((1,), True, tl.int1), R, False, "ieee", BLOCK_N, 1,
+                   BLOCK_R, INTERPRET)  # [BLOCK_N, 1]
+    return tl.reshape(lr, (BLOCK_N,))
 
 
 @triton.jit
-def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, per_split, plane, exp_bits,
-                     BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                     STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr, PDL: tl.constexpr):
-    """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T over K slice pid 1, e = ids[slot]; two sub-tiles
-    of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed."""
+def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, F, steps, plane, R,
+                        xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                        HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_LR: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), e = ids[slot] (grid axis
+    2: the k slots, distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv; HAS_LR: the
+    compensator terms, computed before the weight stream."""
+    after_previous(PDL)
+    slot = tl.program_id(2)
+    n0 = tl.program_id(0) * BLOCK_N
+    e = tl.load(ids_ptr + slot).to(tl.int32)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    lr_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    lr_u = lr_g
+    if HAS_LR:
+        lr_g = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, 2 * F, offs, offs < F, 0, R, BLOCK_N, BLOCK_R, INTERPRET)
+        lr_u = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, 2 * F, F + offs, offs < F, 0, R, BLOCK_N, BLOCK_R,
+                                 INTERPRET)
+    row_g = e * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
+    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
+                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
+    tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
+
+
+@triton.jit
+def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_ptr, D, steps, per_split, plane, R,
+                     xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                     HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr,
+                     HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T (+ lr) over K slice pid 1, e = ids[slot]; two
+    sub-tiles of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed; HAS_LR: the compensator
+    term, added by the first K slice and computed before the weight stream."""
     after_previous(PDL)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * 2 * BLOCK_N
-    row = tl.load(ids_ptr + slot).to(tl.int32) * D + n0
+    e = tl.load(ids_ptr + slot).to(tl.int32)
+    lr = ()
+    for j in tl.static_range(2):
+        offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_LR:
+            if tl.program_id(1) == 0:
+                part = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, D, offs, offs < D, slot, R, BLOCK_N, BLOCK_R,
+                                         INTERPRET)
+        lr = lr + (part,)
+    row = e * D + n0
     step0 = tl.program_id(1) * per_split
     parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
                       tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES,
@@ -176,15 +208,15 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, D, steps, p
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         if ATOMIC:
-            tl.atomic_add(y_ptr + slot * D + offs, parts[j], mask=offs < D, sem="relaxed")
+            tl.atomic_add(y_ptr + slot * D + offs, parts[j] + lr[j], mask=offs < D, sem="relaxed")
         else:
-            tl.store(y_ptr + slot * D + offs, parts[j], mask=offs < D)
+            tl.store(y_ptr + slot * D + offs, parts[j] + lr[j], mask=offs < D)
 
 
-def tma_experts(bits: int, group: int, has_lr: bool, device: torch.device) -> bool:
-    """Whether experts can take the one-token TMA kernels at all: group 64, no compensators, and TMA (Hopper, or the
-    interpreter); at 2/4/8 bits a step's words are a power of two, at 3 bits those of each plane."""
-    return (bits in (2, 3, 4, 8) and group == 64 and not has_lr
+def tma_experts(bits: int, group: int, device: torch.device) -> bool:
+    """Whether experts can take the one-token TMA kernels at all: group 64 and TMA (Hopper, or the interpreter); at
+    2/4/8 bits a step's words are a power of two, at 3 bits those of each plane."""
+    return (bits in (2, 3, 4, 8) and group == 64
             and (triton_interpreting() or (device.type == "cuda" and hopper(device))))
 
 
@@ -196,7 +228,7 @@ def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) ->
                 and cfg["BLOCK_K"] >= 8 * p.group and step_columns(cfg, p.bits) <= 256  # TMA box rows: <= 256
                 and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features
                 and (p.bits != 3 or p.qweight.shape[-1] % 12 == 0)
-                and tma_experts(p.bits, p.group, p.u is not None, device))
+                and tma_experts(p.bits, p.group, device))
 
 
 def step_columns(cfg: dict, bits: int) -> int:
@@ -221,13 +253,24 @@ def planes(p: StackedLowbit) -> int:
     return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
+def _tma_low_rank(p: StackedLowbit, x: torch.Tensor, placeholder: torch.Tensor, cfg: dict) -> dict:
+    """The TMA kernels' compensator arguments for input rows x: U, x V_all^T, rank, its row stride, HAS_LR, BLOCK_R
+    (placeholders where p has none)."""
+    lr = p.low_rank_inputs(x)
+    u, xv = lr if lr is not None else (placeholder, placeholder)
+    return dict(u=u, xv=xv, R=u.shape[-1] if lr is not None else 0, xv_stride=xv.stride(0), HAS_LR=lr is not None,
+                BLOCK_R=cfg.get("BLOCK_R", 32))
+
+
 def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
     """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile)
+    lr = _tma_low_rank(p, x, h, cfg)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg), ids, h, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), exp,
+        xw, *tma_descriptors(p, cfg), ids, h, lr.pop("u"), lr.pop("xv"), F,
+        triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), lr.pop("R"), lr.pop("xv_stride"), exp, **lr,
         BITS=p.bits,
         BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3),
         INTERPRET=tile["INTERPRET"], num_warps=cfg["num_warps"], **dependent_launch(x.device))
@@ -242,8 +285,10 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
     split = triton.cdiv(steps, per_split)
     hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
+    lr = _tma_low_rank(p, h, y, cfg)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
-        hw, *tma_descriptors(p, cfg), ids, y, D, steps, per_split, planes(p), exp, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        hw, *tma_descriptors(p, cfg), ids, y, lr.pop("u"), lr.pop("xv"), D, steps, per_split, planes(p), lr.pop("R"),
+        lr.pop("xv_stride"), exp, **lr, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
         G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
         ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 
