@@ -29,8 +29,8 @@ import triton.language as tl
 from moeserve.kernels import triton_interpreting
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
                                                    _tile_rows, _x_steps, check_activation, check_weight,
-                                                   kernel_inputs, launch, route_args, routed_tokens, tile_constexprs,
-                                                   values_per_column)
+                                                   kernel_inputs, launch, low_rank_args, route_args, routed_tokens,
+                                                   tile_constexprs, values_per_column)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -227,7 +227,7 @@ def tma_one_token(cfg: dict, p: StackedLowbit, routing, device: torch.device) ->
     return bool(cfg.get("TMA") and isinstance(routing, torch.Tensor) and routing.shape[0] == 1
                 and cfg["BLOCK_K"] >= 8 * p.group and step_columns(cfg, p.bits) <= 256  # TMA box rows: <= 256
                 and p.scale.shape[-1] % 8 == 0 and cfg["BLOCK_K"] <= p.in_features
-                and (p.bits != 3 or p.qweight.shape[-1] % 12 == 0)
+                and (p.bits != 3 or planes(p) % 4 == 0)
                 and tma_experts(p.bits, p.group, device))
 
 
@@ -253,27 +253,18 @@ def planes(p: StackedLowbit) -> int:
     return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
-def _tma_low_rank(p: StackedLowbit, x: torch.Tensor, placeholder: torch.Tensor, cfg: dict) -> dict:
-    """The TMA kernels' compensator arguments for input rows x: U, x V_all^T, rank, its row stride, HAS_LR, BLOCK_R
-    (placeholders where p has none)."""
-    lr = p.low_rank_inputs(x)
-    u, xv = lr if lr is not None else (placeholder, placeholder)
-    return dict(u=u, xv=xv, R=u.shape[-1] if lr is not None else 0, xv_stride=xv.stride(0), HAS_LR=lr is not None,
-                BLOCK_R=cfg.get("BLOCK_R", 32))
-
-
 def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
     """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile)
-    lr = _tma_low_rank(p, x, h, cfg)
+    lr = p.low_rank_inputs(x)
+    u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg), ids, h, lr.pop("u"), lr.pop("xv"), F,
-        triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), lr.pop("R"), lr.pop("xv_stride"), exp, **lr,
-        BITS=p.bits,
-        BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3),
-        INTERPRET=tile["INTERPRET"], num_warps=cfg["num_warps"], **dependent_launch(x.device))
+        xw, *tma_descriptors(p, cfg), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
+        xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        num_warps=cfg["num_warps"], **dependent_launch(x.device))
 
 
 def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
@@ -285,10 +276,11 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
     split = triton.cdiv(steps, per_split)
     hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
-    lr = _tma_low_rank(p, h, y, cfg)
+    lr = p.low_rank_inputs(h)
+    u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
-        hw, *tma_descriptors(p, cfg), ids, y, lr.pop("u"), lr.pop("xv"), D, steps, per_split, planes(p), lr.pop("R"),
-        lr.pop("xv_stride"), exp, **lr, BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        hw, *tma_descriptors(p, cfg), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,
+        HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
         G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
         ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 
@@ -302,14 +294,14 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
     lr = p.low_rank_inputs(x)
-    u, xv = lr if lr is not None else (h, h)
+    u, xv, R = low_rank_args(lr, h)
     route = route_args(routing, x.shape[0], h, E)
     T = routed_tokens(routing)
     tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
     xk, exp = kernel_inputs(x, tile)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, route.pop("programs"))](
         xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
-        p.in_features, p.u.shape[-1] if lr is not None else 0, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
+        p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
         exp, h.shape[0] // T, PAIRED=bool(cfg.get("PAIRED", 0)), **route, **tile,
         **dependent_launch(x.device))  # h [T*k, F]: top_k
 

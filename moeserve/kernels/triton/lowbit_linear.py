@@ -939,6 +939,15 @@ def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int) -> 
     return dict(a=routing.offsets, b=routing.counts, rows=rows, programs=programs, ROUTE=SORTED, NSLOTS=1)
 
 
+def low_rank_args(lowrank: tuple[torch.Tensor, torch.Tensor] | None, placeholder: torch.Tensor) -> tuple:
+    """The kernels' compensator arguments (U [(E,) N, r], x V^T, r) for lowrank = (U, x V^T), or placeholders and
+    rank 0 without one (HAS_LR off: never read)."""
+    if lowrank is None:
+        return placeholder, placeholder, 0
+    u, xv = lowrank
+    return u, xv, u.shape[-1]
+
+
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: dict, rows_per_block: int, grid_z: int, *,
            lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
@@ -955,8 +964,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     split = triton.cdiv(steps, per_split)
     if split > 1 and y.dtype != torch.float32:
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
-    u, xv = lowrank if lowrank is not None else (y, y)
-    R = u.shape[-1] if lowrank is not None else 0  # U [(E,) N, r]
+    u, xv, R = low_rank_args(lowrank, y)
     route = route_args(routing, x.shape[0], y, grid_z)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, route.pop("programs"))
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
