@@ -34,7 +34,8 @@ from kernels import GROUP, load_variants, random_layer  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table, slot_order_pays  # noqa: E402
 from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
-from moeserve.kernels.triton.fused_moe_lowbit import launch_gate_up, tma_experts  # noqa: E402
+from moeserve.kernels.triton.fused_moe_lowbit import (launch_down_tma, launch_gate_up, tma_experts,  # noqa: E402
+                                                     tma_one_token)
 from moeserve.kernels.triton.lowbit_linear import BITS, launch  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 
@@ -113,11 +114,17 @@ class Problem:
         return out
 
     def run(self, part: str, cfg: dict, item: tuple) -> None:
+        """One launch of `part` as lowbit_experts runs it: down by TMA where tma_one_token says so (its split-K
+        output zeroed by the gate_up launch in the block, so not here), else the CUDA-core or tensor-core kernel
+        (with its prepare_x and output fill)."""
         routing, x, h, y = item
         if part == "gate_up":
             launch_gate_up(x, self.gate_up, h, routing, {**cfg, "SPLIT_K": 1})
+            return
+        p = self.down
+        if tma_one_token(cfg, p, routing, h.device):
+            launch_down_tma(h, p, y, routing, cfg, zeroed=True)
         else:
-            p = self.down
             launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, h.shape[0] // self.k,
                    self.E, lowrank=p.low_rank_inputs(h), routing=routing)
 

@@ -303,22 +303,25 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
         assert torch.equal(got, run({**rows, "PIPE": 0, "HALF": 0}))
 
 
-@pytest.mark.parametrize("bits,dtype,F,D,BK,rank", [(4, torch.float32, 192, 1024, 512, 0),
-                                                    (2, torch.bfloat16, 192, 1024, 512, 0),
-                                                    (8, torch.bfloat16, 192, 1024, 512, 0),
-                                                    (4, torch.bfloat16, 1024, 1024, 512, 0),
-                                                    (2, torch.float32, 1024, 1024, 512, 0),
-                                                    (3, torch.float32, 192, 1024, 512, 0),
-                                                    (3, torch.bfloat16, 1024, 1536, 1024, 0),
-                                                    (3, torch.float32, 1024, 1024, 512, 16),
-                                                    (4, torch.float32, 192, 1024, 512, 8)])
-def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK, rank):
+@pytest.mark.parametrize("bits,dtype,F,D,BK,rank,gate_up_tma", [(4, torch.float32, 192, 1024, 512, 0, True),
+                                                                (2, torch.bfloat16, 192, 1024, 512, 0, True),
+                                                                (8, torch.bfloat16, 192, 1024, 512, 0, True),
+                                                                (4, torch.bfloat16, 1024, 1024, 512, 0, True),
+                                                                (4, torch.bfloat16, 1024, 1024, 512, 0, False),
+                                                                (2, torch.float32, 1024, 1024, 512, 0, True),
+                                                                (3, torch.float32, 192, 1024, 512, 0, True),
+                                                                (3, torch.bfloat16, 1024, 1536, 1024, 0, True),
+                                                                (3, torch.float32, 1024, 1024, 512, 16, True),
+                                                                (4, torch.float32, 192, 1024, 512, 8, True)])
+def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK, rank, gate_up_tma):
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
-    per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
-    128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
-    too, its 2 steps split in two (fp32 atomics). D = 1536 in steps of 1024: gate_up's last step is half past the
-    row (at 3 bits its plane blocks run into the next plane and past the row). rank: compensators of ranks rank, 0,
-    rank / 2, rank on the four experts (zero-padded to one rank), added before the weight stream."""
+    per program as two sub-tiles, x and h prepared in registers, against the float64 experts. F = 192: gate_up only
+    (a partial last row block of 128; the up rows of the last expert's last block run past the stacked rows and come
+    zero-filled); F = 1024: down too, its 2 steps split in two (fp32 atomics into the output that the gate_up launch
+    zeroes: the TMA kernel, or prepare_x where gate_up_tma is off). D = 1536 in steps of 1024: gate_up's last step
+    is half past the row (at 3 bits its plane blocks run into the next plane and past the row). rank: compensators
+    of ranks rank, 0, rank / 2, rank on the four experts (zero-padded to one rank), added before the weight stream.
+    x's groups of 64 span 10^-3..10^3 (each group's fp16 pairs get their own scale)."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts
@@ -329,13 +332,15 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
                           [quantized(D, F, bits, 64, ranks[e]) for e in range(E)])
     ids = torch.stack([torch.randperm(E)[:k]])  # [1, k]
     ids[0, 0] = E - 1  # the last expert's rows end the stacked weights
-    x = torch.randn(1, D, device=DEVICE, dtype=dtype)
+    spread = 10.0 ** torch.randint(-3, 4, (D // 64,)).repeat_interleave(64)  # [D] one power of ten per group
+    x = (torch.randn(1, D) * spread).to(DEVICE, dtype)
     gate_up, down = ex.stacked(dtype)
     tma = dict(BLOCK_N=128, BLOCK_K=BK, num_warps=4, num_stages=2, TMA=1)
-    config = {"gate_up": {**tma, "SPLIT_K": 1},
+    config = {"gate_up": {**tma, "SPLIT_K": 1} if gate_up_tma else dict(BLOCK_N=64, BLOCK_K=512, num_warps=4, SUB=2,
+                                                                         SPLIT_K=1),
               "down": ({**tma, "BLOCK_K": 512, "SPLIT_K": 2} if F >= 512
                        else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1))}
-    assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device)
+    assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device) == gate_up_tma
     assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)
     got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order
     table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
