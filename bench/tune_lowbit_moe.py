@@ -114,16 +114,15 @@ class Problem:
         return out
 
     def run(self, part: str, cfg: dict, item: tuple) -> None:
-        """One launch of `part` as lowbit_experts runs it: down by TMA where tma_one_token says so (its split-K
-        output zeroed by the gate_up launch in the block, so not here), else the CUDA-core or tensor-core kernel
-        (with its prepare_x and output fill)."""
+        """One launch of `part` as lowbit_experts runs it (each with its prepare_x and output fill): down by TMA
+        where tma_one_token says so, else the CUDA-core or tensor-core kernel."""
         routing, x, h, y = item
         if part == "gate_up":
             launch_gate_up(x, self.gate_up, h, routing, {**cfg, "SPLIT_K": 1})
             return
         p = self.down
         if tma_one_token(cfg, p, routing, h.device):
-            launch_down_tma(h, p, y, routing, cfg, zeroed=True)
+            launch_down_tma(h, p, y, routing, cfg)
         else:
             launch(h, p.qweight, p.scale, p.zero, y, p.bits, p.group, p.in_features, cfg, h.shape[0] // self.k,
                    self.E, lowrank=p.low_rank_inputs(h), routing=routing)

@@ -315,13 +315,13 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
                                                                 (4, torch.float32, 192, 1024, 512, 8, True)])
 def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK, rank, gate_up_tma):
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
-    per program as two sub-tiles, x and h prepared in registers, against the float64 experts. F = 192: gate_up only
-    (a partial last row block of 128; the up rows of the last expert's last block run past the stacked rows and come
-    zero-filled); F = 1024: down too, its 2 steps split in two (fp32 atomics into the output that the gate_up launch
-    zeroes: the TMA kernel, or prepare_x where gate_up_tma is off). D = 1536 in steps of 1024: gate_up's last step
-    is half past the row (at 3 bits its plane blocks run into the next plane and past the row). rank: compensators
-    of ranks rank, 0, rank / 2, rank on the four experts (zero-padded to one rank), added before the weight stream.
-    x's groups of 64 span 10^-3..10^3 (each group's fp16 pairs get their own scale)."""
+    per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
+    128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
+    too, its 2 steps split in two (fp32 atomics), after gate_up by TMA or (gate_up_tma off) on CUDA cores.
+    D = 1536 in steps of 1024: gate_up's last step is half past the row (at 3 bits its plane blocks run into the
+    next plane and past the row). rank: compensators of ranks rank, 0, rank / 2, rank on the four experts
+    (zero-padded to one rank), added before the weight stream. x's groups of 64 span 10^-3..10^3 (the fp16 pairs of
+    a step share one scale)."""
     from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts

@@ -12,8 +12,7 @@ One token with experts of group 64 and config TMA (tma_one_token): the words, sc
 by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
 per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
 probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
-gate_up 65 -> 56 us). These kernels read x and h as they are and prepare each step in registers (_raw_step, a
-power-of-two scale per group), and gate_up zeroes the split-K down's output: no prepare_x launches.
+gate_up 65 -> 56 us).
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
 each row's expert's r columns.
@@ -28,10 +27,10 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
-from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _raw_step, _sums,
-                                                   _tile, _tile_rows, check_activation, check_weight, exponent_bits,
-                                                   half_x_limit, kernel_inputs, launch, low_rank_args, route_args,
-                                                   routed_tokens, tile_constexprs, values_per_column, zero_share)
+from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
+                                                   _tile_rows, _x_steps, check_activation, check_weight,
+                                                   kernel_inputs, launch, low_rank_args, route_args, routed_tokens,
+                                                   tile_constexprs, values_per_column)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -106,20 +105,20 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
 
 
 @triton.jit
-def _tma_gemv(x_ptr, x_row, cols, w_desc, s_desc, z_desc, rows, step0, step1, plane, exp_bits,
+def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, plane, exp_bits,
               BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr,
-              STAGES: tl.constexpr, INTERPRET: tl.constexpr, LOG2_LIMIT: tl.constexpr):
-    """Row x_row of x (x_ptr: the activations, `cols` columns a row) times weight rows [rows[j], rows[j] + BLOCK_N)
-    for each of NSUB sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x prepared
-    once a step in registers for all, _raw_step: no prepare_x launch). The words [.., words] and scales/zeros
-    [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and [BLOCK_N, G] blocks, STAGES deep in shared memory;
-    3-bit words as three such blocks, one per plane (`plane` words apart: a step's 96 words are no power of two, its
-    32 words of a plane are); rows and steps past the tensors read zeros (a 3-bit step past a plane's end reads the
-    next plane's words: x there is zero)."""
+              STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times weight rows [rows[j], rows[j] + BLOCK_N)
+    for each of NSUB sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once
+    for all). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and
+    [BLOCK_N, G] blocks, STAGES deep in shared memory; 3-bit words as three such blocks, one per plane (`plane` words
+    apart: a step's 96 words are no power of two, its 32 words of a plane are); rows and steps past the tensors read
+    zeros (a 3-bit step past a plane's end reads the next plane's words: the prepared x there is zero)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     CPG: tl.constexpr = 64 // VPC  # columns per group of 64 (tma_one_token)
     CPS: tl.constexpr = G * CPG
-    x_row_ptr = x_ptr + x_row * cols * VPC  # ints where Triton specializes 1
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+    xw_row = xw_ptr + x_row * steps * (XSLOTS * CPS)  # int32: a slot of one token; ints where Triton specializes 1
     col = _group_cols(tl.arange(0, G), CPG)
     acc = ()
     for _ in tl.static_range(NSUB):
@@ -136,8 +135,8 @@ def _tma_gemv(x_ptr, x_row, cols, w_desc, s_desc, z_desc, rows, step0, step1, pl
                 words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),),)
             scales = scales + ((s_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1),
                                 z_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1)),)
-        x_step = _raw_step(x_row_ptr, step, cols, col, BITS, VPC, CPS, HALF, LOG2_LIMIT)
-        acc = _sums(acc, words, scales, (x_step,), col, exp_bits, BITS, VPC, CPS, NSUB, 1, HALF, INTERPRET, RAW=True)
+        acc = _sums(acc, words, scales, _x_steps((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
+                    NSUB, 1, HALF, INTERPRET)
     out = ()
     for j in tl.static_range(NSUB):
         out = out + (tl.sum(tl.sum(acc[j], axis=2), axis=1),)
@@ -156,18 +155,14 @@ def _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, rows_per_expert, offs, n_mask
 
 
 @triton.jit
-def _gate_up_tma_kernel(x_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, fill_ptr, fill_n, F, cols,
-                        steps, plane, R, xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        G: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-                        HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
-                        PDL: tl.constexpr):
+def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, F, steps, plane, R,
+                        xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                        HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_LR: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), e = ids[slot] (grid axis
     2: the k slots, distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv; HAS_LR: the
-    compensator terms, computed before the weight stream. FILL: the programs also zero fill_ptr's fill_n fp32
-    values (the split-K down's output)."""
+    compensator terms, computed before the weight stream."""
     after_previous(PDL)
-    if FILL:
-        zero_share(fill_ptr, fill_n)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     e = tl.load(ids_ptr + slot).to(tl.int32)
@@ -179,19 +174,19 @@ def _gate_up_tma_kernel(x_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv
         lr_u = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, 2 * F, F + offs, offs < F, 0, R, BLOCK_N, BLOCK_R,
                                  INTERPRET)
     row_g = e * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    g, u = _tma_gemv(x_ptr, 0, cols, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
-                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET, LOG2_LIMIT)
+    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
+                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
     tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
 
 
 @triton.jit
-def _down_tma_kernel(h_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_ptr, D, cols, steps, per_split, plane,
-                     R, xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_ptr, D, steps, per_split, plane, R,
+                     xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                      HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr,
-                     HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
+                     HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T (+ lr) over K slice pid 1, e = ids[slot]; two
-    sub-tiles of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that the gate_up launch zeroed; HAS_LR: the
-    compensator term, added by the first K slice and computed before the weight stream."""
+    sub-tiles of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed; HAS_LR: the compensator
+    term, added by the first K slice and computed before the weight stream."""
     after_previous(PDL)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * 2 * BLOCK_N
@@ -207,9 +202,9 @@ def _down_tma_kernel(h_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_pt
         lr = lr + (part,)
     row = e * D + n0
     step0 = tl.program_id(1) * per_split
-    parts = _tma_gemv(h_ptr, slot, cols, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
+    parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
                       tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES,
-                      INTERPRET, LOG2_LIMIT)
+                      INTERPRET)
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         if ATOMIC:
@@ -258,60 +253,43 @@ def planes(p: StackedLowbit) -> int:
     return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
-def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict,
-                       fill: torch.Tensor | None = None) -> None:
-    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes); fill (fp32): zeroed on the
-    way."""
+def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
+    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
+    xw, exp = kernel_inputs(x, tile)
     lr = p.low_rank_inputs(x)
     u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        x, *tma_descriptors(p, cfg), ids, h, u, xv, h if fill is None else fill, 0 if fill is None else fill.numel(),
-        F, p.in_features // values_per_column(p.bits), triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
-        xv.stride(0), exponent_bits(p.bits, tile["HALF"]), HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32),
-        FILL=fill is not None, **tma_constexprs(cfg, p, tile), **dependent_launch(x.device))
+        xw, *tma_descriptors(p, cfg), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
+        xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        num_warps=cfg["num_warps"], **dependent_launch(x.device))
 
 
-def down_split(cfg: dict, in_features: int) -> tuple[int, int]:
-    """(steps per K slice, K slices) of the TMA down kernel: cfg SPLIT_K slices of the steps, none empty."""
-    steps = triton.cdiv(in_features, cfg["BLOCK_K"])
-    per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
-    return per_split, triton.cdiv(steps, per_split)
-
-
-def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict,
-                    zeroed: bool = False) -> None:
+def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
     """_down_tma_kernel for one token's h [k, F] -> y [k, D] fp32 (tma_one_token said yes); cfg SPLIT_K slices of
-    the F steps (fp32 atomics into y, zeroed here unless the caller says it did: down_split), programs of 2 BLOCK_N
-    rows."""
+    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows."""
     D = p.qweight.shape[1]
     tile = tile_constexprs(cfg, p.bits, p.group, 1, h.dtype, False)
-    per_split, split = down_split(cfg, p.in_features)
-    if split > 1 and not zeroed:
-        y.zero_()
+    steps = triton.cdiv(p.in_features, cfg["BLOCK_K"])
+    per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
+    split = triton.cdiv(steps, per_split)
+    hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
     lr = p.low_rank_inputs(h)
     u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
-        h, *tma_descriptors(p, cfg), ids, y, u, xv, D, p.in_features // values_per_column(p.bits),
-        triton.cdiv(p.in_features, cfg["BLOCK_K"]), per_split, planes(p), R, xv.stride(0),
-        exponent_bits(p.bits, tile["HALF"]), HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32),
-        ATOMIC=split > 1, **tma_constexprs(cfg, p, tile), **dependent_launch(h.device))
+        hw, *tma_descriptors(p, cfg), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,
+        HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 
 
-def tma_constexprs(cfg: dict, p: StackedLowbit, tile: dict) -> dict:
-    """The compile-time arguments both one-token TMA kernels take, and their warps."""
-    return dict(BITS=p.bits, BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"],
-                STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
-                LOG2_LIMIT=half_x_limit(p.bits) if tile["HALF"] else 0, num_warps=cfg["num_warps"])
-
-
-def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict,
-                   fill: torch.Tensor | None = None) -> None:
+def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
-    [T, k] (x the T tokens, h [T*k, F] in slot order); fill (fp32): zeroed on the way."""
+    [T, k] (x the T tokens, h [T*k, F] in slot order)."""
     if tma_one_token(cfg, p, routing, x.device):
-        launch_gate_up_tma(x, p, h, routing, cfg, fill)
+        launch_gate_up_tma(x, p, h, routing, cfg)
         return
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
@@ -320,7 +298,7 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     route = route_args(routing, x.shape[0], h, E)
     T = routed_tokens(routing)
     tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
-    xk, exp = kernel_inputs(x, tile, fill)
+    xk, exp = kernel_inputs(x, tile)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, route.pop("programs"))](
         xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
         p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
@@ -347,12 +325,10 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         config = lowbit_moe_config(name, gate_up.bits, E, D, F, T, n // T, gate_up.u is not None or down.u is not None)
     x = x.contiguous()
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
-    y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] the down launch zeroes it, or gate_up's
-    down_tma = tma_one_token(config["down"], down, routing, x.device)
-    split_tma = down_tma and down_split(config["down"], down.in_features)[1] > 1
-    launch_gate_up(x, gate_up, h, routing, config["gate_up"], y if split_tma else None)
-    if down_tma:
-        launch_down_tma(h, down, y, routing, config["down"], zeroed=True)
+    launch_gate_up(x, gate_up, h, routing, config["gate_up"])
+    y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
+    if tma_one_token(config["down"], down, routing, x.device):
+        launch_down_tma(h, down, y, routing, config["down"])
     else:
         launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config["down"], T, E,
                lowrank=down.low_rank_inputs(h), routing=routing)

@@ -307,12 +307,11 @@ def _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS: tl.conste
 
 @triton.jit
 def _step_sums(acc, units, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
-               SUB: tl.constexpr, M: tl.constexpr, RAW: tl.constexpr = False):
+               SUB: tl.constexpr, M: tl.constexpr):
     """acc (tuple M * SUB of [ROWS, G, CPG]) + one step: s * (sum (2^BITS + q) x - (z + 2^BITS) * sum x) per column,
     units[j] the decode words (_column_words) of sub-tile j.
     Each code is decoded once for all M rows of x, each x load serves all SUB sub-tiles: x of slot i of column c is
-    x_steps[m][i * CPS + c] of this step's prepared x, a constant offset from one address (RAW: x_steps[m] is the
-    step prepared in registers, _raw_step)."""
+    x_steps[m][i * CPS + c] of this step's prepared x, a constant offset from one address."""
     qx = ()
     for _ in tl.static_range(M * SUB):
         qx = qx + (tl.zeros(acc[0].shape, dtype=tl.float32),)
@@ -322,19 +321,13 @@ def _step_sums(acc, units, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
             codes = codes + (_slot_code(units[j], exp, i, BITS),)
         new = ()
         for m in tl.static_range(M):
-            if RAW:
-                x = x_steps[m][0][i][None, :, :]
-            else:
-                x = tl.load(x_steps[m] + i * CPS + col)[None, :, :]  # [1, G, CPG] fp32
+            x = tl.load(x_steps[m] + i * CPS + col)[None, :, :]  # [1, G, CPG] fp32
             for j in tl.static_range(SUB):
                 new = new + (qx[m * SUB + j] + codes[j] * x,)
         qx = new
     new = ()
     for m in tl.static_range(M):
-        if RAW:
-            xs = x_steps[m][1][None, :, :]
-        else:
-            xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
+        xs = tl.load(x_steps[m] + VPC * CPS + col)[None, :, :]  # [1, G, CPG] sum of each column's x
         for j in tl.static_range(SUB):
             s, z = scales[j][0].to(tl.float32), scales[j][1].to(tl.float32)
             new = new + (acc[m * SUB + j] + s * (qx[m * SUB + j] - (z + (1 << BITS)) * xs),)  # 2^BITS extra per value
@@ -343,13 +336,11 @@ def _step_sums(acc, units, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: t
 
 @triton.jit
 def _half_step_sums(acc, units, scales, x_steps, col, exp2, BITS: tl.constexpr, VPC: tl.constexpr,
-                    CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, INTERPRET: tl.constexpr,
-                    RAW: tl.constexpr = False):
+                    CPS: tl.constexpr, SUB: tl.constexpr, M: tl.constexpr, INTERPRET: tl.constexpr):
     """_step_sums on fp16 pairs: per column, sum (2^BITS + q) x over its VPC / 2 value pairs with one HFMA2 per
     pair into an fp16 pair (the prepared x is scaled per step so that it cannot overflow), then in fp32
     s / r * (that pair's two halves - (z + 2^BITS) * sum x), r the step's x scale. Half the FMAs of _step_sums
-    and one shift + LOP3 per two values. RAW: x_steps[m] is the step prepared in registers (_raw_step), scaled per
-    group."""
+    and one shift + LOP3 per two values."""
     PAIRS: tl.constexpr = VPC // 2
     qx = ()
     for _ in tl.static_range(M * SUB):
@@ -360,20 +351,14 @@ def _half_step_sums(acc, units, scales, x_steps, col, exp2, BITS: tl.constexpr, 
             codes = codes + (_slot_pair(units[j], exp2, p, BITS),)
         new = ()
         for m in tl.static_range(M):
-            if RAW:
-                x = x_steps[m][0][p][None, :, :]
-            else:
-                x = tl.load(x_steps[m] + p * CPS + col)[None, :, :]  # [1, G, CPG] fp16 pairs
+            x = tl.load(x_steps[m] + p * CPS + col)[None, :, :]  # [1, G, CPG] fp16 pairs
             for j in tl.static_range(SUB):
                 new = new + (_hfma2(codes[j], x, qx[m * SUB + j], INTERPRET),)
         qx = new
     new = ()
     for m in tl.static_range(M):
-        if RAW:
-            xs, inv_r = x_steps[m][1][None, :, :], x_steps[m][2][None, :, :]  # [1, G, CPG], [1, G, 1]: the groups' 1 / r
-        else:
-            xs = tl.load(x_steps[m] + PAIRS * CPS + col).to(tl.float32, bitcast=True)[None, :, :]  # [1, G, CPG] sum x
-            inv_r = tl.load(x_steps[m] + (PAIRS + 1) * CPS).to(tl.float32, bitcast=True)  # the step's 1 / scale
+        xs = tl.load(x_steps[m] + PAIRS * CPS + col).to(tl.float32, bitcast=True)[None, :, :]  # [1, G, CPG] sum x
+        inv_r = tl.load(x_steps[m] + (PAIRS + 1) * CPS).to(tl.float32, bitcast=True)  # the step's 1 / scale
         for j in tl.static_range(SUB):
             s, z = scales[j][0].to(tl.float32) * inv_r, scales[j][1].to(tl.float32)
             new = new + (acc[m * SUB + j] + s * (_pair_sum(qx[m * SUB + j], INTERPRET) - (z + (1 << BITS)) * xs),)
@@ -391,49 +376,16 @@ def _x_steps(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.conste
 
 @triton.jit
 def _sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
-          SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr, RAW: tl.constexpr = False):
-    """One step of the GEMV (words: each sub-tile's stored words): on fp16 pairs (HALF) or in fp32; x_steps: the
-    step's prepared x (pointers), or (RAW) the step prepared in registers (_raw_step)."""
+          SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of the GEMV (words: each sub-tile's stored words): on fp16 pairs (HALF) or in fp32."""
     units = ()
     for j in tl.static_range(SUB):
         units = units + (_column_words(words[j], BITS),)
     if HALF:
-        acc = _half_step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, INTERPRET, RAW)
+        acc = _half_step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, INTERPRET)
     else:
-        acc = _step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M, RAW)
+        acc = _step_sums(acc, units, scales, x_steps, col, exp, BITS, VPC, CPS, SUB, M)
     return acc
-
-
-@triton.jit
-def _raw_step(x_row, step, cols, col, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr, HALF: tl.constexpr,
-              LOG2_LIMIT: tl.constexpr):
-    """Step `step` of x row x_row (raw activations, cols columns) prepared in registers, for _sums(RAW): (the VPC
-    slots [G, CPG] fp32, the columns' sums [G, CPG], 1) or HALF (the VPC / 2 fp16 pairs [G, CPG], the columns' sums
-    of those fp16 values [G, CPG], the groups' 1 / r [G, 1]): prepare_x's values, but scaled per group of CPG
-    columns, which needs no reduction across the program. Columns past the row are zero."""
-    c = step * CPS + col  # [G, CPG]
-    c_ok = c < cols
-    vals = ()
-    for j in tl.static_range(VPC):
-        off = c * VPC + _slot_offsets(col * 0 + j, BITS)
-        vals = vals + (tl.load(x_row + off, mask=c_ok, other=0.0).to(tl.float32),)
-    total = tl.zeros(col.shape, dtype=tl.float32)
-    if HALF:
-        big = tl.abs(vals[0])
-        for j in tl.static_range(1, VPC):
-            big = tl.maximum(big, tl.abs(vals[j]))
-        r, inv_r = _pow2_scale(tl.max(big, axis=1, keep_dims=True), LOG2_LIMIT)  # [G, 1]
-        pairs = ()
-        for p in tl.static_range(VPC // 2):
-            lo, hi = (vals[p] * r).to(tl.float16), (vals[p + VPC // 2] * r).to(tl.float16)
-            pairs = pairs + (_pack_pair(lo, hi),)
-            total += lo.to(tl.float32) + hi.to(tl.float32)
-        out = (pairs, total, inv_r)
-    else:
-        for j in tl.static_range(VPC):
-            total += vals[j]
-        out = (vals, total, 1.0)
-    return out
 
 
 @triton.jit
@@ -868,21 +820,6 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def zero_share(fill_ptr, fill_n):
-    """This program's share of zeroing fill_ptr's fill_n fp32 values, split over all programs of the grid: a kernel
-    that runs before a split-K GEMV zeroes its atomics' target and saves the fill launch (at one row that launch
-    costs as much as a tenth of the GEMV)."""
-    FILL_BLOCK: tl.constexpr = 256
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
-    pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    first = pid * share
-    for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
-        i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
-        tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
-
-
-@triton.jit
 def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
                       CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
                       PDL: tl.constexpr):
@@ -890,10 +827,17 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constex
     column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
     r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
     = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
-    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (zero_share)."""
+    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
+    saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
     after_previous(PDL)
     if FILL:
-        zero_share(fill_ptr, fill_n)
+        FILL_BLOCK: tl.constexpr = 256
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
+        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
+        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
+            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
+            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
     c = tl.program_id(0) * CPS + tl.arange(0, CPS)
     c_ok = c < cols
     x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
