@@ -57,6 +57,8 @@ PIPED_DOT = [(64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 256, 4, 4)
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
              (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),
              (4, 1024, 2, 3)]
+TMA_DOWN_TILES = [(16, 2048, 4, 2), (4, 2048, 2, 2), (8, 2048, 8, 2)]  # more for down, whose K is the long F
+TMA_DOWN_SPLITS = (1, 2, 4, 8)
 SPLITS = (1, 2, 4, 8, 16, 32)
 CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4
@@ -154,7 +156,7 @@ def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[
         out += [("gate_up", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1))
                 for bn, bk, w, st in TMA_TILES if bk <= D]
         out += [("down", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=s, TMA=1))
-                for bn, bk, w, st in TMA_TILES if bk <= F for s in (1, 2, 4)]
+                for bn, bk, w, st in TMA_TILES + TMA_DOWN_TILES if bk <= F for s in TMA_DOWN_SPLITS]
     return out
 
 
