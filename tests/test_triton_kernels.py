@@ -308,7 +308,7 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
                                                                 (8, torch.bfloat16, 192, 1024, 512, 0, True),
                                                                 (4, torch.bfloat16, 1024, 1024, 512, 0, True),
                                                                 (4, torch.bfloat16, 1024, 1024, 512, 0, False),
-                                                                (2, torch.float32, 1024, 1024, 512, 0, True),
+                                                                (2, torch.float32, 1536, 1024, 512, 0, True),
                                                                 (3, torch.float32, 192, 1024, 512, 0, True),
                                                                 (3, torch.bfloat16, 1024, 1536, 1024, 0, True),
                                                                 (3, torch.float32, 1024, 1024, 512, 16, True),
@@ -317,7 +317,9 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
     per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
     128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
-    too, its 2 steps split in two (fp32 atomics), after gate_up by TMA or (gate_up_tma off) on CUDA cores.
+    too, its 2 steps split in two (fp32 atomics), after gate_up by TMA (which writes h prepared for down: its
+    last program of each step prepares it; F = 1536: steps of 1024, the last half full; the step counters left
+    zero, so a second call gives the same) or (gate_up_tma off) on CUDA cores.
     D = 1536 in steps of 1024: gate_up's last step is half past the row (at 3 bits its plane blocks run into the
     next plane and past the row). rank: compensators of ranks rank, 0, rank / 2, rank on the four experts
     (zero-padded to one rank), added before the weight stream. x's groups of 64 span 10^-3..10^3 (the fp16 pairs of
@@ -338,11 +340,12 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     tma = dict(BLOCK_N=128, BLOCK_K=BK, num_warps=4, num_stages=2, TMA=1)
     config = {"gate_up": {**tma, "SPLIT_K": 1} if gate_up_tma else dict(BLOCK_N=64, BLOCK_K=512, num_warps=4, SUB=2,
                                                                          SPLIT_K=1),
-              "down": ({**tma, "BLOCK_K": 512, "SPLIT_K": 2} if F >= 512
+              "down": ({**tma, "BLOCK_K": 1024 if F % 1024 else 512, "SPLIT_K": 2} if F >= 512
                        else dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, SUB=2, SPLIT_K=1))}
     assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device) == gate_up_tma
     assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)
     got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order
+    assert torch.equal(got, lowbit_experts(x, gate_up, down, ids.to(DEVICE), config))
     table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
     ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)
     order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)  # sorted row r is slot order[r]
