@@ -442,48 +442,6 @@ def test_lowbit_one_token_tma_compiled(bits, rank):
         assert ((y - ref).norm() / ref.norm()) < 1e-2, cfg
 
 
-@pytest.mark.parametrize("bits,rank", [(3, 0), (4, 0), (3, 32)])
-def test_lowbit_one_token_gate_up_prepares_h_compiled(bits, rank):
-    """Both one-token projections by TMA: gate_up writes h prepared for down (the last program done with a step of h
-    prepares it, after an acquire-release count) and zeroes down's split-K output, no prepare_x between them; several
-    tile pairs, eager and replayed from a CUDA graph on fresh inputs, against float32 dequantized experts."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs compute capability 9.0")
-    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, prepares_h
-    from moeserve.model.experts import swiglu
-
-    E, D, F = 8, 4096, 2560  # down's 1024-input steps: the last one half full
-    ranks = [0 if e == 2 else rank for e in range(E)]
-    layers = [(_random_quantized(2 * F, D, bits, ranks[e]), _random_quantized(D, F, bits, ranks[e])) for e in range(E)]
-    gate_up, down = (_stacked([pair[j] for pair in layers], rank) for j in (0, 1))
-    dense = [(_dense_float32(g), _dense_float32(d)) for g, d in layers]  # float32 [2F, D], [D, F]
-
-    def reference(x, ids):
-        return torch.stack([swiglu(x.float() @ dense[e][0].T)[0] @ dense[e][1].T for e in ids[0].tolist()])  # [k, D]
-
-    tma = dict(TMA=1, SPLIT_K=1)
-    for gu, dn, split in [((8, 1024, 4, 3), (8, 1024, 4, 3), 4), ((16, 512, 4, 2), (4, 1024, 2, 2), 1),
-                          ((32, 512, 8, 3), (16, 512, 4, 3), 2)]:
-        config = {"gate_up": {**tma, **dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), gu))},
-                  "down": {**tma, **dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn)), "SPLIT_K": split}}
-        x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
-        ids = torch.tensor([[E - 1, 2]], device="cuda")
-        assert prepares_h(config["gate_up"], config["down"], gate_up, down, ids, x.device)
-        for _ in range(2):
-            got = lowbit_experts(x, gate_up, down, ids, config)
-            ref = reference(x, ids)
-            assert ((got - ref).norm() / ref.norm()) < 1e-2, config
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = lowbit_experts(x, gate_up, down, ids, config)
-        for _ in range(3):
-            x.copy_(torch.randn_like(x))
-            ids.copy_(torch.randperm(E, device="cuda")[:2][None])
-            graph.replay()
-            ref = reference(x, ids)
-            assert ((out - ref).norm() / ref.norm()) < 1e-2, config
-
-
 @pytest.mark.parametrize("bits", [3, 4])
 def test_dependent_launches_in_a_cuda_graph_match_plain_launches(bits, monkeypatch):
     """A one-token quantized MoE block (its Triton kernels launched dependent on Hopper: each may start before the

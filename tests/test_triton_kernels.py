@@ -317,9 +317,8 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
     per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
     128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
-    too, its 2 steps split in two (fp32 atomics), after gate_up by TMA (which writes h prepared for down: its
-    last program of each step prepares it; F = 1536: steps of 1024, the last half full; the step counters left
-    zero, so a second call gives the same) or (gate_up_tma off) on CUDA cores.
+    too, its 2 steps split in two (fp32 atomics), after gate_up by TMA or (gate_up_tma off) on CUDA cores; F = 1536:
+    down's steps of 1024, the last half full. A second call gives the same.
     D = 1536 in steps of 1024: gate_up's last step is half past the row (at 3 bits its plane blocks run into the
     next plane and past the row). rank: compensators of ranks rank, 0, rank / 2, rank on the four experts
     (zero-padded to one rank), added before the weight stream. x's groups of 64 span 10^-3..10^3 (the fp16 pairs of

@@ -12,8 +12,7 @@ One token with experts of group 64 and config TMA (tma_one_token): the words, sc
 by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
 per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
 probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
-gate_up 65 -> 56 us). With both projections by TMA, gate_up also writes h prepared for down (the last program done
-with a step of h prepares it) and zeroes down's output: no prepare_x launch between them.
+gate_up 65 -> 56 us).
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
 each row's expert's r columns.
@@ -21,7 +20,7 @@ each row's expert's r columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,9 +29,8 @@ import triton.language as tl
 from moeserve.kernels import triton_interpreting
 from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
                                                    _tile_rows, _x_steps, check_activation, check_weight,
-                                                   exponent_bits, half_x_limit, kernel_inputs, launch, low_rank_args,
-                                                   prepare_step, prepared_buffer, route_args, routed_tokens,
-                                                   tile_constexprs, values_per_column, zero_share)
+                                                   kernel_inputs, launch, low_rank_args, route_args, routed_tokens,
+                                                   tile_constexprs, values_per_column)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -50,14 +48,6 @@ class StackedLowbit:
     in_features: int
     u: torch.Tensor | None = None  # [E, N, r] activation dtype
     v: torch.Tensor | None = None  # [E * r, K] activation dtype
-    _counters: torch.Tensor | None = field(default=None, repr=False)
-
-    def step_counters(self, n: int) -> torch.Tensor:
-        """n zeroed int32 counters on the weights' device, kept for the next call (the kernels counting on them
-        leave them zero): made once, outside any CUDA graph capture when the first call is."""
-        if self._counters is None or self._counters.numel() < n:
-            self._counters = torch.zeros(n, dtype=torch.int32, device=self.qweight.device)
-        return self._counters
 
     def low_rank_inputs(self, x_sorted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(U [E, N, r], x_sorted V_all^T [T*k, E * r]), or None: the kernels read each row's expert's r columns
@@ -165,20 +155,14 @@ def _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, rows_per_expert, offs, n_mask
 
 
 @triton.jit
-def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, hw_ptr, count_ptr, fill_ptr,
-                        fill_n, F, steps, plane, R, xv_stride, exp_bits, h_steps, BITS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
-                        INTERPRET: tl.constexpr, HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PREP: tl.constexpr,
-                        H_CPS: tl.constexpr, H_HALF: tl.constexpr, H_LIMIT: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, F, steps, plane, R,
+                        xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                        HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_LR: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), e = ids[slot] (grid axis
     2: the k slots, distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv; HAS_LR: the
-    compensator terms, computed before the weight stream.
-    PREP: h also goes out prepared for the down kernel (hw_ptr [k, h_steps, XSLOTS, H_CPS], prepare_step) and the
-    down's split-K output (fill_ptr, fill_n fp32 values) zeroed, in place of a prepare_x launch: each program counts
-    itself done with its step of h (count_ptr [k, h_steps], left zero), and the last one of a step prepares it."""
+    compensator terms, computed before the weight stream."""
     after_previous(PDL)
-    if PREP:
-        zero_share(fill_ptr, fill_n)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     e = tl.load(ids_ptr + slot).to(tl.int32)
@@ -193,19 +177,6 @@ def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, x
     g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
                      BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
     tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
-    if PREP:
-        VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
-        H_K: tl.constexpr = H_CPS * VPC  # h inputs per prepared step: a multiple of BLOCK_N (launch checks)
-        t = n0 // H_K
-        programs = tl.cdiv(tl.minimum(H_K, F - t * H_K), BLOCK_N)  # the programs that store step t of h
-        tl.debug_barrier()  # the whole program's h stores come before its count (release)
-        count = count_ptr + slot * h_steps + t
-        if tl.atomic_add(count, 1, sem="acq_rel") == programs - 1:  # the last: all of step t's h is visible
-            tl.debug_barrier()
-            tl.store(count, 0)  # zero again for the next launch
-            H_XSLOTS: tl.constexpr = VPC // 2 + 2 if H_HALF else VPC + 1
-            prepare_step(h_ptr + slot * F, hw_ptr + slot * h_steps * H_XSLOTS * H_CPS, t, F // VPC, BITS, VPC, H_CPS,
-                         H_HALF, H_LIMIT)
 
 
 @triton.jit
@@ -282,51 +253,29 @@ def planes(p: StackedLowbit) -> int:
     return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
-def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict,
-                       hw: torch.Tensor | None = None, fill: torch.Tensor | None = None) -> None:
-    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes); hw (prepared_buffer of h for
-    the down kernel, whose steps hold whole row blocks of this config: prepares_h): written too, and fill (fp32, or
-    None) zeroed, by this launch."""
+def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
+    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile)
     lr = p.low_rank_inputs(x)
     u, xv, R = low_rank_args(lr, h)
-    prep = hw is not None
-    half = prep and hw.dtype == torch.int32
-    counts = p.step_counters(ids.numel() * hw.shape[1]) if prep else h
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg), ids, h, u, xv, hw if prep else h, counts, h if fill is None else fill,
-        0 if fill is None else fill.numel(), F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
-        xv.stride(0), exp, hw.shape[1] if prep else 0, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32),
-        BITS=p.bits, BLOCK_N=cfg["BLOCK_N"], G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"],
-        STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"], PREP=prep, H_CPS=hw.shape[-1] if prep else 1,
-        H_HALF=half, H_LIMIT=half_x_limit(p.bits) if half else 0, num_warps=cfg["num_warps"],
-        **dependent_launch(x.device))
+        xw, *tma_descriptors(p, cfg), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
+        xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
+        num_warps=cfg["num_warps"], **dependent_launch(x.device))
 
 
-def prepares_h(gate_up_cfg: dict, down_cfg: dict, p: StackedLowbit, down: StackedLowbit, routing,
-               device: torch.device) -> bool:
-    """Whether the one-token gate_up launch also prepares h for the down kernel (both by TMA, and down's steps hold
-    whole row blocks of gate_up), which saves the prepare_x launch between them."""
-    return (tma_one_token(gate_up_cfg, p, routing, device) and tma_one_token(down_cfg, down, routing, device)
-            and down_cfg["BLOCK_K"] % gate_up_cfg["BLOCK_N"] == 0)
-
-
-def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict,
-                    hw: torch.Tensor | None = None) -> None:
+def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
     """_down_tma_kernel for one token's h [k, F] -> y [k, D] fp32 (tma_one_token said yes); cfg SPLIT_K slices of
-    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows. hw: h prepared already (and y
-    zeroed) by the gate_up launch."""
+    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows."""
     D = p.qweight.shape[1]
     tile = tile_constexprs(cfg, p.bits, p.group, 1, h.dtype, False)
     steps = triton.cdiv(p.in_features, cfg["BLOCK_K"])
     per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
     split = triton.cdiv(steps, per_split)
-    if hw is None:
-        hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
-    else:
-        exp = exponent_bits(p.bits, tile["HALF"])
+    hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
     lr = p.low_rank_inputs(h)
     u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
@@ -376,14 +325,8 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         config = lowbit_moe_config(name, gate_up.bits, E, D, F, T, n // T, gate_up.u is not None or down.u is not None)
     x = x.contiguous()
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
-    y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] zeroed by a launch before its atomics
-    if prepares_h(config["gate_up"], config["down"], gate_up, down, routing, x.device):
-        tile = tile_constexprs(config["down"], down.bits, down.group, 1, x.dtype, False)
-        hw = prepared_buffer(n, F, down.bits, tile["BLOCK_K"], tile["HALF"], x.device)
-        launch_gate_up_tma(x, gate_up, h, routing, config["gate_up"], hw, y)
-        launch_down_tma(h, down, y, routing, config["down"], hw)
-        return y
     launch_gate_up(x, gate_up, h, routing, config["gate_up"])
+    y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
     if tma_one_token(config["down"], down, routing, x.device):
         launch_down_tma(h, down, y, routing, config["down"])
     else:
