@@ -442,6 +442,25 @@ def test_lowbit_one_token_tma_compiled(bits, rank):
         assert ((y - ref).norm() / ref.norm()) < 1e-2, cfg
 
 
+@pytest.mark.parametrize("bits,D,F", [(4, 1024, 1536), (3, 4096, 14336)])
+def test_router_prepares_the_experts_input_in_a_quantized_block(bits, D, F):
+    """A one-token quantized MoE block has the router's launch prepare x for gate_up (CUDA-core tiles at 1024 x 1536,
+    the tuned TMA ones at Mixtral's shape): the block gives what the router and the experts give run apart."""
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    E, k = 8, 2
+    block = random_block(E, k, D, F)
+    block.experts = QuantizedExperts([_random_quantized(2 * F, D, bits) for _ in range(E)],
+                                     [_random_quantized(D, F, bits) for _ in range(E)])
+    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert block._prepared_input(x) is not None
+        got = block(x)
+        ids, weights, _ = block.gate(x)
+        ref = block.experts(x, ids, weights)  # gate_up prepares x itself
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-3)  # split-K fp32 atomics: any order
+
+
 @pytest.mark.parametrize("bits", [3, 4])
 def test_dependent_launches_in_a_cuda_graph_match_plain_launches(bits, monkeypatch):
     """A one-token quantized MoE block (its Triton kernels launched dependent on Hopper: each may start before the

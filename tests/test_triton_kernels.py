@@ -318,12 +318,14 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     per program as two sub-tiles, against the float64 experts. F = 192: gate_up only (a partial last row block of
     128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
     too, its 2 steps split in two (fp32 atomics), after gate_up by TMA or (gate_up_tma off) on CUDA cores; F = 1536:
-    down's steps of 1024, the last half full. A second call gives the same.
+    down's steps of 1024, the last half full. x prepared apart (x_preparation, as the router's launch does) gives
+    the same.
     D = 1536 in steps of 1024: gate_up's last step is half past the row (at 3 bits its plane blocks run into the
     next plane and past the row). rank: compensators of ranks rank, 0, rank / 2, rank on the four experts
     (zero-padded to one rank), added before the weight stream. x's groups of 64 span 10^-3..10^3 (the fp16 pairs of
     a step share one scale)."""
-    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token
+    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts, tma_one_token, x_preparation
+    from moeserve.kernels.triton.lowbit_linear import prepare_x
     from moeserve.model.experts import LoopedExperts
     from moeserve.quant.qlinear import QuantizedExperts
 
@@ -344,7 +346,9 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     assert tma_one_token(config["gate_up"], gate_up, ids.to(DEVICE), x.device) == gate_up_tma
     assert tma_one_token(config["down"], down, ids.to(DEVICE), x.device) == (F >= 512)
     got = lowbit_experts(x, gate_up, down, ids.to(DEVICE), config)  # [k, D] in slot order
-    assert torch.equal(got, lowbit_experts(x, gate_up, down, ids.to(DEVICE), config))
+    prep = x_preparation(x, gate_up, down, k, config)  # x prepared by another launch (the router's) gives the same
+    prepared = prepare_x(x, prep.bits, prep.block_k, prep.half)
+    assert torch.equal(got, lowbit_experts(x, gate_up, down, ids.to(DEVICE), config, prepared_x=prepared))
     table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
     ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)
     order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)  # sorted row r is slot order[r]
@@ -468,6 +472,24 @@ def test_fused_router_matches_softmax_topk(poisoned_outputs, T, E, k, D, normali
     torch.testing.assert_close(weights.float(), ref_weights, atol=0, rtol=rtol)
     with pytest.raises(ValueError, match="top-"):
         fused_router(x, weight, E + 1, normalize, torch.float32)
+
+
+@pytest.mark.parametrize("T,E,k,D,bits,block_k,half", [(1, 8, 2, 256, 3, 128, True), (3, 60, 6, 320, 4, 64, False),
+                                                       (2, 5, 2, 96, 2, 64, True), (1, 16, 4, 192, 8, 128, True)])
+def test_fused_router_prepares_x_as_prepare_x(poisoned_outputs, T, E, k, D, bits, block_k, half):
+    """The router's launch with prepared: more programs write x prepared for the experts' CUDA-core kernels, exactly
+    what prepare_x writes (a last step past the row at D = 320 and 96), and the routing is the same."""
+    from moeserve.kernels.triton.lowbit_linear import Preparation, prepare_x
+    from moeserve.kernels.triton.router import fused_router
+
+    x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(E, D, device=DEVICE, dtype=torch.bfloat16) * D ** -0.5
+    prep = Preparation(bits, block_k, half)
+    xw = prep.buffer(T, D, x.device)
+    got = fused_router(x, weight, k, True, torch.float32, (prep, xw))
+    assert torch.equal(xw, prepare_x(x, bits, block_k, half))
+    for a, b in zip(got, fused_router(x, weight, k, True, torch.float32)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("rows,D", [(1, 64), (5, 48)])  # 48: a masked tail of the block

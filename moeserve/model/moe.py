@@ -26,14 +26,28 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
-        expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
         if self.shared_expert is not None and getattr(self.experts, "overlaps_dense", False):
             # an expert-parallel backend computes the shared expert while its tokens are in flight
+            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
             return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
-        out = self.experts(x, expert_ids, expert_weights)  # [T, D]
+        prepared = self._prepared_input(x)
+        expert_ids, expert_weights, _ = self.gate(x, prepared)  # [T, k] x2
+        if prepared is None:
+            out = self.experts(x, expert_ids, expert_weights)  # [T, D]
+        else:
+            out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return out.reshape(shape)
+
+    def _prepared_input(self, x: torch.Tensor):
+        """(Preparation, its empty buffer) where the experts read x prepared (QuantizedExperts.x_preparation) and the
+        fused router can write it in its own launch: one launch fewer per block (prepare_x), else None."""
+        wish = getattr(self.experts, "x_preparation", None)
+        if wish is None or not self.gate.fused_applies(x):
+            return None
+        prep = wish(x, self.gate.top_k)
+        return None if prep is None else (prep, prep.buffer(x.shape[0], x.shape[1], x.device))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert (Qwen2-MoE: sigmoid-gated) on x [T, D] -> [T, D]."""

@@ -26,13 +26,17 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize, self.weights_fp32 = top_k, normalize, weights_fp32
 
-    def forward(self, x: torch.Tensor):
-        """x [T, D] -> expert_ids [T, k], expert_weights [T, k], logits [T, E] (for aux losses / traces)."""
+    def forward(self, x: torch.Tensor, prepared=None):
+        """x [T, D] -> expert_ids [T, k], expert_weights [T, k], logits [T, E] (for aux losses / traces).
+        prepared (a lowbit_linear.Preparation and its buffer; only where fused_applies): filled with x prepared for
+        the experts' kernels by the same launch."""
         if self.fused_applies(x):
             from moeserve.kernels.triton.router import fused_router
 
             return fused_router(x, self.weight, self.top_k, self.normalize,
-                                torch.float32 if self.weights_fp32 else x.dtype)
+                                torch.float32 if self.weights_fp32 else x.dtype, prepared)
+        if prepared is not None:
+            raise ValueError("only the fused router prepares x for the experts (fused_applies)")
         logits = F.linear(x, self.weight)  # [T, E]
         ids, weights = softmax_topk(logits, self.top_k, self.normalize)
         if not self.weights_fp32:

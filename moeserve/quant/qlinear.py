@@ -155,15 +155,26 @@ class QuantizedExperts(LoopedExperts):
             self._stacked = (key(), stacks)
         return self._stacked[1]
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+    def x_preparation(self, x: torch.Tensor, top_k: int):
+        """How the fused one-token path will read x (a lowbit_linear.Preparation: MoEBlock has the router's launch
+        prepare it), or None (no fused slot-order path here, or it reads x itself)."""
+        if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)):
+            return None
+        from moeserve.kernels.triton.fused_moe_lowbit import x_preparation
+
+        return x_preparation(x, *self.stacked(x.dtype), top_k)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                prepared_x: torch.Tensor | None = None) -> torch.Tensor:
         """One token takes the fused path in slot order (the kernels find each routed expert's slots among the ids):
-        no routing table and no gather, two launches fewer per layer than the sorted path (slot_order_pays)."""
+        no routing table and no gather, two launches fewer per layer than the sorted path (slot_order_pays).
+        prepared_x: x prepared as x_preparation said (by the router's launch)."""
         if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)) or needs_grad(expert_weights):
             return super().forward(x, expert_ids, expert_weights)
         from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
         from moeserve.kernels.triton.routing import gather_combine
 
-        y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids)  # [k, D] fp32, slot order
+        y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids, prepared_x=prepared_x)  # [k, D] fp32, slot order
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
 
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:

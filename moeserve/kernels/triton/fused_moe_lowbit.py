@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
-from moeserve.kernels.triton.lowbit_linear import (_SLOTS, _expert_rows, _group_cols, _low_rank, _sums, _tile,
-                                                   _tile_rows, _x_steps, check_activation, check_weight,
+from moeserve.kernels.triton.lowbit_linear import (_SLOTS, Preparation, _expert_rows, _group_cols, _low_rank, _sums,
+                                                   _tile, _tile_rows, _x_steps, check_activation, check_weight,
                                                    kernel_inputs, launch, low_rank_args, route_args, routed_tokens,
                                                    tile_constexprs, values_per_column)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
@@ -253,11 +253,13 @@ def planes(p: StackedLowbit) -> int:
     return p.qweight.shape[-1] // 3 if p.bits == 3 else 0
 
 
-def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
-    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes)."""
+def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: dict,
+                       prepared: torch.Tensor | None = None) -> None:
+    """_gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes); prepared: x prepared already
+    (x_preparation)."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
-    xw, exp = kernel_inputs(x, tile)
+    xw, exp = kernel_inputs(x, tile, prepared=prepared)
     lr = p.low_rank_inputs(x)
     u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
@@ -285,11 +287,12 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
         ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
 
 
-def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict) -> None:
+def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict,
+                   prepared: torch.Tensor | None = None) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
-    [T, k] (x the T tokens, h [T*k, F] in slot order)."""
+    [T, k] (x the T tokens, h [T*k, F] in slot order); prepared: x prepared already (x_preparation)."""
     if tma_one_token(cfg, p, routing, x.device):
-        launch_gate_up_tma(x, p, h, routing, cfg)
+        launch_gate_up_tma(x, p, h, routing, cfg, prepared)
         return
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
@@ -298,7 +301,7 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     route = route_args(routing, x.shape[0], h, E)
     T = routed_tokens(routing)
     tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
-    xk, exp = kernel_inputs(x, tile)
+    xk, exp = kernel_inputs(x, tile, prepared=prepared)
     _gate_up_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, route.pop("programs"))](
         xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
         p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
@@ -306,26 +309,43 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
         **dependent_launch(x.device))  # h [T*k, F]: top_k
 
 
+def experts_config(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, tokens: int, top_k: int) -> dict:
+    """The launch configs ({"gate_up": cfg, "down": cfg}) for `tokens` tokens on x's device (configs.py)."""
+    from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
+
+    name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
+    E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
+    return lowbit_moe_config(name, gate_up.bits, E, D, two_f // 2, tokens, top_k,
+                             gate_up.u is not None or down.u is not None)
+
+
+def x_preparation(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, top_k: int,
+                  config: dict | None = None) -> Preparation | None:
+    """How gate_up will read the tokens x [T, D] in slot order (lowbit_experts with expert ids): prepared as this
+    says (another launch may do it and pass it in as prepared_x), or None (x itself, for tensor-core tiles)."""
+    T = x.shape[0]
+    config = config or experts_config(x, gate_up, down, T, top_k)
+    return Preparation.of(tile_constexprs(config["gate_up"], gate_up.bits, gate_up.group, T, x.dtype,
+                                          False))  # compensators change nothing x is read as
+
+
 def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, routing,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, prepared_x: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' outputs before gate weighting, [T*k, D] float32: routing a RoutingTable (x [T*k, D] its
     expert-sorted rows, outputs in that order) or the expert ids [T, k] (x [T, D] the tokens, outputs in slot order
-    t * k + j: no routing table and no gather)."""
+    t * k + j: no routing table and no gather; prepared_x: x prepared already, as x_preparation says)."""
     check_activation(x, gate_up.in_features)
     for p in (gate_up, down):
         check_weight(p.qweight, p.scale, p.zero, p.bits, p.group, p.in_features)
-    E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
-    F = two_f // 2
+    E, F, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1] // 2, gate_up.in_features
     T = routed_tokens(routing)
     n = routing.numel() if isinstance(routing, torch.Tensor) else x.shape[0]  # rows of h and y: T * top_k
-    if config is None:
-        from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
-
-        name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
-        config = lowbit_moe_config(name, gate_up.bits, E, D, F, T, n // T, gate_up.u is not None or down.u is not None)
+    config = config or experts_config(x, gate_up, down, T, n // T)
+    if prepared_x is not None and not isinstance(routing, torch.Tensor):
+        raise ValueError("prepared x is for the slot-order path (expert ids), not for expert-sorted rows")
     x = x.contiguous()
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
-    launch_gate_up(x, gate_up, h, routing, config["gate_up"])
+    launch_gate_up(x, gate_up, h, routing, config["gate_up"], prepared_x)
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
     if tma_one_token(config["down"], down, routing, x.device):
         launch_down_tma(h, down, y, routing, config["down"])

@@ -42,6 +42,8 @@ output block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -820,30 +822,17 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
-                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Step t of row m (zero past the last column), fp32: xw[m, t, j, c] = x[m, input index of value slot j of
-    column t * CPS + c] and xw[m, t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two
-    r (max |x r| < 2^LOG2_LIMIT), xw[m, t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[m, t, VPC / 2, c]
-    = the column's sum of those fp16 values (fp32 bits), xw[m, t, VPC / 2 + 1, :] = 1 / r (fp32 bits).
-    FILL: each program also zeroes its share of fill_ptr's fill_n fp32 values (the GEMV's split-K target), which
-    saves the separate fill launch: at one row that launch costs as much as a tenth of the GEMV."""
-    after_previous(PDL)
-    if FILL:
-        FILL_BLOCK: tl.constexpr = 256
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
-        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
-        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
-            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
-            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
-    c = tl.program_id(0) * CPS + tl.arange(0, CPS)
+def prepare_step(x_row, xw_row, t, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+                 HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
+    """Step t of one row (x_row: its inputs, `cols` columns; xw_row: its prepared steps [steps, XSLOTS, CPS]), zero
+    past the last column, fp32: xw[t, j, c] = x[input index of value slot j of column t * CPS + c] and
+    xw[t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two r (max |x r| <
+    2^LOG2_LIMIT), xw[t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[t, VPC / 2, c] = the column's sum of
+    those fp16 values (fp32 bits), xw[t, VPC / 2 + 1, :] = 1 / r (fp32 bits)."""
+    c = t * CPS + tl.arange(0, CPS)
     c_ok = c < cols
-    x_row = x_ptr + tl.program_id(1).to(tl.int64) * K
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
-    xw_step = xw_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * XSLOTS * CPS
-    out = xw_step + tl.arange(0, CPS)
+    out = xw_row + t * XSLOTS * CPS + tl.arange(0, CPS)
     vals = ()
     for j in tl.static_range(VPC):
         off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
@@ -867,15 +856,71 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constex
         tl.store(out + VPC * CPS, total)
 
 
-def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+@triton.jit
+def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constexpr, VPC: tl.constexpr,
+                      CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Step pid 0 of row pid 1 (prepare_step). FILL: each program also zeroes its share of fill_ptr's fill_n fp32
+    values (the GEMV's split-K target), which saves the separate fill launch: at one row that launch costs as much
+    as a tenth of the GEMV."""
+    after_previous(PDL)
+    if FILL:
+        FILL_BLOCK: tl.constexpr = 256
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tl.cdiv(fill_n, programs), FILL_BLOCK) * FILL_BLOCK
+        first = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * share
+        for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
+            i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
+            tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
+    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
+    m = tl.program_id(1).to(tl.int64)
+    prepare_step(x_ptr + m * K, xw_ptr + m * tl.num_programs(0) * XSLOTS * CPS, tl.program_id(0), cols, BITS, VPC, CPS,
+                 HALF, LOG2_LIMIT)
+
+
+def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None,
+                  prepared: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(what the kernels read as x, the exponent bits their decode ORs in) for tile_constexprs `tile`: x itself for
-    tensor-core tiles, prepare_x(x) for the CUDA-core path. fill (fp32): zeroed on the way (by prepare_x)."""
+    tensor-core tiles, prepare_x(x) for the CUDA-core path (or `prepared`, x prepared already as
+    Preparation.of(tile) says). fill (fp32): zeroed on the way (by prepare_x)."""
     bits = tile["BITS"]
     if tile["USE_DOT"]:
         if fill is not None:
             fill.zero_()
         return x, exponent_bits(bits, tile["HALF"], 7 if x.dtype == torch.bfloat16 else 10)
+    if prepared is not None:
+        if fill is not None:
+            fill.zero_()
+        return prepared, exponent_bits(bits, tile["HALF"])
     return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """How the CUDA-core kernels want x prepared (prepare_x's layout): packed width, inputs per step, fp16 pairs.
+    Another kernel that reads x anyway can write it (kernels/triton/router.py), one launch fewer."""
+
+    bits: int
+    block_k: int
+    half: bool
+
+    @staticmethod
+    def of(tile: dict) -> "Preparation | None":
+        """What a tile (tile_constexprs) reads as x, or None for tensor-core tiles (they read x itself)."""
+        return None if tile["USE_DOT"] else Preparation(tile["BITS"], tile["BLOCK_K"], tile["HALF"])
+
+    def buffer(self, rows: int, K: int, device) -> torch.Tensor:
+        """An empty prepared x [rows, steps, x_slots, CPS] for rows of K inputs."""
+        per_column = values_per_column(self.bits)
+        cps = self.block_k // per_column
+        return torch.empty(rows, triton.cdiv(K // per_column, cps), x_slots(per_column, self.half), cps,
+                           dtype=torch.int32 if self.half else torch.float32, device=device)
+
+    def constexprs(self) -> dict:
+        """prepare_step's compile-time arguments."""
+        per_column = values_per_column(self.bits)
+        return dict(BITS=self.bits, VPC=per_column, CPS=self.block_k // per_column, HALF=self.half,
+                    LOG2_LIMIT=half_x_limit(self.bits) if self.half else 0)
 
 
 def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
@@ -884,16 +929,12 @@ def prepare_x(x: torch.Tensor, bits: int, block_k: int, half: bool = False,
     the inputs of value slot j of its columns side by side (slot j of a 3-bit unit = value i of its word T,
     j = 8T + i; half: fp16 pairs of slots p and p + VPC / 2, scaled per step), then each column's sum of x (and,
     half, the step's 1 / scale). The kernel finds each slot at a constant offset from the step."""
-    per_column = values_per_column(bits)
     M, K = x.shape
-    cols, cps = K // per_column, block_k // per_column
-    steps = triton.cdiv(cols, cps)
-    xw = torch.empty(M, steps, x_slots(per_column, half), cps, dtype=torch.int32 if half else torch.float32,
-                     device=x.device)
-    _prepare_x_kernel[(steps, M)](x, xw, K, cols, xw if fill is None else fill, 0 if fill is None else fill.numel(),
-                                  BITS=bits, VPC=per_column, CPS=cps, HALF=half,
-                                  LOG2_LIMIT=half_x_limit(bits) if half else 0, FILL=fill is not None,
-                                  **dependent_launch(x.device))
+    prep = Preparation(bits, block_k, half)
+    xw = prep.buffer(M, K, x.device)
+    _prepare_x_kernel[(xw.shape[1], M)](x, xw, K, K // values_per_column(bits), xw if fill is None else fill,
+                                        0 if fill is None else fill.numel(), FILL=fill is not None,
+                                        **prep.constexprs(), **dependent_launch(x.device))
     return xw
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton.lowbit_linear import Preparation, prepare_step
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 
 MAX_TOKENS = 64  # above this, cuBLAS and torch's kernels (one program per token re-reads the gate weight)
@@ -30,13 +31,31 @@ def tile(block_e: int) -> int:
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Token t = program 0: logits = x_t W^T [E], p = softmax(logits), the K largest p (lowest expert on ties),
-    optionally renormalised to sum to one."""
+def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, xw_ptr, T, D, E, steps, K: tl.constexpr,
+                   NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                   STAGES: tl.constexpr, PREP: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr,
+                   CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
+    """Programs 0..T-1 route token t = program id (_route_token). PREP: programs T.. prepare x for the experts'
+    CUDA-core kernels (lowbit_linear.prepare_step: step q % steps of token q // steps, q = program id - T) in the
+    same launch."""
     after_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if PREP and pid >= T:
+        XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
+        q = pid - T
+        m = (q // steps).to(tl.int64)
+        prepare_step(x_ptr + m * D, xw_ptr + m * steps * XSLOTS * CPS, q % steps, D // VPC, BITS, VPC, CPS, HALF,
+                     LOG2_LIMIT)
+    else:
+        _route_token(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, pid.to(tl.int64), D, E, K, NORMALIZE, BLOCK_E,
+                     BLOCK_D, BLOCK_K, STAGES)
+
+
+@triton.jit
+def _route_token(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, t, D, E, K: tl.constexpr, NORMALIZE: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Token t: logits = x_t W^T [E], p = softmax(logits), the K largest p (lowest expert on ties), optionally
+    renormalised to sum to one."""
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_ok = e < E
     acc = tl.zeros((BLOCK_E, BLOCK_D), dtype=tl.float32)
@@ -67,10 +86,13 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, D, E, K: tl.c
     tl.store(weights_ptr + t * K + kk, top_p.to(weights_ptr.dtype.element_ty), mask=kk < K)
 
 
-def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
-                 weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, weights_dtype: torch.dtype,
+                 prepared: tuple[Preparation, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, D], gate weight [E, D] -> expert_ids [T, k] int64, expert_weights [T, k] in weights_dtype, logits [T, E]
-    in x's dtype: softmax over all experts, the top k, optionally renormalised (TopKRouter's definition)."""
+    in x's dtype: softmax over all experts, the top k, optionally renormalised (TopKRouter's definition).
+    prepared (a Preparation, its buffer for x): filled with x prepared for the experts' CUDA-core kernels, by more
+    programs of the same launch (one prepare_x launch fewer per MoE block)."""
     T, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D:
@@ -83,7 +105,10 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
     block_e = triton.next_power_of_2(E)
     block_d = min(triton.next_power_of_2(D), max(16, tile(block_e) // block_e))
-    _router_kernel[(T,)](x, weight, logits, ids, weights, D, E, K=k, NORMALIZE=normalize, BLOCK_E=block_e,
-                         BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4, num_warps=4,
-                         **dependent_launch(x.device))
+    prep, xw = prepared if prepared is not None else (Preparation(4, 64, False), logits)  # unused without PREP
+    steps = xw.shape[1] if prepared is not None else 0
+    _router_kernel[(T + T * steps,)](x, weight, logits, ids, weights, xw, T, D, E, steps, K=k, NORMALIZE=normalize,
+                                     BLOCK_E=block_e, BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4,
+                                     PREP=prepared is not None, **prep.constexprs(), num_warps=4,
+                                     **dependent_launch(x.device))
     return ids, weights, logits
