@@ -349,6 +349,9 @@ def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK,
     prep = x_preparation(x, gate_up, down, k, config)  # x prepared by another launch (the router's) gives the same
     prepared = prepare_x(x, prep.bits, prep.block_k, prep.half)
     assert torch.equal(got, lowbit_experts(x, gate_up, down, ids.to(DEVICE), config, prepared_x=prepared))
+    with pytest.raises(ValueError, match="prepared as"):  # prepared for other steps: refused, not misread
+        lowbit_experts(x, gate_up, down, ids.to(DEVICE), config, prepared_x=prepare_x(x, bits, 2 * prep.block_k,
+                                                                                       prep.half))
     table = build_routing_table(ids.to(DEVICE), torch.rand(1, k, device=DEVICE), E)
     ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)
     order = torch.argsort(ids.reshape(-1), stable=True).to(DEVICE)  # sorted row r is slot order[r]

@@ -884,15 +884,17 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None,
     tensor-core tiles, prepare_x(x) for the CUDA-core path (or `prepared`, x prepared already as
     Preparation.of(tile) says). fill (fp32): zeroed on the way (by prepare_x)."""
     bits = tile["BITS"]
+    if not tile["USE_DOT"] and prepared is None:
+        return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
+    if fill is not None:
+        fill.zero_()
     if tile["USE_DOT"]:
-        if fill is not None:
-            fill.zero_()
         return x, exponent_bits(bits, tile["HALF"], 7 if x.dtype == torch.bfloat16 else 10)
-    if prepared is not None:
-        if fill is not None:
-            fill.zero_()
-        return prepared, exponent_bits(bits, tile["HALF"])
-    return prepare_x(x, bits, tile["BLOCK_K"], tile["HALF"], fill), exponent_bits(bits, tile["HALF"])
+    want = Preparation.of(tile)
+    if tuple(prepared.shape) != want.shape(*x.shape) or prepared.dtype != want.dtype:
+        raise ValueError(f"x prepared as {tuple(prepared.shape)} {prepared.dtype}, this tile reads "
+                         f"{want.shape(*x.shape)} {want.dtype} ({want})")
+    return prepared, exponent_bits(bits, tile["HALF"])
 
 
 @dataclass(frozen=True)
@@ -909,12 +911,19 @@ class Preparation:
         """What a tile (tile_constexprs) reads as x, or None for tensor-core tiles (they read x itself)."""
         return None if tile["USE_DOT"] else Preparation(tile["BITS"], tile["BLOCK_K"], tile["HALF"])
 
-    def buffer(self, rows: int, K: int, device) -> torch.Tensor:
-        """An empty prepared x [rows, steps, x_slots, CPS] for rows of K inputs."""
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.int32 if self.half else torch.float32  # fp16 pairs, or fp32 values
+
+    def shape(self, rows: int, K: int) -> tuple[int, int, int, int]:
+        """[rows, steps, x_slots, CPS] of rows of K inputs."""
         per_column = values_per_column(self.bits)
         cps = self.block_k // per_column
-        return torch.empty(rows, triton.cdiv(K // per_column, cps), x_slots(per_column, self.half), cps,
-                           dtype=torch.int32 if self.half else torch.float32, device=device)
+        return rows, triton.cdiv(K // per_column, cps), x_slots(per_column, self.half), cps
+
+    def buffer(self, rows: int, K: int, device) -> torch.Tensor:
+        """An empty prepared x for rows of K inputs."""
+        return torch.empty(self.shape(rows, K), dtype=self.dtype, device=device)
 
     def constexprs(self) -> dict:
         """prepare_step's compile-time arguments."""
