@@ -31,10 +31,11 @@ class MoEBlock(nn.Module):
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
             return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
         prepared = self._prepared_input(x)
-        expert_ids, expert_weights, _ = self.gate(x, prepared)  # [T, k] x2
         if prepared is None:
+            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
             out = self.experts(x, expert_ids, expert_weights)  # [T, D]
         else:
+            expert_ids, expert_weights, _ = self.gate(x, prepared)
             out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
         if self.shared_expert is not None:
             out = out + self._shared(x)
@@ -44,7 +45,8 @@ class MoEBlock(nn.Module):
         """(Preparation, its empty buffer) where the experts read x prepared (QuantizedExperts.x_preparation) and the
         fused router can write it in its own launch: one launch fewer per block (prepare_x), else None."""
         wish = getattr(self.experts, "x_preparation", None)
-        if wish is None or not self.gate.fused_applies(x):
+        fused = getattr(self.gate, "fused_applies", None)  # another router (a replay, a tap) prepares nothing
+        if wish is None or fused is None or not fused(x):
             return None
         prep = wish(x, self.gate.top_k)
         return None if prep is None else (prep, prep.buffer(x.shape[0], x.shape[1], x.device))
