@@ -176,8 +176,9 @@ def compensator_overhead(shapes, ranks, device, dtype, rotate) -> list[dict]:
 
 
 def profile_kernels(device) -> None:
-    """Per-kernel GPU time (torch.profiler) of the one-row GEMV and the Mixtral MoE block (bf16 at 1 and 1024 tokens,
-    low-bit at 1): what each launch costs besides the main kernels (prepare_x, output fill, routing, combine)."""
+    """Per-kernel GPU time (torch.profiler) of the one-row GEMV and the Mixtral MoE block (bf16 at 1 and 1024 tokens;
+    low-bit experts at 1, without the router, whose launch prepares x in the block): what each launch costs besides
+    the main kernels (prepare_x, output fill, routing, combine)."""
     from torch.profiler import ProfilerActivity, profile
 
     from moeserve.model.experts import ResidentExperts
@@ -217,7 +218,8 @@ def profile_kernels(device) -> None:
                                    [random_layer(D, F, bits, device) for _ in range(E)])
         x = torch.randn(1, D, device=device, dtype=torch.bfloat16)
         ids, weights = torch.tensor([[1, 5]], device=device), torch.rand(1, 2, device=device)
-        show(f"Mixtral MoE block, 1 token, {bits}-bit experts", lambda: experts(x, ids, weights))
+        show(f"Mixtral experts, 1 token, {bits}-bit (the block less its router: x prepared by prepare_x here)",
+             lambda: experts(x, ids, weights))
 
 
 def main() -> None:
