@@ -822,9 +822,9 @@ def _pow2_scale(m, LOG2_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def prepare_step(x_row, xw_row, t, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+def prepare_step(x_row, xw_ptr, m, steps, t, cols, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
                  HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
-    """Step t of one row (x_row: its inputs, `cols` columns; xw_row: its prepared steps [steps, XSLOTS, CPS]), zero
+    """Step t of row m (x_row: its inputs, `cols` columns; xw_ptr: the prepared x [rows, steps, XSLOTS, CPS]), zero
     past the last column, fp32: xw[t, j, c] = x[input index of value slot j of column t * CPS + c] and
     xw[t, VPC, c] = that column's sum of x. HALF: the step's x is scaled by a power of two r (max |x r| <
     2^LOG2_LIMIT), xw[t, p, c] = the fp16 pair (x r of slots p, p + VPC / 2), xw[t, VPC / 2, c] = the column's sum of
@@ -832,7 +832,7 @@ def prepare_step(x_row, xw_row, t, cols, BITS: tl.constexpr, VPC: tl.constexpr, 
     c = t * CPS + tl.arange(0, CPS)
     c_ok = c < cols
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
-    out = xw_row + t * XSLOTS * CPS + tl.arange(0, CPS)
+    out = xw_ptr + (m.to(tl.int64) * steps + t) * XSLOTS * CPS + tl.arange(0, CPS)
     vals = ()
     for j in tl.static_range(VPC):
         off = c * VPC + _slot_offsets(tl.full((CPS,), j, tl.int32), BITS)
@@ -872,9 +872,8 @@ def _prepare_x_kernel(x_ptr, xw_ptr, K, cols, fill_ptr, fill_n, BITS: tl.constex
         for i0 in range(first, tl.minimum(first + share, fill_n), FILL_BLOCK):
             i = i0 + tl.arange(0, FILL_BLOCK)  # [FILL_BLOCK]
             tl.store(fill_ptr + i, tl.zeros((FILL_BLOCK,), dtype=tl.float32), mask=i < fill_n)
-    XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # x_slots
-    m = tl.program_id(1).to(tl.int64)
-    prepare_step(x_ptr + m * K, xw_ptr + m * tl.num_programs(0) * XSLOTS * CPS, tl.program_id(0), cols, BITS, VPC, CPS,
+    m = tl.program_id(1)
+    prepare_step(x_ptr + m.to(tl.int64) * K, xw_ptr, m, tl.num_programs(0), tl.program_id(0), cols, BITS, VPC, CPS,
                  HALF, LOG2_LIMIT)
 
 

@@ -41,10 +41,9 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, xw_ptr, T, D,
     after_previous(PDL)
     pid = tl.program_id(0)
     if PREP and pid >= T:
-        XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
         q = pid - T
-        m = (q // steps).to(tl.int64)
-        prepare_step(x_ptr + m * D, xw_ptr + m * steps * XSLOTS * CPS, q % steps, D // VPC, BITS, VPC, CPS, HALF,
+        m = q // steps
+        prepare_step(x_ptr + m.to(tl.int64) * D, xw_ptr, m, steps, q % steps, D // VPC, BITS, VPC, CPS, HALF,
                      LOG2_LIMIT)
     else:
         _route_token(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, pid.to(tl.int64), D, E, K, NORMALIZE, BLOCK_E,
