@@ -62,6 +62,10 @@ TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3),
              (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),
              (4, 1024, 2, 3)]
 TMA_DOWN_TILES = [(16, 2048, 4, 2), (4, 2048, 2, 2), (8, 2048, 8, 2)]  # more for down, whose K is the long F
+# more for gate_up: its 3-bit TMA kernel is bound by instruction issue (H100 ncu: 74% issue, 58% DRAM), and a step's
+# ten loads with their synchronisation are about a fifth of its loop: more rows or inputs a step share them (H100,
+# Mixtral 3-bit: none beat 8 x 2048 with 4 warps)
+TMA_GATE_UP_TILES = [(16, 2048, 4, 2), (16, 2048, 8, 2), (8, 2048, 8, 2), (8, 4096, 4, 2)]
 TMA_DOWN_SPLITS = (1, 2, 4, 8)
 SPLITS = (1, 2, 4, 8, 16, 32)
 # the best few of each projection, timed apart, are then timed in pairs as the block runs them (lowbit_experts: the
@@ -167,7 +171,7 @@ def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[
         out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
     if T == 1 and tma:
         out += [("gate_up", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1))
-                for bn, bk, w, st in TMA_TILES if bk <= D]
+                for bn, bk, w, st in TMA_TILES + TMA_GATE_UP_TILES if bk <= D]
         out += [("down", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=s, TMA=1))
                 for bn, bk, w, st in TMA_TILES + TMA_DOWN_TILES if bk <= F for s in TMA_DOWN_SPLITS]
     return out
