@@ -9,10 +9,12 @@ Grid (output block, K slice, expert); experts with no rows return at once, so th
 with no more slots than experts the last axis is the slot instead (route_args): at one token, no program is spent on
 the experts nobody chose (H100, one token, Mixtral 3-bit block 161 -> 149 us, a 64-expert top-6 4-bit 52 -> 49).
 One token with experts of group 64 and config TMA (tma_one_token): the words, scales and zeros come
-by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two row blocks
-per program as two sub-tiles of one loop (_tma_gemv: gate_up's gate and up rows, down's 2 BLOCK_N rows); H100
-probes: the register-prefetch loop holds about one step in flight per program and waits on it (Mixtral 4-bit
-gate_up 65 -> 56 us).
+by TMA (descriptor loads pipelined through shared memory, STAGES deep) instead of register prefetch, two blocks of
+BLOCK_N rows per program (_tma_gemv: gate_up's gate rows and their up rows through a 3-D box, down's 2 BLOCK_N rows)
+in one load per 3-bit plane, scales and zeros, split in registers; H100 probes: the register-prefetch loop holds
+about one step in flight per program and waits on it (Mixtral 4-bit gate_up 65 -> 56 us); the 3-bit gate_up is
+bound by instruction issue (ncu: 74% issue, 58% DRAM), and one load for both blocks instead of one each cut its
+loop by 13% (down's by 15%): Mixtral block at one token 0.085 -> 0.081-0.082 ms at 3 bits, 0.098 -> 0.094 at 4.
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
 each row's expert's r columns.
@@ -105,42 +107,55 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
 
 
 @triton.jit
-def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, rows, step0, step1, plane, exp_bits,
-              BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, NSUB: tl.constexpr, HALF: tl.constexpr,
+def _tma_block(desc, row, n0, col, PAIRS: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """One TMA load of two blocks of ROWS weight rows, W columns from col: a pair of [ROWS, G, W / G] tiles. PAIRS:
+    desc is 3-D [E * 2, N / 2, columns] (gate_up: an expert's gate rows, then its up rows) and the blocks are rows
+    n0.. of halves row and row + 1; else desc is 2-D and the blocks are rows row.. and row + ROWS... The blocks are
+    split apart in registers: as one [2 ROWS, ..] tile Triton lays the decode out with twice the registers (3 bits)
+    or five times the shared-memory bank conflicts (4 bits)."""
+    if PAIRS:
+        tile = desc.load([row, n0, col])  # [2, ROWS, W]
+    else:
+        tile = desc.load([row, col]).reshape(2, ROWS, W)
+    first, second = tl.split(tile.permute(1, 2, 0))  # [ROWS, W] each
+    return first.reshape(ROWS, G, W // G), second.reshape(ROWS, G, W // G)
+
+
+@triton.jit
+def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, row, n0, step0, step1, plane, exp_bits,
+              BITS: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr, PAIRS: tl.constexpr, HALF: tl.constexpr,
               STAGES: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times weight rows [rows[j], rows[j] + BLOCK_N)
-    for each of NSUB sub-tiles j over steps [step0, step1): a tuple of NSUB [BLOCK_N] fp32 sums (_sums, x loaded once
-    for all). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in [BLOCK_N, G * CPG] and
-    [BLOCK_N, G] blocks, STAGES deep in shared memory; 3-bit words as three such blocks, one per plane (`plane` words
-    apart: a step's 96 words are no power of two, its 32 words of a plane are); rows and steps past the tensors read
-    zeros (a 3-bit step past a plane's end reads the next plane's words: the prepared x there is zero)."""
+    """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times two blocks of ROWS weight rows at
+    (row, n0) (_tma_block; PAIRS: gate rows and their up rows) over steps [step0, step1): a pair of [ROWS] fp32 sums
+    (_sums, x loaded once for both). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in
+    boxes of both blocks' G * CPG words or G groups, STAGES deep in shared memory: a load per 3-bit plane (`plane`
+    words apart: a step's 96 words are no power of two, its 32 words of a plane are) and one each for scales and
+    zeros; rows and steps past the tensors read zeros (a 3-bit step past a plane's end reads the next plane's words:
+    the prepared x there is zero)."""
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     CPG: tl.constexpr = 64 // VPC  # columns per group of 64 (tma_one_token)
     CPS: tl.constexpr = G * CPG
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
     xw_row = xw_ptr + x_row * steps * (XSLOTS * CPS)  # int32: a slot of one token; ints where Triton specializes 1
     col = _group_cols(tl.arange(0, G), CPG)
-    acc = ()
-    for _ in tl.static_range(NSUB):
-        acc = acc + (tl.zeros((BLOCK_N, G, CPG), dtype=tl.float32),)
+    acc = (tl.zeros((ROWS, G, CPG), dtype=tl.float32), tl.zeros((ROWS, G, CPG), dtype=tl.float32))
     for step in tl.range(step0, step1, num_stages=STAGES):
+        planes = ()
+        for p in tl.static_range(3 if BITS == 3 else 1):
+            planes = planes + (_tma_block(w_desc, row, n0, p * plane + step * CPS, PAIRS, ROWS, G, CPS),)
+        s = _tma_block(s_desc, row, n0, step * G, PAIRS, ROWS, G, G)  # [ROWS, G, 1] each
+        z = _tma_block(z_desc, row, n0, step * G, PAIRS, ROWS, G, G)
         words = ()
         scales = ()
-        for j in tl.static_range(NSUB):
-            if BITS == 3:
-                words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),
-                                  w_desc.load([rows[j], plane + step * CPS]).reshape(BLOCK_N, G, CPG),
-                                  w_desc.load([rows[j], 2 * plane + step * CPS]).reshape(BLOCK_N, G, CPG)),)
-            else:
-                words = words + ((w_desc.load([rows[j], step * CPS]).reshape(BLOCK_N, G, CPG),),)
-            scales = scales + ((s_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1),
-                                z_desc.load([rows[j], step * G]).reshape(BLOCK_N, G, 1)),)
+        for j in tl.static_range(2):
+            block = ()
+            for p in tl.static_range(3 if BITS == 3 else 1):
+                block = block + (planes[p][j],)
+            words = words + (block,)
+            scales = scales + ((s[j], z[j]),)
         acc = _sums(acc, words, scales, _x_steps((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
-                    NSUB, 1, HALF, INTERPRET)
-    out = ()
-    for j in tl.static_range(NSUB):
-        out = out + (tl.sum(tl.sum(acc[j], axis=2), axis=1),)
-    return out
+                    2, 1, HALF, INTERPRET)
+    return tl.sum(tl.sum(acc[0], axis=2), axis=1), tl.sum(tl.sum(acc[1], axis=2), axis=1)
 
 
 @triton.jit
@@ -160,8 +175,8 @@ def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, x
                         HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_LR: tl.constexpr,
                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), e = ids[slot] (grid axis
-    2: the k slots, distinct experts); the gate rows and their up rows are the two sub-tiles of _tma_gemv; HAS_LR: the
-    compensator terms, computed before the weight stream."""
+    2: the k slots, distinct experts); the gate rows and their up rows come in the same TMA blocks (_tma_block
+    PAIRS); HAS_LR: the compensator terms, computed before the weight stream."""
     after_previous(PDL)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
@@ -173,9 +188,8 @@ def _gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, x
         lr_g = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, 2 * F, offs, offs < F, 0, R, BLOCK_N, BLOCK_R, INTERPRET)
         lr_u = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, 2 * F, F + offs, offs < F, 0, R, BLOCK_N, BLOCK_R,
                                  INTERPRET)
-    row_g = e * 2 * F + n0  # gate rows of expert ids[slot]; its up rows F later
-    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, (row_g, row_g + F), 0, steps, plane, exp_bits, BITS,
-                     BLOCK_N, G, 2, HALF, STAGES, INTERPRET)
+    g, u = _tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, 2 * e, n0, 0, steps, plane, exp_bits, BITS, BLOCK_N,
+                     G, True, HALF, STAGES, INTERPRET)
     tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
 
 
@@ -184,9 +198,9 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_p
                      xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                      HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr,
                      HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T (+ lr) over K slice pid 1, e = ids[slot]; two
-    sub-tiles of BLOCK_N rows; ATOMIC (split K): fp32 atomics into y that prepare_x zeroed; HAS_LR: the compensator
-    term, added by the first K slice and computed before the weight stream."""
+    """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T (+ lr) over K slice pid 1, e = ids[slot]; ATOMIC
+    (split K): fp32 atomics into y that prepare_x zeroed; HAS_LR: the compensator term, added by the first K slice and
+    computed before the weight stream."""
     after_previous(PDL)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * 2 * BLOCK_N
@@ -200,10 +214,9 @@ def _down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_p
                 part = _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, D, offs, offs < D, slot, R, BLOCK_N, BLOCK_R,
                                          INTERPRET)
         lr = lr + (part,)
-    row = e * D + n0
     step0 = tl.program_id(1) * per_split
-    parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, (row, row + BLOCK_N), step0,
-                      tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, 2, HALF, STAGES,
+    parts = _tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, e * D + n0, 0, step0,
+                      tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, False, HALF, STAGES,
                       INTERPRET)
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,16 +249,19 @@ def step_columns(cfg: dict, bits: int) -> int:
     return cfg["BLOCK_K"] // values_per_column(bits)
 
 
-def tma_descriptors(p: StackedLowbit, cfg: dict) -> tuple:
-    """TMA descriptors of the stacked words [E * N, words] in [BLOCK_N, step_columns] blocks and of the scales and
-    zeros [E * N, groups] in [BLOCK_N, BLOCK_K / group]."""
+def tma_descriptors(p: StackedLowbit, cfg: dict, pairs: bool) -> tuple:
+    """TMA descriptors (_tma_block) of the stacked words [E * N, words] in [2 BLOCK_N, step_columns] blocks and of the
+    scales and zeros [E * N, groups] in [2 BLOCK_N, BLOCK_K / group]; pairs (gate_up): 3-D, [E * 2, N / 2, ..] in
+    [2, BLOCK_N, ..] blocks (BLOCK_N gate rows and their up rows)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    E, N, words = p.qweight.shape
+    E, N, _ = p.qweight.shape
     bn = cfg["BLOCK_N"]
-    groups = cfg["BLOCK_K"] // p.group
-    return (TensorDescriptor.from_tensor(p.qweight.view(E * N, words), [bn, step_columns(cfg, p.bits)]),
-            *(TensorDescriptor.from_tensor(t.view(E * N, -1), [bn, groups]) for t in (p.scale, p.zero)))
+    rows = (E * 2, N // 2) if pairs else (E * N,)
+    block = [2, bn] if pairs else [2 * bn]
+    widths = (step_columns(cfg, p.bits), cfg["BLOCK_K"] // p.group)
+    return tuple(TensorDescriptor.from_tensor(t.view(*rows, t.shape[-1]), block + [width])
+                 for t, width in zip((p.qweight, p.scale, p.zero), (widths[0], widths[1], widths[1])))
 
 
 def planes(p: StackedLowbit) -> int:
@@ -263,8 +279,8 @@ def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: 
     lr = p.low_rank_inputs(x)
     u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]), planes(p), R,
-        xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+        xw, *tma_descriptors(p, cfg, pairs=True), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]),
+        planes(p), R, xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
         G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
         num_warps=cfg["num_warps"], **dependent_launch(x.device))
 
@@ -281,7 +297,7 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     lr = p.low_rank_inputs(h)
     u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
-        hw, *tma_descriptors(p, cfg), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,
+        hw, *tma_descriptors(p, cfg, pairs=False), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,
         HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
         G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
         ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
