@@ -315,8 +315,8 @@ def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, row
                                                                 (4, torch.float32, 192, 1024, 512, 8, True)])
 def test_lowbit_fused_moe_one_token_tma(poisoned_outputs, bits, dtype, F, D, BK, rank, gate_up_tma):
     """One token, config TMA: words and scale/zero by TMA descriptors (3 bits: one block per plane), two row blocks
-    per program loaded as one box (gate and up rows: 3-D) and split, against the float64 experts. F = 192: gate_up only (a partial last row block of
-    128; the up rows of the last expert's last block run past the stacked rows and come zero-filled); F = 1024: down
+    per program loaded as one box (gate and up rows: 3-D) and split, against the float64 experts. F = 192: gate_up
+    only (a partial last row block of 128, whose rows past F come zero-filled); F = 1024: down
     too, its 2 steps split in two (fp32 atomics), after gate_up by TMA or (gate_up_tma off) on CUDA cores; F = 1536:
     down's steps of 1024, the last half full. x prepared apart (x_preparation, as the router's launch does) gives
     the same.

@@ -110,7 +110,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
 def _tma_block(desc, row, n0, col, PAIRS: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
     """One TMA load of two blocks of ROWS weight rows, W columns from col: a pair of [ROWS, G, W / G] tiles. PAIRS:
     desc is 3-D [E * 2, N / 2, columns] (gate_up: an expert's gate rows, then its up rows) and the blocks are rows
-    n0.. of halves row and row + 1; else desc is 2-D and the blocks are rows row.. and row + ROWS... The blocks are
+    n0.. of halves row and row + 1; else desc is 2-D and the blocks are rows row.. and row + ROWS.. The blocks are
     split apart in registers: as one [2 ROWS, ..] tile Triton lays the decode out with twice the registers (3 bits)
     or five times the shared-memory bank conflicts (4 bits)."""
     if PAIRS:
@@ -259,9 +259,16 @@ def tma_descriptors(p: StackedLowbit, cfg: dict, pairs: bool) -> tuple:
     bn = cfg["BLOCK_N"]
     rows = (E * 2, N // 2) if pairs else (E * N,)
     block = [2, bn] if pairs else [2 * bn]
-    widths = (step_columns(cfg, p.bits), cfg["BLOCK_K"] // p.group)
+    words, groups = step_columns(cfg, p.bits), cfg["BLOCK_K"] // p.group
     return tuple(TensorDescriptor.from_tensor(t.view(*rows, t.shape[-1]), block + [width])
-                 for t, width in zip((p.qweight, p.scale, p.zero), (widths[0], widths[1], widths[1])))
+                 for t, width in ((p.qweight, words), (p.scale, groups), (p.zero, groups)))
+
+
+def tma_constexprs(p: StackedLowbit, cfg: dict, tile: dict, has_lr: bool) -> dict:
+    """The compile-time arguments (and warps) both one-token TMA kernels take, from the config and tile_constexprs."""
+    return dict(HAS_LR=has_lr, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
+                G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3),
+                INTERPRET=tile["INTERPRET"], num_warps=cfg["num_warps"])
 
 
 def planes(p: StackedLowbit) -> int:
@@ -280,9 +287,7 @@ def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: 
     u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
         xw, *tma_descriptors(p, cfg, pairs=True), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]),
-        planes(p), R, xv.stride(0), exp, HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
-        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
-        num_warps=cfg["num_warps"], **dependent_launch(x.device))
+        planes(p), R, xv.stride(0), exp, **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(x.device))
 
 
 def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: dict) -> None:
@@ -298,9 +303,7 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
         hw, *tma_descriptors(p, cfg, pairs=False), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,
-        HAS_LR=lr is not None, BLOCK_R=cfg.get("BLOCK_R", 32), BITS=p.bits, BLOCK_N=cfg["BLOCK_N"],
-        G=cfg["BLOCK_K"] // p.group, HALF=tile["HALF"], STAGES=cfg.get("num_stages", 3), INTERPRET=tile["INTERPRET"],
-        ATOMIC=split > 1, num_warps=cfg["num_warps"], **dependent_launch(h.device))
+        ATOMIC=split > 1, **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(h.device))
 
 
 def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: dict,
