@@ -288,6 +288,25 @@ def test_skinny_linear_compiled_matches_float64(M, N, K):
     assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_projections_in_one_launch_match_the_layers(rows, bias):
+    """Mixtral's q, k and v (and a Qwen-style biased twin) for one or two tokens in one skinny launch, and o_proj
+    alone: the layers' outputs up to bf16 rounding (both sum in fp32, in different orders)."""
+    from moeserve.model.layers import linears
+
+    torch.manual_seed(rows + 2 * bias)
+    mods = [torch.nn.Linear(4096, n, bias=bias, device="cuda", dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
+    o = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = linears(x, *mods) + linears(x, o)
+        for y, m in zip(got, mods + [o]):
+            ref = x.double() @ m.weight.double().T + (m.bias.double() if m.bias is not None else 0)
+            assert y.shape == (rows, 1, m.out_features) and y.dtype == torch.bfloat16
+            assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
 @pytest.mark.parametrize("config", [dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=1, SUB=4),
                                     dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, SPLIT_K=7, SUB=4, AHEAD=2),
                                     dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, SPLIT_K=2, SUB=2, BLOCK_M=4),

@@ -446,6 +446,24 @@ def test_skinny_linear_matches_float64(poisoned_outputs, M, N, K, block_n, dtype
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M,sizes,K,block_n,bias", [(1, (8, 4, 4), 40, 2, False), (2, (6, 3, 5), 100, 4, True),
+                                                    (1, (16, 8), 2100, 8, True), (2, (7,), 33, 2, False)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linears_side_by_side_match_float64(poisoned_outputs, M, sizes, K, block_n, bias, out_dtype):
+    """Up to three weights in one launch (decode's q, k and v): outputs side by side, biases added, a block size
+    that does not divide every weight's rows (5, 3, 7: halved to what does), a partial last K block (2100)."""
+    from moeserve.kernels.triton.skinny import skinny_linears
+
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
+    ws = [torch.randn(n, K, device=DEVICE, dtype=torch.bfloat16) for n in sizes]
+    bs = [torch.randn(n, device=DEVICE, dtype=torch.bfloat16) for n in sizes] if bias else None
+    got = skinny_linears(x, ws, bs, out_dtype=out_dtype, block_n=block_n, stages=4)
+    ref = torch.cat([x.double() @ w.double().T + (bs[i].double() if bias else 0) for i, w in enumerate(ws)], dim=1)
+    assert got.shape == (M, sum(sizes)) and got.dtype == out_dtype
+    tol = 1e-4 * K ** 0.5 if out_dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=1e-5 if out_dtype == torch.float32 else 2 ** -7)
+
+
 @pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [((9, 16), (4, 16), None, "1..8"),
                                                           ((2, 16), (4, 15), None, r"w \[N, K\]"),
                                                           ((2, 16), (4, 16), (torch.float32, torch.float16), "dtype")])
@@ -455,6 +473,40 @@ def test_skinny_linear_rejects_what_it_cannot_run(x_shape, w_shape, dtypes, matc
     dx, dw = dtypes or (torch.float32, torch.float32)
     with pytest.raises(ValueError, match=match):
         skinny_linear(torch.randn(x_shape, dtype=dx), torch.randn(w_shape, dtype=dw))
+
+
+def test_linears_take_one_launch_only_for_plain_layers_and_few_rows():
+    """Decode's projections go through one skinny launch only where that is exactly x W^T + b: one or two rows,
+    plain nn.Linear (a subclass, e.g. tensor parallel's row-parallel layer, or a hooked layer does more), one dtype,
+    biases on all or none, no autograd."""
+    from moeserve.model.layers import skinny_serves
+
+    class Closing(torch.nn.Linear):
+        pass
+
+    q, k = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 4, bias=False)
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        assert skinny_serves(x, (q, k)) and skinny_serves(torch.randn(2, 16), (q,))
+        assert not skinny_serves(torch.randn(3, 16), (q,))
+        assert not skinny_serves(x, (q, Closing(16, 4, bias=False)))
+        assert not skinny_serves(x, (q, torch.nn.Linear(16, 4)))  # bias on one only
+        assert not skinny_serves(x.bfloat16(), (q, k))
+        assert not skinny_serves(x, (q, k, q, k))
+        handle = k.register_forward_hook(lambda *a: None)
+        assert not skinny_serves(x, (q, k))
+        handle.remove()
+    assert not skinny_serves(x, (q, k))  # autograd would record through the weights
+
+
+def test_skinny_linears_reject_what_they_cannot_run():
+    from moeserve.kernels.triton.skinny import skinny_linears
+
+    x, w = torch.randn(1, 16), torch.randn(4, 16)
+    with pytest.raises(ValueError, match="1..3 weights"):
+        skinny_linears(x, [w] * 4)
+    with pytest.raises(ValueError, match="one bias"):
+        skinny_linears(x, [w, w], [torch.randn(4)])
 
 
 @pytest.mark.parametrize("T,E,k,D,normalize,weights_fp32", [(1, 8, 2, 64, True, True), (5, 60, 6, 40, False, False),

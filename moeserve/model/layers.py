@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels import triton_serves
+from moeserve.kernels import needs_grad, triton_serves
 from moeserve.spec import ModelSpec, rope_inv_freq
 
 
@@ -53,6 +53,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def linears(x: torch.Tensor, *mods: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """x [.., K] through each of the linear layers mods: on CUDA, for decode's one or two rows, one launch for all
+    of them (kernels/triton/skinny.py: cuBLAS runs each as a split-K GEMV plus a reduce); else each module."""
+    if triton_serves(x) and skinny_serves(x, mods):
+        from moeserve.kernels.triton.skinny import skinny_linears
+
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        biases = [m.bias for m in mods] if mods[0].bias is not None else None
+        y = skinny_linears(rows, [m.weight for m in mods], biases, out_dtype=x.dtype, block_n=2, stages=4)
+        return tuple(part.view(*x.shape[:-1], part.shape[-1])
+                     for part in y.split([m.out_features for m in mods], dim=-1))
+    return tuple(m(x) for m in mods)
+
+
+def skinny_serves(x: torch.Tensor, mods) -> bool:
+    """Whether linears() may run mods as one skinny launch: at most PAYS_ROWS rows of x, plain nn.Linear layers
+    (no subclass, no hooks: a tensor-parallel or quantized layer does more than x W^T + b) with weights of x's
+    dtype and device, all with biases or none, no autograd."""
+    from moeserve.kernels.triton.skinny import MAX_WEIGHTS, PAYS_ROWS
+
+    return (0 < x.numel() // x.shape[-1] <= PAYS_ROWS and 0 < len(mods) <= MAX_WEIGHTS
+            and all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in mods)
+            and all(m.weight.dtype == x.dtype and m.weight.device == x.device for m in mods)
+            and len({m.bias is None for m in mods}) == 1
+            and not any(needs_grad(x, m.weight, m.bias) for m in mods))
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
@@ -75,13 +102,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if kv is not None:
             k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
-        return self.o_proj(self.attend(q, k, v, mask))
+        return linears(self.attend(q, k, v, mask), self.o_proj)[0]
 
     def qkv(self, x, cos, sin):
         """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated).
         A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
         B, S, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -111,4 +138,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return linears(F.silu(gate) * up, self.down_proj)[0]
