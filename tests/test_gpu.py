@@ -114,6 +114,10 @@ def test_norm_and_rotary_on_cuda_match_torch(S):
     c, s = cos[:, None], sin[:, None]
     ref = q * c + torch.cat((-q[..., 64:], q[..., :64]), dim=-1) * s  # apply_rotary's torch expression
     assert torch.equal(apply_rotary(q, cos, sin), ref)
+    h = torch.randn_like(x)
+    with torch.no_grad():
+        normed, total = norm.added(x, h)
+    assert torch.equal(total, x + h) and torch.equal(normed, norm(x + h))
 
 
 def test_kernels_without_backward_step_aside_under_autograd():

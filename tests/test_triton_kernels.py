@@ -475,6 +475,23 @@ def test_skinny_linear_rejects_what_it_cannot_run(x_shape, w_shape, dtypes, matc
         skinny_linear(torch.randn(x_shape, dtype=dx), torch.randn(w_shape, dtype=dw))
 
 
+@pytest.mark.parametrize("M,E,r,ids", [(1, 8, 4, (5, 2)), (2, 6, 8, (0, 3, 5)), (1, 4, 2, (3,))])
+def test_skinny_linear_computes_only_the_listed_groups(poisoned_outputs, M, E, r, ids):
+    """One token's compensator inputs x V^T for its experts only: the listed experts' r columns as the full product,
+    the others left unwritten (NaN here: no program wrote them)."""
+    from moeserve.kernels.triton.skinny import skinny_linear
+
+    x, v = torch.randn(M, 40, device=DEVICE), torch.randn(E * r, 40, device=DEVICE)
+    got = skinny_linear(x, v, block_n=4, groups=(torch.tensor(ids, device=DEVICE), r))
+    cols = torch.cat([torch.arange(e * r, (e + 1) * r) for e in ids]).to(DEVICE)
+    torch.testing.assert_close(got[:, cols].double(), x.double() @ v[cols].double().T, atol=1e-5, rtol=1e-5)
+    rest = torch.ones(E * r, dtype=torch.bool, device=DEVICE)
+    rest[cols] = False
+    assert got[:, rest].isnan().all()
+    with pytest.raises(ValueError, match="groups"):
+        skinny_linear(x, v, groups=(torch.tensor(ids, device=DEVICE), 3 * r + 1))
+
+
 def test_linears_take_one_launch_only_for_plain_layers_and_few_rows():
     """Decode's projections go through one skinny launch only where that is exactly x W^T + b: one or two rows,
     plain nn.Linear (a subclass, e.g. tensor parallel's row-parallel layer, or a hooked layer does more), one dtype,
@@ -570,6 +587,22 @@ def test_rms_norm_matches_the_torch_expression(poisoned_outputs, rows, D, dtype)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, weight[1:], 1e-6)
     assert rms_norm(x[:0], weight, 1e-6).shape == (0, 3, D)  # no rows: no launch
+
+
+@pytest.mark.parametrize("rows,D", [(1, 64), (3, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_adds_the_residual_first(poisoned_outputs, rows, D, dtype):
+    """rms_norm(x, w, residual=h) = (norm(x + h), x + h): the sum exactly as torch adds (rounded once to x's dtype),
+    the norm of that sum as the plain kernel computes it."""
+    from moeserve.kernels.triton.norm_rotary import rms_norm
+
+    x, h = (torch.randn(rows, 2, D, device=DEVICE, dtype=dtype) * 4 for _ in range(2))
+    weight = (1 + torch.randn(D, device=DEVICE) * 0.1).to(dtype)
+    normed, total = rms_norm(x, weight, 1e-6, residual=h)
+    assert torch.equal(total, x + h)
+    torch.testing.assert_close(normed, rms_norm(x + h, weight, 1e-6), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, weight, 1e-6, residual=h[:, :1])
 
 
 @pytest.mark.parametrize("B,S,H,Dh", [(1, 1, 4, 16), (2, 3, 5, 32)])

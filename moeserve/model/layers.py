@@ -26,6 +26,15 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def added(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + h), x + h): a residual add and the norm after it, one launch on CUDA (norm_rotary.py)."""
+        if triton_serves(x, self.weight) and h.shape == x.shape and h.dtype == x.dtype:
+            from moeserve.kernels.triton.norm_rotary import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual=h)
+        x = x + h
+        return self(x), x
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables computed on the fly from integer positions (any length, any rope type)."""

@@ -21,8 +21,8 @@ class DecoderLayer(nn.Module):
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
 
     def forward(self, x, cos, sin, mask, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.added(x, self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -48,6 +48,12 @@ def attention_masks(q_slots, key_valid, windows):
         allowed = diff >= 0 if w is None else (diff >= 0) & (diff < w)
         masks[w] = ((allowed[None] & key_valid[:, None, :]) | (diff == 0)[None])[:, None]
     return masks
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one (0 where True, -inf elsewhere), made once for all layers: given the
+    boolean mask, SDPA converts it the same way in every layer (three launches a layer at one token)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class MoETransformer(nn.Module):
@@ -98,6 +104,7 @@ class MoETransformer(nn.Module):
         The host bookkeeping stays outside: kv.reserve_step() before, kv.commit() after.
         """
         masks = attention_masks(kv.index, kv.begin_static(valid), self._windows())  # kv.index [1]: the query slot
+        masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
         return self.lm_head(self.model.norm(self._layers(tokens, positions, masks, kv)))
 
     def _windows(self) -> list[int | None]:

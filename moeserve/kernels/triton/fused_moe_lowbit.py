@@ -51,12 +51,15 @@ class StackedLowbit:
     u: torch.Tensor | None = None  # [E, N, r] activation dtype
     v: torch.Tensor | None = None  # [E * r, K] activation dtype
 
-    def low_rank_inputs(self, x_sorted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def low_rank_inputs(self, x_sorted: torch.Tensor,
+                        experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(U [E, N, r], x_sorted V_all^T [T*k, E * r]), or None: the kernels read each row's expert's r columns
-        (one matmul, no gather launches)."""
+        (one matmul, no gather launches); experts (ids, any shape): the kernels read only these experts' columns,
+        the others may be left unwritten."""
         if self.u is None:
             return None
-        return self.u, low_rank_input(x_sorted, self.v)  # [T*k, E * r]
+        groups = (experts.reshape(-1), self.u.shape[-1]) if experts is not None else None
+        return self.u, low_rank_input(x_sorted, self.v, groups)  # [T*k, E * r]
 
 
 @triton.jit
@@ -283,7 +286,7 @@ def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: 
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile, prepared=prepared)
-    lr = p.low_rank_inputs(x)
+    lr = p.low_rank_inputs(x, ids)
     u, xv, R = low_rank_args(lr, h)
     _gate_up_tma_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), 1, ids.numel())](
         xw, *tma_descriptors(p, cfg, pairs=True), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg["BLOCK_K"]),
@@ -299,7 +302,7 @@ def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: tor
     per_split = triton.cdiv(steps, min(cfg["SPLIT_K"], steps))
     split = triton.cdiv(steps, per_split)
     hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
-    lr = p.low_rank_inputs(h)
+    lr = p.low_rank_inputs(h, ids)
     u, xv, R = low_rank_args(lr, y)
     _down_tma_kernel[(triton.cdiv(D, 2 * cfg["BLOCK_N"]), split, ids.numel())](
         hw, *tma_descriptors(p, cfg, pairs=False), ids, y, u, xv, D, steps, per_split, planes(p), R, xv.stride(0), exp,

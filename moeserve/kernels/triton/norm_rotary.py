@@ -18,30 +18,43 @@ from moeserve.kernels import triton_interpreting
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
-    """Row pid: out = w * (x32 * rsqrt(mean(x32^2) + eps)).to(x's dtype), the product in fp32 rounded once."""
+def _rms_norm_kernel(x_ptr, h_ptr, sum_ptr, w_ptr, out_ptr, D, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """Row pid: out = w * (x32 * rsqrt(mean(x32^2) + eps)).to(x's dtype), the product in fp32 rounded once. ADD: x is
+    first x + h (rounded to x's dtype, as torch adds), stored to sum_ptr: the residual stream's add before a norm."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     ok = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * D + cols, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(h_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * D + cols, x, mask=ok)
+    x = x.to(tl.float32)
     scale = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok).to(tl.float32)
     tl.store(out_ptr + row * D + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> weight * normalise(x): model/layers.py's RMSNorm (HF's) in one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [..., D] -> weight * normalise(x): model/layers.py's RMSNorm (HF's) in one launch. residual h (x's shape
+    and dtype): -> (weight * normalise(x + h), x + h), the add in the same launch."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, the rows {D} features")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"the residual to add has {tuple(residual.shape)} {residual.dtype}, x "
+                         f"{tuple(x.shape)} {x.dtype}")
     x2 = x.reshape(-1, D).contiguous()  # [R, D]
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if x2.shape[0] == 0:
+    total = torch.empty_like(x2) if residual is not None else x2  # [R, D] x + h
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        h2 = residual.reshape(-1, D).contiguous() if residual is not None else x2
+        _rms_norm_kernel[(x2.shape[0],)](x2, h2, total, weight, out, D, eps, ADD=residual is not None, BLOCK=block,
+                                         num_warps=min(16, max(1, block // 256)))
+    if residual is None:
         return out.view(x.shape)
-    block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, D, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    return out.view(x.shape)
+    return out.view(x.shape), total.view(x.shape)
 
 
 @triton.jit

@@ -25,12 +25,16 @@ MAX_WEIGHTS = 3
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, M, N, N1, N2, K,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr):
+def _skinny_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, groups_ptr, M, N, N1, N2, K,
+                   HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for this program's BLOCK_N outputs n of the weights side by side
-    (w0 gives outputs [0, N1), w1 [N1, N2), w2 [N2, N); no block straddles two) and all M rows, fp32 sums."""
+    (w0 gives outputs [0, N1), w1 [N1, N2), w2 [N2, N); no block straddles two) and all M rows, fp32 sums. GROUP > 0:
+    the programs cover only the groups of GROUP outputs listed in groups_ptr (an expert's r compensator rows)."""
     first = tl.program_id(0) * BLOCK_N
+    if GROUP > 0:
+        PER: tl.constexpr = GROUP // BLOCK_N  # programs per group
+        first = tl.load(groups_ptr + tl.program_id(0) // PER).to(tl.int32) * GROUP + (tl.program_id(0) % PER) * BLOCK_N
     w_ptr, b_ptr, base = w0_ptr, b0_ptr, 0
     if first >= N2:
         w_ptr, b_ptr, base = w2_ptr, b2_ptr, N2
@@ -60,10 +64,13 @@ def skinny_applies(x: torch.Tensor, rows: int = MAX_ROWS) -> bool:
 
 
 def skinny_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
-                   out_dtype: torch.dtype = torch.float32, block_n: int = 1, stages: int = 3) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.float32, block_n: int = 1, stages: int = 3,
+                   groups: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) times up to three weights w_i [N_i, K] (+ biases [N_i]) in one launch ->
     [M, sum N_i] of out_dtype, the outputs of w_0, w_1, .. side by side (accumulated in float32); programs of
-    block_n rows of one weight (a power of two; smaller where it does not divide every N_i)."""
+    block_n rows of one weight (a power of two; smaller where it does not divide every N_i). groups (ids [G], size):
+    only the outputs [id * size, (id + 1) * size) of the listed ids are computed (one weight; the other outputs are
+    left unwritten)."""
     K = x.shape[-1] if x.dim() == 2 else -1
     if not skinny_applies(x) or not 0 < len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"skinny_linear takes x [1..{MAX_ROWS}, K] and 1..{MAX_WEIGHTS} weights, got "
@@ -77,7 +84,11 @@ def skinny_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
     if biases is not None and [tuple(b.shape) for b in biases] != [(w.shape[0],) for w in weights]:
         raise ValueError("skinny_linear takes one bias [N_i] per weight, or none")
     sizes = [w.shape[0] for w in weights]
-    while any(n % block_n for n in sizes):
+    ids, group = groups if groups is not None else (x, 0)  # x: unread without groups
+    if groups is not None and (len(weights) != 1 or group <= 0 or sizes[0] % group or ids.dim() != 1):
+        raise ValueError(f"skinny_linear computes groups of one weight's rows: ids [G] and a size dividing its "
+                         f"{sizes[0]} rows, got ids {tuple(ids.shape)} and size {group} for {len(weights)} weights")
+    while any(n % block_n for n in sizes + [group or block_n]):
         block_n //= 2
     x, weights = x.contiguous(), [w.contiguous() for w in weights]
     has_bias = biases is not None
@@ -89,19 +100,26 @@ def skinny_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
     block_k = max(16, min(PRODUCT // (block_m * block_n), triton.next_power_of_2(K)))
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     bounds = (ends + [N] * pad)[:MAX_WEIGHTS - 1]  # where w1 and w2 start
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
-        x, *(weights + weights[-1:] * pad), *(biases + biases[-1:] * pad), y, M, N, *bounds, K,
-        HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+    programs = ids.numel() * group // block_n if groups is not None else triton.cdiv(N, block_n)
+    _skinny_kernel[(programs,)](
+        x, *(weights + weights[-1:] * pad), *(biases + biases[-1:] * pad), y, ids, M, N, *bounds, K,
+        HAS_BIAS=has_bias, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         num_warps=4)
     return y
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 1) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 1,
+                  groups: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) times w [N, K]^T -> [M, N] float32; block_n rows of w per program (1 was the
-    fastest on the H100 at N 32-2048, K 1408-14336)."""
-    return skinny_linears(x, [w], block_n=block_n)
+    fastest on the H100 at N 32-2048, K 1408-14336); groups: as skinny_linears."""
+    return skinny_linears(x, [w], block_n=block_n, groups=groups)
 
 
-def low_rank_input(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """x V^T [M, r] for the low-rank kernels: skinny_linear where it pays (float32), else torch's GEMM."""
-    return skinny_linear(x, v) if skinny_applies(x, PAYS_ROWS) else torch.nn.functional.linear(x, v)
+def low_rank_input(x: torch.Tensor, v: torch.Tensor,
+                   groups: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """x V^T [M, E * r] for the low-rank kernels (V [E * r, K], all experts' r rows): skinny_linear where it pays
+    (float32), else torch's GEMM. groups (expert ids [G], r): skinny computes only those experts' r columns (one
+    token: 2 of Mixtral's 8 experts' V read instead of all)."""
+    if not skinny_applies(x, PAYS_ROWS):
+        return torch.nn.functional.linear(x, v)
+    return skinny_linear(x, v, groups=groups)
