@@ -625,6 +625,31 @@ def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtyp
     assert rotary(x[:, :0], cos, sin).shape == (B, 0, S, Dh)  # no heads: no launch
 
 
+@pytest.mark.parametrize("B,H,Hkv,Dh", [(1, 4, 2, 16), (2, 6, 3, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_into_cache_matches_rotary_and_the_cache_writes(poisoned_outputs, B, H, Hkv, Dh, dtype):
+    """One decode token: q rotated as apply_rotary does, k rotated and v copied into the caches at the slot the
+    device tensor holds, every other slot untouched; qkv rows strided (a view of wider rows)."""
+    from moeserve.model.layers import apply_rotary
+    from moeserve.kernels.triton.norm_rotary import rotary_into_cache
+
+    N = (H + 2 * Hkv) * Dh
+    qkv = torch.randn(B, 1, N + 8, device=DEVICE).to(dtype)[..., :N]  # [B, 1, N], rows of stride N + 8
+    angle = torch.rand(B, 1, Dh // 2, device=DEVICE) * 100
+    cos, sin = (torch.cat((f(angle), f(angle)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    keys, values = (torch.randn(B, Hkv, 5, Dh, device=DEVICE).to(dtype) for _ in range(2))
+    old_k, old_v = keys.clone(), values.clone()
+    q = rotary_into_cache(qkv, cos, sin, H, keys, values, torch.tensor([3], device=DEVICE))
+    heads = qkv.cpu().view(B, 1, H + 2 * Hkv, Dh).transpose(1, 2)  # [B, heads, 1, Dh]
+    assert torch.equal(q.cpu(), apply_rotary(heads[:, :H], cos.cpu(), sin.cpu()))
+    assert torch.equal(keys[:, :, 3].cpu(), apply_rotary(heads[:, H:H + Hkv], cos.cpu(), sin.cpu())[:, :, 0])
+    assert torch.equal(values[:, :, 3].cpu(), heads[:, H + Hkv:, 0])
+    others = [0, 1, 2, 4]
+    assert torch.equal(keys[:, :, others], old_k[:, :, others]) and torch.equal(values[:, :, others], old_v[:, :, others])
+    with pytest.raises(ValueError, match="rotary_into_cache"):
+        rotary_into_cache(qkv, cos, sin, H + 1, keys, values, torch.tensor([3], device=DEVICE))
+
+
 def test_dependent_launch_stays_off_where_it_cannot_run(monkeypatch):
     """PDL needs CUDA on Hopper or later, compiled kernels and no MOESERVE_PDL=0: elsewhere the kernels get PDL=False
     and no launch option (griddepcontrol does not exist before sm_90)."""

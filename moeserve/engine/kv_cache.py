@@ -64,6 +64,11 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def static_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """In a static pass, (keys, values [B, Hkv, S_max, Dh], slot index [1]) of a layer, for a kernel that writes
+        the slot itself (what update() would write, then returns); None in a dynamic pass."""
+        return (self.k[layer], self.v[layer], self.index) if self._static else None
+
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0

@@ -66,14 +66,19 @@ def linears(x: torch.Tensor, *mods: nn.Linear) -> tuple[torch.Tensor, ...]:
     """x [.., K] through each of the linear layers mods: on CUDA, for decode's one or two rows, one launch for all
     of them (kernels/triton/skinny.py: cuBLAS runs each as a split-K GEMV plus a reduce); else each module."""
     if triton_serves(x) and skinny_serves(x, mods):
-        from moeserve.kernels.triton.skinny import skinny_linears
-
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        biases = [m.bias for m in mods] if mods[0].bias is not None else None
-        y = skinny_linears(rows, [m.weight for m in mods], biases, out_dtype=x.dtype, block_n=2, stages=4)
-        return tuple(part.view(*x.shape[:-1], part.shape[-1])
-                     for part in y.split([m.out_features for m in mods], dim=-1))
+        return side_by_side(x, mods).split([m.out_features for m in mods], dim=-1)
     return tuple(m(x) for m in mods)
+
+
+def side_by_side(x: torch.Tensor, mods) -> torch.Tensor:
+    """x [.., K] through the linear layers mods (skinny_serves said yes) in one launch: their outputs side by side,
+    [.., sum of out_features]."""
+    from moeserve.kernels.triton.skinny import skinny_linears
+
+    biases = [m.bias for m in mods] if mods[0].bias is not None else None
+    y = skinny_linears(x.reshape(-1, x.shape[-1]), [m.weight for m in mods], biases, out_dtype=x.dtype, block_n=2,
+                       stages=4)  # [M, N]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def skinny_serves(x: torch.Tensor, mods) -> bool:
@@ -108,9 +113,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, kv=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None (static decode:
         S_total = all of kv.max_len)."""
-        q, k, v = self.qkv(x, cos, sin)
-        if kv is not None:
-            k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
+        qkv = self.qkv_into_cache(x, cos, sin, kv) if kv is not None else None
+        if qkv is not None:
+            q, k, v = qkv
+        else:
+            q, k, v = self.qkv(x, cos, sin)
+            if kv is not None:
+                k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
         return linears(self.attend(q, k, v, mask), self.o_proj)[0]
 
     def qkv(self, x, cos, sin):
@@ -129,6 +138,22 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, Dh]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
         return q, k, v.view(B, S, self.Hkv, self.Dh).transpose(1, 2)  # v [B, Hkv, S, Dh]
+
+    def qkv_into_cache(self, x, cos, sin, kv):
+        """A static decode step's (q, keys, values) as qkv() and kv.update() give them, in two launches: the three
+        projections (side_by_side), then the rotary of q and k and the cache writes of k and v (rotary_into_cache)
+        instead of seven. None where that does not apply: a dynamic pass, several tokens, qk norms or clipping,
+        layers skinny does not take, dtypes that differ."""
+        cache = kv.static_slot(self.layer_idx)
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
+                or not triton_serves(x) or not skinny_serves(x, mods)
+                or not x.dtype == cos.dtype == sin.dtype == cache[0].dtype):
+            return None
+        from moeserve.kernels.triton.norm_rotary import rotary_into_cache
+
+        keys, values, slot = cache
+        return rotary_into_cache(side_by_side(x, mods), cos, sin, self.H, keys, values, slot), keys, values
 
     def attend(self, q, k, v, mask):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""

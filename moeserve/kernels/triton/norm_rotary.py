@@ -82,6 +82,20 @@ def _products_sum(a, b, c, d, dt: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _rotated_row(src, cos_ptr, sin_ptr, cs, dst, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """dst[:] = src * cos + rotate_half(src) * sin for one head row of 2 * HALF (cos/sin from offset cs), each product
+    and the sum rounded to dst's dtype, as torch computes it."""
+    lo = tl.arange(0, HALF)  # [HALF]
+    x1 = tl.load(src + lo).to(tl.float32)
+    x2 = tl.load(src + HALF + lo).to(tl.float32)
+    c1, c2 = tl.load(cos_ptr + cs + lo).to(tl.float32), tl.load(cos_ptr + cs + HALF + lo).to(tl.float32)
+    s1, s2 = tl.load(sin_ptr + cs + lo).to(tl.float32), tl.load(sin_ptr + cs + HALF + lo).to(tl.float32)
+    dt = dst.dtype.element_ty
+    tl.store(dst + lo, _products_sum(x1, c1, -x2, s1, dt, INTERPRET).to(dt))
+    tl.store(dst + HALF + lo, _products_sum(x2, c2, x1, s2, dt, INTERPRET).to(dt))
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, S, stride_b, stride_h, stride_s, HALF: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Row pid = (b, h, s) of x [B, H, S, 2 * HALF] (any strides but the last): out = x * cos + rotate_half(x) * sin
@@ -90,19 +104,30 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, S, stride_b, stride_h, s
     s = pid % S
     h = (pid // S) % H
     b = (pid // S // H).to(tl.int64)
-    lo = tl.arange(0, HALF)  # [HALF]
-    src = x_ptr + b * stride_b + h * stride_h + s * stride_s
-    x1 = tl.load(src + lo).to(tl.float32)
-    x2 = tl.load(src + HALF + lo).to(tl.float32)
-    cs = (b * S + s) * 2 * HALF
-    c1, c2 = tl.load(cos_ptr + cs + lo).to(tl.float32), tl.load(cos_ptr + cs + HALF + lo).to(tl.float32)
-    s1, s2 = tl.load(sin_ptr + cs + lo).to(tl.float32), tl.load(sin_ptr + cs + HALF + lo).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    out1 = _products_sum(x1, c1, -x2, s1, dt, INTERPRET).to(dt)
-    out2 = _products_sum(x2, c2, x1, s2, dt, INTERPRET).to(dt)
-    dst = out_ptr + pid.to(tl.int64) * 2 * HALF
-    tl.store(dst + lo, out1)
-    tl.store(dst + HALF + lo, out2)
+    _rotated_row(x_ptr + b * stride_b + h * stride_h + s * stride_s, cos_ptr, sin_ptr, (b * S + s) * 2 * HALF,
+                 out_ptr + pid.to(tl.int64) * 2 * HALF, HALF, INTERPRET)
+
+
+@triton.jit
+def _rotary_into_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, H, Hkv, stride_row,
+                              stride_cb, stride_ch, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """Head row pid = (b, j) of one decode token's projections qkv [B, (H + 2 Hkv) * 2 HALF] (q, k, v heads side by
+    side): q heads rotated into q [B, H, 1, 2 HALF], k heads rotated and v heads copied into the caches
+    [B, Hkv, S_max, 2 HALF] (strides stride_cb, stride_ch) at slot slot_ptr[0]."""
+    pid = tl.program_id(0)
+    heads = H + 2 * Hkv
+    b = (pid // heads).to(tl.int64)
+    j = pid % heads
+    src = qkv_ptr + b * stride_row + j * 2 * HALF
+    cs = b * 2 * HALF  # cos/sin [B, 1, 2 HALF]
+    slot = tl.load(slot_ptr).to(tl.int64) * 2 * HALF
+    if j < H:
+        _rotated_row(src, cos_ptr, sin_ptr, cs, q_ptr + (b * H + j) * 2 * HALF, HALF, INTERPRET)
+    elif j < H + Hkv:
+        _rotated_row(src, cos_ptr, sin_ptr, cs, k_ptr + b * stride_cb + (j - H) * stride_ch + slot, HALF, INTERPRET)
+    else:
+        lo = tl.arange(0, 2 * HALF)  # [2 HALF]
+        tl.store(v_ptr + b * stride_cb + (j - H - Hkv) * stride_ch + slot + lo, tl.load(src + lo))
 
 
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -125,3 +150,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     _rotary_kernel[(B * H * S,)](x, cos.contiguous(), sin.contiguous(), out, H, S, x.stride(0), x.stride(1),
                                  x.stride(2), HALF=Dh // 2, INTERPRET=triton_interpreting(), num_warps=1)
     return out
+
+
+def rotary_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """One decode token's projections qkv [B, 1, (heads + 2 Hkv) * Dh] (q, k, v side by side, rows of any stride)
+    -> q [B, heads, 1, Dh] rotated; k rotated and v written into the caches [B, Hkv, S_max, Dh] at slot [1] (a device
+    tensor): apply_rotary on q and k and the two cache writes in one launch, the same roundings."""
+    B, S, N = qkv.shape
+    _, Hkv, _, Dh = k_cache.shape
+    if (S != 1 or N != (heads + 2 * Hkv) * Dh or qkv.stride(-1) != 1 or Dh < 2 or Dh & (Dh - 1)
+            or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
+            or k_cache.stride(-2) != Dh or cos.shape != (B, 1, Dh) or sin.shape != cos.shape
+            or not cos.dtype == sin.dtype == qkv.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"rotary_into_cache takes qkv [B, 1, (heads + 2 Hkv) * Dh], caches [B, Hkv, S_max, Dh] and "
+                         f"cos/sin [B, 1, Dh] of one dtype, a power-of-two Dh; got qkv {tuple(qkv.shape)} {qkv.dtype}, "
+                         f"{heads} heads, cache {tuple(k_cache.shape)} {k_cache.dtype}, cos {tuple(cos.shape)}")
+    q = torch.empty(B, heads, 1, Dh, dtype=qkv.dtype, device=qkv.device)
+    _rotary_into_cache_kernel[(B * (heads + 2 * Hkv),)](
+        qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slot, heads, Hkv, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), HALF=Dh // 2, INTERPRET=triton_interpreting(), num_warps=1)
+    return q
