@@ -21,8 +21,16 @@ class DecoderLayer(nn.Module):
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
 
     def forward(self, x, cos, sin, mask, kv):
-        normed, x = self.post_attention_layernorm.added(x, self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
-        return x + self.mlp(normed)
+        x, out = self.step(x, None, cos, sin, mask, kv)
+        return x + out
+
+    def step(self, x, pending, cos, sin, mask, kv):
+        """The layer on the residual stream x + pending (pending: the previous layer's MLP output, or None) ->
+        (its residual stream before the MLP output, the MLP output): each residual add goes into the launch of the
+        RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's."""
+        normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
+        normed, x = self.post_attention_layernorm.added(x, self.self_attn(normed, cos, sin, mask, kv))
+        return x, self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -88,12 +96,12 @@ class MoETransformer(nn.Module):
             positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
         key_valid = kv.begin(valid) if kv is not None else valid  # [B, S_total]
         q_slots = torch.arange(start, start + S, device=tokens.device)  # [S]
-        x = self._layers(tokens, positions, attention_masks(q_slots, key_valid, self._windows()), kv)
+        x, pending = self._layers(tokens, positions, attention_masks(q_slots, key_valid, self._windows()), kv)
         if kv is not None:
             kv.commit()
         if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+            x, pending = x[:, -1:], pending[:, -1:]
+        return self.lm_head(self.model.norm.added(x, pending)[0])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                     kv: KVCache) -> torch.Tensor:
@@ -105,15 +113,17 @@ class MoETransformer(nn.Module):
         """
         masks = attention_masks(kv.index, kv.begin_static(valid), self._windows())  # kv.index [1]: the query slot
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
-        return self.lm_head(self.model.norm(self._layers(tokens, positions, masks, kv)))
+        return self.lm_head(self.model.norm.added(*self._layers(tokens, positions, masks, kv))[0])
 
     def _windows(self) -> list[int | None]:
         return [layer.sliding_window for layer in self.model.layers]
 
-    def _layers(self, tokens, positions, masks, kv) -> torch.Tensor:
-        """Embed tokens [B, S] and run every decoder layer -> hidden states [B, S, D] (before the final norm)."""
+    def _layers(self, tokens, positions, masks, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
+        (residual stream, last MLP output): the norm adds them in its launch."""
         x = self.model.embed_tokens(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
+        pending = torch.zeros_like(x) if not self.model.layers else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, masks[layer.sliding_window], kv)
-        return x
+            x, pending = layer.step(x, pending, cos, sin, masks[layer.sliding_window], kv)
+        return x, pending
