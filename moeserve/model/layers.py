@@ -111,8 +111,8 @@ class Attention(nn.Module):
         self.clip_qkv = spec.clip_qkv
 
     def forward(self, x, cos, sin, mask, kv=None):
-        """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend); kv: KVCache or None (static decode:
-        S_total = all of kv.max_len)."""
+        """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:
+        KVCache or None (static decode: S_total = all of kv.max_len)."""
         qkv = self.qkv_into_cache(x, cos, sin, kv) if kv is not None else None
         if qkv is not None:
             q, k, v = qkv
