@@ -294,10 +294,14 @@ def test_skinny_linear_compiled_matches_float64(M, N, K):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_projections_in_one_launch_match_the_layers(rows, bias):
-    """Mixtral's q, k and v (and a Qwen-style biased twin) for one or two tokens in one skinny launch, and o_proj
-    alone: the layers' outputs up to bf16 rounding (both sum in fp32, in different orders)."""
+def test_decode_projections_in_one_launch_match_the_layers(rows, bias, monkeypatch):
+    """Mixtral's q, k and v (and a Qwen-style biased twin) for one token (and two, with the row limit raised) in
+    one skinny launch, and o_proj alone: the layers' outputs up to bf16 rounding (both sum in fp32, in different
+    orders)."""
+    import moeserve.kernels.triton.skinny as skinny
     from moeserve.model.layers import linears
+
+    monkeypatch.setattr(skinny, "DENSE_ROWS", rows)
 
     torch.manual_seed(rows + 2 * bias)
     mods = [torch.nn.Linear(4096, n, bias=bias, device="cuda", dtype=torch.bfloat16) for n in (4096, 1024, 1024)]

@@ -63,8 +63,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def linears(x: torch.Tensor, *mods: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """x [.., K] through each of the linear layers mods: on CUDA, for decode's one or two rows, one launch for all
-    of them (kernels/triton/skinny.py: cuBLAS runs each as a split-K GEMV plus a reduce); else each module."""
+    """x [.., K] through each of the linear layers mods: on CUDA, for one decode token, one launch for all of them
+    (kernels/triton/skinny.py: cuBLAS runs each as a split-K GEMV plus a reduce); else each module."""
     if triton_serves(x) and skinny_serves(x, mods):
         return side_by_side(x, mods).split([m.out_features for m in mods], dim=-1)
     return tuple(m(x) for m in mods)
@@ -82,12 +82,12 @@ def side_by_side(x: torch.Tensor, mods) -> torch.Tensor:
 
 
 def skinny_serves(x: torch.Tensor, mods) -> bool:
-    """Whether linears() may run mods as one skinny launch: at most PAYS_ROWS rows of x, plain nn.Linear layers
-    (no subclass, no hooks: a tensor-parallel or quantized layer does more than x W^T + b) with weights of x's
-    dtype and device, all with biases or none, no autograd."""
-    from moeserve.kernels.triton.skinny import MAX_WEIGHTS, PAYS_ROWS
+    """Whether linears() may run mods as one skinny launch: at most DENSE_ROWS rows of x (where it was measured
+    faster), plain nn.Linear layers (no subclass, no hooks: a tensor-parallel or quantized layer does more than
+    x W^T + b) with weights of x's dtype and device, all with biases or none, no autograd."""
+    from moeserve.kernels.triton.skinny import DENSE_ROWS, MAX_WEIGHTS
 
-    return (0 < x.numel() // x.shape[-1] <= PAYS_ROWS and 0 < len(mods) <= MAX_WEIGHTS
+    return (0 < x.numel() // x.shape[-1] <= DENSE_ROWS and 0 < len(mods) <= MAX_WEIGHTS
             and all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in mods)
             and all(m.weight.dtype == x.dtype and m.weight.device == x.device for m in mods)
             and len({m.bias is None for m in mods}) == 1
