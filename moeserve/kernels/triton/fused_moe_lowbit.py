@@ -17,7 +17,7 @@ bound by instruction issue (ncu: 74% issue, 58% DRAM), and one load for both blo
 loop by 13% (down's by 15%): Mixtral block at one token 0.085 -> 0.081-0.082 ms at 3 bits, 0.098 -> 0.094 at 4.
 Compensators (lr_*) of different ranks are zero-padded to the largest rank (exact): U stacked [E, N, r],
 and x V_all^T is one matmul against all experts' V [E * r, K] (skinny.low_rank_input), of which the kernels read
-each row's expert's r columns.
+each row's expert's r columns (at one token, the TMA launches: only the chosen experts' columns are computed).
 """
 
 from __future__ import annotations
