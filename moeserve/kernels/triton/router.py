@@ -25,9 +25,9 @@ def tile(block_e: int) -> int:
     many-expert routers keep more of their weight in flight with larger steps. H100, one token, 8 routers chained in
     a CUDA graph, us per router with 4096 / 16384 (8192 at 128 experts): 64 experts x 2048 inputs 11.9 / 8.6,
     128 x 2048 21.0 / 13.2; one-token 64-expert top-6 MoE block 44.6 -> 41.6 us (3-bit), 44.8 -> 43.7 (4-bit).
-    Fewer experts keep 4096: the 8-expert router alone gained 0.6 us with 16384 but a 3-bit Mixtral-shaped block
-    lost 23 us (131 -> 154 us; cause not found)."""
-    return 4096 if block_e < 64 else 16384 if block_e == 64 else 8192
+    Fewer experts take 8192: the Mixtral router (8 x 4096) alone 3.8 -> 3.2 us, its one-token block 81.2 -> 80.6 us
+    at 3 bits and 93.8 -> 93.4 at 4 (CUDA graphs of one call, three interleaved runs; 16384 and 8 warps gained less)."""
+    return 8192 if block_e < 64 else 16384 if block_e == 64 else 8192
 
 
 @triton.jit
