@@ -68,19 +68,26 @@ def _combine_kernel(y_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, SORT
                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t, d] = sum over token t's K slots of w * y[row, d]: the rows are gathered, summed in fp32, written once.
     SORTED: y and w in expert-sorted order, slot (t, j) at row slot_of[t * K + j]; else in slot order (row t * K + j).
-    A slot with weight 0 (a masked-out expert) adds nothing, whatever its row holds."""
+    A slot with weight 0 (a masked-out expert) adds nothing, whatever its row holds. All K weights are loaded before
+    any row, and the rows without a branch between them, so the loads overlap (H100, one-token MoE blocks as CUDA
+    graphs, a branch per slot before: top-6 DeepSeek-like 3-bit 37.1 -> 36.3 us, bf16 73.3 -> 72.4; top-2 Mixtral
+    3-bit 80.2 -> 79.8-80.1)."""
     after_previous(PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_ok = d < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    slots = ()
+    weights = ()  # [BLOCK_D] each: the weight broadcast over the block
     for j in tl.static_range(K):
         slot = t.to(tl.int64) * K + j
         if SORTED:
             slot = tl.load(slot_of_ptr + slot).to(tl.int64)
-        w = tl.load(w_ptr + slot).to(tl.float32)
-        if w != 0:
-            acc += w * tl.load(y_ptr + slot * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        slots = slots + (slot,)
+        weights = weights + (tl.zeros((BLOCK_D,), dtype=tl.float32) + tl.load(w_ptr + slot).to(tl.float32),)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(y_ptr + slots[j] * D + d, mask=d_ok & (weights[j] != 0), other=0.0)  # [BLOCK_D]
+        acc += weights[j] * row.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
