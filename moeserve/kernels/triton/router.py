@@ -27,7 +27,7 @@ def tile(block_e: int) -> int:
     128 x 2048 21.0 / 13.2; one-token 64-expert top-6 MoE block 44.6 -> 41.6 us (3-bit), 44.8 -> 43.7 (4-bit).
     Fewer experts take 8192: the Mixtral router (8 x 4096) alone 3.8 -> 3.2 us, its one-token block 81.2 -> 80.6 us
     at 3 bits and 93.8 -> 93.4 at 4 (CUDA graphs of one call, three interleaved runs; 16384 and 8 warps gained less)."""
-    return 8192 if block_e < 64 else 16384 if block_e == 64 else 8192
+    return 16384 if block_e == 64 else 8192
 
 
 @triton.jit
