@@ -18,6 +18,14 @@ DEMO_DIR = Path(__file__).parent / "demo"
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors like every other moeserve error (exit 2, no usage dump)."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("moeserve").strip()
+        self.exit(2, f"moeserve: error: {command + ': ' if command else ''}{message} (see `{self.prog} --help`)\n")
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEMO_DIR),
                    help="checkpoint directory: config.json + *.safetensors (default: the built-in demo model)")
@@ -78,10 +86,10 @@ def _batch_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
         epilog="Run `moeserve COMMAND --help` for the options of each command.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text from prompts (streams it)",
                        description="Generate text. With no prompt, uses a Shakespeare opening for the demo model.")

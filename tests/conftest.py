@@ -46,3 +46,39 @@ def byte_model_dir(tmp_path_factory):
     ByteTokenizer().save(path)
     (path / "heldout.txt").write_text("Words, words, words. " * 20)
     return path
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root with its size and modification time: what a failed command must leave alone."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def progress_line(line: str) -> bool:
+    """A tqdm bar or a bracketed status line ("[policy: ...]") that may precede an error."""
+    return "it/s]" in line or "s/it]" in line or "|" in line and "%" in line or line.startswith("[")
+
+
+@pytest.fixture
+def expect_cli_error(capsys, tmp_path):
+    """expect_cli_error(argv, message[, watch]): the command exits 2 with exactly one stderr line that starts
+    `moeserve: error:` and contains message (case-insensitive), prints nothing on stdout, raises nothing, and
+    leaves the tree under watch (default tmp_path) exactly as it was."""
+    from moeserve.cli import main
+
+    def check(argv, message: str, watch: Path | None = None) -> str:
+        watch = Path(watch or tmp_path)
+        before = tree_state(watch)
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        lines = [ln for part in err.splitlines() for ln in part.split("\r") if ln.strip() and not progress_line(ln)]
+        assert code == 2, f"exit {code}; stderr: {err!r}"
+        assert len(lines) == 1 and lines[0].startswith("moeserve: error:"), f"stderr: {err!r}"
+        assert message.lower() in lines[0].lower(), f"{message!r} not in {lines[0]!r}"
+        assert out == "", f"stdout: {out!r}"
+        assert tree_state(watch) == before, "the command changed files it should have left alone"
+        return lines[0]
+
+    return check
