@@ -43,12 +43,13 @@ def fused_moe_available(x: torch.Tensor, num_tokens: int, gate_up_proj: torch.Te
 def default_tiles_available(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
     """The Triton row-tile kernels with their default configs: the fused path's conditions, less the token limit,
     and D and F divisible by the default BLOCK_Ks."""
+    if not fused_moe_available(x, 0, gate_up_proj):  # before any Triton import: CPU installs have no Triton
+        return False
     from moeserve.kernels.triton.configs import DEFAULT_TILES
     from moeserve.kernels.triton.fused_moe import tiles_fit
 
     E, two_f, D = gate_up_proj.shape
-    return (fused_moe_available(x, 0, gate_up_proj) and tiles_fit(DEFAULT_TILES["gate_up"], D)
-            and tiles_fit(DEFAULT_TILES["down"], two_f // 2))
+    return tiles_fit(DEFAULT_TILES["gate_up"], D) and tiles_fit(DEFAULT_TILES["down"], two_f // 2)
 
 
 class LoopedExperts(nn.Module):
