@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,14 @@ from moeserve.units import format_bytes, parse_bytes
 
 DEMO_DIR = Path(__file__).parent / "demo"
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """'\\n\\n' as a shell passes it (backslash, n) -> two newlines; other backslashes stay as typed."""
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
 
 
 class Parser(argparse.ArgumentParser):
@@ -101,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the output contains TEXT (repeatable; TEXT is not printed)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescape,
+                   help="stop when the output contains TEXT (repeatable; TEXT is not printed; the escapes \\n, "
+                        "\\t, \\r and \\\\ are read as a newline, tab, carriage return and backslash)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
     g.add_argument("--no-cuda-graph", action="store_true",

@@ -73,3 +73,11 @@ def test_help_everywhere():
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 0
+
+
+def test_stop_escapes_as_the_shell_passes_them(capsys):
+    """`--stop "\\n\\n"` in a shell passes backslash-n twice: it must stop at a blank line, not never."""
+    code, out, _ = run_cli(capsys, "generate", "ROMEO.", "--greedy", "--stop", r"\n\n", "--no-stream",
+                           "--max-new-tokens", 300)
+    header, text = out.split("\n", 1)
+    assert code == 0 and header == "--- [0] (stop)" and "\n\n" not in text

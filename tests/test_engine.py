@@ -93,7 +93,12 @@ def test_eos_and_length_and_context_limits(byte_model):
     g = generate(model, [tok.encode("a")], SamplingParams(max_new_tokens=5), eos_ids=[first])[0]
     assert g.finish_reason == "eos" and g.token_ids == []
     long = generate(model, [[1] * 60], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
-    assert len(long.token_ids) == 4  # capped by the 64-token context
+    assert len(long.token_ids) == 4 and long.finish_reason == "context"  # capped by the 64-token context
+    short = [5, 6, 7]
+    alone = generate(model, [short], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    both = generate(model, [[1] * 60, short], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [g.finish_reason for g in both] == ["context", "length"]  # each sequence keeps its own room
+    assert both[1].token_ids == alone.token_ids and len(both[0].token_ids) == 4
     with pytest.raises(MoeserveError, match="context"):
         generate(model, [[1] * 64], SamplingParams())
     with pytest.raises(MoeserveError, match="vocabulary"):

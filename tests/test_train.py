@@ -14,7 +14,7 @@ from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import ByteTokenizer
 from moeserve.train.data import encode_documents, find_texts, load_corpus
-from moeserve.train.demo import DEMO_CONFIG, TrainConfig, fit_steps, load_balancing_loss, lr_at, main
+from moeserve.train.demo import DEMO_CONFIG, demo_config, TrainConfig, fit_steps, load_balancing_loss, lr_at, main
 
 REAL_TEXTS = Path(__file__).parent.parent / ".data" / "texts"
 WORDS = "the king my lord good sir what thou art love night day is not and to of a with".split()
@@ -81,6 +81,14 @@ def test_real_split():
 def test_demo_config_is_about_6m_parameters_and_fits_16mb():
     total = ModelSpec.from_hf_config(DEMO_CONFIG).parameter_counts()["total"]
     assert 5_500_000 < total < 6_500_000 and 2 * total <= 16 * 2**20
+
+
+def test_shipped_demo_context_is_its_training_window():
+    """Positions past the training window were never trained: the demo's config must not claim them."""
+    demo = Path(moeserve.DEMO_MODEL)
+    config = json.loads((demo / "config.json").read_text())
+    trained = json.loads((demo / "training.json").read_text())["config"]["seq_len"]
+    assert config["max_position_embeddings"] == trained == demo_config(trained)["max_position_embeddings"]
 
 
 def test_load_balancing_loss_is_k_when_uniform_and_larger_when_collapsed():

@@ -22,7 +22,7 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded output (cut at a stop string); empty without a tokenizer
-    finish_reason: str | None = None  # "eos" | "stop" | "length"
+    finish_reason: str | None = None  # "eos" | "stop" | "length" (max_new_tokens) | "context" (the model's context)
 
 
 class TextStream:
@@ -92,10 +92,10 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
     spec, device = model.spec, model.device
     eos = set(spec.eos_token_ids if eos_ids is None else eos_ids)
     longest = max(len(p) for p in prompts)
-    max_new = min(params.max_new_tokens, spec.max_position_embeddings - longest)
+    limits = token_limits(spec, prompts, params)
     B = len(prompts)
     tokens, valid, positions = (t.to(device) for t in left_padded(prompts, spec))  # [B, S] each
-    kv = KVCache(spec, B, longest + max_new, device, model.dtype)
+    kv = KVCache(spec, B, longest + max(limits), device, model.dtype)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     gens = [Generation(prompt_ids=list(p)) for p in prompts]
     streams = [TextStream(tokenizer.decode, params.stop) if tokenizer else None for _ in prompts]
@@ -104,9 +104,9 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
         logits = model(tokens, positions, kv=kv, valid=valid, last_only=True)  # [B, 1, V]
         next_pos = positions[:, -1:] + 1  # [B, 1]
         decode = _decoder(model, kv, B, cuda_graph)
-        for step in range(max_new):
+        for step in range(max(limits)):
             new = sample_next(logits[:, -1], params, generator)  # [B]
-            record_tokens(gens, streams, new, alive, eos, params, step == max_new - 1, on_text)
+            record_tokens(gens, streams, new, alive, eos, params, step, limits, on_text)
             yield gens, new
             if not alive.any():
                 break
@@ -127,18 +127,29 @@ def left_padded(prompts: list[list[int]], spec) -> tuple[torch.Tensor, torch.Ten
     return tokens, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def token_limits(spec, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """How many tokens each sequence may add: max_new_tokens, or fewer where the model's context ends first
+    (positions count a sequence's own tokens, so a short prompt in a batch keeps its own room)."""
+    return [min(params.max_new_tokens, spec.max_position_embeddings - len(p)) for p in prompts]
+
+
 def record_tokens(gens: list[Generation], streams: list, new: torch.Tensor, alive: torch.Tensor, eos: set[int],
-                  params: SamplingParams, last: bool, on_text=None) -> None:
-    """Append each live sequence's new token [B]; sequences that finish are marked dead in alive [B]."""
+                  params: SamplingParams, step: int, limits: list[int], on_text=None) -> None:
+    """Append each live sequence's new token [B] of decode step `step`; sequences that finish (limits from
+    token_limits) are marked dead in alive [B]."""
     for b in alive.nonzero().flatten().tolist():
+        last = None
+        if step == limits[b] - 1:
+            last = "length" if limits[b] == params.max_new_tokens else "context"
         _append(gens[b], streams[b], int(new[b]), eos, params, last=last, on_text=on_text, index=b)
         if gens[b].finish_reason:
             alive[b] = False
 
 
 def _append(gen: Generation, stream: TextStream | None, token: int, eos: set[int], params: SamplingParams,
-            last: bool, on_text, index: int) -> None:
-    """Record one new token and decide whether this sequence is finished."""
+            last: str | None, on_text, index: int) -> None:
+    """Record one new token and decide whether this sequence is finished (last: the finish reason if this is its
+    last allowed token)."""
     if token in eos and not params.ignore_eos:
         gen.finish_reason = "eos"
     else:
@@ -148,7 +159,7 @@ def _append(gen: Generation, stream: TextStream | None, token: int, eos: set[int
         if hit:
             gen.finish_reason = "stop"
     if last and gen.finish_reason is None:
-        gen.finish_reason = "length"
+        gen.finish_reason = last
     if stream is not None and on_text is not None:
         delta = stream.delta(gen.text, final=gen.finish_reason is not None)
         if delta:

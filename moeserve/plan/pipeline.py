@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens
+from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens, token_limits
 from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
@@ -139,14 +139,14 @@ class Pipeline:
         check_request(self.spec, prompts, params, tokenizer)
         if len(prompts) > self.policy.batch_size:
             raise ValueError(f"{len(prompts)} prompts exceed the policy's batch size {self.policy.batch_size}")
-        longest = max(len(p) for p in prompts)
-        max_new = min(params.max_new_tokens, self.spec.max_position_embeddings - longest)
+        limits = token_limits(self.spec, prompts, params)
+        max_new = max(limits)
         groups = balanced_micro_batches([len(p) for p in prompts], self.policy.micro_batch)
         on_gpu = round(self.policy.kv_gpu_fraction * len(groups))
         mbs = [self._micro_batch(prompts, g, max_new, m < on_gpu) for m, g in enumerate(groups)]
-        return self._steps(prompts, mbs, max_new, params, tokenizer, eos_ids)
+        return self._steps(prompts, mbs, limits, params, tokenizer, eos_ids)
 
-    def _steps(self, prompts, mbs: list[MicroBatch], max_new: int, params, tokenizer, eos_ids):
+    def _steps(self, prompts, mbs: list[MicroBatch], limits: list[int], params, tokenizer, eos_ids):
         eos = set(self.spec.eos_token_ids if eos_ids is None else eos_ids)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         gens = [Generation(prompt_ids=list(p)) for p in prompts]
@@ -154,9 +154,9 @@ class Pipeline:
         alive = torch.ones(len(prompts), dtype=torch.bool)  # host: read and cleared per sequence
         with torch.inference_mode():
             logits = self._forward(mbs)  # [N, V]
-            for step in range(max_new):
+            for step in range(max(limits)):
                 new = sample_next(logits, params, generator)  # [N]
-                record_tokens(gens, streams, new.to(HOST), alive, eos, params, step == max_new - 1)
+                record_tokens(gens, streams, new.to(HOST), alive, eos, params, step, limits)
                 yield gens, new, logits
                 if not alive.any():
                     break

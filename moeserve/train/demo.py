@@ -54,7 +54,7 @@ DEMO_CONFIG = {
     "intermediate_size": 128,
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
-    "max_position_embeddings": 1024,
+    "max_position_embeddings": 512,  # the training windows' length (demo_config sets it from seq_len)
     "rope_theta": 10000.0,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "rms_norm_eps": 1e-5,
@@ -74,7 +74,7 @@ DEMO_CONFIG = {
 }
 # --quick: the same architecture at a size a CPU trains in seconds (for the tests)
 QUICK_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "max_position_embeddings": 128}
+               "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4}
 
 # The step count is fitted to --minutes at step FIT_AT, timed from FIT_FROM. FIT_AT <= warmup, so the
 # run so far does not depend on the step count and `--steps <fitted> --minutes 0` reproduces it.
@@ -106,8 +106,10 @@ QUICK = {"steps": 30, "minutes": 0.0, "batch_size": 8, "seq_len": 64, "warmup": 
          "eval_windows": 4, "final_eval_windows": 8}
 
 
-def demo_config(quick: bool = False) -> dict:
-    return {**DEMO_CONFIG, **(QUICK_SIZES if quick else {})}
+def demo_config(seq_len: int, quick: bool = False) -> dict:
+    """The config.json to write. Its context is the training window: positions beyond it were never trained
+    (the model's perplexity climbs past them), so the config must not promise more."""
+    return {**DEMO_CONFIG, **(QUICK_SIZES if quick else {}), "max_position_embeddings": seq_len}
 
 
 # ---- model and optimiser ------------------------------------------------------------------
@@ -382,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
     if out.exists() and not out.is_dir():
         raise MoeserveError(f"--out {str(out)!r} exists and is not a directory")
     device = resolve_device(args.device)
-    hf_config = demo_config(args.quick)
+    hf_config = demo_config(cfg.seq_len, args.quick)
     spec = ModelSpec.from_hf_config(hf_config)
     tok = ByteTokenizer(hf_config["bos_token_id"], hf_config["eos_token_id"])
     corpus = load_corpus(args.texts)
