@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
-from moeserve.parallel.plan import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
 
 DEMO_DIR = Path(__file__).parent / "demo"
