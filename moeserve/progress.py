@@ -38,8 +38,9 @@ class Progress:
             self.note = note
         if self.bar is not None:
             if note is not None:
-                self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(n)
+                self.bar.set_postfix_str(note, refresh=n == 0)
+            if n:
+                self.bar.update(n)
         elif self.enabled and time.perf_counter() - self.last >= PLAIN_INTERVAL_S:
             self._line()
 

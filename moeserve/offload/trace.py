@@ -49,7 +49,7 @@ class RoutingTrace:
                 trace = cls(f["sequence"], f["layer"], f["expert_ids"], f["weights"], L, E)
         except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile, zlib.error) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise MoeserveError(f"{path} is not a readable routing trace (cut short or not from `moeserve trace "
+            raise MoeserveError(f"{path} is not a routing trace (cut short or not from `moeserve trace "
                                 f"record`: {reason})") from None
         problem = trace.inconsistency()
         if problem:
