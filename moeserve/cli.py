@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -12,11 +13,12 @@ import time
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
-from moeserve.parallel.plan import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
 
 DEMO_DIR = Path(__file__).parent / "demo"
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
+DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -56,6 +58,33 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help=f"with --ep: when no rank has more than T tokens in a forward pass, dispatch with static "
                         f"padded buffers (no host sync per layer; decode) instead of exchanged split sizes "
                         f"(default {STATIC_MAX_TOKENS}; 0 = always dynamic)")
+
+
+def _offload_args(o) -> list[argparse.Action]:
+    """The options that only mean something with --offload; returned so their defaults can be compared."""
+    return [
+        o.add_argument("--gpu-memory", "--memory", dest="memory", default=None, metavar="SIZE",
+                       help="fast-memory budget (e.g. 20GiB: GPU memory, or RAM with --device cpu) from which the "
+                            "cache slots are planned after the non-expert weights, KV cache and workspace"),
+        o.add_argument("--high-slots", type=int, default=None,
+                       help="high-precision cache slots (instead of --gpu-memory)"),
+        o.add_argument("--low-slots", type=int, default=0,
+                       help="low-precision cache slots (with --high-slots; --gpu-memory plans both kinds)"),
+        o.add_argument("--policy", default="hobbit", help="cache policy: lru, lfu, lhu, fld or hobbit (default)"),
+        o.add_argument("--all-high", action="store_true", help="no mixed precision: every expert high, none skipped"),
+        o.add_argument("--per-layer-cache", action="store_true",
+                       help="split the slots evenly over the layers, each evicting only its own experts "
+                            "(mixtral-offloading's layout; default: one pool for all layers)"),
+        o.add_argument("--t1", type=float, default=0.6, help="high/low threshold (default 0.6)"),
+        o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)"),
+        o.add_argument("--prefetch", type=int, default=1, metavar="N",
+                       help="prefetch experts predicted for the next N MoE layers (default 1; 0 = off)"),
+        o.add_argument("--cooperative", action="store_true",
+                       help="compute a missed expert on the CPU when that is faster than copying it to the GPU "
+                            "(decided from measured CPU time and host->GPU bandwidth)"),
+        o.add_argument("--no-pin", action="store_true",
+                       help="do not page-lock the store in RAM (loads are then staged through a small pinned buffer)"),
+    ]
 
 
 def _batch_parser(sub) -> None:
@@ -122,25 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
                              "in fast memory; see `moeserve offload-prepare`")
     o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
-    o.add_argument("--gpu-memory", "--memory", dest="memory", default=None, metavar="SIZE",
-                   help="fast-memory budget (e.g. 20GiB: GPU memory, or RAM with --device cpu) from which the cache "
-                        "slots are planned after the non-expert weights, KV cache and workspace")
-    o.add_argument("--high-slots", type=int, default=None, help="high-precision cache slots (instead of --memory)")
-    o.add_argument("--low-slots", type=int, default=0, help="low-precision cache slots (with --high-slots)")
-    o.add_argument("--policy", default="hobbit", help="cache policy: lru, lfu, lhu, fld or hobbit (default)")
-    o.add_argument("--all-high", action="store_true", help="no mixed precision: every expert high, none skipped")
-    o.add_argument("--per-layer-cache", action="store_true",
-                   help="split the slots evenly over the layers, each evicting only its own experts "
-                        "(mixtral-offloading's layout; default: one pool for all layers)")
-    o.add_argument("--t1", type=float, default=0.6, help="high/low threshold (default 0.6)")
-    o.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
-    o.add_argument("--prefetch", type=int, default=1, metavar="N",
-                   help="prefetch experts predicted for the next N MoE layers (default 1; 0 = off)")
-    o.add_argument("--cooperative", action="store_true",
-                   help="compute a missed expert on the CPU when that is faster than copying it to the GPU "
-                        "(decided from measured CPU time and host->GPU bandwidth)")
-    o.add_argument("--no-pin", action="store_true",
-                   help="do not page-lock the store in RAM (loads are then staged through a small pinned buffer)")
+    _offload_args(o)
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
@@ -200,12 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     rec = tsub.add_parser("record", help="record the routing of a model reading a text (token by token, layer by layer)")
     _model_args(rec)
     rec.add_argument("--text", default=None, help="UTF-8 text (default: the model's heldout.txt)")
-    rec.add_argument("--out", required=True, help="trace file to write (.npz)")
+    rec.add_argument("--out", required=True, help="trace file to write, exactly this path (an .npz archive)")
     rec.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     rec.add_argument("--max-tokens", type=int, default=16384, help="tokens to record in all (default 16384)")
+    outputs = {"simulate": "requests, hits, high_misses, low_misses, skipped, hit_rate and miss_penalty (a high "
+                           "miss counts 1, a low miss bits_low/16: copies in units of one high-precision expert); "
+                           "with --store also bytes_moved, in bytes at the store's expert sizes",
+               "fit": "the weights with the lowest miss_penalty (in units of one high-precision expert copy)"}
     for name, helptext in (("simulate", "replay a trace through a mixed-precision expert cache"),
                            ("fit", "fit the weights of HOBBIT's multi-dimensional policy on a trace")):
-        sp = tsub.add_parser(name, help=helptext, description=helptext + "; prints JSON.")
+        sp = tsub.add_parser(name, help=helptext, description=f"{helptext}; prints JSON: {outputs[name]}.")
         sp.add_argument("--trace", required=True, help="trace file from `moeserve trace record`")
         sp.add_argument("--high-slots", type=int, required=True, help="cache slots for high-precision experts")
         sp.add_argument("--low-slots", type=int, default=0, help="cache slots for low-precision experts (default 0)")
@@ -213,10 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--per-layer-cache", action="store_true", help="an even share of the slots per layer")
         sp.add_argument("--t1", type=float, default=0.6, help="high/low threshold on unimportance (default 0.6)")
         sp.add_argument("--t2", type=float, default=0.9, help="low/skip threshold (default 0.9)")
-        sp.add_argument("--bits-low", type=int, default=4, help="low precision bits, for the penalty (default 4)")
+        sp.add_argument("--bits-low", type=int, default=4,
+                        help="low precision bits, for the penalty: 2, 3, 4 or 8 (default 4)")
         if name == "simulate":
             sp.add_argument("--policy", default="hobbit", help="lru, lfu, lhu, fld or hobbit (default hobbit)")
             sp.add_argument("--weights", default=None, help="w_lru,w_lfu,w_lhu,w_fld for a custom priority")
+            sp.add_argument("--store", default=None, metavar="STORE",
+                            help="expert store from offload-prepare: report bytes_moved at its expert sizes")
 
     _batch_parser(sub)
 
@@ -236,23 +254,131 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU memory budget, e.g. 16GiB (default: 90%% of the profile's GPU memory)")
     pl.add_argument("--cpu-memory", default=None, metavar="SIZE",
                     help="host memory budget, e.g. 100GiB (default: 90%% of the profile's RAM)")
-    pl.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    pl.add_argument("--prompt-len", type=int, default=None,
+                    help="prompt tokens per sequence (default 512, or what the model's context leaves after --gen-len)")
     pl.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (default 128)")
     pl.add_argument("--max-batch", type=int, default=4096, help="largest batch size to consider (default 4096)")
     pl.add_argument("--profile", default=None, metavar="FILE",
                     help="hardware profile JSON (default: this machine's, measured once and cached)")
     pl.add_argument("--plot", default=None, metavar="PNG", help="write the roofline with the operators to PNG "
                     "(needs matplotlib)")
-    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.add_argument("--json", action="store_true",
+                    help="print JSON instead of a table (a ratio with nothing to divide by, e.g. the link intensity "
+                         "of an operator that moves no bytes over the host link, is null)")
     return parser
+
+
+# ---- checks made before anything loads ----------------------------------------------------
+
+
+def _size(text: str | None, flag: str) -> int | None:
+    """A size option ("16GiB") in bytes, None when not given; anything else names the flag."""
+    if text is None:
+        return None
+    size = parse_bytes(text)
+    if size is None:
+        raise MoeserveError(f"{flag} {text!r} is not a size like 16GiB")
+    return size
+
+
+def _check_output_path(path: str, flag: str) -> None:
+    """A file the command will write: not a directory, in an existing writable directory, writable itself."""
+    out = Path(path)
+    parent = out.parent
+    if out.is_dir():
+        raise MoeserveError(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise MoeserveError(f"cannot write {flag} {path}: {parent} {problem}")
+    if not os.access(out if out.exists() else parent, os.W_OK):
+        raise MoeserveError(f"cannot write {flag} {path}: permission denied")
+
+
+def _check_utf8(texts: list[str]) -> None:
+    """Prompts from the command line hold undecodable bytes as surrogates (PEP 383); name the first one."""
+    for n, text in enumerate(texts, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            char = ord(text[e.start])
+            byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+            raise MoeserveError(f"prompt {n} is not valid UTF-8 ({byte} at position {e.start})") from None
+
+
+def _check_parallel(args) -> None:
+    """--tp/--ep need a torchrun launch of exactly tp x ep ranks."""
+    if args.tp < 1 or args.ep < 1:
+        raise MoeserveError("--tp and --ep must be >= 1")
+    if args.tp == 1 and args.ep == 1:
+        return
+    flags = " ".join(f"--{name} {n}" for name, n in (("tp", args.tp), ("ep", args.ep)) if n > 1)
+    command = " ".join(c for c in (args.command, getattr(args, "metric", None)) if c)
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise MoeserveError(f"{flags} runs one process per rank: launch it under torchrun, e.g. `torchrun "
+                            f"--nproc-per-node {args.tp * args.ep} -m moeserve {command} {flags} ...`")
+    if args.tp * args.ep != int(os.environ["WORLD_SIZE"]):
+        raise MoeserveError(f"--tp {args.tp} x --ep {args.ep} must equal the number of ranks "
+                            f"({os.environ['WORLD_SIZE']})")
+
+
+def _offload_only_options() -> list[argparse.Action]:
+    """The generate options that need --offload, with their defaults."""
+    return _offload_args(argparse.ArgumentParser(add_help=False))
+
+
+def _check_offload_args(args) -> None:
+    """Offload options are rejected without --offload, checked with it, and never silently dropped."""
+    from moeserve.offload.policies import POLICIES
+
+    if not args.offload:
+        for option in _offload_only_options():
+            if getattr(args, option.dest) != option.default:
+                raise MoeserveError(f"{option.option_strings[0]} needs --offload STORE (an expert store from "
+                                    f"`moeserve offload-prepare`)")
+        return
+    if args.policy not in POLICIES:
+        raise MoeserveError(f"unknown policy {args.policy!r} (--policy); choose one of {', '.join(POLICIES)}")
+    _size(args.memory, "--gpu-memory")
+    if args.high_slots is None:
+        if not args.memory:
+            raise MoeserveError("--offload needs --gpu-memory SIZE or --high-slots N")
+        if args.low_slots:
+            raise MoeserveError("--low-slots needs --high-slots: with --gpu-memory the slots of both precisions "
+                                "are planned from the budget")
+    _check_cache_args(args.high_slots or 0, args.low_slots, args.t1, args.t2)
+
+
+def _is_main_rank() -> bool:
+    """Rank 0 of a torchrun launch, or a single process: the one that prints status lines."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _tokenizer(model_dir: str):
+    """(spec, tokenizer) of a checkpoint, read before its weights so that inputs are checked first."""
+    from moeserve.spec import ModelSpec
+    from moeserve.tokenizer import load_tokenizer
+
+    spec = ModelSpec.from_dir(model_dir)
+    eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
+    return spec, load_tokenizer(model_dir, spec.bos_token_id, eos)
+
+
+def _json_ready(value):
+    """`value` with every non-finite float (a ratio over zero, an unbounded rate) as None: JSON has no Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 # ---- commands ------------------------------------------------------------------------------
 
 
-def _load(args):
+def _load_model(args):
     import moeserve
-    from moeserve.tokenizer import load_tokenizer
 
     offload = getattr(args, "offload", None)
     if getattr(args, "ep", 1) > 1 or getattr(args, "tp", 1) > 1:
@@ -264,22 +390,27 @@ def _load(args):
                                     routed_experts=offload is None)
         if offload:
             args.cache = _enable_offload(model, args)
-    eos = model.spec.eos_token_ids[0] if model.spec.eos_token_ids else None
-    return model, load_tokenizer(args.model, model.spec.bos_token_id, eos)
+    return model
 
 
 def cmd_generate(args) -> int:
-    from moeserve.engine.generate import iterate
+    from moeserve.engine.generate import check_request, iterate
     from moeserve.engine.sampling import SamplingParams
+    from moeserve.progress import Progress
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    model, tok = _load(args)
+    _check_parallel(args)
+    _check_offload_args(args)
+    spec, tok = _tokenizer(args.model)
+    texts = args.prompts or [DEFAULT_PROMPT]
+    _check_utf8(texts)
+    prompts = [tok.encode(t) for t in texts]
+    check_request(spec, prompts, params, tok)
+    model = _load_model(args)
     if params.seed is None and args.seed is not None:  # chosen by rank 0 for expert-parallel runs
         params = dataclasses.replace(params, seed=args.seed)
-    texts = args.prompts or [DEFAULT_PROMPT]
-    prompts = [tok.encode(t) for t in texts]
     stream = len(texts) == 1 and not args.no_stream
 
     def on_text(_, delta):
@@ -291,14 +422,19 @@ def cmd_generate(args) -> int:
                     cuda_graph=not args.no_cuda_graph)  # validates
     if stream:
         on_text(0, texts[0])
-    for results, _ in steps:
-        pass
+    with Progress(None, "generate", "tokens", enabled=not stream and _is_main_rank()) as bar:
+        for results, _ in steps:  # without streaming, the tokens so far on stderr
+            tokens = sum(len(r.token_ids) for r in results)
+            done = sum(r.finish_reason is not None for r in results)
+            bar.update(tokens - bar.count, note=f"{done} of {len(results)} prompts done")
     seconds = time.perf_counter() - t0
     if stream:
         sys.stdout.write("\n")
     else:
         for n, (text, r) in enumerate(zip(texts, results)):
             print(f"--- [{n}] ({r.finish_reason})\n{text}{r.text}")
+    if not _is_main_rank():
+        return 0
     cache = getattr(args, "cache", None)
     if cache is not None:
         st = cache.summary()
@@ -318,8 +454,6 @@ def _load_parallel(args):
     from moeserve.parallel.loading import load_parallel_model
 
     rank, world, device = init_from_env(args.device)
-    if args.tp * args.ep != world:
-        raise MoeserveError(f"--tp {args.tp} x --ep {args.ep} must equal the number of ranks ({world})")
     model = load_parallel_model(args.model, rank, world, tp=args.tp, ep=args.ep, device=device, dtype=args.dtype,
                                 hierarchical=args.hierarchical_a2a, progress=rank == 0,
                                 static_max_tokens=max(args.static_dispatch_tokens, 0))
@@ -427,9 +561,11 @@ def cmd_eval_ppl(args) -> int:
 
     if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
         raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
+    _check_parallel(args)
+    _, tok = _tokenizer(args.model)
     text_path, text = _read_text(args.text, args.model, "--text")
-    model, tok = _load(args)
     ids = tok.encode(text)
+    model = _load_model(args)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     if len(ids) < 2:
@@ -464,39 +600,89 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from moeserve.offload.policies import Policy
-    from moeserve.offload.simulate import fit_policy_weights, simulate
-    from moeserve.offload.trace import RoutingTrace, record_trace
+    return {"record": _trace_record, "simulate": _trace_simulate, "fit": _trace_fit}[args.trace_command](args)
 
-    if args.trace_command == "record":
-        if args.seq_len < 1 or args.max_tokens < 1:
-            raise MoeserveError("--seq-len and --max-tokens must be positive")
-        _, text = _read_text(args.text, args.model, "--text")
-        model, tok = _load(args)
-        ids = tok.encode(text)[:args.max_tokens]
-        trace = record_trace(model, [ids[s:s + args.seq_len] for s in range(0, len(ids), args.seq_len)])
-        trace.save(args.out)
-        print(json.dumps({"out": args.out, "events": len(trace), "tokens": len(ids), "layers": trace.num_layers,
-                          "experts": trace.num_experts}))
-        return 0
+
+def _trace_record(args) -> int:
+    from moeserve.offload.trace import record_trace
+
+    if args.seq_len < 1 or args.max_tokens < 1:
+        raise MoeserveError("--seq-len and --max-tokens must be positive")
+    _check_output_path(args.out, "--out")
+    spec, tok = _tokenizer(args.model)
+    if args.seq_len > spec.max_position_embeddings:
+        raise MoeserveError(f"--seq-len {args.seq_len} exceeds the model's context of "
+                            f"{spec.max_position_embeddings} tokens")
+    _, text = _read_text(args.text, args.model, "--text")
+    ids = tok.encode(text)[:args.max_tokens]
+    model = _load_model(args)
+    trace = record_trace(model, [ids[s:s + args.seq_len] for s in range(0, len(ids), args.seq_len)], progress=True)
+    trace.save(args.out)
+    print(json.dumps({"out": args.out, "events": len(trace), "tokens": len(ids), "layers": trace.num_layers,
+                      "experts": trace.num_experts}))
+    return 0
+
+
+def _read_trace(args):
+    """The trace of simulate/fit, after the options that need no trace are checked."""
+    from moeserve.offload.trace import RoutingTrace
+    from moeserve.quant.hqq import BITS
+
+    if args.bits_low not in BITS:
+        raise MoeserveError(f"--bits-low {args.bits_low} is not supported; choose one of {', '.join(map(str, BITS))}")
+    _check_cache_args(args.high_slots, args.low_slots, args.t1, args.t2)
     if not Path(args.trace).is_file():
         raise MoeserveError(f"trace file {args.trace!r} not found")
-    _check_cache_args(args.high_slots, args.low_slots, args.t1, args.t2)
-    trace = RoutingTrace.load(args.trace)
-    sim_kw = dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low,
-                  per_layer=args.per_layer_cache)
-    if args.trace_command == "fit":
-        weights, penalty = fit_policy_weights(trace, args.high_slots, args.low_slots, **sim_kw)
-        print(json.dumps({"weights": dict(zip(("lru", "lfu", "lhu", "fld"), weights)), "miss_penalty": penalty}))
-        return 0
+    return RoutingTrace.load(args.trace)
+
+
+def _sim_options(args) -> dict:
+    return dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low, per_layer=args.per_layer_cache)
+
+
+def _trace_fit(args) -> int:
+    from moeserve.offload.simulate import fit_policy_weights
+
+    trace = _read_trace(args)
+    weights, penalty = fit_policy_weights(trace, args.high_slots, args.low_slots, progress=True, **_sim_options(args))
+    print(json.dumps({"weights": dict(zip(("lru", "lfu", "lhu", "fld"), weights)), "miss_penalty": penalty}))
+    return 0
+
+
+def _trace_simulate(args) -> int:
+    from moeserve.offload.policies import POLICIES, Policy
+    from moeserve.offload.simulate import simulate
+
+    if args.weights is None and args.policy not in POLICIES:
+        raise MoeserveError(f"unknown policy {args.policy!r} (--policy); choose one of {', '.join(POLICIES)} "
+                            f"or give --weights")
     try:
         weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else None
-        policy = Policy.named(args.policy, trace.num_layers, weights)
+        Policy.named(args.policy, 1, weights)
     except ValueError as e:
-        raise MoeserveError(str(e)) from None
-    result = simulate(trace, policy, args.high_slots, args.low_slots, **sim_kw)
-    print(json.dumps({"policy": policy.name, "weights": policy.weights, **result.as_dict()}))
+        raise MoeserveError(f"--weights {args.weights!r}: {e}") from None
+    trace = _read_trace(args)
+    sizes = _store_expert_bytes(args.store, args.bits_low, trace.num_experts) if args.store else {}
+    policy = Policy.named(args.policy, trace.num_layers, weights)
+    result = simulate(trace, policy, args.high_slots, args.low_slots, **sizes, **_sim_options(args)).as_dict()
+    if not args.store:
+        del result["bytes_moved"]  # in penalty units without a store's expert sizes: the miss penalty again
+    print(json.dumps({"policy": policy.name, "weights": policy.weights, **result}))
     return 0
+
+
+def _store_expert_bytes(path: str, bits_low: int, num_experts: int) -> dict[str, int]:
+    """simulate's expert_bytes / low_expert_bytes: the real sizes of one expert's copies in an expert store."""
+    from moeserve.offload.store import ExpertStore
+
+    store = ExpertStore.open(path)
+    if store.meta["num_experts"] != num_experts:
+        raise MoeserveError(f"--store {path} has {store.meta['num_experts']} experts per layer, the trace "
+                            f"{num_experts}: it was built for another model")
+    if store.meta["low_bits"] != bits_low:
+        raise MoeserveError(f"--store {path} holds {store.meta['low_bits']}-bit low copies; pass --bits-low "
+                            f"{store.meta['low_bits']}")
+    return {"expert_bytes": store.expert_bytes(low=False), "low_expert_bytes": store.expert_bytes(low=True)}
 
 
 def _print_table(rows: list[tuple[str, str]]) -> None:
@@ -545,6 +731,22 @@ def _budget(text: str | None, flag: str, default: float | None, what: str) -> fl
     return size
 
 
+def _workload_lengths(prompt_len: int | None, gen_len: int, context: int) -> tuple[int, int]:
+    """(prompt, generated) tokens of the planned workload, which the model must be able to run: both positive,
+    together within its context. No --prompt-len: 512, or what the context leaves after gen_len."""
+    if gen_len < 1 or (prompt_len is not None and prompt_len < 1):
+        raise MoeserveError("--prompt-len and --gen-len must be positive")
+    if prompt_len is None:
+        if gen_len >= context:
+            raise MoeserveError(f"--gen-len {gen_len} leaves no room for a prompt in the model's context of "
+                                f"{context} tokens")
+        return min(DEFAULT_PLAN_PROMPT, context - gen_len), gen_len
+    if prompt_len + gen_len > context:
+        raise MoeserveError(f"--prompt-len {prompt_len} + --gen-len {gen_len} = {prompt_len + gen_len} tokens exceed "
+                            f"the model's context of {context} tokens")
+    return prompt_len, gen_len
+
+
 def cmd_plan(args) -> int:
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
     from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
@@ -552,21 +754,23 @@ def cmd_plan(args) -> int:
     from moeserve.spec import ModelSpec
 
     spec = ModelSpec.from_dir(args.model)
+    prompt_len, gen_len = _workload_lengths(args.prompt_len, args.gen_len, spec.max_position_embeddings)
     hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")
     host = _budget(args.cpu_memory, "--cpu-memory", hw.ram_bytes, "host memory")
     if args.max_batch < 1:
         raise MoeserveError("--max-batch must be positive")
-    wl = Workload(prompt_len=args.prompt_len, gen_len=args.gen_len)
+    wl = Workload(prompt_len=prompt_len, gen_len=gen_len)
     plan = search(spec, hw, wl, gpu, host, max_batch=args.max_batch)
     rows = operator_table(spec, wl, hw, plan.policy)
     if args.plot:
         plot_roofline(rows, hw, args.plot, title=f"{Path(args.model).name}: N={plan.policy.batch_size}, "
                                                  f"n={plan.policy.micro_batch}, {plan.tokens_per_s:.0f} tokens/s")
     if args.json:
-        print(json.dumps({"policy": plan.policy.as_dict(), **{k: v for k, v in dataclasses.asdict(plan).items()
-                                                               if k != "policy"},
-                          "operators": rows, "turning_points": turning_points(hw), "device": hw.gpu_name}, indent=2))
+        report = {"policy": plan.policy.as_dict(), **{k: v for k, v in dataclasses.asdict(plan).items()
+                                                      if k != "policy"},
+                  "operators": rows, "turning_points": turning_points(hw), "device": hw.gpu_name}
+        print(json.dumps(_json_ready(report), indent=2, allow_nan=False))
         return 0
     p = plan.policy
     _print_table([
@@ -595,40 +799,47 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _manual_policy(args):
+    """batch's policy from its options (before --gpu-memory fits the resident weights to the budget)."""
+    from moeserve.plan.policy import Policy
+
+    gpu_attention = not args.cpu_attention
+    kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)
+    return Policy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
+                  1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
+
+
 def cmd_batch(args) -> int:
     from moeserve.engine.sampling import SamplingParams
     from moeserve.loader import load_model, resolve_device, resolve_dtype
-    from moeserve.plan.batch import auto_policy, policy_for_budget, read_requests, run_batch
+    from moeserve.plan.batch import (BadLines, auto_policy, finished_ids, policy_for_budget, read_requests,
+                                     run_batch, tokenize_requests)
     from moeserve.plan.layer_weights import host_weight_bytes
     from moeserve.plan.pipeline import Pipeline
-    from moeserve.plan.policy import Policy
-    from moeserve.tokenizer import load_tokenizer
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             seed=args.seed, ignore_eos=args.ignore_eos)
-    requests = read_requests(args.input, args.on_bad_line, lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
+    budget = _size(args.gpu_memory, "--gpu-memory")
+    _check_output_path(args.output, "--output")
+    finished_ids(args.output)  # an output that is not ours fails now, not after the model loads
+    bad = BadLines(args.input, args.on_bad_line == "stop", lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
+    spec, tok = _tokenizer(args.model)
+    requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    policy = None if args.auto else _manual_policy(args)
     model = load_model(args.model, device="cpu", dtype=dtype, progress=True)
-    tok = load_tokenizer(args.model, model.spec.bos_token_id, model.spec.eos_token_ids[0] if model.spec.eos_token_ids
-                         else None)
-    prompt_len = max((len(tok.encode(r.prompt)) for r in requests), default=1)
-    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    prompt_len = max((len(r.prompt_ids) for r in requests), default=1)
     if args.auto:
         pinned = device.type == "cuda"
         policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget, args.profile,
                              host_weight_bytes(model, pinned))
-    else:
-        gpu_attention = not args.cpu_attention
-        kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)
-        policy = Policy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
-                        1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
-        if budget is not None and args.weights_gpu_fraction is None:
-            policy = policy_for_budget(model.spec, policy, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
+    elif budget is not None and args.weights_gpu_fraction is None:
+        policy = policy_for_budget(model.spec, policy, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
     print(f"[policy: {policy.as_dict()}]", file=sys.stderr)
     pipeline = Pipeline(model, policy, device)
     try:
-        st = run_batch(pipeline, tok, requests, params, args.output, progress=sys.stderr.isatty())
+        st = run_batch(pipeline, tok, requests, params, args.output, progress=True)
     finally:
         pipeline.close()
     print(f"[{st['requests']} requests ({st['skipped']} already done), {st['tokens']} tokens in {st['seconds']:.2f} s, "

@@ -8,6 +8,7 @@ from pathlib import Path
 from moeserve.errors import MoeserveError
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
+HF_TOKENIZER_FILE = "tokenizer.json"
 
 
 class ByteTokenizer:
@@ -53,8 +54,21 @@ def load_tokenizer(path: str | Path, bos_id: int | None = None, eos_id: int | No
     """The tokenizer stored beside a checkpoint: byte_tokenizer.json or tokenizer.json."""
     path = Path(path)
     if (path / BYTE_TOKENIZER_FILE).is_file():
-        cfg = json.loads((path / BYTE_TOKENIZER_FILE).read_text())
-        return ByteTokenizer(cfg["bos_id"], cfg["eos_id"])
-    if (path / "tokenizer.json").is_file():
-        return HFTokenizer(path / "tokenizer.json", bos_id, eos_id)
-    raise MoeserveError(f"{str(path)!r} has no tokenizer.json (or byte_tokenizer.json); pass token ids instead")
+        return read_byte_tokenizer(path / BYTE_TOKENIZER_FILE)
+    if (path / HF_TOKENIZER_FILE).is_file():
+        return HFTokenizer(path / HF_TOKENIZER_FILE, bos_id, eos_id)
+    raise MoeserveError(f"{str(path)!r} has no tokenizer: looked for {HF_TOKENIZER_FILE} (Hugging Face) and "
+                        f"{BYTE_TOKENIZER_FILE} (byte-level) in it")
+
+
+def read_byte_tokenizer(file: Path) -> ByteTokenizer:
+    """A byte_tokenizer.json ({"type": "bytes", "bos_id": int, "eos_id": int}); anything else raises."""
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoeserveError(f"cannot read tokenizer {file}: {e}") from None
+    ids = [cfg.get(k) for k in ("bos_id", "eos_id")] if isinstance(cfg, dict) else None
+    if not ids or cfg.get("type", "bytes") != "bytes" or not all(type(i) is int and i >= 256 for i in ids):
+        raise MoeserveError(f'{file} is not a byte tokenizer: it must hold {{"type": "bytes", "bos_id": N, '
+                            f'"eos_id": N}} with ids >= 256')
+    return ByteTokenizer(*ids)

@@ -1,9 +1,11 @@
 """Offloaded experts (store -> cache -> backend) against the resident model and the simulator."""
 
 import json
+import shutil
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 import moeserve
 from moeserve.cli import main
@@ -130,9 +132,13 @@ def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
     assert main(base + ["--high-slots", "2", "--low-slots", "2"]) == 0
     assert "expert cache" in capsys.readouterr().err
     assert main(base + ["--memory", "1KB"]) == 2 and "at least" in capsys.readouterr().err
-    assert main(base) == 2 and "--memory" in capsys.readouterr().err
+    assert main(base) == 2 and "--gpu-memory" in capsys.readouterr().err
     assert main(base + ["--high-slots", "2", "--policy", "mru"]) == 2 and "unknown policy" in capsys.readouterr().err
-    _, other = hf_checkpoints["olmoe"]
+    other = tmp_path / "olmoe"  # with a tokenizer: generate checks the prompts before it loads anything
+    shutil.copytree(hf_checkpoints["olmoe"][1], other)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(other / "tokenizer.json"))
     assert main(["generate", "--model", str(other), "--max-new-tokens", "2", "--offload", str(store),
                  "--high-slots", "1"]) == 2
     assert "another model" in capsys.readouterr().err

@@ -9,6 +9,8 @@ import torch
 
 from moeserve.errors import MoeserveError
 
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes 64-bit seeds
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,9 @@ class SamplingParams:
             raise MoeserveError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise MoeserveError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise MoeserveError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise MoeserveError("stop strings must not be empty")
 

@@ -17,7 +17,8 @@ from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
-from moeserve.parallel.plan import STATIC_MAX_TOKENS, DispatchPlan
+from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.parallel.plan import DispatchPlan
 
 
 class ExpertParallelExperts(nn.Module):

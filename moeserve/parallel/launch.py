@@ -17,8 +17,8 @@ def init_from_env(device: str) -> tuple[int, int, torch.device]:
     import torch.distributed as dist
 
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        raise MoeserveError("expert parallelism runs under torchrun: "
-                            "torchrun --nproc-per-node N -m moeserve generate --ep N ...")
+        raise MoeserveError("tensor and expert parallelism (--tp, --ep) run under torchrun: "
+                            "torchrun --nproc-per-node N -m moeserve generate --tp N ...")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")

@@ -19,7 +19,7 @@ from moeserve.loader import resolve_device
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.collectives import raise_if_any_failed
 from moeserve.parallel.groups import RankGrid, check_experts, new_groups, split_range
-from moeserve.parallel.plan import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-STATIC_MAX_TOKENS = 128  # tokens per rank up to which dispatch uses static buffers
+from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 
 
 class DispatchPlan:

@@ -2,7 +2,8 @@
 
 Resumable: a result line is written whole and flushed as soon as its request finishes; on a restart the ids
 already in the output are skipped and a trailing partial line (a write cut short) is dropped first. Malformed
-input lines are reported by line number, then skipped or fatal, never silently dropped.
+input lines (not UTF-8, not JSON, a bad id, a prompt too long for the model) are reported by line number, then
+skipped or fatal, each decided on its own and never silently dropped.
 """
 
 from __future__ import annotations
@@ -14,69 +15,125 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.plan.policy import Policy
+from moeserve.progress import Progress
 
 HOST_SHARE = 0.8  # of the host RAM the planner may fill (the rest: OS, Python, the tokenizer)
 
 
 @dataclass(frozen=True)
 class Request:
-    id: object  # from the input ("id"), or the line number
+    id: str | int  # from the input ("id"), or the line number
     prompt: str
+    line: int  # line number in the input file, for messages
+    prompt_ids: tuple[int, ...] = ()  # filled by tokenize_requests
 
 
-def read_requests(path: str | Path, on_bad_line: str, warn: Callable[[str], None]) -> list[Request]:
-    """Requests of a JSONL file ({"id": ..., "prompt": "..."}, blank lines ignored). A malformed line (bad JSON,
-    no string "prompt", a repeated id) is reported through `warn` and skipped, or raises with on_bad_line="stop"."""
-    requests, seen = [], set()
+@dataclass(frozen=True)
+class BadLines:
+    """What to do with a malformed input line: report it by file and line number, then skip it (warn) or stop
+    the run (stop=True raises MoeserveError)."""
+    path: str
+    stop: bool
+    warn: Callable[[str], None]
+
+    def report(self, number: int, problem: str) -> None:
+        message = f"{self.path}:{number}: {problem}"
+        if self.stop:
+            raise MoeserveError(message)
+        self.warn(f"{message}; skipped")
+
+
+def read_requests(path: str | Path, bad: BadLines) -> list[Request]:
+    """Requests of a JSONL file ({"id": ..., "prompt": "..."}, blank lines ignored). A malformed line (not UTF-8,
+    bad JSON, no string "prompt", an id that is not a string or integer, a repeated id) goes to `bad`."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise MoeserveError(f"cannot read {path}: {e}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        problem = None
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            problem = f"not JSON ({e.msg})"
-        else:
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                problem = 'needs an object with a string "prompt"'
-            elif _key(obj.get("id", number)) in seen:
-                problem = f"repeats id {obj.get('id', number)!r}"
-        if problem:
-            message = f"{path}:{number}: {problem}"
-            if on_bad_line == "stop":
-                raise MoeserveError(message)
-            warn(f"{message}; skipped")
-            continue
-        seen.add(_key(obj.get("id", number)))
-        requests.append(Request(obj.get("id", number), obj["prompt"]))
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise MoeserveError(f"cannot read {path}: {e.strerror or e}") from None
+    requests, seen = [], set()
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        parsed = _parse_line(raw, number)
+        if isinstance(parsed, Request) and _key(parsed.id) in seen:
+            parsed = f"repeats id {parsed.id!r}"
+        if isinstance(parsed, str):
+            bad.report(number, parsed)
+        elif parsed is not None:
+            seen.add(_key(parsed.id))
+            requests.append(parsed)
     return requests
 
 
-def _key(request_id) -> str:
-    """Ids compare as their JSON text, so 1 and "1" stay different and any JSON value can be an id."""
+def _parse_line(raw: bytes, number: int) -> Request | str | None:
+    """One input line: its Request, what is wrong with it, or None for a blank line."""
+    try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg})"
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        return 'needs an object with a string "prompt"'
+    request_id = obj.get("id", number)
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        return f"id must be a string or an integer, not {json.dumps(request_id)}"
+    return Request(request_id, obj["prompt"], number)
+
+
+def tokenize_requests(requests: list[Request], tokenizer, context: int, bad: BadLines) -> list[Request]:
+    """The requests with their prompt ids; a prompt with no tokens, or too long to leave room for one new
+    token in the model's context, goes to `bad` under its line number."""
+    out = []
+    for r in requests:
+        ids = tokenizer.encode(r.prompt)
+        if not ids:
+            bad.report(r.line, "the prompt has no tokens")
+        elif len(ids) >= context:
+            bad.report(r.line, f"prompt of {len(ids)} tokens does not fit the model's context of {context} tokens")
+        else:
+            out.append(replace(r, prompt_ids=tuple(ids)))
+    return out
+
+
+def _key(request_id: str | int) -> str:
+    """Ids compare as their JSON text, so 1 and "1" stay different."""
     return json.dumps(request_id)
 
 
 def finished_ids(path: str | Path) -> set[str]:
-    """Keys of the ids in an existing output file, after cutting off a trailing partial line."""
+    """Keys of the ids in an existing output file; a trailing partial line (a write cut short) is ignored.
+    Reads only: a file that is not moeserve batch output raises before anything runs."""
     path = Path(path)
     if not path.is_file():
         return set()
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[:data.rfind(b"\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(data))
-    return {_key(json.loads(line)["id"]) for line in data.decode("utf-8").splitlines() if line.strip()}
+    keys = set()
+    for number, line in enumerate(data[:data.rfind(b"\n") + 1].split(b"\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            keys.add(_key(json.loads(line)["id"]))
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError):
+            raise MoeserveError(f"{path}:{number}: not a result line of `moeserve batch`; give another --output") \
+                from None
+    return keys
+
+
+def drop_partial_line(path: str | Path) -> None:
+    """Cut a trailing partial line (a write cut short) off an output file, so appending starts a new line."""
+    path = Path(path)
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
 
 
 def policy_for_budget(spec, policy: Policy, prompt_len: int, gen_len: int, dtype_bytes: int,
@@ -98,16 +155,17 @@ def policy_for_budget(spec, policy: Policy, prompt_len: int, gen_len: int, dtype
 
 def run_batch(pipeline, tokenizer, requests: list[Request], params: SamplingParams, output: str | Path,
               progress: bool = True) -> dict:
-    """Generate every request not yet in `output`, batch_size requests at a time; returns counts and rates."""
+    """Generate every request (from tokenize_requests) not yet in `output`, batch_size requests at a time;
+    returns counts and rates. progress: requests done on stderr (a bar on a terminal, else a line every few s)."""
     done = finished_ids(output)
     todo = [r for r in requests if _key(r.id) not in done]
     batch = pipeline.policy.batch_size
     tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
-    with open(output, "a", encoding="utf-8") as out:
+    drop_partial_line(output)
+    with open(output, "a", encoding="utf-8") as out, Progress(len(todo), "requests", "req", progress) as bar:
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
-            prompts = [tokenizer.encode(r.prompt) for r in chunk]
+            prompts = [list(r.prompt_ids) for r in chunk]
             written = set()
             for gens, _, _ in pipeline.generate(prompts, params, tokenizer=tokenizer):
                 for b, g in enumerate(gens):
@@ -119,8 +177,7 @@ def run_batch(pipeline, tokenizer, requests: list[Request], params: SamplingPara
                         out.flush()
                         tokens += len(g.token_ids)
                         bar.update(1)
-                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
-    bar.close()
+                bar.update(0, note=f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
     seconds = time.perf_counter() - t0
     return {"requests": len(todo), "skipped": len(requests) - len(todo), "tokens": tokens, "seconds": seconds}
 

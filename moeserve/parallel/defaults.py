@@ -1,0 +1,3 @@
+"""Defaults of the parallel options, in a module without torch so that `moeserve --help` can show them fast."""
+
+STATIC_MAX_TOKENS = 128  # tokens per rank up to which dispatch uses static buffers
