@@ -95,10 +95,13 @@ def _batch_parser(sub) -> None:
                                    "per finished request to OUTPUT. Rerunning skips the ids already in OUTPUT.")
     _model_args(b)
     b.add_argument("--input", required=True,
-                   help="JSONL prompts: {\"id\": ..., \"prompt\": \"...\"} (id default: line number)")
+                   help="JSONL prompts: {\"id\": ..., \"prompt\": \"...\"} (id: a string or an integer; default: "
+                        "the line number)")
     b.add_argument("--output", required=True, help="JSONL results, appended (id, text, finish_reason, token counts)")
     b.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip",
-                   help="a malformed input line is reported and skipped (default) or stops the run")
+                   help="an input line that is not UTF-8 or not JSON, has no string prompt, a bad or repeated id, or "
+                        "a prompt too long for the model's context is reported by line number and skipped (default) "
+                        "or stops the run before the model loads")
     b.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     b.add_argument("--greedy", action="store_true", help="same as --temperature 0")
@@ -378,6 +381,7 @@ def _json_ready(value):
 
 
 def _load_model(args):
+    """The model as the options place it: one process, torchrun ranks (--tp/--ep) or offloaded experts."""
     import moeserve
 
     offload = getattr(args, "offload", None)
@@ -637,6 +641,7 @@ def _read_trace(args):
 
 
 def _sim_options(args) -> dict:
+    """simulate's cache options, the same for simulate and fit."""
     return dict(mixed=not args.all_high, t1=args.t1, t2=args.t2, bits_low=args.bits_low, per_layer=args.per_layer_cache)
 
 

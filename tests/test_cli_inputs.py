@@ -1,0 +1,109 @@
+"""What the CLI does with unusual but valid inputs: bad batch lines skipped by number, progress where work is
+long, exact output paths, valid JSON, one status line per launch, and a --help that does not import torch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeserve.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def plain_progress(monkeypatch):
+    """Progress lines at every update (capsys's stderr is not a terminal, so they are the plain kind)."""
+    monkeypatch.setattr("moeserve.progress.PLAIN_INTERVAL_S", 0.0)
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_and_its_parser_do_not_import_torch():
+    """`moeserve --help` stays fast: torch is imported by the commands that need it, not by the CLI module."""
+    code = ("import sys, moeserve.cli as c\n"
+            "p = c.build_parser()\n"
+            "for argv in (['--help'], ['generate', '--help'], ['batch', '--help']):\n"
+            "    try:\n"
+            "        p.parse_args(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_batch_decides_each_line_and_reports_progress_off_a_terminal(capsys, tmp_path, byte_model_dir,
+                                                                     plain_progress):
+    good = [json.dumps({"id": "a", "prompt": "To be"}), json.dumps({"id": 4, "prompt": "Words"})]
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join([good[0].encode(), b'{"prompt": "caf\xe9"}',
+                                                    json.dumps({"prompt": "x" * 100}).encode(), good[1].encode()]))
+    code, _, err = run(capsys, "batch", "--model", byte_model_dir, "--device", "cpu", "--input", tmp_path / "in.jsonl",
+                       "--output", tmp_path / "out.jsonl", "--max-new-tokens", 2, "--batch-size", 2,
+                       "--micro-batch", 1, "--ignore-eos")
+    assert code == 0, err
+    assert "in.jsonl:2: not UTF-8 (byte 0xe9 at column 16); skipped" in err
+    assert "in.jsonl:3: prompt of 101 tokens does not fit the model's context of 64 tokens; skipped" in err
+    assert "[requests: 2/2 req" in err  # plain progress lines: stderr is not a terminal
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(map(str, (r["id"] for r in results))) == ["4", "a"]
+
+
+def test_generate_several_prompts_shows_progress(capsys, byte_model_dir, plain_progress):
+    code, out, err = run(capsys, "generate", "--model", byte_model_dir, "ab", "cde", "--greedy",
+                         "--max-new-tokens", 4, "--ignore-eos")
+    assert code == 0 and out.count("--- [") == 2
+    assert "[generate: 8 tokens, 2 of 2 prompts done" in err
+
+
+def test_only_rank_0_prints_the_status_lines(capsys, byte_model_dir, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    code, out, err = run(capsys, "generate", "--model", byte_model_dir, "Hi", "--max-new-tokens", 2)
+    assert code == 0 and out.startswith("Hi") and "tokens/s" not in err
+
+
+def test_plan_json_is_valid_json(capsys, tmp_path):
+    from test_plan import H100
+
+    (tmp_path / "h100.json").write_text(json.dumps(H100))
+    code, out, _ = run(capsys, "plan", "--profile", tmp_path / "h100.json", "--gpu-memory", "16GiB",
+                       "--cpu-memory", "100GiB", "--json")
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    report = json.loads(out, parse_constant=no_constants)
+    assert code == 0 and None in [op["link_intensity"] for op in report["operators"]]  # nothing over the link
+
+
+def test_trace_writes_the_given_path_and_reports_real_bytes(capsys, tmp_path, byte_model_dir, plain_progress):
+    path = tmp_path / "tracefile"  # no .npz: written as given
+    code, out, err = run(capsys, "trace", "record", "--model", byte_model_dir, "--out", path, "--seq-len", 16,
+                         "--max-tokens", 64)
+    assert code == 0 and json.loads(out)["out"] == str(path) and path.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tracefile"]
+    assert "[trace record: 4/4 sequences" in err
+
+    code, out, err = run(capsys, "trace", "fit", "--trace", path, "--high-slots", 2, "--low-slots", 2)
+    assert code == 0 and "[trace fit: 35/35 candidates" in err
+
+    simulate = ["trace", "simulate", "--trace", path, "--high-slots", 2, "--low-slots", 2]
+    code, out, _ = run(capsys, *simulate)
+    result = json.loads(out)
+    assert code == 0 and "bytes_moved" not in result and result["miss_penalty"] > 0
+
+    store = tmp_path / "store"
+    assert run(capsys, "offload-prepare", "--model", byte_model_dir, "--out", store, "--group", 32)[0] == 0
+    code, out, _ = run(capsys, *simulate, "--store", store)
+    with_store = json.loads(out)
+    from moeserve.offload.store import ExpertStore
+
+    high, low = (ExpertStore.open(store).expert_bytes(low=b) for b in (False, True))
+    assert with_store["bytes_moved"] == with_store["high_misses"] * high + with_store["low_misses"] * low > 0
