@@ -45,7 +45,7 @@ from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
 from moeserve.offload.budget import kv_cache_bytes, plan_slots  # noqa: E402
 from moeserve.offload.experts import enable_offload  # noqa: E402
-from moeserve.offload.store import ExpertStore, _meta, layer_tensors  # noqa: E402
+from moeserve.offload.store import ExpertStore, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
 GiB = 1 << 30
@@ -102,7 +102,7 @@ def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 
         down = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD
         t = layer_tensors(gate_up, down, low_bits, group)
         layers.append({k: v.pin_memory() if torch.cuda.is_available() else v for k, v in t.items()})
-    return ExpertStore(_meta(spec, list(range(spec.num_layers)), low_bits, group), lambda i: layers[i % distinct])
+    return ExpertStore(store_meta(spec, list(range(spec.num_layers)), low_bits, group), lambda i: layers[i % distinct])
 
 
 class DemoRouting:

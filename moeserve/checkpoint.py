@@ -5,10 +5,13 @@ tensors streamed to wherever they live. Expert weights come in two spellings and
   per-expert (classic HF):  ...experts.{j}.w1/w3/w2.weight (Mixtral), ...experts.{j}.gate_proj/up_proj/down_proj.weight
   fused (transformers 5.x): ...experts.gate_up_proj [E, 2F, D] and ...experts.down_proj [E, D, F]
 moeserve's own names are the fused transformers-5 names, so a model's state_dict is itself a checkpoint.
+Fingerprints (sha256 of tensors as stored, or of a fixed sample of expert rows) let an artifact made from a
+checkpoint (a quantized copy, an expert store) prove which weights it was made from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -130,6 +133,19 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
     return torch.stack([torch.cat([reader.get(gate), reader.get(up)]) for gate, up, _ in names])  # [E, 2F, D]
 
 
+def read_expert_row(reader: CheckpointReader, family: str, layer: int, expert: int, projection: str, row: int,
+                    ffn: int) -> torch.Tensor:
+    """Row `row` of one expert's gate_up [2F, D] ("gate_up") or down [D, F] ("down") weight, read without the
+    rest of the layer's experts, from whichever spelling the checkpoint uses."""
+    fused = f"model.layers.{layer}.mlp.experts.{projection}_proj"
+    for stored in (fused, _classic_moe_prefix(fused, family)):
+        if stored in reader:
+            return reader.get_slice(stored, (slice(expert, expert + 1), slice(row, row + 1))).reshape(-1)
+    gate, up, down = per_expert_names(layer, family, expert)
+    name, row = (down, row) if projection == "down" else (gate, row) if row < ffn else (up, row - ffn)
+    return reader.get_slice(name, (slice(row, row + 1),)).reshape(-1)
+
+
 def per_expert_names(layer: int, family: str, expert: int) -> tuple[str, str, str]:
     """Classic HF names of one expert's (gate [F, D], up [F, D], down [D, F]) weights."""
     prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
@@ -157,8 +173,85 @@ def to_per_expert(state: dict[str, torch.Tensor], family: str) -> dict[str, torc
     return out
 
 
-def save_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
-    """Write to a temporary name then rename, so an interrupted save never leaves a half file."""
+# ---- fingerprints: which source an artifact was made from ------------------------------------
+
+SAMPLED_EXPERTS = 8  # experts per layer whose rows identify a checkpoint's experts (expert_sample_digest)
+
+
+def update_digest(h, t: torch.Tensor) -> None:
+    """Feed a tensor as stored (dtype, shape and bytes) to the hashlib object h."""
+    t = t.detach().cpu().contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensors_digest(tensors) -> str:
+    """sha256 of tensors as stored, in order: proves an artifact was made from exactly these weights."""
+    h = hashlib.sha256()
+    for t in tensors:
+        update_digest(h, t)
+    return h.hexdigest()
+
+
+def expert_sample_rows(spec) -> list[tuple[int, int, str, int]]:
+    """(layer, expert, projection, row): one gate_up and one down row of up to SAMPLED_EXPERTS experts per MoE
+    layer, spread over the experts and the rows. A few KiB per layer, read in milliseconds, yet two different
+    trainings (or a fine-tune of the experts) differ in every one of them."""
+    step = max(1, spec.num_experts // SAMPLED_EXPERTS)
+    rows = []
+    for layer in (i for i, moe in enumerate(spec.moe_layers) if moe):
+        for e in range(0, spec.num_experts, step)[:SAMPLED_EXPERTS]:
+            k = 7919 * layer + 104729 * e + 13
+            rows += [(layer, e, "gate_up", k % (2 * spec.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
+    return rows
+
+
+def expert_sample_digest(spec, row_of) -> str:
+    """sha256 of the sampled expert rows (expert_sample_rows) as float32 values, so a checkpoint and a model
+    loaded from it at a wider dtype agree; row_of(layer, expert, projection, row) -> 1-D tensor."""
+    h = hashlib.sha256()
+    for layer, e, projection, row in expert_sample_rows(spec):
+        h.update(row_of(layer, e, projection, row).float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_expert_sample(reader: CheckpointReader, spec) -> str:
+    """expert_sample_digest of the routed experts stored in a float checkpoint (reads only the sampled rows)."""
+    return expert_sample_digest(spec, lambda layer, e, projection, row: read_expert_row(
+        reader, spec.family, layer, e, projection, row, spec.expert_ffn))
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """The output directory `path` exists as a directory or can be created there, and is writable: checked
+    before any work, so that a bad output path fails at once rather than after minutes of loading."""
+    if not str(path).strip():
+        raise MoeserveError("the output path is empty; name a directory")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise MoeserveError(f"output {str(out)!r} exists and is not a directory")
+    nearest = out.absolute()
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise MoeserveError(f"cannot create the output directory {str(out)!r}: {str(nearest)!r} is a file")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise MoeserveError(f"cannot create the output directory {str(out)!r}: {str(nearest)!r} is not writable")
+    return out
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write a small text file (a manifest) by a temporary name and a rename: never half written."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata or {"format": "pt"})
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    """Write to a temporary name then rename, so an interrupted save never leaves a half file. metadata: extra
+    strings for the header's __metadata__ (e.g. what the file was made from)."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt", **(metadata or {})})
     os.replace(tmp, path)

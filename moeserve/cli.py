@@ -390,10 +390,11 @@ def _load_model(args):
             raise MoeserveError("--ep/--tp and --offload cannot be combined yet")
         model = _load_parallel(args)
     else:
+        store, budget = _open_store(args) if offload else (None, None)  # a bad store or budget: before loading
         model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
                                     routed_experts=offload is None)
         if offload:
-            args.cache = _enable_offload(model, args)
+            args.cache = _enable_offload(model, store, budget, args)
     return model
 
 
@@ -477,28 +478,36 @@ def _check_cache_args(high: int, low: int, t1: float, t2: float) -> None:
         raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
 
 
-def _enable_offload(model, args):
-    from moeserve.offload.budget import kv_cache_bytes, plan_slots
-    from moeserve.offload.experts import enable_offload
+def _open_store(args):
+    """(store, memory budget or None): the expert store of --offload checked against --model (layers, shapes,
+    source) and --memory against the memory of the device, all before the model loads."""
+    from moeserve.loader import resolve_device
+    from moeserve.offload.budget import check_budget
     from moeserve.offload.store import ExpertStore
+    from moeserve.spec import ModelSpec
 
     store = ExpertStore.open(args.offload)
-    if (store.meta["hidden"], store.meta["ffn"], store.meta["num_experts"]) != (
-            model.spec.hidden_size, model.spec.expert_ffn, model.spec.num_experts):
-        raise MoeserveError(f"expert store {args.offload} was built for another model")
+    store.check_model(ModelSpec.from_dir(args.model), args.model)
     if args.high_slots is not None:
+        return store, None
+    budget = _size(args.memory, "--gpu-memory")  # given: _check_offload_args asks for it or --high-slots
+    check_budget(budget, resolve_device(args.device))
+    return store, budget
+
+
+def _enable_offload(model, store, budget, args):
+    from moeserve.offload.budget import kv_cache_bytes, plan_slots
+    from moeserve.offload.experts import enable_offload
+
+    if budget is None:
         high, low = args.high_slots, args.low_slots
-    elif args.memory:
-        budget = parse_bytes(args.memory)
-        if budget is None:
-            raise MoeserveError(f"--memory {args.memory!r} is not a size like 20GiB")
+    else:
         resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_meta)
         kv = kv_cache_bytes(model.spec, max(len(args.prompts), 1), model.spec.max_position_embeddings,
                             model.dtype.itemsize)
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
-                               0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k)
-    else:
-        raise MoeserveError("--offload needs --memory SIZE or --high-slots N")
+                               0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
+                               max_slots=len(store.meta["layers"]) * store.meta["num_experts"])
     _check_cache_args(high, low, args.t1, args.t2)
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
@@ -584,17 +593,18 @@ def cmd_eval_ppl(args) -> int:
 
 def cmd_quantize(args) -> int:
     from moeserve.loader import resolve_device
-    from moeserve.quant.compress import QuantConfig, frequency_from_text, quantize_checkpoint
+    from moeserve.quant.compress import QuantConfig, check_job, frequency_from_text, quantize_checkpoint
 
     cfg = QuantConfig(bits=args.bits, group=args.group, method=args.method, ranks=args.ranks,
                       compensator_bits=args.compensator_bits, skip=tuple(args.skip))
-    cfg.validate()
+    check_job(args.model, args.out, cfg, args.force)  # before any loading: settings, source, --out
     device = resolve_device(args.device)
     frequency = None
     if cfg.method == "milo" and "frequency" in cfg.ranks:
         _, text = _read_text(args.frequency_text, args.model, "--frequency-text")
         frequency = frequency_from_text(args.model, text, device)
-    manifest = quantize_checkpoint(args.model, args.out, cfg, force=args.force, device=device, frequency=frequency)
+    manifest = quantize_checkpoint(args.model, args.out, cfg, force=args.force, device=device, frequency=frequency,
+                                   note=lambda m: print(f"moeserve: note: {m}", file=sys.stderr))
     ranks = [t["rank"] for t in manifest["tensors"].values()]
     print(json.dumps({"out": args.out, "method": cfg.method, "bits": cfg.bits, "group": cfg.group,
                       "tensors": len(ranks), "mean_rank": round(sum(ranks) / max(len(ranks), 1), 2),

@@ -94,19 +94,20 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     spec = model.spec
     manifest = read_manifest(reader.path)  # None for a float checkpoint
     tensors = [t for t in _tensors_to_load(model) if skip is None or not skip(t[0][0])]
-    for names, meta, is_buffer in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress,
-                                       leave=False, delay=1.0):
-        name = names[0]
-        t = read_tensor(reader, name, spec.family, spec.num_experts, None if index_of is None else index_of(name))
-        if tuple(t.shape) != tuple(meta.shape):
-            raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(meta.shape)}")
-        if is_buffer:
-            t = stored_to_current(manifest, name, t)  # an older format's 3-bit rows, in this moeserve's layout
-        # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
-        t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
-        t = t if is_buffer else nn.Parameter(t, requires_grad=False)
-        for alias in names:
-            _set_tensor(model, alias, t, is_buffer)
+    with tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0) as bar:
+        for names, meta, is_buffer in bar:  # an error clears the bar (closed by `with`), so it prints on its own line
+            name = names[0]
+            t = read_tensor(reader, name, spec.family, spec.num_experts, None if index_of is None else index_of(name))
+            if tuple(t.shape) != tuple(meta.shape):
+                raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                                    f"{tuple(meta.shape)}")
+            if is_buffer:
+                t = stored_to_current(manifest, name, t)  # an older format's 3-bit rows, in this moeserve's layout
+            # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
+            t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
+            t = t if is_buffer else nn.Parameter(t, requires_grad=False)
+            for alias in names:
+                _set_tensor(model, alias, t, is_buffer)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
 

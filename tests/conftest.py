@@ -31,21 +31,10 @@ def hf_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def byte_model_dir(tmp_path_factory):
-    """A tiny random Mixtral with the demo's byte vocabulary, tokenizer and a held-out text."""
-    import transformers
+    """A tiny random Mixtral with the demo's byte vocabulary, tokenizer and a held-out text (2 layers, hidden 32)."""
+    from hf_models import save_byte_model
 
-    from moeserve.tokenizer import ByteTokenizer
-
-    cfg = transformers.MixtralConfig(vocab_size=258, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=256,
-                                     eos_token_id=257)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("byte")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    ByteTokenizer().save(path)
-    (path / "heldout.txt").write_text("Words, words, words. " * 20)
-    return path
+    return save_byte_model(tmp_path_factory.mktemp("byte"))
 
 
 def tree_state(root: Path) -> dict[str, tuple[int, int]]:

@@ -1,6 +1,9 @@
-"""Tiny random HF models, one per supported family, with configs that exercise each family's quirks."""
+"""Tiny random HF models, one per supported family, with configs that exercise each family's quirks; and tiny
+byte-vocabulary Mixtrals of any depth and width (save_byte_model)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -39,3 +42,21 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.08 + (1.0 if p.ndim == 1 else 0.0))
     return model.eval()
+
+
+def save_byte_model(path: Path, layers: int = 2, hidden: int = 32, ffn: int = 32, seed: int = 0) -> Path:
+    """A tiny random Mixtral (4 experts, top-2) with the demo's byte vocabulary, tokenizer and a held-out text;
+    models of one shape and another seed have the same safetensors headers but other weights."""
+    import transformers
+
+    from moeserve.tokenizer import ByteTokenizer
+
+    cfg = transformers.MixtralConfig(vocab_size=258, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=ffn,
+                                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                     bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    ByteTokenizer().save(path)
+    (path / "heldout.txt").write_text("Words, words, words. " * 20)
+    return path

@@ -90,6 +90,20 @@ def test_compiled_kernels_are_cached_and_rebuilt_when_the_source_changes(monkeyp
     assert changed != lib and changed.is_file()
 
 
+def test_a_compile_says_so_once_on_stderr_and_a_cached_load_says_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))  # an empty cache: the first build compiles
+    build.announce_compile.cache_clear()
+    isa = ISAS_HERE[-1]
+    source = codegen.generate(isa, 4, 1, 1) + "\n// announce\n"
+    build.build(source, isa)
+    build.build(source + "// another\n", isa)  # a second compile in the same process: no second line
+    err = capsys.readouterr().err
+    assert err.count("[compiling CPU kernels for") == 1 and err.strip().startswith("[") and err.endswith("]\n")
+    build.announce_compile.cache_clear()
+    build.build(source, isa)  # cached
+    assert capsys.readouterr().err == ""
+
+
 def test_performance_model():
     for isa in ISAS:
         regs = ISAS[isa][1]

@@ -101,6 +101,7 @@ def test_store_of_older_3bit_layouts(tiny, tmp_path):
         save_file(old, f)
     assert moved  # rows of several units: the stored words differ from those of layout 3
     meta = json.loads((tmp_path / "s" / META_FILE).read_text())
+    del meta["source"]  # stores of those layouts predate the recorded provenance
     (tmp_path / "s" / META_FILE).write_text(json.dumps({**meta, "pack_layout": 2}))
     older = ExpertStore.open(tmp_path / "s")
     first = older.meta["layers"][0]
@@ -122,6 +123,61 @@ def test_budget_planner():
     assert high * 4_000 + low * 1_000 <= 100_000 * 0.95 - 25_000 and high > 0 and low > 0
     with pytest.raises(MoeserveError, match="at least"):
         plan_slots(20_000, 20_000, 5_000, 4_000, 1_000)
+    assert plan_slots(8 * 2**30, 20_000, 5_000, 4_000, 1_000, reserve=2, max_slots=48) == (48, 48)  # no more slots
+    # than there are experts to hold
+
+
+def store_parts(store: ExpertStore) -> dict:
+    return {(layer, e, low): store.host_parts(layer, e, low) for layer in store.meta["layers"]
+            for e in range(store.meta["num_experts"]) for low in (False, True)}
+
+
+def assert_same_store(a: ExpertStore, b: ExpertStore) -> None:
+    pa, pb = store_parts(a), store_parts(b)
+    assert pa.keys() == pb.keys() and a.meta["low_bits"] == b.meta["low_bits"]
+    for key in pa:
+        assert all(torch.equal(x, y) for x, y in zip(pa[key], pb[key])), key
+
+
+def test_rebuilt_store_reuses_only_layers_of_the_same_source_and_settings(capsys, byte_model_dir, tmp_path,
+                                                                          monkeypatch):
+    """offload-prepare into an existing store: other --low-bits or another --model of the same shapes rebuild
+    every layer (the result equals a fresh build); an interrupted build of the same job resumes."""
+    from hf_models import save_byte_model
+    from moeserve.offload import store as store_module
+
+    twin = save_byte_model(tmp_path / "twin", seed=1)
+    out = tmp_path / "s"
+    prepare = ["offload-prepare", "--model", str(byte_model_dir), "--out", str(out), "--group", "32"]
+    assert main(prepare + ["--low-bits", "3"]) == 0
+    assert main(prepare + ["--low-bits", "2"]) == 0
+    assert_same_store(ExpertStore.open(out), ExpertStore.build(byte_model_dir, tmp_path / "fresh2", low_bits=2,
+                                                               group=32, progress=False))
+    assert main(["offload-prepare", "--model", str(twin), "--out", str(out), "--group", "32", "--low-bits", "2"]) == 0
+    twin_store = ExpertStore.build(twin, tmp_path / "twin2", low_bits=2, group=32, progress=False)
+    assert_same_store(ExpertStore.open(out), twin_store)
+    capsys.readouterr()
+
+    real, calls = store_module.layer_tensors, []
+
+    def dies_in_layer_1(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "layer_tensors", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        ExpertStore.build(byte_model_dir, tmp_path / "r", low_bits=4, group=32, progress=False)
+    assert not (tmp_path / "r" / META_FILE).exists()
+    with pytest.raises(MoeserveError, match="incomplete"):
+        ExpertStore.open(tmp_path / "r")
+    calls.clear()
+    resumed = ExpertStore.build(byte_model_dir, tmp_path / "r", low_bits=4, group=32, progress=False)
+    assert len(calls) == 1  # layer 0 proven and kept, layer 1 built
+    monkeypatch.undo()
+    assert_same_store(resumed, ExpertStore.build(byte_model_dir, tmp_path / "fresh4", low_bits=4, group=32,
+                                                 progress=False))
 
 
 def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
@@ -142,6 +198,18 @@ def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
     assert main(["generate", "--model", str(other), "--max-new-tokens", "2", "--offload", str(store),
                  "--high-slots", "1"]) == 2
     assert "another model" in capsys.readouterr().err
+
+
+def test_quantized_checkpoint_runs_with_the_store_of_its_source(capsys, byte_model_dir, tmp_path):
+    """A moeserve quantized checkpoint stores its experts low-bit; its manifest records its source's sampled
+    expert rows, so the store built from that source is accepted."""
+    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+
+    quantize_checkpoint(byte_model_dir, tmp_path / "q", QuantConfig(bits=8, group=16, method="rtn"), progress=False)
+    ExpertStore.build(byte_model_dir, tmp_path / "s", low_bits=4, group=32, progress=False)
+    assert main(["generate", "--model", str(tmp_path / "q"), "--offload", str(tmp_path / "s"), "--high-slots", "2",
+                 "--max-new-tokens", "3", "--greedy"]) == 0
+    assert "expert cache" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mixed", [False, True])

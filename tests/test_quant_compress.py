@@ -132,7 +132,7 @@ def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path
 
 @pytest.mark.parametrize("kw,message", [
     (dict(bits=5), "bit width"), (dict(group=7), "group size"), (dict(method="gptq"), "method"),
-    (dict(method="milo", ranks="uniform:4096"), "larger than"), (dict(compensator_bits=4), "compensator"),
+    (dict(group=0), "positive"), (dict(group=-64), "positive"), (dict(compensator_bits=4), "compensator"),
     (dict(method="milo", ranks="experts=zipf:3"), "signal"),
     (dict(method="milo", ranks="experts=kurtosis:x"), "rank value"), (dict(skip=("mlp",)), "cannot skip"),
 ])
@@ -174,3 +174,64 @@ def test_cli_quantize_missing_frequency_text(capsys, hf_checkpoints, tmp_path):
             "--ranks", "experts=frequency:4"]
     assert main(argv) == 2 and "--frequency-text" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def shards(path) -> dict:
+    from safetensors.torch import load_file
+
+    return {f.name: load_file(f) for f in sorted(path.glob("*.safetensors"))}
+
+
+def test_resume_with_another_checkpoint_of_the_same_architecture_redoes_every_layer(byte_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Same config and headers, other weights: the finished shards of the first model are proven foreign by their
+    data digests and quantized again, so the output equals a fresh quantization of the second model."""
+    from hf_models import save_byte_model
+
+    twin = save_byte_model(tmp_path / "twin", seed=1)
+    cfg = QuantConfig(bits=8, group=16, method="rtn")
+    per_layer = len([t for t in linear_tensors(moeserve.ModelSpec.from_dir(twin)) if t.layer == 0])
+    real, calls = compress.quantize_tensor, {"n": 0}
+
+    def dies_in_layer_1(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == per_layer + 1:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(compress, "quantize_tensor", dies_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(byte_model_dir, tmp_path / "q", cfg, progress=False)
+    assert (tmp_path / "q.partial" / "layer-00000.safetensors").is_file()
+    calls["n"] = -10**9
+    manifest = quantize_checkpoint(twin, tmp_path / "q", cfg, progress=False)
+    assert calls["n"] + 10**9 == 2 * per_layer  # both layers quantized from the twin
+    monkeypatch.undo()
+    fresh = quantize_checkpoint(twin, tmp_path / "fresh", cfg, progress=False)
+    a, b = shards(tmp_path / "q"), shards(tmp_path / "fresh")
+    assert a.keys() == b.keys() and all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
+    assert manifest["source"]["sha256"] == fresh["source"]["sha256"]
+    assert manifest["source"]["sha256"] != compress.headers_fingerprint(twin)  # covers the data, not only headers
+
+
+def test_default_ranks_fit_small_matrices_with_one_note(capsys, tmp_path, monkeypatch):
+    """`moeserve quantize` with the default method and ranks (milo, dense=512) on a model of 64-wide matrices:
+    ranks are clamped to the matrices with one note line, and the checkpoint loads and generates."""
+    from hf_models import save_byte_model
+    from moeserve.kernels.cpu import gemv
+
+    model = save_byte_model(tmp_path / "wide", hidden=64, ffn=64)
+    assert main(["quantize", "--model", str(model), "--out", str(tmp_path / "q"), "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    notes = [line for line in err.replace("\r", "\n").splitlines() if "moeserve: note:" in line]
+    assert len(notes) == 1 and "clamped the rank of 8 tensor(s)" in notes[0] and "512 -> 32" in notes[0], err
+    tensors = json.loads((tmp_path / "q" / MANIFEST).read_text())["tensors"]
+    assert {n.rsplit(".", 1)[1]: t["rank"] for n, t in tensors.items() if t["kind"] == "attention"} == {
+        "q_proj": 64, "k_proj": 32, "v_proj": 32, "o_proj": 64}  # 512 asked, min(out, in) given
+    assert json.loads(out)["tensors"] == 24
+    monkeypatch.setenv("MOESERVE_CPU_KERNELS", "0")  # the PyTorch path: no kernel compile and tuning (seconds)
+    gemv.default_kernel.cache_clear()
+    try:
+        assert main(["generate", "--model", str(tmp_path / "q"), "--max-new-tokens", "4", "--greedy"]) == 0
+    finally:
+        gemv.default_kernel.cache_clear()

@@ -1,10 +1,20 @@
 """Expert store: every routed expert in a high precision (the model's float weights) and a low precision
 (HQQ-quantized, pack.py layout), held in slow memory - RAM, or safetensors files (one per layer) that are
-memory-mapped so a store larger than RAM can be used. Built once from a loaded model."""
+memory-mapped so a store larger than RAM can be used. Built once from a checkpoint or a loaded model.
+
+Provenance, so that a store never silently serves another model's experts:
+  - each layer file records in its header the sha256 of the source experts it was made from and its
+    low-precision settings; a rebuild reuses a file only when both match the source and settings it has now;
+  - expert_store.json records the model's shape (layers, hidden, FFN, experts), those per-layer digests
+    (open() checks every file against them: header reads only) and a digest of a sample of the source's
+    expert rows (checkpoint.expert_sample_rows), which check_model() compares with the checkpoint given to
+    `generate --offload`: a few KiB read per layer, so generate never re-hashes the experts it offloads.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -12,24 +22,141 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from moeserve.checkpoint import save_safetensors_atomic
+from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_expert_sample, expert_sample_digest,
+                                 read_tensor, save_safetensors_atomic, tensors_digest, validate_safetensors,
+                                 write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, pack
+from moeserve.quant.compress import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
 PROJECTIONS = ("gate_up", "down")
 UNITS_LAYOUT = 2  # pack.py layout whose 3-bit rows are read by a permutation (pack.planar_from_units)
+PROVENANCE = "moeserve_expert_store"  # safetensors metadata key of a layer file: what it was made from
+META_FIELDS = ("layers", "num_experts", "hidden", "ffn", "low_bits", "group")
 
 
 def _layer_file(path: Path, layer: int) -> Path:
     return path / f"experts-layer-{layer:05d}.safetensors"
 
 
-def _meta(spec, layers: list[int], low_bits: int, group: int) -> dict:
-    return {"layers": layers, "num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.expert_ffn,
-            "low_bits": low_bits, "group": group, "pack_layout": pack.LAYOUT}
+def _provenance(source_sha256: str, low_bits: int, group: int) -> dict:
+    return {"source_sha256": source_sha256, "low_bits": low_bits, "group": group, "pack_layout": pack.LAYOUT}
+
+
+def store_meta(spec, layers: list[int], low_bits: int, group: int, source: dict | None = None) -> dict:
+    """The content of expert_store.json. source (store_source): what the experts were made from; a store
+    without it (a synthetic one, or an older moeserve's) cannot be matched to a checkpoint."""
+    meta = {"layers": sorted(layers), "num_layers": spec.num_layers, "num_experts": spec.num_experts,
+            "hidden": spec.hidden_size, "ffn": spec.expert_ffn, "low_bits": low_bits, "group": group,
+            "pack_layout": pack.LAYOUT}
+    return meta if source is None else {**meta, "source": source}
+
+
+def store_source(layer_digests: dict[int, str], experts_sample: str) -> dict:
+    return {"experts_sample": experts_sample, "layers_sha256": {str(i): d for i, d in sorted(layer_digests.items())}}
+
+
+def _rebuild_hint(path: Path) -> str:
+    return f"build the store again with `moeserve offload-prepare --out {path}`"
+
+
+def read_meta(path: Path) -> dict:
+    """expert_store.json, checked for the fields the store reads (a damaged file is named, not a KeyError)."""
+    f = path / META_FILE
+    if not f.is_file() and any(path.glob("experts-layer-*.safetensors")):
+        raise MoeserveError(f"expert store {path} is incomplete (no {META_FILE}: an offload-prepare did not finish); "
+                            f"run it again")
+    if not f.is_file():
+        raise MoeserveError(f"{path} is not an expert store (no {META_FILE})")
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise MoeserveError(f"{f} is unreadable ({e}); {_rebuild_hint(path)}") from None
+    if not _well_formed(meta):
+        raise MoeserveError(f"{f} is damaged (missing or malformed fields); {_rebuild_hint(path)}")
+    return meta
+
+
+def _well_formed(meta) -> bool:
+    """The fields every store has, and the provenance a store of this moeserve has (older ones lack it)."""
+    if not isinstance(meta, dict) or any(k not in meta for k in META_FIELDS):
+        return False
+    layers, source = meta["layers"], meta.get("source", {})
+    return (isinstance(layers, list) and bool(layers) and all(isinstance(i, int) for i in layers)
+            and isinstance(source, dict) and isinstance(source.get("layers_sha256", {}), dict))
+
+
+def check_layer_file(path: Path, layer: int, meta: dict) -> None:
+    """One layer file is there, complete, shaped as the meta says and (for a store that records provenance) made
+    from the source and settings the meta records. Reads the header only."""
+    f = _layer_file(path, layer)
+    if not f.is_file():
+        raise MoeserveError(f"expert store {path} is incomplete: {f.name} is missing; {_rebuild_hint(path)}")
+    try:
+        header = validate_safetensors(f)
+    except MoeserveError as e:  # truncated or not safetensors
+        raise MoeserveError(f"{e}; {_rebuild_hint(path)}") from None
+    D, F = meta["hidden"], meta["ffn"]
+    for e in range(meta["num_experts"]):
+        for name, shape in ((f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])):
+            if header.get(name, {}).get("shape") != shape:
+                raise MoeserveError(f"{f} does not hold the experts {META_FILE} describes ({name}: "
+                                    f"{header.get(name, {}).get('shape')}, expected {shape}); {_rebuild_hint(path)}")
+    if "source" in meta:
+        recorded = meta["source"].get("layers_sha256", {}).get(str(layer))
+        if read_provenance(f, header) != _provenance(recorded, meta["low_bits"], meta["group"]):
+            raise MoeserveError(f"{f} was not built with the source and settings {META_FILE} records; "
+                                f"{_rebuild_hint(path)}")
+
+
+def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
+                  progress: bool) -> dict[int, str]:
+    """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
+    else built (again); returns the source digest of each layer."""
+    digests = {}
+    layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+    with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
+        for i in bar:
+            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
+                      for n in ("gate_up_proj", "down_proj")]
+            digests[i] = tensors_digest(stacks)
+            provenance = _provenance(digests[i], low_bits, group)
+            f = _layer_file(out, i)
+            if read_provenance(f) == provenance:
+                continue  # built by an earlier run from these very experts and settings
+            (out / META_FILE).unlink(missing_ok=True)  # incomplete until every layer matches the new meta
+            save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), f,
+                                    metadata={PROVENANCE: json.dumps(provenance)})
+    return digests
+
+
+def _shape_text(num_layers, layers, hidden, ffn, experts) -> str:
+    return f"{num_layers} layers ({len(layers)} MoE), hidden {hidden}, expert FFN {ffn}, {experts} experts"
+
+
+def model_expert_sample(path: Path, spec) -> str:
+    """The sampled-expert-rows digest of the checkpoint at path; for a moeserve quantized checkpoint, the one its
+    manifest records of the float checkpoint it was made from (its experts are stored low-bit)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return checkpoint_expert_sample(CheckpointReader(path), spec)
+    sample = manifest["source"].get("experts_sample") if isinstance(manifest.get("source"), dict) else None
+    if sample is None:
+        raise MoeserveError(f"{path} does not record which checkpoint it was quantized from (an older moeserve made "
+                            f"it); pass that checkpoint as --model, or quantize it again")
+    return sample
+
+
+def read_provenance(f: Path, header: dict | None = None) -> dict | None:
+    """What a layer file says it was made from, or None for a damaged, truncated or unmarked file."""
+    try:
+        header = header or validate_safetensors(f)
+        return json.loads(header.get("__metadata__", {})[PROVENANCE])
+    except (MoeserveError, OSError, KeyError, ValueError):
+        return None
 
 
 def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int) -> dict[str, torch.Tensor]:
@@ -45,58 +172,76 @@ def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, grou
 
 
 class ExpertStore:
-    def __init__(self, meta: dict, tensors_of_layer):
-        self.meta = meta  # layers, num_experts, hidden, ffn, low_bits, group
+    def __init__(self, meta: dict, tensors_of_layer, path: Path | None = None):
+        self.meta = meta  # layers, num_layers, num_experts, hidden, ffn, low_bits, group, pack_layout, source
+        self.path = path  # the directory of an opened store, None for one in RAM
         self._tensors_of_layer = tensors_of_layer  # layer -> mapping name -> tensor (RAM dict or mmap handle)
         self._expert_bytes: dict[bool, int] = {}
 
     # ---- building and opening ----------------------------------------------------------------
     @classmethod
     def from_model(cls, model, low_bits: int = 4, group: int = 64, progress: bool = False) -> "ExpertStore":
-        """Quantize every routed expert of a loaded model to `low_bits` (HQQ) and keep both copies in RAM."""
-        moe = [(i, l.mlp.experts) for i, l in enumerate(model.model.layers) if hasattr(l.mlp, "experts")]
+        """Quantize every routed expert of a loaded model to `low_bits` (HQQ) and keep both copies in RAM;
+        its provenance is that of the model's weights as loaded (their dtype included)."""
+        moe = {i: l.mlp.experts for i, l in enumerate(model.model.layers) if hasattr(l.mlp, "experts")}
         layers = {i: layer_tensors(ex.gate_up_proj, ex.down_proj, low_bits, group)
-                  for i, ex in tqdm(moe, desc="expert store", disable=not progress)}
-        return cls(_meta(model.spec, sorted(layers), low_bits, group), layers.__getitem__)
+                  for i, ex in tqdm(moe.items(), desc="expert store", disable=not progress)}
+        digests = {i: tensors_digest([ex.gate_up_proj, ex.down_proj]) for i, ex in moe.items()}
+        sample = expert_sample_digest(model.spec, lambda layer, e, projection, row: getattr(
+            moe[layer], f"{projection}_proj")[e, row].detach().cpu())
+        return cls(store_meta(model.spec, list(layers), low_bits, group, store_source(digests, sample)),
+                   layers.__getitem__)
 
     @classmethod
     def build(cls, model_path: str | Path, out: str | Path, low_bits: int = 4, group: int = 64,
               progress: bool = True) -> "ExpertStore":
-        """Write the store of a checkpoint layer by layer (peak memory: one layer's experts), then open it."""
-        from moeserve.checkpoint import CheckpointReader, read_tensor
+        """Write the store of a checkpoint layer by layer (peak memory: one layer's experts), then open it.
+
+        Into an existing store (an interrupted or earlier build) a layer file is reused only when it records
+        the digest of the source experts read now and these settings; any other is built again. A user error
+        met on the way removes the directory if this call created it."""
         from moeserve.spec import ModelSpec
 
+        out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
-        reader, out = CheckpointReader(model_path), Path(out)
-        layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+        refuse_quantized(Path(model_path), "offload-prepare")
         for inputs in (spec.hidden_size, spec.expert_ffn):  # gate_up and down: fail before writing anything
             hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
+        reader = CheckpointReader(model_path)
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        for i in tqdm(layers, desc="expert store", unit="layer", disable=not progress):
-            if _layer_file(out, i).is_file():
-                continue  # done by an earlier, interrupted run
-            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
-                      for n in ("gate_up_proj", "down_proj")]
-            save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), _layer_file(out, i))
-        (out / META_FILE).write_text(json.dumps(_meta(spec, layers, low_bits, group)))
+        try:
+            digests = _write_layers(reader, spec, out, low_bits, group, progress)
+            meta = store_meta(spec, list(digests), low_bits, group,
+                              store_source(digests, checkpoint_expert_sample(reader, spec)))
+            write_text_atomic(json.dumps(meta), out / META_FILE)
+        except MoeserveError:
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
         return cls.open(out)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        digests = self.meta.get("source", {}).get("layers_sha256", {})
         for layer in self.meta["layers"]:
             tensors = self._tensors_of_layer(layer)
-            save_safetensors_atomic({k: tensors[k] for k in tensors}, _layer_file(path, layer))
-        (path / META_FILE).write_text(json.dumps(self.meta))
+            provenance = (_provenance(digests[str(layer)], self.meta["low_bits"], self.meta["group"])
+                          if str(layer) in digests else None)
+            save_safetensors_atomic({k: tensors[k] for k in tensors}, _layer_file(path, layer),
+                                    metadata={PROVENANCE: json.dumps(provenance)} if provenance else None)
+        write_text_atomic(json.dumps(self.meta), path / META_FILE)
 
     @classmethod
     def open(cls, path: str | Path) -> "ExpertStore":
-        """Memory-map a saved store: nothing is read until an expert is loaded. A 3-bit store of pack layout 2
-        is read too: each 3-bit weight is made word-planar when first read, then kept in RAM."""
+        """Memory-map a saved store: nothing is read until an expert is loaded, but every layer file's header
+        is checked first (present, complete, the shapes and provenance expert_store.json records). A 3-bit store
+        of pack layout 2 is read too: each 3-bit weight is made word-planar when first read, then kept in RAM."""
         path = Path(path)
-        if not (path / META_FILE).is_file():
-            raise MoeserveError(f"{path} is not an expert store (no {META_FILE})")
-        meta = json.loads((path / META_FILE).read_text())
+        meta = read_meta(path)
+        for layer in meta["layers"]:
+            check_layer_file(path, layer, meta)
         layout = meta.get("pack_layout", 1)
         from_units = meta["low_bits"] == 3 and layout == UNITS_LAYOUT  # 3-bit rows made word-planar as read
         if meta["low_bits"] == 3 and layout not in (UNITS_LAYOUT, pack.LAYOUT):
@@ -120,7 +265,28 @@ class ExpertStore:
 
         mapped = {layer: _Mapped(safe_open(str(_layer_file(path, layer)), framework="pt"))
                   for layer in meta["layers"]}
-        return cls(meta, mapped.__getitem__)
+        return cls(meta, mapped.__getitem__, path)
+
+    def check_model(self, spec, model_path: str | Path) -> None:
+        """This store holds the routed experts of the checkpoint at model_path: the same layers and shapes, and
+        the same sampled expert rows (checkpoint.expert_sample_rows: a few KiB per layer, read from the
+        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source). A store that
+        records no sample (an older moeserve's) cannot be matched and is refused."""
+        m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
+        ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"], m["num_experts"])
+        theirs = (spec.num_layers, [i for i, moe in enumerate(spec.moe_layers) if moe], spec.hidden_size,
+                  spec.expert_ffn, spec.num_experts)
+        if "source" not in m:
+            raise MoeserveError(f"expert store {where} records no source fingerprint (an older moeserve built "
+                                f"it); build it again with `moeserve offload-prepare --model {path} --out "
+                                f"{self.path}`")
+        if ours != theirs:
+            raise MoeserveError(f"expert store {where} was built for another model: {_shape_text(*ours)}; "
+                                f"{path} has {_shape_text(*theirs)}")
+        if model_expert_sample(path, spec) != m["source"].get("experts_sample"):
+            raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
+                                f"expert weights differ); build one for it with `moeserve offload-prepare "
+                                f"--model {path} --out DIR`")
 
     # ---- reading one expert ----------------------------------------------------------------------
     def part_names(self, expert: int, low: bool) -> list[str]:

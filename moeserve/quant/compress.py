@@ -2,7 +2,10 @@
 with a manifest, and rebuild a runnable model from it.
 
 Work goes one layer at a time (peak memory about one layer), into `OUT.partial/`, one shard per
-layer; an interrupted run resumes from the finished shards, and OUT appears only when complete.
+layer; an interrupted run resumes from the finished shards, and OUT appears only when complete. Each
+shard records the sha256 of the source tensors it was made from and their ranks; a resumed run keeps a
+shard only when the source it reads now has the same digest, so a rerun on another checkpoint of the
+same architecture (same headers) never mixes the two.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,13 +22,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, read_tensor, save_safetensors_atomic,
+from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir, checkpoint_expert_sample,
+                                  read_tensor, save_safetensors_atomic, tensors_digest, update_digest,
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
 from moeserve.quant.pack import planar_from_units
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
-from moeserve.quant.ranks import TensorInfo, assign_ranks, expert_frequency, parse_rank_policy, weight_kurtosis
+from moeserve.quant.ranks import (TensorInfo, assign_ranks, clamp_ranks, expert_frequency, parse_rank_policy,
+                                  weight_kurtosis)
 from moeserve.spec import ModelSpec
 
 MANIFEST = "moeserve_quant.json"
@@ -33,6 +39,8 @@ UNITS_FORMAT = "moeserve-quant-2"  # the same but 3-bit rows unit after unit: ma
 FIRST_FORMAT = "moeserve-quant-1"  # the same but 3-bit codes packed in order: not read at 3 bits
 METHODS = ("rtn", "hqq", "milo")
 KINDS = ("attention", "shared_expert", "dense_ffn", "expert")
+JOB_FILE = "job.json"  # in OUT.partial: the settings of the interrupted job
+SHARD_RECORD = "moeserve_source"  # safetensors metadata key of a shard: its source digest and ranks
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "byte_tokenizer.json", "heldout.txt", "special_tokens_map.json")
 
@@ -51,6 +59,8 @@ class QuantConfig:
             raise MoeserveError(f"unsupported bit width {self.bits}; choose 2, 3, 4 or 8")
         if self.method not in METHODS:
             raise MoeserveError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.group < 1:
+            raise MoeserveError(f"group size must be a positive number of inputs, got {self.group}")
         if self.compensator_bits not in (3, 8, 16):
             raise MoeserveError(f"compensator bits must be 3, 8 or 16, got {self.compensator_bits}")
         bad = [k for k in self.skip if k not in KINDS]
@@ -109,6 +119,16 @@ class LayerSource:
         name = info.name + ".bias"
         return self.reader.get(name) if name in self.reader else None
 
+    def inputs(self, tensors: list[TensorInfo], digest):
+        """(info, weight, bias) of each tensor, its weight and bias fed to the hashlib object `digest` as read:
+        the one order in which a layer's source digest is computed, whether it is quantized or checked."""
+        for t in tensors:
+            w, bias = self.weight(t), self.bias(t)
+            update_digest(digest, w)
+            if bias is not None:
+                update_digest(digest, bias)
+            yield t, w, bias
+
 
 # ---- quantize one tensor ---------------------------------------------------------------------
 
@@ -132,8 +152,9 @@ def quantize_tensor(W: torch.Tensor, cfg: QuantConfig, rank: int, bias: torch.Te
 # ---- the whole checkpoint --------------------------------------------------------------------
 
 
-def source_fingerprint(path: Path) -> str:
-    """sha256 over config.json and the safetensors headers: identifies the source cheaply."""
+def headers_fingerprint(path: Path) -> str:
+    """sha256 over config.json and the safetensors headers: tells another job's leftovers apart at once (two
+    checkpoints of one architecture share it: the shards' data digests tell those apart)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -142,8 +163,61 @@ def source_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+def refuse_quantized(path: Path, command: str) -> None:
+    """A moeserve quantized checkpoint cannot be the source of `command`: its weights are already low-bit."""
+    if (path / MANIFEST).is_file():
+        raise MoeserveError(f"{str(path)!r} is a moeserve quantized checkpoint (it has {MANIFEST}); {command} needs "
+                            f"the original checkpoint it was made from")
+
+
+def partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _is_our_job(path: Path) -> bool:
+    """`path` is an interrupted quantize job's directory (its job.json names a moeserve format) or empty."""
+    if not path.is_dir():
+        return False
+    try:
+        job = json.loads((path / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return not any(path.iterdir())
+    return isinstance(job, dict) and str(job.get("format", "")).startswith("moeserve-quant")
+
+
+def _replaceable(out: Path) -> bool:
+    """--force replaces only what moeserve wrote: a quantized checkpoint, a job directory, or an empty directory."""
+    return out.is_dir() and ((out / MANIFEST).is_file() or _is_our_job(out))
+
+
+def check_job(src: str | Path, out: str | Path, cfg: QuantConfig, force: bool) -> ModelSpec:
+    """Everything about a quantize job that can fail before any work (settings, source, output directory);
+    returns the source's spec. Called first, so that a bad --out fails before minutes of loading."""
+    cfg.validate()
+    out = check_output_dir(out)
+    src = Path(src)
+    spec = ModelSpec.from_dir(src)
+    refuse_quantized(src, "quantize")
+    if out.resolve() == src.resolve():
+        raise MoeserveError("output directory must differ from the model directory")
+    if out.exists() and not force:
+        raise MoeserveError(f"output {str(out)!r} exists; pass --force to replace it")
+    if out.exists() and not _replaceable(out):
+        raise MoeserveError(f"--force replaces only a moeserve quantized checkpoint or an empty directory; "
+                            f"{str(out)!r} is neither (no {MANIFEST}): remove it yourself or choose another output")
+    partial = partial_dir(out)
+    if partial.exists() and not _is_our_job(partial):
+        raise MoeserveError(f"{str(partial)!r} exists and is not an interrupted moeserve quantize job; remove it or "
+                            f"choose another output")
+    for t in linear_tensors(spec):
+        if t.kind not in cfg.skip and t.shape[1] % cfg.group:
+            raise MoeserveError(f"group size {cfg.group} does not divide the input dimension {t.shape[1]} of {t.name}")
+    return spec
+
+
 def plan_ranks(spec: ModelSpec, reader: CheckpointReader, tensors: list[TensorInfo], cfg: QuantConfig,
-               frequency: dict | None, progress: bool) -> dict[str, int]:
+               frequency: dict | None, progress: bool, note: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Rank per tensor, clamped to what each matrix allows; note(message) hears once what was clamped."""
     if cfg.method != "milo":
         return {t.name: 0 for t in tensors}
     policy = parse_rank_policy(cfg.ranks)
@@ -151,83 +225,122 @@ def plan_ranks(spec: ModelSpec, reader: CheckpointReader, tensors: list[TensorIn
     kurtosis = None
     if kinds:
         source = LayerSource(reader, spec)
-        kurtosis = {t.name: weight_kurtosis(source.weight(t))
-                    for t in tqdm([t for t in tensors if t.kind in kinds], desc="weight kurtosis",
-                                  disable=not progress, leave=False)}
-    return assign_ranks(tensors, policy, kurtosis=kurtosis, frequency=frequency,
-                        compensator_bits=cfg.compensator_bits)
+        with tqdm([t for t in tensors if t.kind in kinds], desc="weight kurtosis", disable=not progress,
+                  leave=False) as bar:
+            kurtosis = {t.name: weight_kurtosis(source.weight(t)) for t in bar}
+    asked = assign_ranks(tensors, policy, kurtosis=kurtosis, frequency=frequency,
+                         compensator_bits=cfg.compensator_bits)
+    ranks, clamp = clamp_ranks(tensors, asked)
+    if clamp is not None and note is not None:
+        note(f"rank policy {cfg.ranks!r}: {clamp.message()}")
+    return ranks
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, cfg: QuantConfig, *, force: bool = False,
                         device: torch.device | str = "cpu", frequency: dict | None = None,
-                        progress: bool = True) -> dict:
-    """Write a compressed copy of `src` to `out`; returns the manifest."""
+                        progress: bool = True, note: Callable[[str], None] | None = None) -> dict:
+    """Write a compressed copy of `src` to `out`; returns the manifest. note(message): one-line remarks on
+    the settings (ranks clamped to small matrices). On an error nothing this run started is left behind
+    (an interrupted run keeps OUT.partial to resume)."""
+    spec = check_job(src, out, cfg, force)
     src, out = Path(src), Path(out)
-    cfg.validate()
-    spec = ModelSpec.from_dir(src)
-    if out.exists() and not force:
-        raise MoeserveError(f"output {str(out)!r} exists; pass --force to replace it")
-    if out.resolve() == src.resolve():
-        raise MoeserveError("output directory must differ from the model directory")
     reader = CheckpointReader(src)
     tensors = [t for t in linear_tensors(spec) if t.kind not in cfg.skip]
-    for t in tensors:
-        if t.shape[1] % cfg.group:
-            raise MoeserveError(f"group size {cfg.group} does not divide the input dimension {t.shape[1]} of {t.name}")
-    ranks = plan_ranks(spec, reader, tensors, cfg, frequency, progress)
-    for t in tensors:
-        if ranks[t.name] > min(t.shape):
-            raise MoeserveError(f"rank {ranks[t.name]} is larger than {t.name} {t.shape}")
-    fingerprint = source_fingerprint(src)
-    partial = out.with_name(out.name + ".partial")
-    job = json.loads(json.dumps({"source": fingerprint, "config": asdict(cfg), "format": FORMAT}))  # as read back
-    if partial.exists():
-        old = json.loads((partial / "job.json").read_text()) if (partial / "job.json").is_file() else None
-        if old != job:
-            shutil.rmtree(partial)  # a different job's leftovers (another source, config or format): start over
-    partial.mkdir(parents=True, exist_ok=True)
-    (partial / "job.json").write_text(json.dumps(job))
+    ranks = plan_ranks(spec, reader, tensors, cfg, frequency, progress, note)
+    partial = partial_dir(out)
+    job = json.loads(json.dumps({"source": headers_fingerprint(src), "config": asdict(cfg), "format": FORMAT}))
+    created = _open_job(partial, job)
+    try:
+        t0 = time.perf_counter()
+        digests = _quantize_layers(LayerSource(reader, spec), tensors, spec.num_layers, partial, cfg, ranks, device,
+                                   progress)
+        rest_digest = _write_rest(reader, spec, {t.name for t in tensors}, partial)
+        fingerprint = hashlib.sha256((src / "config.json").read_bytes() + "".join(digests + [rest_digest]).encode())
+        manifest = {
+            "format": FORMAT, **asdict(cfg),
+            "source": {"path": str(src), "sha256": fingerprint.hexdigest(), "bytes": _safetensors_bytes(src),
+                       "experts_sample": checkpoint_expert_sample(reader, spec)},
+            "bytes": _safetensors_bytes(partial),
+            "seconds": round(time.perf_counter() - t0, 2),
+            "tensors": {t.name: {"kind": t.kind, "shape": list(t.shape), "rank": ranks[t.name]} for t in tensors},
+        }
+        _finish(partial, out, src, manifest, force)
+    except MoeserveError:
+        if created:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return manifest
 
-    t0 = time.perf_counter()
-    by_layer = {}
+
+def _open_job(partial: Path, job: dict) -> bool:
+    """Make OUT.partial hold `job`, keeping an interrupted run of the same job; True when it was created here."""
+    if partial.exists():
+        try:
+            old = json.loads((partial / JOB_FILE).read_text())
+        except (OSError, ValueError):
+            old = None
+        if old == job:
+            return False
+        shutil.rmtree(partial)  # a different job's leftovers (another source, config or format): start over
+    partial.mkdir(parents=True)
+    (partial / JOB_FILE).write_text(json.dumps(job))
+    return True
+
+
+def _shard_record(digest: str, ranks: dict[str, int]) -> dict:
+    return {"source_sha256": digest, "ranks": ranks}
+
+
+def _read_shard_record(shard: Path) -> dict | None:
+    """The record a finished shard carries, or None for a damaged or foreign file."""
+    try:
+        return json.loads(validate_safetensors(shard).get("__metadata__", {})[SHARD_RECORD])
+    except (MoeserveError, KeyError, ValueError):
+        return None
+
+
+def _quantize_layers(source: LayerSource, tensors: list[TensorInfo], num_layers: int, partial: Path,
+                     cfg: QuantConfig, ranks: dict[str, int], device, progress: bool) -> list[str]:
+    """Quantize each layer into its shard and return each layer's source digest. A shard of an earlier run is
+    kept only when the source reads the same now and its ranks are the planned ones (proof, not trust)."""
+    by_layer: dict[int, list[TensorInfo]] = {}
     for t in tensors:
         by_layer.setdefault(t.layer, []).append(t)
-    quantized_names = {t.name for t in tensors}
-    bar = tqdm(total=len(tensors), desc="quantizing", unit="tensor", disable=not progress)
-    source = LayerSource(reader, spec)
-    for layer in range(spec.num_layers):
-        shard = partial / f"layer-{layer:05d}.safetensors"
-        todo = by_layer.get(layer, [])
-        if shard.is_file():
-            bar.update(len(todo))  # finished in an earlier run
-            continue
-        state = {}
-        for t in todo:
-            bias = source.bias(t)
-            q = quantize_tensor(source.weight(t).to(device), cfg, ranks[t.name], bias)
-            state.update({f"{t.name}.{k}": v for k, v in q.state_dict().items()})
-            bar.update(1)
-        save_safetensors_atomic(state, shard)
-    bar.close()
-    rest = {}
+    digests = []
+    with tqdm(total=len(tensors), desc="quantizing", unit="tensor", disable=not progress) as bar:
+        for layer in range(num_layers):
+            shard = partial / f"layer-{layer:05d}.safetensors"
+            todo = by_layer.get(layer, [])
+            plan = {t.name: ranks[t.name] for t in todo}
+            if shard.is_file():
+                digest = hashlib.sha256()
+                for _ in source.inputs(todo, digest):
+                    pass
+                if _read_shard_record(shard) == _shard_record(digest.hexdigest(), plan):
+                    digests.append(digest.hexdigest())
+                    bar.update(len(todo))  # finished in an earlier run, from this very source
+                    continue
+            digest, state = hashlib.sha256(), {}
+            for t, w, bias in source.inputs(todo, digest):
+                q = quantize_tensor(w.to(device), cfg, plan[t.name], bias)
+                state.update({f"{t.name}.{k}": v for k, v in q.state_dict().items()})
+                bar.update(1)
+            digests.append(digest.hexdigest())
+            record = _shard_record(digests[-1], plan)
+            save_safetensors_atomic(state, shard, metadata={SHARD_RECORD: json.dumps(record)})
+    return digests
+
+
+def _write_rest(reader: CheckpointReader, spec: ModelSpec, quantized_names: set[str], partial: Path) -> str:
+    """Copy the tensors left in full precision (embeddings, norms, routers, skipped kinds); returns their digest."""
     with torch.device("meta"):
         from moeserve.model.transformer import MoETransformer
 
         names = [n for n, _ in MoETransformer(spec).named_parameters()]
-    for name in names:
-        if name.rsplit(".", 1)[0] not in quantized_names and not _in_quantized_experts(name, quantized_names):
-            rest[name] = read_tensor(reader, name, spec.family, spec.num_experts)
+    rest = {name: read_tensor(reader, name, spec.family, spec.num_experts) for name in names
+            if name.rsplit(".", 1)[0] not in quantized_names and not _in_quantized_experts(name, quantized_names)}
     save_safetensors_atomic(rest, partial / "rest.safetensors")
-
-    manifest = {
-        "format": FORMAT, **asdict(cfg),
-        "source": {"path": str(src), "sha256": fingerprint, "bytes": _safetensors_bytes(src)},
-        "bytes": _safetensors_bytes(partial),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "tensors": {t.name: {"kind": t.kind, "shape": list(t.shape), "rank": ranks[t.name]} for t in tensors},
-    }
-    _finish(partial, out, src, manifest, force)
-    return manifest
+    return tensors_digest(rest.values())
 
 
 def _safetensors_bytes(path: Path) -> int:
@@ -259,9 +372,12 @@ def _finish(partial: Path, out: Path, src: Path, manifest: dict, force: bool) ->
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, partial / name)
-    (partial / "job.json").unlink()
+    (partial / JOB_FILE).unlink()
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if out.exists() and force:
+    if out.exists():
+        if not (force and _replaceable(out)):  # appeared while this job ran
+            raise MoeserveError(f"output {str(out)!r} appeared while quantizing and is not a moeserve quantized "
+                                f"checkpoint; remove it or choose another output")
         shutil.rmtree(out)
     partial.rename(out)
 
@@ -273,7 +389,11 @@ def read_manifest(path: Path) -> dict | None:
     f = path / MANIFEST
     if not f.is_file():
         return None
-    manifest = json.loads(f.read_text())
+    try:
+        manifest = json.loads(f.read_text())
+    except (OSError, ValueError) as e:  # a UnicodeDecodeError is a ValueError
+        raise MoeserveError(f"{f} is unreadable ({e}); quantize the source checkpoint again") from None
+    _check_manifest(f, manifest)
     found = manifest.get("format")
     if found == FIRST_FORMAT and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
         raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of {FIRST_FORMAT}, which this moeserve "
@@ -283,6 +403,24 @@ def read_manifest(path: Path) -> dict | None:
         raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r} and the earlier "
                             f"{UNITS_FORMAT!r} and {FIRST_FORMAT!r}")
     return manifest
+
+
+def _check_manifest(f: Path, manifest) -> None:
+    """The fields install_quantized_modules reads are there and well-formed: a damaged manifest is named, once."""
+    problem = None
+    if not isinstance(manifest, dict):
+        problem = "it does not hold a JSON object"
+    else:
+        missing = [k for k in ("format", "bits", "group", "compensator_bits", "tensors") if k not in manifest]
+        tensors = manifest.get("tensors")
+        if missing:
+            problem = f"it lacks {', '.join(missing)}"
+        elif not isinstance(tensors, dict) or not all(
+                isinstance(t, dict) and t.get("kind") in KINDS and isinstance(t.get("rank"), int)
+                and isinstance(t.get("shape"), list) and len(t["shape"]) == 2 for t in tensors.values()):
+            problem = "its tensor list is malformed"
+    if problem:
+        raise MoeserveError(f"{f} is damaged ({problem}); quantize the source checkpoint again")
 
 
 def stored_to_current(manifest: dict | None, name: str, t: torch.Tensor) -> torch.Tensor:

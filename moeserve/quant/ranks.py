@@ -11,6 +11,10 @@ rule overrides an earlier one for the tensor kinds both cover.
                                   fit in that many bytes, e.g. `experts=kurtosis:2MiB`, `dense=512KB`
 
 Examples: `uniform:16`, `dense=512,experts=kurtosis:16`, `dense=1MiB,experts=frequency:8`.
+
+A rank never exceeds min(out, in) of its matrix (a larger one adds nothing): budgets stay within it by
+construction, and clamp_ranks cuts the ranks asked by N, uniform or signal rules to it and says so once,
+so one policy (the default `dense=512,...`) serves a 256-wide demo as well as a 4096-wide model.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ def expert_frequency(model, ids: list[int], window: int = 512) -> dict[tuple[int
 
 def assign_ranks(tensors: list[TensorInfo], policy: list[RankRule], *, kurtosis: dict[str, float] | None = None,
                  frequency: dict[tuple[int, int], int] | None = None, compensator_bits: int = 16) -> dict[str, int]:
-    """Rank per tensor name (0 = no compensator) as the policy promises."""
+    """Rank per tensor name (0 = no compensator) as the policy asks; a rank or mean rank larger than a matrix
+    allows is left for clamp_ranks to cut (and report)."""
     owner = {}
     for rule in policy:
         for t in tensors:
@@ -142,7 +147,7 @@ def _signal(signal, members, kurtosis, frequency) -> list[float]:
 
 
 def _proportional(members: list[TensorInfo], weights: list[float], mean_rank: int) -> dict[str, int]:
-    """Ranks proportional to `weights`, summing to mean_rank * n (largest remainder), capped by shape."""
+    """Ranks proportional to `weights`, summing to mean_rank * n (largest remainder)."""
     total = sum(weights)
     if total <= 0:
         weights, total = [1.0] * len(members), float(len(members))
@@ -151,7 +156,29 @@ def _proportional(members: list[TensorInfo], weights: list[float], mean_rank: in
     by_remainder = sorted(range(len(ideal)), key=lambda i: ideal[i] - ranks[i], reverse=True)
     for i in by_remainder[:mean_rank * len(members) - sum(ranks)]:
         ranks[i] += 1
-    return {t.name: min(r, min(t.shape)) for t, r in zip(members, ranks)}
+    return {t.name: r for t, r in zip(members, ranks)}
+
+
+@dataclass(frozen=True)
+class RankClamp:
+    """Tensors whose asked rank exceeded min(out, in) of their matrix and were given that instead."""
+    count: int
+    example: TensorInfo  # the tensor cut the most
+    asked: int  # its asked rank
+
+    def message(self) -> str:
+        return (f"clamped the rank of {self.count} tensor(s) to min(out, in) of their matrix (e.g. "
+                f"{self.example.name} {self.example.shape}: {self.asked} -> {min(self.example.shape)})")
+
+
+def clamp_ranks(tensors: list[TensorInfo], ranks: dict[str, int]) -> tuple[dict[str, int], RankClamp | None]:
+    """Ranks cut to min(out, in) of each matrix, and what was cut (None when nothing was)."""
+    over = [t for t in tensors if ranks[t.name] > min(t.shape)]
+    clamped = {t.name: min(ranks[t.name], min(t.shape)) for t in tensors}
+    if not over:
+        return clamped, None
+    worst = max(over, key=lambda t: ranks[t.name] - min(t.shape))
+    return clamped, RankClamp(len(over), worst, ranks[worst.name])
 
 
 def _ranks_in_budget(members, weights, budget: int, bits: int) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Compile generated C at first use and load it with ctypes; compiled libraries are cached on disk.
 
 The cache key is a hash of the source, the compiler flags and the compiler's version, so a changed
-generator or compiler builds anew and an unchanged one loads in milliseconds.
+generator or compiler builds anew and an unchanged one loads in milliseconds. A compile (seconds) says so
+once per process on stderr, so a first run that pauses to build its kernels does not look hung.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,12 +51,19 @@ def library_path(source: str, isa: str) -> Path:
     return cache_dir() / f"qgemm-{isa}-{key}.so"
 
 
+@functools.cache
+def announce_compile(isa: str) -> None:
+    """One progress line per ISA and process when kernels are compiled (not when they come from the cache)."""
+    print(f"[compiling CPU kernels for {isa}: once, then cached in {cache_dir()}]", file=sys.stderr, flush=True)
+
+
 def build(source: str, isa: str) -> Path:
     """Compile `source` for `isa` unless the cache has it; returns the shared library path."""
     lib = library_path(source, isa)
     if lib.is_file():
         return lib
     cc, _ = compiler()
+    announce_compile(isa)
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         src, out = Path(tmp) / "kernel.c", Path(tmp) / lib.name
