@@ -1,7 +1,7 @@
 """Markdown tables from bench/results/*.json (the newest run per benchmark and device).
 
-    python bench/report.py                 # print the tables
-    python bench/report.py --update-readme # rewrite the block between the perf markers in README.md
+    python bench/report.py                              # print the page
+    python bench/report.py --write docs/performance.md  # write it (the committed docs/performance.md)
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- perf:begin (bench/report.py) -->", "<!-- perf:end -->"
 
 
 def newest_runs(results_dir: Path) -> list[dict]:
@@ -102,8 +101,10 @@ def moe_block_tables(rec: dict) -> list[str]:
     each row from the newest run that measured it (`measured`: date, commit)."""
     lines = []
     for shape in rec["shapes"]:
+        dates = sorted(r.get("measured", _measured(rec))[:10] for r in shape["rows"] + shape.get("lowbit", []))
         lines += [f"**MoE block, {shape['shape']}** (E={shape['num_experts']}, top-{shape['top_k']}, "
-                  f"D={shape['hidden']}, F={shape['ffn']}, {shape['dtype']}; {rec['device']}, torch {rec['torch']}, "
+                  f"D={shape['hidden']}, F={shape['ffn']}, {shape['dtype']}; {rec['device']}, "
+                  f"{dates[0]}{f' to {dates[-1]}' if dates[-1] != dates[0] else ''}, torch {rec['torch']}, "
                   f"transformers {rec['transformers']}; each row from the newest run that measured it; "
                   "`python bench/moe_block.py`)", "",
                   "| tokens | moeserve ms | HF eager ms | HF grouped_mm ms | floor ms | time moeserve / floor | "
@@ -200,7 +201,14 @@ def _schedule(cfg: dict) -> str:
     return "tiles (TMA)" if cfg.get("TMA") else "tiles"
 
 
-def fused_moe_tables(config_dir: Path) -> list[str]:
+def _tuned(results_dir: Path, device: str) -> str:
+    """When `bench/tune_fused_moe.py` last ran on `device`, from its result records."""
+    dates = sorted(rec["date"][:10] for rec in map(json.loads, (p.read_text() for p in
+                   results_dir.glob("tune_fused_moe-*.json"))) if rec.get("device") == device)
+    return f"tuner run of {dates[-1]}" if dates else "tuner run not recorded"
+
+
+def fused_moe_tables(config_dir: Path, results_dir: Path) -> list[str]:
     """Kernel-only times from the tuner's per-GPU config files (moeserve/kernels/triton/configs)."""
     lines = []
     for path in sorted(config_dir.glob("*.json")):
@@ -208,8 +216,8 @@ def fused_moe_tables(config_dir: Path) -> list[str]:
         lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; the grouped_mm "
                   "path: two torch._grouped_mm calls with the SwiGLU between, fused from 256 tokens on, torch's "
                   "two elementwise kernels below; "
-                  f"{table['device']}; `python bench/tune_fused_moe.py`, {path.relative_to(ROOT)}; the low-bit MoE's "
-                  "configs: `python bench/tune_lowbit_moe.py`)", "",
+                  f"{table['device']}, {_tuned(results_dir, table['device'])}; `python bench/tune_fused_moe.py`, "
+                  f"{path.relative_to(ROOT)}; the low-bit MoE's configs: `python bench/tune_lowbit_moe.py`)", "",
                   "| shape | tokens | schedule (gate_up, down) | fused ms | grouped_mm path ms | floor ms | fused / floor |",
                   "|---|---:|---|---:|---:|---:|---:|"]
         for key, by_tokens in table.get("timings", {}).items():
@@ -274,9 +282,13 @@ def throughput_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def _lowbit_experts(c: dict) -> str:
+    return f"{c['bits']}-bit experts" + (f" + rank-{c['rank']} compensators" if c["rank"] else "")
+
+
 def lowbit_decode_table(rec: dict) -> list[str]:
     c = rec["config"]
-    lines = [f"**Decode, Mixtral-8x7B shape, {c['bits']}-bit experts + rank-{c['rank']} compensators, batch 1** "
+    lines = [f"**Decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch 1** "
              f"(random weights, resident; floor {rec['floor_tokens_per_s']:.0f} tok/s = HBM bandwidth / "
              f"{rec['weight_bytes_per_token'] / 1e9:.1f} GB read per token; {_source(rec)})", "",
              "| run | tokens/s | share of floor |", "|---|---:|---:|"]
@@ -288,28 +300,115 @@ def lowbit_decode_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def parallel_tables(rec: dict) -> list[str]:
+    c = rec["config"]
+    shapes = "; ".join(f"{n} E={v['E']} k={v['k']} D={v['D']} F={v['F']}" for n, v in c["shapes"].items())
+    lines = [f"**Expert-parallel MoE layer** ({c['label']}; {c['backend']}, {c['dtype']}; {shapes}; {_source(rec)}; "
+             "`python bench/parallel.py`)", "",
+             "| shape | EP | tokens per rank | ms (static dispatch; EP 1: local) | ms (dynamic dispatch) | "
+             "tokens/s per rank |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rec["moe_layer"]:
+        static = r.get("static_ms", r.get("local_ms"))
+        dynamic = f"{r['dynamic_ms']:.2f}" if "dynamic_ms" in r else "-"
+        lines.append(f"| {r['shape']} | {r['ep']} | {r['tokens_per_rank']} | {static:.2f} | {dynamic} | "
+                     f"{r['tokens_per_s_per_rank']:.0f} |")
+    lines += ["", "| rows leaving a rank per dispatch | top-k | EP | tokens | once per rank | once per expert | "
+              "per expert / per rank |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['shape']} | {r['top_k']} | {r['ep']} | {r['tokens']} | {r['rows_once_per_rank']} | "
+              f"{r['rows_once_per_expert']} | {r['per_expert_over_per_rank']:.2f} |" for r in rec["bytes_sent"]]
+    return lines + [""]
+
+
+TABLES = {"moe_block": moe_block_tables, "decode": decode_table, "quality": quality_tables,
+          "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables, "offload": offload_table,
+          "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables}
+
+
+def _when(rec: dict) -> str:
+    cores = f" ({rec['cpu_count']} cores)" if rec.get("device_type") == "cpu" else ""
+    return f"{rec['device']}{cores}, {rec['date'][:10]}"
+
+
+def headline(runs: list[dict]) -> list[str]:
+    """A few figures from the tables below: demo decode on a GPU and a CPU, the Mixtral-shaped MoE block, low-bit
+    decode of a Mixtral-8x7B shape (each from the newest run of its benchmark)."""
+    def newest(name: str, device_type: str | None = None) -> dict | None:
+        recs = [r for r in runs if r["name"] == name and device_type in (None, r.get("device_type"))]
+        return max(recs, key=lambda r: r["date"]) if recs else None
+
+    rows = []
+    for device_type in ("cuda", "cpu"):
+        rec = newest("decode", device_type)
+        for r in rec["results"] if rec else []:
+            if r["batch"] == 1:
+                graph = r.get("ours_graph")
+                ours = graph["steady_decode_tok_s"] if graph else r["ours"]["decode_tok_s"]
+                how = "CUDA graph" if graph else f"{r['threads']} threads"
+                rows.append((f"demo model decode, batch 1, {r['dtype']}, {how}", f"{ours:,.0f} tok/s",
+                             f"transformers generate {r['hf']['decode_tok_s']:,.0f} tok/s", _when(rec)))
+    rec = newest("moe_block")
+    for shape in rec["shapes"] if rec else []:
+        if shape["shape"] != "mixtral":
+            continue
+        for r in shape["rows"]:
+            if r["tokens"] in (1, 1024):
+                rows.append((f"MoE block, Mixtral shape, {r['tokens']} token{'s' * (r['tokens'] > 1)}, bf16",
+                             f"{r['ours_ms']:.3f} ms", f"transformers grouped_mm {r['hf_grouped_mm_ms']:.3f} ms, "
+                             f"floor {r['floor_ms']:.3f}",
+                             f"{rec['device']}, {r.get('measured', _measured(rec))[:10]}"))
+        for r in shape.get("lowbit", []):
+            if r["tokens"] == 1 and r["experts"] != "bf16":
+                rows.append((f"MoE block, Mixtral shape, 1 token, {r['experts']} experts, CUDA graph",
+                             f"{r['cuda_graph_ms']:.3f} ms", f"byte floor {r['floor_ms']:.3f} ms",
+                             f"{rec['device']}, {r.get('measured', _measured(rec))[:10]}"))
+    for rec in sorted((r for r in runs if r["name"] == "lowbit_decode"), key=lambda r: -r["config"]["bits"]):
+        best = rec["results"].get("cuda_graph")
+        if best and "tokens_per_s" in best:
+            c = rec["config"]
+            rows.append((f"decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch 1, CUDA graph",
+                         f"{best['tokens_per_s']:.0f} tok/s",
+                         f"floor {rec['floor_tokens_per_s']:.0f} tok/s "
+                         f"({best['tokens_per_s'] / rec['floor_tokens_per_s']:.0%})", _when(rec)))
+    return ["| what | moeserve | reference | device, date |", "|---|---:|---|---|"] + [
+        f"| {' | '.join(r)} |" for r in rows] + [""]
+
+
+HEADER = """# Performance
+
+Generated by `python bench/report.py --write docs/performance.md` from `bench/results/*.json`: the newest run of
+each benchmark per device (a run that measured only some rows keeps the other rows of the run before it, each
+marked with its date and commit). Do not edit by hand; rerun the benchmark and the report.
+
+Every figure is measured side by side in one run on the device named: moeserve, the peer (transformers, torch,
+cuBLAS) and the floor. The floor is the larger of the bytes that must move over the measured bandwidth of the
+memory they live in and the FLOPs over the measured matmul rate. Time ratios: lower is better; speed ratios:
+higher is better. Absolute times hold for the device named only.
+
+## Headline
+"""
+
+
 def report(results_dir: Path) -> str:
-    lines = fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs")
-    for rec in newest_runs(results_dir):
-        lines += {"moe_block": moe_block_tables, "decode": decode_table,
-                  "quality": quality_tables, "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables,
-                  "offload": offload_table, "throughput": throughput_table, "lowbit_decode": lowbit_decode_table}.get(rec["name"], lambda r: [])(rec)
+    runs = newest_runs(results_dir)
+    lines = [HEADER] + headline(runs) + ["## Tables", ""]
+    lines += fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs", results_dir)
+    for rec in runs:
+        lines += TABLES.get(rec["name"], lambda r: [])(rec)
     return "\n".join(lines).rstrip() + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--update-readme", action="store_true")
+    ap.add_argument("--write", metavar="PATH",
+                    help="write the page to PATH (docs/performance.md) instead of printing it")
     args = ap.parse_args()
     text = report(Path(args.results))
-    if not args.update_readme:
-        print(text)
+    if args.write is None:
+        print(text, end="")
         return
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = body.index(BEGIN) + len(BEGIN), body.index(END)
-    readme.write_text(body[:start] + "\n" + text + body[end:])
+    Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.write).write_text(text)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3),
 TMA_DOWN_TILES = [(16, 2048, 4, 2), (4, 2048, 2, 2), (8, 2048, 8, 2)]  # more for down, whose K is the long F
 # more for gate_up: its 3-bit TMA kernel is bound by instruction issue (H100 ncu: 74% issue, 58% DRAM), and a step's
 # loads with their synchronisation are a large part of its loop: more rows or inputs a step share them (H100, Mixtral
-# 3-bit one token: 16 x 2048 won the experts' pair time by 0.7% but not the block, README)
+# 3-bit one token: 16 x 2048 won the experts' pair time by 0.7% but not the block,
+# bench/results/partial/tune_lowbit_moe-more-gate-up-tma-tiles-20261125.log)
 TMA_GATE_UP_TILES = [(16, 2048, 4, 2), (16, 2048, 8, 2), (8, 2048, 8, 2), (8, 4096, 4, 2)]
 TMA_DOWN_SPLITS = (1, 2, 4, 8)
 SPLITS = (1, 2, 4, 8, 16, 32)
