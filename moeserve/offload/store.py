@@ -27,7 +27,7 @@ from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, pack
-from moeserve.quant.compress import read_manifest, refuse_quantized
+from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 
 META_FILE = "expert_store.json"

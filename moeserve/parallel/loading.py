@@ -61,7 +61,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both.
     Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
     import moeserve
-    from moeserve.loader import _is_routed_expert, meta_model, read_weights, resolve_dtype
+    from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_dtype
     from moeserve.parallel.expert_parallel import enable_expert_parallel
     from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 
@@ -89,7 +89,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
         full = {name: p.shape for name, p in model.named_parameters()}  # before slicing: what the checkpoint holds
         if tp > 1:
             enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
-        read_weights(model, reader, device, resolve_dtype(dtype, device), _is_routed_expert,
+        read_weights(model, reader, device, resolve_dtype(dtype, device), is_routed_expert,
                      lambda name: tp_index(name, full[name], tp_rank, tp, spec.qk_norm == "full"), progress)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
