@@ -13,6 +13,8 @@ import torch
 
 from moeserve.kernels import needs_grad, triton_available
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 
 @dataclass
 class RoutingTable:

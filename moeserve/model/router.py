@@ -8,6 +8,8 @@ from torch import nn
 
 from moeserve.kernels import triton_serves
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over all experts (fp32), keep the top k, optionally renormalise them to sum to one."""

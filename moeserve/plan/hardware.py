@@ -21,6 +21,9 @@ from pathlib import Path
 from moeserve.errors import MoeserveError
 from moeserve.timing import link_bandwidth, seconds_per_call
 
+# torch, the CPU-kernel modules and the pipeline are imported inside the functions that measure: the planner
+# (roofline.py, search.py; `moeserve plan` on a stored profile) reads this module without loading torch.
+
 MIB = 1 << 20
 CHUNK_MIB = (1, 4, 16, 64)  # link chunk sizes measured
 

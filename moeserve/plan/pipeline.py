@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens, token_limits
-from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
+from moeserve.model.kv_cache import KVCache
 from moeserve.model.transformer import attention_masks
 from moeserve.plan.cpu_attention import gqa_attention
 from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size

@@ -288,7 +288,7 @@ def operator_table(spec: ModelSpec, wl: Workload, hw: HardwareProfile, policy: P
 def plot_roofline(rows: list[dict], hw: HardwareProfile, path: str, title: str = "") -> None:
     """Hierarchical roofline (GPU compute and HBM roofs, CPU compute and DRAM roofs, link roof) with each
     operator at (its intensity against the roof that binds it, attainable FLOP/s): it sits on that roof."""
-    try:
+    try:  # matplotlib is optional (the `plot` extra)
         import matplotlib
 
         matplotlib.use("Agg")

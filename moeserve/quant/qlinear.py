@@ -23,6 +23,8 @@ from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, padded_length, unpack
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
 
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
 from moeserve.kernels.triton.lowbit_linear import (Preparation, ROUTE_SLOTS, check_activation, check_weight,
                                                    expert_rows, gemv_step, group_cols, kernel_inputs, launch,
                                                    low_rank_args, low_rank_tile, route_args, routed_tokens,
@@ -257,7 +258,7 @@ def tma_descriptors(p: StackedLowbit, cfg: dict, pairs: bool) -> tuple:
     """TMA descriptors (_tma_block) of the stacked words [E * N, words] in [2 BLOCK_N, step_columns] blocks and of the
     scales and zeros [E * N, groups] in [2 BLOCK_N, BLOCK_K / group]; pairs (gate_up): 3-D, [E * 2, N / 2, ..] in
     [2, BLOCK_N, ..] blocks (BLOCK_N gate rows and their up rows)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor  # TMA only; not in every Triton
 
     E, N, _ = p.qweight.shape
     bn = cfg["BLOCK_N"]
@@ -334,8 +335,6 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
 
 def experts_config(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, tokens: int, top_k: int) -> dict:
     """The launch configs ({"gate_up": cfg, "down": cfg}) for `tokens` tokens on x's device (configs.py)."""
-    from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
-
     name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
     E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
     return lowbit_moe_config(name, gate_up.bits, E, D, two_f // 2, tokens, top_k,

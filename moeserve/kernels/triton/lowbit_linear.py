@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.configs import gpu_name, lowbit_config
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 from moeserve.kernels.triton.skinny import low_rank_input
 
@@ -1039,8 +1040,6 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
     in x's dtype (x V^T is a tiny matmul here, U^T is applied in the kernel's epilogue)."""
     check_activation(x, in_features)
     check_weight(qweight, scale, zero, bits, group, in_features)
-    from moeserve.kernels.triton.configs import gpu_name, lowbit_config
-
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()  # [M, K]
     M, N = x2.shape[0], qweight.shape[0]
