@@ -156,11 +156,11 @@ def micro_batch_overhead(device: str, steps: int = 6, micro_batches: int = 4) ->
     from moeserve.engine.sampling import SamplingParams
     from moeserve.loader import load_model
     from moeserve.plan.pipeline import Pipeline
-    from moeserve.plan.policy import Policy
+    from moeserve.plan.policy import ThroughputPolicy
 
     model = load_model(Path(__file__).parent.parent / "demo", device="cpu")
-    policy = Policy(batch_size=micro_batches, micro_batch=1, attention_on_gpu=False, ffn_on_gpu=True,
-                    weights_gpu_fraction=1.0, kv_gpu_fraction=0.0)
+    policy = ThroughputPolicy(batch_size=micro_batches, micro_batch=1, attention_on_gpu=False, ffn_on_gpu=True,
+                              weights_gpu_fraction=1.0, kv_gpu_fraction=0.0)
     pipe = Pipeline(model, policy, device)
     try:
         prompts = [[(7 * r + i) % 256 for i in range(8)] for r in range(micro_batches)]
