@@ -900,7 +900,7 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None,
 @dataclass(frozen=True)
 class Preparation:
     """How the CUDA-core kernels want x prepared (prepare_x's layout): packed width, inputs per step, fp16 pairs.
-    Another kernel that reads x anyway can write it (kernels/triton/router.py), one launch fewer."""
+    Another kernel that reads x anyway can write it (kernels/triton/topk_router.py), one launch fewer."""
 
     bits: int
     block_k: int
