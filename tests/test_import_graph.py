@@ -156,3 +156,12 @@ def test_graph_sees_function_level_and_submodule_imports():
     graph = _graph(modules)
     assert "moeserve.loader" in graph["moeserve"]  # `load_model` imports it inside the function
     assert len(modules) > 50 and sum(len(v) for v in graph.values()) > 100
+
+
+def test_model_never_imports_engine():
+    """DESIGN.md: the model is written once and knows nothing of how it is driven."""
+    modules = _modules()
+    graph = _graph(modules)
+    upward = sorted(f"{a} -> {b}" for a in graph if a.startswith("moeserve.model")
+                    for b in graph[a] if b.startswith(("moeserve.engine", "moeserve.plan", "moeserve.serve")))
+    assert not upward, "the model imports the engine:\n  " + "\n  ".join(upward)
