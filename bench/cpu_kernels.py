@@ -27,7 +27,7 @@ import moeserve  # noqa: E402
 from moeserve.cli import DEMO_DIR  # noqa: E402
 from moeserve.engine.generate import generate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
-from moeserve.kernels.cpu import gemv, tuning  # noqa: E402
+from moeserve.kernels.cpu import gemv  # noqa: E402
 from moeserve.kernels.cpu.machine import cpu_info  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
 from moeserve.quant.compress import QuantConfig, quantize_checkpoint  # noqa: E402
@@ -149,7 +149,7 @@ def main() -> None:
         ROTATE_BYTES = 16 << 20
     info = cpu_info()
     isa = info.isas[0]
-    tile = tuning.tile_for(isa)
+    tile = gemv.tile_for(isa)
     dram = measure_dram_read_bandwidth(64 << 20 if args.quick else 1 << 30)
     print(f"{info.model}: {torch.get_num_threads()} threads, ISA {isa}, tile {tile}, "
           f"DRAM read {dram['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)

@@ -32,8 +32,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import measure_hbm_bandwidth, result_record, sync, write_result  # noqa: E402
 
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe  # noqa: E402
-from moeserve.engine.kv_cache import KVCache  # noqa: E402
 from moeserve.loader import load_model  # noqa: E402
+from moeserve.model.kv_cache import KVCache  # noqa: E402
 
 DEMO_DIR = Path(__import__("moeserve").__file__).resolve().parent / "demo"
 

@@ -52,7 +52,7 @@ from moeserve.plan.batch import HOST_SHARE, policy_for_budget  # noqa: E402
 from moeserve.plan.hardware import load_or_measure, total_ram  # noqa: E402
 from moeserve.plan.layer_weights import host_weight_bytes  # noqa: E402
 from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes  # noqa: E402
-from moeserve.plan.policy import Policy  # noqa: E402
+from moeserve.plan.policy import ThroughputPolicy  # noqa: E402
 from moeserve.plan.roofline import Candidates, Rates, Workload, throughput  # noqa: E402
 from moeserve.plan.search import memory, search  # noqa: E402
 from moeserve.units import format_bytes  # noqa: E402
@@ -87,7 +87,7 @@ def workload(args, dtype) -> Workload:
                     act_bytes=dtype.itemsize)
 
 
-def fit_gpu(spec, policy: Policy, args, dtype, budget: int) -> tuple[Policy | None, str | None]:
+def fit_gpu(spec, policy: ThroughputPolicy, args, dtype, budget: int) -> tuple[ThroughputPolicy | None, str | None]:
     """(the policy with the largest resident weight fraction that fits the GPU budget, None), or (None, why it
     does not fit even with every layer streamed)."""
     try:
@@ -107,7 +107,7 @@ def full_model_weight_bytes(model, pinned: bool) -> int:
             + len(layers) * host_weight_bytes(layers[:1], pinned))
 
 
-def host_shortage(spec, policy: Policy, args, dtype, host: dict) -> str | None:
+def host_shortage(spec, policy: ThroughputPolicy, args, dtype, host: dict) -> str | None:
     """Why the batch's pinned KV caches do not fit the host next to the pinned weights (None: they fit)."""
     kv = host_kv_bytes(spec, policy, args.prompt + args.gen, dtype.itemsize, host["pinned"])
     need = kv + host["weights"]
@@ -118,14 +118,15 @@ def host_shortage(spec, policy: Policy, args, dtype, host: dict) -> str | None:
             f"({HOST_SHARE:.0%} of {format_bytes(host['ram'])} RAM)")
 
 
-def fit_policy(spec, schedule: str, budget: int, args, dtype, host: dict) -> tuple[Policy, list[dict]]:
+def fit_policy(spec, schedule: str, budget: int, args, dtype, host: dict) -> tuple[ThroughputPolicy, list[dict]]:
     """(the policy of this schedule at the largest N that fits both memories, the larger N tried and why each
     does not fit). --batch SCHEDULE=N tries that N only."""
     forced = args.batch.get(schedule)
     sizes = [forced] if forced else [1 << e for e in range(args.max_batch.bit_length() - 1, -1, -1)]
     rejected = []
     for N in sizes:
-        policy = Policy(N, max(N // MICRO_BATCHES[schedule], 1), weights_gpu_fraction=0.0, **SCHEDULES[schedule])
+        policy = ThroughputPolicy(N, max(N // MICRO_BATCHES[schedule], 1), weights_gpu_fraction=0.0,
+                                  **SCHEDULES[schedule])
         fitted, why = fit_gpu(spec, policy, args, dtype, budget)
         why = why or host_shortage(spec, policy, args, dtype, host)
         if why is None:
@@ -135,7 +136,7 @@ def fit_policy(spec, schedule: str, budget: int, args, dtype, host: dict) -> tup
     raise MoeserveError(f"{schedule} does not fit {budget / GiB:.0f} GiB at N={sizes[-1]}: {rejected[-1]['reason']}")
 
 
-def predicted(spec, policy: Policy, args, dtype, hw) -> float | None:
+def predicted(spec, policy: ThroughputPolicy, args, dtype, hw) -> float | None:
     """The roofline model's decode tokens/s for this policy (None without the planner or a GPU profile)."""
     if hw is None:
         return None
@@ -157,7 +158,7 @@ def release_pinned_cache() -> None:
         release()
 
 
-def run(model, policy: Policy, device, args, steps: int | None = None) -> dict:
+def run(model, policy: ThroughputPolicy, device, args, steps: int | None = None) -> dict:
     """Set up and prefill N random prompts, decode `steps` (default args.steps) steps; time the setup, the
     prefill and the steps after the first."""
     steps = args.steps if steps is None else steps
@@ -225,12 +226,12 @@ def parse_batches(text: str) -> dict[str, int]:
     return {name: int(n) for name, n in pairs}
 
 
-def schedule_policy(spec, schedule: str, budget, args, dtype, host: dict, hw) -> tuple[Policy, list[dict]]:
+def schedule_policy(spec, schedule: str, budget, args, dtype, host: dict, hw) -> tuple[ThroughputPolicy, list[dict]]:
     """(this schedule's policy under the budget, the larger batches tried and why they do not fit); raises
     MoeserveError when nothing fits."""
     if args.quick:  # no GPU budget: half the layers resident, 2 micro-batches
-        return Policy(4, 4 // MICRO_BATCHES[schedule] if schedule != "planned" else 2, weights_gpu_fraction=0.5,
-                      **SCHEDULES.get(schedule, SCHEDULES["cgopipe"])), []
+        return ThroughputPolicy(4, 4 // MICRO_BATCHES[schedule] if schedule != "planned" else 2,
+                                weights_gpu_fraction=0.5, **SCHEDULES.get(schedule, SCHEDULES["cgopipe"])), []
     if schedule == "planned":
         policy = search(spec, hw, workload(args, dtype), budget, HOST_SHARE * hw.ram_bytes,
                         max_batch=args.max_batch, host_weights=host["weights"]).policy
@@ -241,8 +242,8 @@ def schedule_policy(spec, schedule: str, budget, args, dtype, host: dict, hw) ->
     return fit_policy(spec, schedule, budget, args, dtype, host)
 
 
-def measured_row(model, spec, schedule: str, budget, policy: Policy, rejected: list[dict], args, dtype, host: dict,
-                 hw, device) -> dict:
+def measured_row(model, spec, schedule: str, budget, policy: ThroughputPolicy, rejected: list[dict], args, dtype,
+                 host: dict, hw, device) -> dict:
     """Run the policy; its result row (timings, host memory, the larger N rejected, the prediction), printed."""
     source = "hand (--quick)" if args.quick else "planner" if schedule == "planned" else "fitted to budget"
     row = dict(schedule=schedule, budget_bytes=budget, policy_from=source, **run(model, policy, device, args))
@@ -290,7 +291,7 @@ def main(argv=None) -> int:
     host = {"ram": ram, "budget": HOST_SHARE * ram, "weights": host_weight_bytes(model, cuda), "pinned": cuda,
             "weights_full_model": full_model_weight_bytes(model, cuda)}
     if cuda:  # CUDA context, cuBLAS and Triton kernels, the first pinned blocks: not in any timed run
-        run(model, Policy(8, 4, weights_gpu_fraction=0.0, **SCHEDULES["cgopipe"]), device, args, steps=2)
+        run(model, ThroughputPolicy(8, 4, weights_gpu_fraction=0.0, **SCHEDULES["cgopipe"]), device, args, steps=2)
     rows = []
     budgets = [None] if args.quick else [int(float(b) * GiB) for b in args.budgets.split(",")]
     for budget in budgets:

@@ -11,7 +11,7 @@ DEMO_MODEL = str(Path(__file__).parent / "demo")  # the built-in demo checkpoint
 
 def load_model(path, device="cpu", dtype=None, progress=False, **options):
     """Open a checkpoint directory and return a ready `MoETransformer` (see moeserve.loader)."""
-    from moeserve.loader import load_model as _load
+    from moeserve.loader import load_model as _load  # on call: `import moeserve` stays torch-free (moeserve --help)
 
     return _load(path, device=device, dtype=dtype, progress=progress, **options)
 

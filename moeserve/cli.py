@@ -16,6 +16,9 @@ from moeserve.errors import MoeserveError
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
 
+# Each command imports what it runs inside its own function: modules that load torch stay out of start-up, so
+# `moeserve --help` and argument errors answer at once (tests/test_cli_inputs.py checks that torch is not imported).
+
 DEMO_DIR = Path(__file__).parent / "demo"
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
@@ -665,7 +668,7 @@ def _trace_fit(args) -> int:
 
 
 def _trace_simulate(args) -> int:
-    from moeserve.offload.policies import POLICIES, Policy
+    from moeserve.offload.policies import POLICIES, CachePolicy
     from moeserve.offload.simulate import simulate
 
     if args.weights is None and args.policy not in POLICIES:
@@ -673,12 +676,12 @@ def _trace_simulate(args) -> int:
                             f"or give --weights")
     try:
         weights = tuple(float(w) for w in args.weights.split(",")) if args.weights else None
-        Policy.named(args.policy, 1, weights)
+        CachePolicy.named(args.policy, 1, weights)
     except ValueError as e:
         raise MoeserveError(f"--weights {args.weights!r}: {e}") from None
     trace = _read_trace(args)
     sizes = _store_expert_bytes(args.store, args.bits_low, trace.num_experts) if args.store else {}
-    policy = Policy.named(args.policy, trace.num_layers, weights)
+    policy = CachePolicy.named(args.policy, trace.num_layers, weights)
     result = simulate(trace, policy, args.high_slots, args.low_slots, **sizes, **_sim_options(args)).as_dict()
     if not args.store:
         del result["bytes_moved"]  # in penalty units without a store's expert sizes: the miss penalty again
@@ -816,12 +819,12 @@ def cmd_plan(args) -> int:
 
 def _manual_policy(args):
     """batch's policy from its options (before --gpu-memory fits the resident weights to the budget)."""
-    from moeserve.plan.policy import Policy
+    from moeserve.plan.policy import ThroughputPolicy
 
     gpu_attention = not args.cpu_attention
     kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)
-    return Policy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
-                  1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
+    return ThroughputPolicy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
+                            1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
 
 
 def cmd_batch(args) -> int:

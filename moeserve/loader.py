@@ -13,7 +13,7 @@ from moeserve.checkpoint import CheckpointReader, read_tensor
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
-from moeserve.quant.compress import install_quantized_modules, read_manifest, stored_to_current
+from moeserve.quant.manifest import install_quantized_modules, read_manifest, stored_to_current
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
 
@@ -67,7 +67,7 @@ def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, bo
     return out
 
 
-def _is_routed_expert(name: str) -> bool:
+def is_routed_expert(name: str) -> bool:
     """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj)."""
     return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)$", name) is not None
 
@@ -119,5 +119,5 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
     device = resolve_device(device)
     model = meta_model(path)
     dtype = resolve_dtype(dtype, device)
-    return read_weights(model, CheckpointReader(path), device, dtype, None if routed_experts else _is_routed_expert,
+    return read_weights(model, CheckpointReader(path), device, dtype, None if routed_experts else is_routed_expert,
                         progress=progress)

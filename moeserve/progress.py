@@ -21,7 +21,7 @@ class Progress:
         self.printed = False
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # only for a terminal; progress.py stays light to import
 
             self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 

@@ -295,7 +295,7 @@ _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwe
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):
     """Inverse frequencies [head_dim/2] and the cos/sin scale, as each rope type defines them."""
-    import torch
+    import torch  # on use: spec.py is read by `import moeserve`, which stays torch-free (moeserve --help)
 
     base = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [Dh/2]
     inv_freq = 1.0 / base
@@ -316,7 +316,7 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):
 
 
 def _yarn(rope: RopeSpec, dim: int, pos_freqs):
-    import torch
+    import torch  # on use, as in rope_inv_freq
 
     factor, orig = rope.factor, rope.original_max_position_embeddings
 

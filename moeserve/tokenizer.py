@@ -33,7 +33,7 @@ class HFTokenizer:
     """A tokenizer.json (any HF fast tokenizer) with BOS/EOS from the model config."""
 
     def __init__(self, path: Path, bos_id: int | None, eos_id: int | None):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # HF checkpoints only: the byte tokenizer and `--help` never load it
 
         try:
             self._tok = Tokenizer.from_file(str(path))

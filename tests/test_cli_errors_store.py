@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import save_byte_model
 from moeserve.offload.store import META_FILE, ExpertStore
-from moeserve.quant.compress import MANIFEST, QuantConfig, quantize_checkpoint
+from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+from moeserve.quant.manifest import MANIFEST
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from moeserve.cli import DEMO_DIR
 from moeserve.engine import generate as generate_mod
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
 from moeserve.engine.generate import generate, left_padded
-from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams
+from moeserve.model.kv_cache import KVCache
 
 
 @pytest.mark.parametrize("family", FAMILIES)

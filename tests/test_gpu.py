@@ -205,7 +205,7 @@ def test_cuda_graph_steps_match_eager_static_and_dynamic(name, graph_models):
     forward, the static step eagerly, and the static step replayed as a graph. The graph computes what the
     eager static step computes; static vs dynamic differ only by bf16 rounding (attention over more slots)."""
     from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
-    from moeserve.engine.kv_cache import KVCache
+    from moeserve.model.kv_cache import KVCache
     from moeserve.engine.generate import left_padded
 
     model = graph_models[name]

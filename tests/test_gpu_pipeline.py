@@ -9,7 +9,7 @@ import torch
 import moeserve
 from moeserve.engine.sampling import SamplingParams
 from moeserve.plan.pipeline import SCHEDULES, Pipeline
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 from test_pipeline import PROMPTS, plain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,8 +22,8 @@ def test_gpu_pipeline_matches_plain_engine(hf_checkpoints, schedule, fraction, n
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     ref_tokens, ref_logits = plain(moeserve.load_model(path, device="cuda", dtype="float32"), PROMPTS, params)
     host = moeserve.load_model(path, device="cpu", dtype="float32")
-    pipeline = Pipeline(host, Policy(batch_size=4, micro_batch=n, weights_gpu_fraction=fraction,
-                                     **SCHEDULES[schedule]), "cuda")
+    pipeline = Pipeline(host, ThroughputPolicy(batch_size=4, micro_batch=n, weights_gpu_fraction=fraction,
+                                               **SCHEDULES[schedule]), "cuda")
     steps = [(gens, logits.clone()) for gens, _, logits in pipeline.generate(PROMPTS, params)]
     pipeline.close()
     assert [g.token_ids for g in steps[-1][0]] == ref_tokens
@@ -39,8 +39,8 @@ def test_gpu_pipeline_reuses_buffers_safely(hf_checkpoints, schedule):
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     device_model = moeserve.load_model(path, device="cuda", dtype="float32")
     host = moeserve.load_model(path, device="cpu", dtype="float32")
-    pipeline = Pipeline(host, Policy(batch_size=6, micro_batch=2, weights_gpu_fraction=0.0, **SCHEDULES[schedule]),
-                        "cuda")
+    pipeline = Pipeline(host, ThroughputPolicy(batch_size=6, micro_batch=2, weights_gpu_fraction=0.0,
+                                               **SCHEDULES[schedule]), "cuda")
     rng = random.Random(11)
     for _ in range(2):
         prompts = [[rng.randrange(host.spec.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(5)]

@@ -6,8 +6,8 @@ import torch
 import moeserve
 from conftest import FAMILIES
 from moeserve.engine.generate import generate
-from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams
+from moeserve.model.kv_cache import KVCache
 
 
 def random_tokens(n, vocab=97, gen=None):

@@ -13,7 +13,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.offload.budget import plan_slots
 from moeserve.offload.experts import enable_offload
-from moeserve.offload.policies import POLICIES, Policy
+from moeserve.offload.policies import POLICIES, CachePolicy
 from moeserve.offload.simulate import simulate
 from moeserve.offload.store import META_FILE, ExpertStore
 from moeserve.quant.pack import units_from_planar
@@ -59,7 +59,7 @@ def test_simulator_agrees_with_the_real_cache(tiny):
     for prompt in ([5, 6, 7, 8], [9, 10, 11]):
         cache.new_sequence()
         greedy(model, [prompt], n=10)
-    sim = simulate(cache.trace(model.spec.num_layers, model.spec.num_experts), Policy.named("hobbit", 3), 3, 2,
+    sim = simulate(cache.trace(model.spec.num_layers, model.spec.num_experts), CachePolicy.named("hobbit", 3), 3, 2,
                    t1=0.55, t2=0.7)
     real = cache.stats
     assert (real.requests, real.hits, real.high_misses, real.low_misses, real.skipped) == (

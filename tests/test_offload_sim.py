@@ -8,7 +8,7 @@ import torch
 
 import moeserve
 from moeserve.cli import DEMO_DIR, main
-from moeserve.offload.policies import ExpertStats, Policy
+from moeserve.offload.policies import CachePolicy, ExpertStats
 from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import fit_policy_weights, simulate
 from moeserve.offload.trace import RoutingTrace, record_trace
@@ -32,15 +32,15 @@ def test_policies_hand_worked():
     stats = {"a": ExpertStats(layer=0, last_use=5, uses=9, high_uses=1),
              "b": ExpertStats(layer=1, last_use=2, uses=5, high_uses=5),
              "c": ExpertStats(layer=2, last_use=8, uses=1, high_uses=0)}
-    assert Policy.named("lru", L).victim(stats, now=10, current_layer=1) == "b"  # oldest use
-    assert Policy.named("lfu", L).victim(stats, now=10, current_layer=1) == "c"  # fewest uses
-    assert Policy.named("lhu", L).victim(stats, now=10, current_layer=1) == "c"  # fewest high uses
-    assert Policy.named("fld", L).victim(stats, now=10, current_layer=1) == "a"  # layer 0 runs again last
-    assert Policy.named("lru", L).victim(stats, now=10, current_layer=1, protected={"b"}) == "a"
-    p = Policy.named("x", L, (0.5, 0.5, 0, 0)).priorities(stats, now=10, current_layer=1)
+    assert CachePolicy.named("lru", L).victim(stats, now=10, current_layer=1) == "b"  # oldest use
+    assert CachePolicy.named("lfu", L).victim(stats, now=10, current_layer=1) == "c"  # fewest uses
+    assert CachePolicy.named("lhu", L).victim(stats, now=10, current_layer=1) == "c"  # fewest high uses
+    assert CachePolicy.named("fld", L).victim(stats, now=10, current_layer=1) == "a"  # layer 0 runs again last
+    assert CachePolicy.named("lru", L).victim(stats, now=10, current_layer=1, protected={"b"}) == "a"
+    p = CachePolicy.named("x", L, (0.5, 0.5, 0, 0)).priorities(stats, now=10, current_layer=1)
     assert p["a"] == pytest.approx(0.5 * 0.5 + 0.5 * 1.0)
     with pytest.raises(ValueError, match="unknown policy"):
-        Policy.named("mru", L)
+        CachePolicy.named("mru", L)
 
 
 def hand_trace(ids, weights=None, sequence=None):
@@ -51,7 +51,7 @@ def hand_trace(ids, weights=None, sequence=None):
 
 
 def test_simulator_counts_hand_worked():
-    lru = Policy.named("lru", 1)
+    lru = CachePolicy.named("lru", 1)
     r = simulate(hand_trace([0, 0, 1, 0]), lru, high_slots=1, mixed=False)
     assert (r.requests, r.hits, r.high_misses) == (4, 1, 3)
     r = simulate(hand_trace([0, 0, 1, 0]), lru, high_slots=2, mixed=False)
@@ -72,14 +72,14 @@ def test_per_layer_cache_hand_worked():
     layers, ids = [0, 1, 0, 1, 0, 1, 0, 1], [0, 5, 1, 6, 0, 5, 1, 6]
     trace = RoutingTrace(np.zeros(8, np.int32), np.asarray(layers, np.int16), np.asarray(ids, np.int16)[:, None],
                          np.ones((8, 1), np.float32), num_layers=2, num_experts=8)
-    lru = Policy.named("lru", 2)
+    lru = CachePolicy.named("lru", 2)
     assert simulate(trace, lru, high_slots=3, mixed=False).hits == 0  # a cycle of 4 through 3 LRU slots
     r = simulate(trace, lru, high_slots=3, mixed=False, per_layer=True)
     assert (r.hits, r.high_misses) == (2, 6)  # layer 0's experts 0 and 1 stay; layer 1 thrashes its one slot
 
 
 def test_frequency_counters_reset_per_sequence():
-    lfu = Policy.named("lfu", 1)
+    lfu = CachePolicy.named("lfu", 1)
     # sequence 0 uses expert 0 often; sequence 1 alternates 1 and 2 with one slot left after expert 3
     ids = [0, 0, 0, 0, 1, 2, 1, 2]
     r = simulate(hand_trace(ids, sequence=[0, 0, 0, 0, 1, 1, 1, 1]), lfu, high_slots=2, mixed=False)
@@ -105,7 +105,7 @@ def test_recorded_trace_matches_the_router(demo_trace, tmp_path):
 def test_multi_dimensional_policy_beats_lru_and_lfu_on_demo_trace(demo_trace):
     fit, held_out = demo_trace.split(0.5)
     weights, _ = fit_policy_weights(fit, 12, 12, step=0.5)
-    penalty = {name: simulate(held_out, Policy.named(name, 6, w), 12, 12).miss_penalty
+    penalty = {name: simulate(held_out, CachePolicy.named(name, 6, w), 12, 12).miss_penalty
                for name, w in (("lru", None), ("lfu", None), ("hobbit", None), ("fitted", weights))}
     assert penalty["hobbit"] < penalty["lru"] and penalty["hobbit"] < penalty["lfu"]
     assert penalty["fitted"] < penalty["lru"] and penalty["fitted"] < penalty["lfu"]

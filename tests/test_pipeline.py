@@ -17,7 +17,7 @@ from moeserve.plan import layer_weights
 from moeserve.plan import pipeline as pipeline_module
 from moeserve.plan.cpu_attention import gqa_attention
 from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes, pack_qkv, unpack_qkv
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 
 PROMPTS = [[5, 9, 13, 7, 21, 3, 8], [11, 4], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [6, 17, 19, 23]]
 
@@ -48,7 +48,7 @@ def test_pipeline_matches_plain_engine(hf_checkpoints, family):
     ref_tokens, ref_logits = plain(model, PROMPTS, params)
     cases = [(s, f, n) for s in SCHEDULES for f, n in ((0.0, 1), (0.5, 2), (1.0, 2))] + [("cgopipe", 0.0, 4)]
     for schedule, fraction, n in cases:
-        policy = Policy(batch_size=4, micro_batch=n, weights_gpu_fraction=fraction, **SCHEDULES[schedule])
+        policy = ThroughputPolicy(batch_size=4, micro_batch=n, weights_gpu_fraction=fraction, **SCHEDULES[schedule])
         tokens, logits = piped(model, policy, PROMPTS, params)
         assert tokens == ref_tokens, (schedule, fraction, n)
         for a, b in zip(logits, ref_logits):
@@ -60,8 +60,8 @@ def test_pipeline_cpu_ffn_and_mixed_kv(hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints["qwen3_moe"][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     ref_tokens, _ = plain(model, PROMPTS, params)
-    for policy in (Policy(4, 2, False, False, 0.5, 0.0), Policy(4, 1, False, True, 0.0, 0.5),
-                   Policy(4, 2, True, True, 0.5, 0.5)):
+    for policy in (ThroughputPolicy(4, 2, False, False, 0.5, 0.0), ThroughputPolicy(4, 1, False, True, 0.0, 0.5),
+                   ThroughputPolicy(4, 2, True, True, 0.5, 0.5)):
         assert piped(model, policy, PROMPTS, params)[0] == ref_tokens, policy
 
 
@@ -69,7 +69,7 @@ def test_pipeline_sampling_and_eos_match(hf_checkpoints):
     """Seeded sampling draws over the whole batch in request order, as the plain engine does; EOS stops."""
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
-    policy = Policy(4, 2, False, True, 0.5, 0.0)
+    policy = ThroughputPolicy(4, 2, False, True, 0.5, 0.0)
     assert piped(model, policy, PROMPTS, params)[0] == plain(model, PROMPTS, params)[0]
 
 
@@ -83,7 +83,7 @@ def test_pipeline_buffers_reused_across_steps_and_batches(hf_checkpoints, monkey
     monkeypatch.setattr(Pipeline, "_host_kv", lambda *a: (time.sleep(0.002), host_kv(*a))[1])
     rng = random.Random(7)
     for schedule in ("cgopipe", "flexgen"):
-        pipeline = Pipeline(model, Policy(6, 2, weights_gpu_fraction=0.5, **SCHEDULES[schedule]), "cpu")
+        pipeline = Pipeline(model, ThroughputPolicy(6, 2, weights_gpu_fraction=0.5, **SCHEDULES[schedule]), "cpu")
         for _ in range(2):
             prompts = [[rng.randrange(model.spec.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(5)]
             ref_tokens, ref_logits = plain(model, prompts, params)
@@ -99,8 +99,8 @@ def test_pipeline_paged_weight_streaming(hf_checkpoints, monkeypatch):
     monkeypatch.setattr(layer_weights, "PAGE_BYTES", 256)
     model = moeserve.load_model(hf_checkpoints["qwen2_moe"][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    assert piped(model, Policy(4, 2, **SCHEDULES["cgopipe"], weights_gpu_fraction=0.0), PROMPTS, params)[0] == \
-        plain(model, PROMPTS, params)[0]
+    policy = ThroughputPolicy(4, 2, **SCHEDULES["cgopipe"], weights_gpu_fraction=0.0)
+    assert piped(model, policy, PROMPTS, params)[0] == plain(model, PROMPTS, params)[0]
 
 
 def test_paged_pairs_cover_tensors():
@@ -125,7 +125,7 @@ def test_host_weight_bytes_counts_shared_storages_once_and_pinned_rounding():
 
 def test_host_kv_bytes_counts_what_the_pipeline_allocates(hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
-    policy = Policy(6, 2, False, True, 0.0, 1 / 3)  # one micro-batch of three keeps its KV on the GPU
+    policy = ThroughputPolicy(6, 2, False, True, 0.0, 1 / 3)  # one micro-batch of three keeps its KV on the GPU
     pipeline = Pipeline(model, policy, "cpu")
     prompts = [[1, 2, 3]] * 6
     mbs = [pipeline._micro_batch(prompts, g, 5, m < 1) for m, g in enumerate([[0, 1], [2, 3], [4, 5]])]

@@ -8,7 +8,7 @@ import pytest
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile, load_or_measure
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 from moeserve.plan.roofline import (Candidates, Rates, Workload, expected_experts, layer_ops, layer_time,
                                     operator_table, throughput, turning_points)
 from moeserve.plan.search import candidates, evaluate, memory, search
@@ -63,7 +63,7 @@ def test_tiny_layer_by_hand():
 
     # pipeline: N=4 in 2 micro-batches, CPU attention, GPU FFN, half the weights resident
     rates = Rates(gpu_flops=1000, hbm=100, cpu_flops=100, dram=10, link=100)
-    c = Candidates.of([Policy(4, 2, False, True, 0.5, 0.0)])
+    c = Candidates.of([ThroughputPolicy(4, 2, False, True, 0.5, 0.0)])
     seconds, binding = layer_time(ops, c, rates, residual=2 * 8 * 2)
     g = 368 / 100 + 2576 / 100  # GPU: pre and post, both memory bound
     cpu = 368 / 10  # CPU attention, memory bound
@@ -92,7 +92,7 @@ def test_turning_points_and_operator_bounds(mixtral):
     tp = turning_points(hw)
     assert tp["gpu_ridge"] == pytest.approx(774e12 / 2.94e12) and tp["balance"] == pytest.approx(3.4e12 / 54.4e9)
     spec = ModelSpec.from_dir(mixtral)
-    rows = operator_table(spec, WL, hw, Policy(64, 64, False, True, 0.0, 0.0))
+    rows = operator_table(spec, WL, hw, ThroughputPolicy(64, 64, False, True, 0.0, 0.0))
     bounds = {r["operator"]: (r["device"], r["bound"]) for r in rows}
     # CPU attention reads the KV cache at ~4 FLOP/B: memory bound; streamed expert weights: link bound
     assert bounds["attention"] == ("CPU", "memory") and bounds["post_attention"] == ("GPU", "link")
@@ -101,7 +101,7 @@ def test_turning_points_and_operator_bounds(mixtral):
 
 
 def _brute_force(spec, hw, wl, gpu_budget, host_budget, max_batch, step):
-    """Every candidate evaluated one Policy at a time: (throughput, policy) of those that fit."""
+    """Every candidate evaluated one ThroughputPolicy at a time: (throughput, policy) of those that fit."""
     c = candidates(max_batch, step)
     out = []
     for i in range(len(c)):
@@ -181,7 +181,7 @@ def test_profile_json_round_trip_and_errors(tmp_path):
     cpu_only = HardwareProfile.from_dict({k: v for k, v in H100.items() if not k.startswith(("gpu", "h2d", "d2h",
                                                                                              "hbm"))})
     with pytest.raises(MoeserveError, match="no GPU figures"):
-        throughput(TINY, WL, Candidates.of([Policy(1, 1, False, False, 0, 0)]), Rates.of(cpu_only))
+        throughput(TINY, WL, Candidates.of([ThroughputPolicy(1, 1, False, False, 0, 0)]), Rates.of(cpu_only))
 
 
 def test_cli_plan_demo_and_mixtral(capsys, tmp_path, mixtral, h100_json):
@@ -191,7 +191,7 @@ def test_cli_plan_demo_and_mixtral(capsys, tmp_path, mixtral, h100_json):
     assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "24GiB",
                  "--cpu-memory", "100GiB", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert Policy(**result["policy"]).batch_size >= 1 and result["bottleneck"] and result["tokens_per_s"] > 0
+    assert ThroughputPolicy(**result["policy"]).batch_size >= 1 and result["bottleneck"] and result["tokens_per_s"] > 0
     assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "512MiB"]) == 2
     assert "GPU memory short by" in capsys.readouterr().err
     pytest.importorskip("matplotlib")

@@ -10,7 +10,8 @@ import moeserve
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.quant import compress
-from moeserve.quant.compress import MANIFEST, QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
+from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
+from moeserve.quant.manifest import FORMAT, MANIFEST, UNITS_FORMAT
 from moeserve.quant.pack import units_from_planar
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
@@ -99,7 +100,7 @@ def test_checkpoint_round_trip_equals_in_memory_quantized_model(hf_checkpoints, 
         moeserve.load_model(tmp_path / "q")
 
 
-@pytest.mark.parametrize("first_format", [compress.FORMAT, compress.UNITS_FORMAT])
+@pytest.mark.parametrize("first_format", [FORMAT, UNITS_FORMAT])
 def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path, monkeypatch, first_format):
     """A run interrupted by this moeserve resumes; one left by a moeserve of another format starts over."""
     _, path = hf_checkpoints["olmoe"]
@@ -116,7 +117,7 @@ def test_interrupted_run_resumes_without_redoing_layers(hf_checkpoints, tmp_path
         return real(*args, **kw)
 
     monkeypatch.setattr(compress, "quantize_tensor", flaky)
-    current = compress.FORMAT
+    current = FORMAT
     monkeypatch.setattr(compress, "FORMAT", first_format)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(path, tmp_path / "q", cfg, progress=False)

@@ -380,7 +380,7 @@ def test_one_launch_routing_table_equals_the_sort(T, k, E, block, counting):
     """Ranks by comparison or by counting (several programs, several chunks) give the stable sort's table
     exactly."""
     from moeserve.kernels.routing import sorted_table
-    from moeserve.kernels.triton.routing import table_tensors
+    from moeserve.kernels.triton.routing_table import table_tensors
 
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)  # [T, k]
     if T > 5:
@@ -399,7 +399,7 @@ def test_gather_combine_equals_the_scatter(dtype):
     """Each token's rows gathered and weighted equal the float64 scatter, from expert-sorted rows and from the same rows
     in slot order; a weight-0 slot's NaN row adds nothing."""
     from moeserve.kernels.routing import RoutingTable, combine
-    from moeserve.kernels.triton.routing import gather_combine, table_tensors
+    from moeserve.kernels.triton.routing_table import gather_combine, table_tensors
 
     T, k, E, D = 9, 3, 5, 40  # D: not a multiple of the block
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)
@@ -532,7 +532,7 @@ def test_skinny_linears_reject_what_they_cannot_run():
 def test_fused_router_matches_softmax_topk(poisoned_outputs, T, E, k, D, normalize, weights_fp32):
     """One launch (E, D not powers of two, several D steps, k = E) gives the experts, weights and logits of the torch
     router; the returned weights come in the dtype TopKRouter hands on."""
-    from moeserve.kernels.triton.router import fused_router
+    from moeserve.kernels.triton.topk_router import fused_router
     from moeserve.model.router import softmax_topk
 
     x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
@@ -555,7 +555,7 @@ def test_fused_router_prepares_x_as_prepare_x(poisoned_outputs, T, E, k, D, bits
     """The router's launch with prepared: more programs write x prepared for the experts' CUDA-core kernels, exactly
     what prepare_x writes (a last step past the row at D = 320 and 96), and the routing is the same."""
     from moeserve.kernels.triton.lowbit_linear import Preparation, prepare_x
-    from moeserve.kernels.triton.router import fused_router
+    from moeserve.kernels.triton.topk_router import fused_router
 
     x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.randn(E, D, device=DEVICE, dtype=torch.bfloat16) * D ** -0.5

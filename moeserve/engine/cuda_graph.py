@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from moeserve.engine.kv_cache import KVCache
+from moeserve.model.kv_cache import KVCache
 
 
 def graph_safe(model, batch: int) -> bool:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
-from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.errors import MoeserveError
+from moeserve.model.kv_cache import KVCache
 
 
 @dataclass

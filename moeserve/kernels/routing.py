@@ -1,7 +1,7 @@
 """Token -> expert mapping table: group the (token, slot) pairs by expert, stably.
 
 No one-hot tensors in memory: on a GPU with Triton, batches up to about 2M (slot, expert) pairs get the table in
-one launch (kernels/triton/routing.py); otherwise it comes from a sort of the T*k expert ids, a count and a prefix
+one launch (kernels/triton/routing_table.py); otherwise it comes from a sort of the T*k expert ids, a count and a prefix
 sum, so its cost is independent of the number of experts.
 """
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.kernels import needs_grad, triton_available
+
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
 
 @dataclass
@@ -28,7 +30,7 @@ def one_launch(expert_ids: torch.Tensor, num_experts: int) -> bool:
     """Whether the Triton table serves these [T, k] ids: CUDA, Triton, a batch it builds faster than the sort."""
     if not (expert_ids.is_cuda and triton_available()):
         return False
-    from moeserve.kernels.triton.routing import serves
+    from moeserve.kernels.triton.routing_table import serves
 
     return serves(expert_ids.numel(), num_experts)
 
@@ -36,7 +38,7 @@ def one_launch(expert_ids: torch.Tensor, num_experts: int) -> bool:
 def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int) -> RoutingTable:
     """expert_ids/expert_weights [T, k] -> slots sorted by expert (stable, so token order is kept)."""
     if one_launch(expert_ids, num_experts):
-        from moeserve.kernels.triton.routing import table_tensors
+        from moeserve.kernels.triton.routing_table import table_tensors
 
         return RoutingTable(**table_tensors(expert_ids, expert_weights, num_experts), num_tokens=expert_ids.shape[0])
     # on a GPU, slot_of lets combine gather (no zeroed output, no bf16 atomics)
@@ -68,7 +70,7 @@ def combine(expert_out: torch.Tensor, table: RoutingTable, num_tokens: int, out_
     """Scale each expert-sorted row by its gate weight and add it back to its token: [T, D]."""
     if table.slot_of is not None and not needs_grad(expert_out, table.weights):
         # one launch: gather each token's rows (no zeroed output, no atomics; no backward, so not under autograd)
-        from moeserve.kernels.triton.routing import gather_combine
+        from moeserve.kernels.triton.routing_table import gather_combine
 
         return gather_combine(expert_out, table.slot_of, table.weights, table.slot_of.numel() // num_tokens,
                               out_dtype)

@@ -16,6 +16,8 @@ from torch import nn
 from moeserve.kernels import triton_serves
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 
 @functools.cache
 def _sm90_or_newer(device: torch.device) -> bool:

@@ -9,6 +9,8 @@ from torch import nn
 from moeserve.kernels import needs_grad, triton_serves
 from moeserve.spec import ModelSpec, rope_inv_freq
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -8,6 +8,8 @@ from torch import nn
 
 from moeserve.kernels import triton_serves
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over all experts (fp32), keep the top k, optionally renormalise them to sum to one."""
@@ -31,7 +33,7 @@ class TopKRouter(nn.Module):
         prepared (a lowbit_linear.Preparation and its buffer; only where fused_applies): filled with x prepared for
         the experts' kernels by the same launch."""
         if self.fused_applies(x):
-            from moeserve.kernels.triton.router import fused_router
+            from moeserve.kernels.triton.topk_router import fused_router
 
             return fused_router(x, self.weight, self.top_k, self.normalize,
                                 torch.float32 if self.weights_fp32 else x.dtype, prepared)
@@ -47,6 +49,6 @@ class TopKRouter(nn.Module):
         """One Triton launch instead of eight (decode-sized batches on CUDA, no autograd: it has no backward)."""
         if not triton_serves(x, self.weight):
             return False
-        from moeserve.kernels.triton.router import MAX_TOKENS
+        from moeserve.kernels.triton.topk_router import MAX_TOKENS
 
         return x.shape[0] <= MAX_TOKENS and x.dtype == self.weight.dtype

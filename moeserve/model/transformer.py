@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.engine.kv_cache import KVCache
+from moeserve.model.kv_cache import KVCache
 from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec

@@ -32,7 +32,7 @@ def fast_memory(device) -> tuple[int, str]:
     """(bytes, what they are) of the memory that holds the cache on `device` (a torch.device): a GPU's total
     memory, or with the CPU as the fast tier the RAM available now."""
     if device.type == "cuda":
-        import torch
+        import torch  # on use: the budget arithmetic stays importable without torch
 
         return torch.cuda.get_device_properties(device).total_memory, f"memory of GPU {device}"
     return available_ram(), "RAM available (on the CPU the expert cache lives in RAM)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.offload.policies import ExpertStats, Policy
+from moeserve.offload.policies import CachePolicy, ExpertStats
 from moeserve.offload.precision import HIGH
 
 Key = tuple[int, int]  # (layer, expert)
@@ -25,7 +25,7 @@ class Decision:
 
 
 class CacheState:
-    def __init__(self, policy: Policy, high_slots: int, low_slots: int, per_layer: bool = False):
+    def __init__(self, policy: CachePolicy, high_slots: int, low_slots: int, per_layer: bool = False):
         """per_layer: each layer gets an even share of each pool's slots and evicts only its own experts (the
         per-layer caches of mixtral-offloading); otherwise one pool serves all layers."""
         self.policy, self.per_layer = policy, per_layer

@@ -13,7 +13,7 @@ from moeserve.kernels.routing import build_routing_table, combine
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.offload.cache_state import CacheState
 from moeserve.offload.cooperative import CpuExperts, choose_cpu
-from moeserve.offload.policies import Policy
+from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
 from moeserve.offload.slots import SlotPool
@@ -33,7 +33,7 @@ class ExpertCache:
     It also logs every request as a routing trace (in request order) and counts hits and misses the
     way simulate() does, so the two can be compared."""
 
-    def __init__(self, store: ExpertStore, policy: Policy, high_slots: int, low_slots: int, device, dtype,
+    def __init__(self, store: ExpertStore, policy: CachePolicy, high_slots: int, low_slots: int, device, dtype,
                  mixed: bool = True, t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, reserve: int = 2,
                  cooperative: bool = False, bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5,
                  per_layer: bool = False):
@@ -290,7 +290,7 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
     may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
     if pin and model.device.type == "cuda":
         store.pin(progress=True)
-    cache = ExpertCache(store, Policy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
+    cache = ExpertCache(store, CachePolicy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
                         model.device, model.dtype, mixed, t1, t2, reserve=model.spec.top_k,
                         cooperative=cooperative, bandwidth=bandwidth, prefetch_min_accuracy=prefetch_min_accuracy,
                         per_layer=per_layer)

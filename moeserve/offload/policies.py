@@ -28,13 +28,13 @@ class ExpertStats:
 
 
 @dataclass
-class Policy:
+class CachePolicy:
     weights: tuple[float, float, float, float]  # w_lru, w_lfu, w_lhu, w_fld
     num_layers: int
     name: str = "custom"
 
     @classmethod
-    def named(cls, name: str, num_layers: int, weights: tuple | None = None) -> "Policy":
+    def named(cls, name: str, num_layers: int, weights: tuple | None = None) -> "CachePolicy":
         if weights is None:
             if name not in POLICIES:
                 raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from moeserve.offload.cache_state import CacheState, Decision
-from moeserve.offload.policies import Policy
+from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HIGH, SKIP, choose_precision
 from moeserve.offload.trace import RoutingTrace
 from moeserve.progress import Progress
@@ -53,7 +53,7 @@ class SimResult:
             self.bytes_moved += low_bytes
 
 
-def simulate(trace: RoutingTrace, policy: Policy, high_slots: int, low_slots: int = 0, *, mixed: bool = True,
+def simulate(trace: RoutingTrace, policy: CachePolicy, high_slots: int, low_slots: int = 0, *, mixed: bool = True,
              t1: float = 0.6, t2: float = 0.9, bits_high: int = 16, bits_low: int = 4,
              expert_bytes: float = 1.0, low_expert_bytes: float | None = None, per_layer: bool = False) -> SimResult:
     """Replay `trace`; mixed=False requests every selected expert in high precision (no skipping);
@@ -92,7 +92,7 @@ def fit_policy_weights(trace: RoutingTrace, high_slots: int, low_slots: int = 0,
     grid = weight_grid(step)
     with Progress(len(grid), "trace fit", "candidates", enabled=progress) as bar:
         for w in grid:
-            penalty = simulate(trace, Policy.named("fit", trace.num_layers, w), high_slots, low_slots,
+            penalty = simulate(trace, CachePolicy.named("fit", trace.num_layers, w), high_slots, low_slots,
                                **sim_kw).miss_penalty
             if best is None or penalty < best[1]:
                 best = (w, penalty)

@@ -27,8 +27,9 @@ from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, pack
-from moeserve.quant.compress import read_manifest, refuse_quantized
+from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
+from moeserve.spec import ModelSpec
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
@@ -200,8 +201,6 @@ class ExpertStore:
         Into an existing store (an interrupted or earlier build) a layer file is reused only when it records
         the digest of the source experts read now and these settings; any other is built again. A user error
         met on the way removes the directory if this call created it."""
-        from moeserve.spec import ModelSpec
-
         out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "offload-prepare")

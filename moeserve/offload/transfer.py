@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from moeserve.plan.hardware import link_bandwidth
+from moeserve.timing import link_bandwidth
 
 STAGING_CHUNK = 16 << 20  # bytes per staged piece (16 MiB: ~50 GB/s per piece on an H100 host)
 

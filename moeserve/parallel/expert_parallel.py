@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
+from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
-from moeserve.parallel.groups import split_range
+from moeserve.parallel.groups import check_experts, split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.parallel.plan import DispatchPlan
@@ -122,9 +123,6 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
     experts are still on the meta device (sharded loading fills them in afterwards).
 
     static_max_tokens: tokens per rank up to which dispatch uses static buffers (0 = always dynamic)."""
-    from moeserve.model.experts import ResidentExperts
-    from moeserve.parallel.groups import check_experts
-
     per_rank = check_experts(model.spec.num_experts, group_size)
     lo = group_rank * per_rank
     plan = DispatchPlan(group, model.device, static_max_tokens, tp[2] if tp is not None else 1)

@@ -59,7 +59,7 @@ def split_range(n: int, rank: int, size: int) -> range:
 
 def new_groups(grid: RankGrid, rank: int):
     """(tp group, ep group) process groups of `rank`; every rank must call this (new_group is collective)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # on use: the rank-grid arithmetic stays importable without torch
 
     mine = {}
     for kind, groups in (("tp", grid.tp_groups()), ("ep", grid.ep_groups())):

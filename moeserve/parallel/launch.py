@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
+import torch.distributed as dist
 
 from moeserve.errors import MoeserveError
 
@@ -14,8 +16,6 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died fails t
 
 def init_from_env(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, device of this rank); NCCL on GPUs, gloo on CPUs."""
-    import torch.distributed as dist
-
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise MoeserveError("tensor and expert parallelism (--tp, --ep) run under torchrun: "
                             "torchrun --nproc-per-node N -m moeserve generate --tp N ...")
@@ -33,8 +33,6 @@ def shutdown(wait_for_peers: bool) -> None:
     """Leave a torchrun launch cleanly: after a success, wait for the peers; then tear the process group
     down (exiting with it still open can abort a rank whose peer has already gone). After an error the
     peers may never arrive, so there is no wait."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         if wait_for_peers:

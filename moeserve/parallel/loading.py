@@ -13,12 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import moeserve
 from moeserve.checkpoint import CheckpointReader, per_expert_names
 from moeserve.errors import MoeserveError
-from moeserve.loader import resolve_device
+from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.collectives import raise_if_any_failed
+from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, new_groups, split_range
+from moeserve.parallel.hierarchical import node_groups
+from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 
 
@@ -60,11 +64,6 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
                         reader: CheckpointReader | None = None):
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both.
     Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
-    import moeserve
-    from moeserve.loader import _is_routed_expert, meta_model, read_weights, resolve_dtype
-    from moeserve.parallel.expert_parallel import enable_expert_parallel
-    from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
-
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
@@ -75,8 +74,6 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
     hierarchy = None
     if hierarchical:
-        from moeserve.parallel.hierarchical import node_groups
-
         if ep != world or world % hierarchical:
             raise MoeserveError("a hierarchical all-to-all with G ranks per node needs EP over all ranks and G "
                                 "dividing the rank count")
@@ -89,7 +86,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
         full = {name: p.shape for name, p in model.named_parameters()}  # before slicing: what the checkpoint holds
         if tp > 1:
             enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
-        read_weights(model, reader, device, resolve_dtype(dtype, device), _is_routed_expert,
+        read_weights(model, reader, device, resolve_dtype(dtype, device), is_routed_expert,
                      lambda name: tp_index(name, full[name], tp_rank, tp, spec.qk_norm == "full"), progress)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,

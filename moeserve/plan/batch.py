@@ -18,7 +18,10 @@ import numpy as np
 
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
-from moeserve.plan.policy import Policy
+from moeserve.plan.hardware import HardwareProfile, load_or_measure
+from moeserve.plan.policy import ThroughputPolicy
+from moeserve.plan.roofline import Candidates, Workload
+from moeserve.plan.search import memory, search
 from moeserve.progress import Progress
 
 HOST_SHARE = 0.8  # of the host RAM the planner may fill (the rest: OS, Python, the tokenizer)
@@ -136,13 +139,10 @@ def drop_partial_line(path: str | Path) -> None:
                 f.truncate(data.rfind(b"\n") + 1)
 
 
-def policy_for_budget(spec, policy: Policy, prompt_len: int, gen_len: int, dtype_bytes: int,
-                      gpu_budget: int) -> Policy:
+def policy_for_budget(spec, policy: ThroughputPolicy, prompt_len: int, gen_len: int, dtype_bytes: int,
+                      gpu_budget: int) -> ThroughputPolicy:
     """The policy with the largest resident weight fraction (steps of 0.05) whose GPU memory fits the budget,
     as the planner's memory model counts it."""
-    from moeserve.plan.roofline import Candidates, Workload
-    from moeserve.plan.search import memory
-
     wl = Workload(prompt_len, gen_len, weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, act_bytes=dtype_bytes)
     for step in range(20, -1, -1):
         candidate = replace(policy, weights_gpu_fraction=step / 20)
@@ -183,13 +183,9 @@ def run_batch(pipeline, tokenizer, requests: list[Request], params: SamplingPara
 
 
 def auto_policy(spec, prompt_len: int, gen_len: int, dtype_bytes: int, gpu_budget: int | None,
-                profile: str | None = None, host_weights: int | None = None) -> Policy:
+                profile: str | None = None, host_weights: int | None = None) -> ThroughputPolicy:
     """The planner's choice for this workload on a hardware profile (a JSON file, or this machine's, cached);
     host_weights: the pinned bytes of the loaded model's layers (layer_weights.host_weight_bytes)."""
-    from moeserve.plan.hardware import HardwareProfile, load_or_measure
-    from moeserve.plan.roofline import Workload
-    from moeserve.plan.search import search
-
     hw = HardwareProfile.load(profile) if profile else load_or_measure()
     budget = gpu_budget or hw.gpu_memory_bytes
     if budget is None:

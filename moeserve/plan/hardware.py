@@ -14,13 +14,15 @@ import datetime as _dt
 import json
 import os
 import re
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
+from moeserve.timing import link_bandwidth, seconds_per_call
+
+# torch, the CPU-kernel modules and the pipeline are imported inside the functions that measure: the planner
+# (roofline.py, search.py; `moeserve plan` on a stored profile) reads this module without loading torch.
 
 MIB = 1 << 20
 CHUNK_MIB = (1, 4, 16, 64)  # link chunk sizes measured
@@ -94,42 +96,17 @@ class HardwareProfile:
 # ---- measurement ---------------------------------------------------------------------------
 
 
-def _seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], budget_s: float) -> float:
-    """Median wall time of fn() over repeats that fill about `budget_s` (at least 3, after one warm-up)."""
-    fn()
-    sync()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _matmul_flops(torch, device: str, dtype, n: int, sync, budget_s: float) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / _seconds_per_call(lambda: a @ b, sync, budget_s)
+    return 2 * n ** 3 / seconds_per_call(lambda: a @ b, sync, budget_s)
 
 
 def _copy_bandwidth(torch, device: str, nbytes: int, sync, budget_s: float) -> float:
     """Bytes read + written per second by a large copy within one memory."""
     src = torch.rand(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _seconds_per_call(lambda: dst.copy_(src), sync, budget_s)
-
-
-def link_bandwidth(src, dst, chunk_bytes: int, sync, budget_s: float) -> float:
-    """Bytes per second copying `src` into `dst` (same size) in chunks of `chunk_bytes`."""
-    n, step = src.numel(), max(chunk_bytes // src.element_size(), 1)
-
-    def copy():
-        for i in range(0, n, step):
-            dst[i:i + step].copy_(src[i:i + step], non_blocking=True)
-
-    return n * src.element_size() / _seconds_per_call(copy, sync, budget_s)
+    return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), sync, budget_s)
 
 
 def total_ram() -> int:
@@ -179,11 +156,11 @@ def micro_batch_overhead(device: str, steps: int = 6, micro_batches: int = 4) ->
     from moeserve.engine.sampling import SamplingParams
     from moeserve.loader import load_model
     from moeserve.plan.pipeline import Pipeline
-    from moeserve.plan.policy import Policy
+    from moeserve.plan.policy import ThroughputPolicy
 
     model = load_model(Path(__file__).parent.parent / "demo", device="cpu")
-    policy = Policy(batch_size=micro_batches, micro_batch=1, attention_on_gpu=False, ffn_on_gpu=True,
-                    weights_gpu_fraction=1.0, kv_gpu_fraction=0.0)
+    policy = ThroughputPolicy(batch_size=micro_batches, micro_batch=1, attention_on_gpu=False, ffn_on_gpu=True,
+                              weights_gpu_fraction=1.0, kv_gpu_fraction=0.0)
     pipe = Pipeline(model, policy, device)
     try:
         prompts = [[(7 * r + i) % 256 for i in range(8)] for r in range(micro_batches)]

@@ -40,13 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens, token_limits
-from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
+from moeserve.model.kv_cache import KVCache
 from moeserve.model.transformer import attention_masks
 from moeserve.plan.cpu_attention import gqa_attention
 from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 
 HOST = torch.device("cpu")
 
@@ -82,7 +82,7 @@ class MicroBatch:
     valid: torch.Tensor  # [n, S] real (non-pad, alive) tokens (host)
 
 
-def host_kv_bytes(spec, policy: Policy, max_len: int, dtype_bytes: int, pinned: bool) -> int:
+def host_kv_bytes(spec, policy: ThroughputPolicy, max_len: int, dtype_bytes: int, pinned: bool) -> int:
     """Host memory the pipeline allocates for a batch of `policy` whose caches hold max_len slots: the KV caches
     and Staging of its host-KV micro-batches (pinned: as torch's page-locked allocator rounds them)."""
     L, H, Hkv, Dh, n = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, policy.micro_batch
@@ -106,7 +106,7 @@ def unpack_qkv(flat: torch.Tensor, num_kv_heads: int, head_dim: int):
 
 
 class Pipeline:
-    def __init__(self, model, policy: Policy, device):
+    def __init__(self, model, policy: ThroughputPolicy, device):
         """model: a MoETransformer in host memory (its layers are pinned on CUDA and never moved); the
         embedding, final norm and LM head are copied to `device`, the layers handled by LayerWeights."""
         self.host, self.policy, self.spec = model, policy, model.spec

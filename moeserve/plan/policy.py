@@ -13,7 +13,7 @@ from moeserve.errors import MoeserveError
 
 
 @dataclass(frozen=True)
-class Policy:
+class ThroughputPolicy:
     batch_size: int  # N: sequences decoded together
     micro_batch: int  # n: sequences per micro-batch (N is a multiple of n)
     attention_on_gpu: bool  # False: attention over the KV cache runs on the CPU (KV stays in host memory)

@@ -27,7 +27,7 @@ import numpy as np
 
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 from moeserve.spec import ModelSpec
 
 OPERATORS = ("pre_attention", "attention", "post_attention")
@@ -75,7 +75,7 @@ class Op:
 
 @dataclass(frozen=True)
 class Candidates:
-    """Policies as parallel arrays (field names as in Policy), for vectorised evaluation."""
+    """Policies as parallel arrays (field names as in ThroughputPolicy), for vectorised evaluation."""
     batch_size: np.ndarray
     micro_batch: np.ndarray
     attention_on_gpu: np.ndarray
@@ -84,15 +84,15 @@ class Candidates:
     kv_gpu_fraction: np.ndarray
 
     @classmethod
-    def of(cls, policies: list[Policy]) -> "Candidates":
+    def of(cls, policies: list[ThroughputPolicy]) -> "Candidates":
         return cls(**{f.name: np.array([getattr(p, f.name) for p in policies])
                       for f in dataclasses.fields(cls)})
 
     def __len__(self) -> int:
         return len(self.batch_size)
 
-    def policy(self, i: int) -> Policy:
-        return Policy(**{f.name: getattr(self, f.name)[i].item() for f in dataclasses.fields(self)})
+    def policy(self, i: int) -> ThroughputPolicy:
+        return ThroughputPolicy(**{f.name: getattr(self, f.name)[i].item() for f in dataclasses.fields(self)})
 
     @property
     def num_micro_batches(self) -> np.ndarray:
@@ -264,7 +264,7 @@ def turning_points(hw: HardwareProfile) -> dict[str, float]:
             "link_to_gpu_compute": r.gpu_flops / r.link, "balance": r.cpu_flops / r.link}
 
 
-def operator_table(spec: ModelSpec, wl: Workload, hw: HardwareProfile, policy: Policy) -> list[dict]:
+def operator_table(spec: ModelSpec, wl: Workload, hw: HardwareProfile, policy: ThroughputPolicy) -> list[dict]:
     """Decode operators of the most common layer kind under `policy`: per micro-batch FLOPs, bytes,
     intensities, attainable FLOP/s (the lowest of the three roofs) and the bound."""
     c, rates = Candidates.of([policy]), Rates.of(hw)
@@ -288,7 +288,7 @@ def operator_table(spec: ModelSpec, wl: Workload, hw: HardwareProfile, policy: P
 def plot_roofline(rows: list[dict], hw: HardwareProfile, path: str, title: str = "") -> None:
     """Hierarchical roofline (GPU compute and HBM roofs, CPU compute and DRAM roofs, link roof) with each
     operator at (its intensity against the roof that binds it, attainable FLOP/s): it sits on that roof."""
-    try:
+    try:  # matplotlib is optional (the `plot` extra)
         import matplotlib
 
         matplotlib.use("Agg")

@@ -15,7 +15,7 @@ import numpy as np
 
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile
-from moeserve.plan.policy import Policy
+from moeserve.plan.policy import ThroughputPolicy
 from moeserve.plan.roofline import (RESOURCES, Candidates, Rates, Workload, layer_kinds, layer_ops, throughput,
                                     value_at)
 from moeserve.spec import ModelSpec
@@ -97,7 +97,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
 
 @dataclass(frozen=True)
 class Plan:
-    policy: Policy
+    policy: ThroughputPolicy
     tokens_per_s: float  # generated tokens/s, prefill included
     decode_tokens_per_s: float
     step_s: float  # one decode step of all N sequences
@@ -137,7 +137,7 @@ def search(spec: ModelSpec, hw: HardwareProfile, wl: Workload, gpu_budget: float
     return _plan(c, perf, gpu, host, i, evaluated=len(c), feasible=int(fits.sum()), seconds=time.perf_counter() - t0)
 
 
-def evaluate(spec: ModelSpec, hw: HardwareProfile, wl: Workload, policy: Policy) -> Plan:
+def evaluate(spec: ModelSpec, hw: HardwareProfile, wl: Workload, policy: ThroughputPolicy) -> Plan:
     """The model's figures for one given policy (no memory check)."""
     c = Candidates.of([policy])
     return _plan(c, *evaluate_all(spec, hw, wl, c), 0, evaluated=1, feasible=1, seconds=0.0)

@@ -1,5 +1,5 @@
 """Compressed checkpoints: quantize every linear weight of a checkpoint (RTN, HQQ or MiLo), write it
-with a manifest, and rebuild a runnable model from it.
+with a manifest (quant/manifest.py reads it back into a runnable model).
 
 Work goes one layer at a time (peak memory about one layer), into `OUT.partial/`, one shard per
 layer; an interrupted run resumes from the finished shards, and OUT appears only when complete. Each
@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir, checkpoint_expert_sample,
@@ -27,18 +26,16 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
-from moeserve.quant.pack import planar_from_units
-from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
+from moeserve.loader import load_model
+from moeserve.model.transformer import MoETransformer
+from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
+from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import (TensorInfo, assign_ranks, clamp_ranks, expert_frequency, parse_rank_policy,
                                   weight_kurtosis)
 from moeserve.spec import ModelSpec
+from moeserve.tokenizer import load_tokenizer
 
-MANIFEST = "moeserve_quant.json"
-FORMAT = "moeserve-quant-3"  # 3: 3-bit rows word-planar (pack.py LAYOUT 3)
-UNITS_FORMAT = "moeserve-quant-2"  # the same but 3-bit rows unit after unit: made word-planar on load
-FIRST_FORMAT = "moeserve-quant-1"  # the same but 3-bit codes packed in order: not read at 3 bits
 METHODS = ("rtn", "hqq", "milo")
-KINDS = ("attention", "shared_expert", "dense_ffn", "expert")
 JOB_FILE = "job.json"  # in OUT.partial: the settings of the interrupted job
 SHARD_RECORD = "moeserve_source"  # safetensors metadata key of a shard: its source digest and ranks
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -161,13 +158,6 @@ def headers_fingerprint(path: Path) -> str:
             n = int.from_bytes(fh.read(8), "little")
             h.update(fh.read(n))
     return h.hexdigest()
-
-
-def refuse_quantized(path: Path, command: str) -> None:
-    """A moeserve quantized checkpoint cannot be the source of `command`: its weights are already low-bit."""
-    if (path / MANIFEST).is_file():
-        raise MoeserveError(f"{str(path)!r} is a moeserve quantized checkpoint (it has {MANIFEST}); {command} needs "
-                            f"the original checkpoint it was made from")
 
 
 def partial_dir(out: Path) -> Path:
@@ -334,8 +324,6 @@ def _quantize_layers(source: LayerSource, tensors: list[TensorInfo], num_layers:
 def _write_rest(reader: CheckpointReader, spec: ModelSpec, quantized_names: set[str], partial: Path) -> str:
     """Copy the tensors left in full precision (embeddings, norms, routers, skipped kinds); returns their digest."""
     with torch.device("meta"):
-        from moeserve.model.transformer import MoETransformer
-
         names = [n for n, _ in MoETransformer(spec).named_parameters()]
     rest = {name: read_tensor(reader, name, spec.family, spec.num_experts) for name in names
             if name.rsplit(".", 1)[0] not in quantized_names and not _in_quantized_experts(name, quantized_names)}
@@ -349,9 +337,6 @@ def _safetensors_bytes(path: Path) -> int:
 
 def frequency_from_text(src: str | Path, text: str, device, max_tokens: int = 32768) -> dict:
     """Expert routing counts of the float model reading `text` (for frequency rank policies)."""
-    from moeserve.loader import load_model
-    from moeserve.tokenizer import load_tokenizer
-
     model = load_model(src, device=device)
     ids = load_tokenizer(src, model.spec.bos_token_id).encode(text)[:max_tokens]
     return expert_frequency(model, ids)
@@ -380,77 +365,3 @@ def _finish(partial: Path, out: Path, src: Path, manifest: dict, force: bool) ->
                                 f"checkpoint; remove it or choose another output")
         shutil.rmtree(out)
     partial.rename(out)
-
-
-# ---- loading ---------------------------------------------------------------------------------
-
-
-def read_manifest(path: Path) -> dict | None:
-    f = path / MANIFEST
-    if not f.is_file():
-        return None
-    try:
-        manifest = json.loads(f.read_text())
-    except (OSError, ValueError) as e:  # a UnicodeDecodeError is a ValueError
-        raise MoeserveError(f"{f} is unreadable ({e}); quantize the source checkpoint again") from None
-    _check_manifest(f, manifest)
-    found = manifest.get("format")
-    if found == FIRST_FORMAT and 3 in (manifest.get("bits"), manifest.get("compensator_bits")):
-        raise MoeserveError(f"{path} holds 3-bit codes in the 3-bit layout of {FIRST_FORMAT}, which this moeserve "
-                            f"no longer reads (later formats pair the values for the GPU kernels); quantize the "
-                            f"source checkpoint again with `moeserve quantize`")
-    if found not in (FIRST_FORMAT, UNITS_FORMAT, FORMAT):
-        raise MoeserveError(f"{f} has format {found!r}; this moeserve reads {FORMAT!r} and the earlier "
-                            f"{UNITS_FORMAT!r} and {FIRST_FORMAT!r}")
-    return manifest
-
-
-def _check_manifest(f: Path, manifest) -> None:
-    """The fields install_quantized_modules reads are there and well-formed: a damaged manifest is named, once."""
-    problem = None
-    if not isinstance(manifest, dict):
-        problem = "it does not hold a JSON object"
-    else:
-        missing = [k for k in ("format", "bits", "group", "compensator_bits", "tensors") if k not in manifest]
-        tensors = manifest.get("tensors")
-        if missing:
-            problem = f"it lacks {', '.join(missing)}"
-        elif not isinstance(tensors, dict) or not all(
-                isinstance(t, dict) and t.get("kind") in KINDS and isinstance(t.get("rank"), int)
-                and isinstance(t.get("shape"), list) and len(t["shape"]) == 2 for t in tensors.values()):
-            problem = "its tensor list is malformed"
-    if problem:
-        raise MoeserveError(f"{f} is damaged ({problem}); quantize the source checkpoint again")
-
-
-def stored_to_current(manifest: dict | None, name: str, t: torch.Tensor) -> torch.Tensor:
-    """Tensor `name` as stored in a compressed checkpoint -> as this moeserve holds it. Format 2 stored 3-bit rows
-    (packed weights, INT3 compensator codes) unit after unit: a permutation makes them word-planar, so older
-    checkpoints load without quantizing again."""
-    if not manifest or manifest["format"] != UNITS_FORMAT:
-        return t
-    leaf = name.rsplit(".", 1)[1]  # a QuantizedLinear buffer (see milo.compensator_buffers for the comp_ names)
-    three_bit = ((leaf == "qweight" and manifest["bits"] == 3)
-                 or (leaf in ("comp_u_q", "comp_v_q") and manifest["compensator_bits"] == 3))
-    return planar_from_units(t) if three_bit else t
-
-
-def install_quantized_modules(model: nn.Module, manifest: dict) -> None:
-    """Replace the float modules the manifest names by empty QuantizedLinear / QuantizedExperts."""
-    cfg = dict(bits=manifest["bits"], group=manifest["group"], compensator_bits=manifest["compensator_bits"])
-    experts: dict[str, dict[str, list]] = {}
-    for name, t in manifest["tensors"].items():
-        out_f, in_f = t["shape"]
-        bias = getattr(model.get_submodule(name), "bias", None) is not None if t["kind"] != "expert" else False
-        q = QuantizedLinear(in_f, out_f, rank=t["rank"], bias=bias, **cfg)
-        if t["kind"] == "expert":
-            stack, proj, e = name.rsplit(".", 2)
-            experts.setdefault(stack, {"gate_up": [], "down": []})[proj].append((int(e), q))
-        else:
-            parent, leaf = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), leaf, q)
-    for stack, parts in experts.items():
-        parent, leaf = stack.rsplit(".", 1)
-        gate_up = [q for _, q in sorted(parts["gate_up"], key=lambda p: p[0])]
-        down = [q for _, q in sorted(parts["down"], key=lambda p: p[0])]
-        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down))

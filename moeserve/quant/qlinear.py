@@ -23,6 +23,8 @@ from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.quant.pack import pack, padded_length, unpack
 
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
+
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
 
 
@@ -172,7 +174,7 @@ class QuantizedExperts(LoopedExperts):
         if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)) or needs_grad(expert_weights):
             return super().forward(x, expert_ids, expert_weights)
         from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
-        from moeserve.kernels.triton.routing import gather_combine
+        from moeserve.kernels.triton.routing_table import gather_combine
 
         y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids, prepared_x=prepared_x)  # [k, D] fp32, slot order
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)

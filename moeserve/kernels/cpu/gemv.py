@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -95,6 +96,41 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
                         out_features=out, in_features=in_features, bits=bits, group=group)
 
 
+# ---- tuning: the register tile is measured with the kernel itself (tuning.py holds the model and the store)
+
+
+def search_tile(isa: str, in_features: int = 4096, out_features: int = 2048, repeats: int = 5) -> tuple[int, int]:
+    """Time each candidate tile (4-bit, 1 and 8 rows) and keep the one with the lowest summed time."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out_features, in_features // 64, generator=g) * 0.01
+    zero = torch.rand(out_features, in_features // 64, generator=g) * 15
+    timings = {}
+    for rows, vectors in tuning.register_tiles(isa):
+        kernel = CpuKernel(isa, 4, rows, vectors)
+        packed = pack_for_cpu(codes, scale, zero, 4, 64, kernel)
+        total = 0.0
+        for m in (1, 8):
+            x = torch.randn(m, in_features, generator=g)
+            kernel(x, packed)  # warm
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                kernel(x, packed)
+                best = min(best, time.perf_counter() - t)
+            total += best
+        timings[f"{rows}x{vectors}"] = round(total * 1e3, 4)
+    best = min(timings, key=timings.get)
+    tile = tuple(int(v) for v in best.split("x"))
+    tuning.store_tile(isa, tile, timings)
+    return tile
+
+
+def tile_for(isa: str) -> tuple[int, int]:
+    """The stored tile for this CPU model and ISA, measuring it the first time."""
+    return tuning.stored_tile(isa) or search_tile(isa)
+
+
 @functools.cache
 def default_kernel(bits: int) -> CpuKernel | None:
     """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning."""
@@ -102,7 +138,7 @@ def default_kernel(bits: int) -> CpuKernel | None:
         return None
     isa = cpu_info().isas[0]
     try:
-        return CpuKernel(isa, bits, *tuning.tile_for(isa))
+        return CpuKernel(isa, bits, *tile_for(isa))
     except (build.CompilerUnavailable, OSError) as e:
         _warn_once(str(e))
         return None

@@ -1,5 +1,6 @@
 """Performance model for the CPU kernels (QIGen): register tile from the register count, measured among
-a few candidates once per CPU model, and the input block from the L1 size.
+a few candidates once per CPU model (the measuring, `gemv.search_tile`, lives with the kernel it times),
+and the input block from the L1 size.
 
 Register tile (m_u rows x t_u output vectors): m_u broadcasts of x, t_u weight vectors and two
 accumulator sets (per group and total, for the s_g (<x,q> - z <x,1>) factorisation) must fit:
@@ -14,9 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-
-import torch
 
 from moeserve.kernels.cpu.build import cache_dir
 from moeserve.kernels.cpu.machine import ISAS, cpu_info
@@ -63,37 +61,3 @@ def store_tile(isa: str, tile: tuple[int, int], timings: dict) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-
-
-def search_tile(isa: str, in_features: int = 4096, out_features: int = 2048, repeats: int = 5) -> tuple[int, int]:
-    """Time each candidate tile (4-bit, 1 and 8 rows) and keep the one with the lowest summed time."""
-    from moeserve.kernels.cpu.gemv import CpuKernel, pack_for_cpu
-
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
-    scale = torch.rand(out_features, in_features // 64, generator=g) * 0.01
-    zero = torch.rand(out_features, in_features // 64, generator=g) * 15
-    timings = {}
-    for rows, vectors in register_tiles(isa):
-        kernel = CpuKernel(isa, 4, rows, vectors)
-        packed = pack_for_cpu(codes, scale, zero, 4, 64, kernel)
-        total = 0.0
-        for m in (1, 8):
-            x = torch.randn(m, in_features, generator=g)
-            kernel(x, packed)  # warm
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                kernel(x, packed)
-                best = min(best, time.perf_counter() - t)
-            total += best
-        timings[f"{rows}x{vectors}"] = round(total * 1e3, 4)
-    best = min(timings, key=timings.get)
-    tile = tuple(int(v) for v in best.split("x"))
-    store_tile(isa, tile, timings)
-    return tile
-
-
-def tile_for(isa: str) -> tuple[int, int]:
-    """The stored tile for this CPU model and ISA, measuring it the first time."""
-    return stored_tile(isa) or search_tile(isa)

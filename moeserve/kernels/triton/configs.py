@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT = {"gate_up": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
            "down": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)}
@@ -19,8 +21,6 @@ DEFAULT_TILES = {"gate_up": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=64, BLOCK
 @functools.cache
 def gpu_name(index: int) -> str:
     """Cached: asking CUDA for the name costs tens of microseconds, too much for every MoE layer."""
-    import torch
-
     return torch.cuda.get_device_name(index)
 
 

@@ -221,7 +221,7 @@ def launch_tiles(part: str, a, w, out, table: RoutingTable, cfg: dict) -> None:
         raise ValueError(f"the tile kernels read contiguous expert weights, got strides {w.stride()}")
     tma = bool(cfg.get("TMA", 0))
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # TMA only; not in every Triton
 
         a, w = TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, K), [bn, bk])
     kernel[tiles_grid(cfg, out.shape[0], E, N)](

@@ -29,10 +29,12 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
-from moeserve.kernels.triton.lowbit_linear import (_SLOTS, Preparation, _expert_rows, _group_cols, _low_rank, _sums,
-                                                   _tile, _tile_rows, _x_steps, check_activation, check_weight,
-                                                   kernel_inputs, launch, low_rank_args, route_args, routed_tokens,
-                                                   tile_constexprs, values_per_column)
+from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
+from moeserve.kernels.triton.lowbit_linear import (Preparation, ROUTE_SLOTS, check_activation, check_weight,
+                                                   expert_rows, gemv_step, group_cols, kernel_inputs, launch,
+                                                   low_rank_args, low_rank_tile, route_args, routed_tokens,
+                                                   tile_constexprs, tile_product, tile_rows, values_per_column,
+                                                   x_step_ptrs)
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch, hopper
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.swiglu import silu_mul
@@ -77,33 +79,33 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, r
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < F
-    start, end, e, match, rank = _expert_rows(route_a, route_b, M, ROUTE, BLOCK_M, NSLOTS)
+    start, end, e, match, rank = expert_rows(route_a, route_b, M, ROUTE, BLOCK_M, NSLOTS)
     w_base = w_ptr + e * 2 * F * words_per_row  # expert e: [2F, words]
     s_base, z_base = s_ptr + e * 2 * F * groups_per_row, z_ptr + e * 2 * F * groups_per_row
     steps = tl.cdiv(K, BLOCK_K)
     for row0 in range(start, end, BLOCK_M):
-        rows, r_mask = _tile_rows(row0, end, match, rank, ROUTE, BLOCK_M, NSLOTS)  # rows of h
-        x_rows = rows // top_k if ROUTE >= _SLOTS else rows  # slot order: slot t * k + j reads token t
+        rows, r_mask = tile_rows(row0, end, match, rank, ROUTE, BLOCK_M, NSLOTS)  # rows of h
+        x_rows = rows // top_k if ROUTE >= ROUTE_SLOTS else rows  # slot order: slot t * k + j reads token t
         lr_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         lr_u = lr_g
         if HAS_LR:  # before the weight stream (lowbit_linear.py's docstring says why)
             lr_base, xv_e = u_ptr + e * 2 * F * R, xv_ptr + e * R
-            lr_g = _low_rank(lr_base, xv_e, xv_stride, offs_n, n_mask, x_rows, r_mask, R, USE_DOT, PRECISION,
-                             BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
-            lr_u = _low_rank(lr_base, xv_e, xv_stride, F + offs_n, n_mask, x_rows, r_mask, R, USE_DOT, PRECISION,
-                             BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+            lr_g = low_rank_tile(lr_base, xv_e, xv_stride, offs_n, n_mask, x_rows, r_mask, R, USE_DOT, PRECISION,
+                                 BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+            lr_u = low_rank_tile(lr_base, xv_e, xv_stride, F + offs_n, n_mask, x_rows, r_mask, R, USE_DOT, PRECISION,
+                                 BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
         if PAIRED:  # one pipeline over the gate rows and their up rows: [2 BLOCK_N, BLOCK_M] -> g, u
-            gu = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
-                       groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, 2 * BLOCK_N, BLOCK_M, C, VPC, AHEAD,
-                       SUB, PIPE, HALF, INTERPRET, PAIRED=True)
+            gu = tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
+                              groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, 2 * BLOCK_N, BLOCK_M, C, VPC,
+                              AHEAD, SUB, PIPE, HALF, INTERPRET, PAIRED=True)
             g, u = tl.split(tl.permute(tl.reshape(gu, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))  # [BLOCK_N, BLOCK_M] each
         else:  # the gate rows, then the up rows
-            g = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
-                      groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET)
-            u = _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K, words_per_row,
-                      groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                      PIPE, HALF, INTERPRET)
+            g = tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
+                             groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD,
+                             SUB, PIPE, HALF, INTERPRET)
+            u = tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K, words_per_row,
+                             groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD,
+                             SUB, PIPE, HALF, INTERPRET)
         h = silu_mul(g + lr_g, u + lr_u)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
@@ -130,7 +132,7 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, row, n0, step0, step
               STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Row x_row of prepared x (xw_ptr: prepare_x, `steps` steps a row) times two blocks of ROWS weight rows at
     (row, n0) (_tma_block; PAIRS: gate rows and their up rows) over steps [step0, step1): a pair of [ROWS] fp32 sums
-    (_sums, x loaded once for both). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in
+    (gemv_step, x loaded once for both). The words [.., words] and scales/zeros [.., groups] come by TMA descriptors in
     boxes of both blocks' G * CPG words or G groups, STAGES deep in shared memory: a load per 3-bit plane (`plane`
     words apart: a step's 96 words are no power of two, its 32 words of a plane are) and one each for scales and
     zeros; rows and steps past the tensors read zeros (a 3-bit step past a plane's end reads the next plane's words:
@@ -140,7 +142,7 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, row, n0, step0, step
     CPS: tl.constexpr = G * CPG
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1
     xw_row = xw_ptr + x_row * steps * (XSLOTS * CPS)  # int32: a slot of one token; ints where Triton specializes 1
-    col = _group_cols(tl.arange(0, G), CPG)
+    col = group_cols(tl.arange(0, G), CPG)
     acc = (tl.zeros((ROWS, G, CPG), dtype=tl.float32), tl.zeros((ROWS, G, CPG), dtype=tl.float32))
     for step in tl.range(step0, step1, num_stages=STAGES):
         planes = ()
@@ -156,19 +158,19 @@ def _tma_gemv(xw_ptr, x_row, steps, w_desc, s_desc, z_desc, row, n0, step0, step
                 block = block + (planes[p][j],)
             words = words + (block,)
             scales = scales + ((s[j], z[j]),)
-        acc = _sums(acc, words, scales, _x_steps((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
-                    2, 1, HALF, INTERPRET)
+        acc = gemv_step(acc, words, scales, x_step_ptrs((xw_row,), step, XSLOTS, CPS, 1), col, exp_bits, BITS, VPC, CPS,
+                        2, 1, HALF, INTERPRET)
     return tl.sum(tl.sum(acc[0], axis=2), axis=1), tl.sum(tl.sum(acc[1], axis=2), axis=1)
 
 
 @triton.jit
 def _one_row_low_rank(u_ptr, xv_ptr, xv_stride, e, rows_per_expert, offs, n_mask, x_row, R, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
-    """(x V^T) U^T of expert e for outputs offs [BLOCK_N] of one row x_row of x: [BLOCK_N] fp32 (_low_rank on CUDA
+    """(x V^T) U^T of expert e for outputs offs [BLOCK_N] of one row x_row of x: [BLOCK_N] fp32 (low_rank_tile on CUDA
     cores; U stacked [E, rows_per_expert, R], x V_all^T [rows, E * R])."""
-    lr = _low_rank(u_ptr + e.to(tl.int64) * rows_per_expert * R, xv_ptr + e * R, xv_stride, offs, n_mask,
-                   tl.full((1,), 0, tl.int32) + x_row, tl.full((1,), True, tl.int1), R, False, "ieee", BLOCK_N, 1,
-                   BLOCK_R, INTERPRET)  # [BLOCK_N, 1]
+    lr = low_rank_tile(u_ptr + e.to(tl.int64) * rows_per_expert * R, xv_ptr + e * R, xv_stride, offs, n_mask,
+                       tl.full((1,), 0, tl.int32) + x_row, tl.full((1,), True, tl.int1), R, False, "ieee", BLOCK_N, 1,
+                       BLOCK_R, INTERPRET)  # [BLOCK_N, 1]
     return tl.reshape(lr, (BLOCK_N,))
 
 
@@ -256,7 +258,7 @@ def tma_descriptors(p: StackedLowbit, cfg: dict, pairs: bool) -> tuple:
     """TMA descriptors (_tma_block) of the stacked words [E * N, words] in [2 BLOCK_N, step_columns] blocks and of the
     scales and zeros [E * N, groups] in [2 BLOCK_N, BLOCK_K / group]; pairs (gate_up): 3-D, [E * 2, N / 2, ..] in
     [2, BLOCK_N, ..] blocks (BLOCK_N gate rows and their up rows)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor  # TMA only; not in every Triton
 
     E, N, _ = p.qweight.shape
     bn = cfg["BLOCK_N"]
@@ -333,8 +335,6 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
 
 def experts_config(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, tokens: int, top_k: int) -> dict:
     """The launch configs ({"gate_up": cfg, "down": cfg}) for `tokens` tokens on x's device (configs.py)."""
-    from moeserve.kernels.triton.configs import gpu_name, lowbit_moe_config
-
     name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
     E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
     return lowbit_moe_config(name, gate_up.bits, E, D, two_f // 2, tokens, top_k,

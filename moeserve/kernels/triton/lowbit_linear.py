@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import triton_interpreting
+from moeserve.kernels.triton.configs import gpu_name, lowbit_config
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 from moeserve.kernels.triton.skinny import low_rank_input
 
@@ -233,7 +234,7 @@ def _code_tile(words, exp2, dtype: tl.constexpr, BITS: tl.constexpr, VPC: tl.con
 
 
 @triton.jit
-def _group_cols(g, CPG: tl.constexpr):
+def group_cols(g, CPG: tl.constexpr):
     """The columns of groups g [G]: [G, CPG]."""
     return g[:, None] * CPG + tl.arange(0, CPG)[None, :]
 
@@ -253,7 +254,7 @@ def _word_loads(tiles, plane, step, last, G: tl.constexpr, CPG: tl.constexpr, BI
     groups = _step_groups(step, last, G)  # [G]
     out = ()
     for j in tl.static_range(SUB):
-        ptr = tiles[j][0][:, None, None] + _group_cols(groups, CPG)[None, :, :]  # [ROWS, G, CPG]
+        ptr = tiles[j][0][:, None, None] + group_cols(groups, CPG)[None, :, :]  # [ROWS, G, CPG]
         if BITS == 3:
             out = out + ((tl.load(ptr), tl.load(ptr + plane), tl.load(ptr + 2 * plane)),)
         else:
@@ -368,7 +369,7 @@ def _half_step_sums(acc, units, scales, x_steps, col, exp2, BITS: tl.constexpr, 
 
 
 @triton.jit
-def _x_steps(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.constexpr):
+def x_step_ptrs(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.constexpr):
     """This step's prepared x of each of the M rows: a tuple of M pointers."""
     x_steps = ()
     for m in tl.static_range(M):
@@ -377,8 +378,8 @@ def _x_steps(x_rows, step, XSLOTS: tl.constexpr, CPS: tl.constexpr, M: tl.conste
 
 
 @triton.jit
-def _sums(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
-          SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+def gemv_step(acc, words, scales, x_steps, col, exp, BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr,
+              SUB: tl.constexpr, M: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
     """One step of the GEMV (words: each sub-tile's stored words): on fp16 pairs (HALF) or in fp32."""
     units = ()
     for j in tl.static_range(SUB):
@@ -429,7 +430,7 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
     ROWS: tl.constexpr = BLOCK_N // SUB
     CPS: tl.constexpr = G * CPG  # columns per step
     XSLOTS: tl.constexpr = VPC // 2 + 2 if HALF else VPC + 1  # prepared x per column and step (x_slots)
-    col = _group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
+    col = group_cols(tl.arange(0, G), CPG)  # [G, CPG] columns within a step
     last = groups_per_row - 1
     tiles = _sub_tiles(w_base, n0, n_end, words_per_row, groups_per_row, ROWS, SUB, PAIRED)
     plane = _plane(words_per_row, CPG)  # 3 bits
@@ -446,8 +447,8 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
             words = _word_loads(tiles, plane, step, last, G, CPG, BITS, SUB)
             cur = scales
             scales = _scale_loads(tiles, s_ptr, z_ptr, step + 1, last, G, SUB)
-            acc = _sums(acc, words, cur, _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB, M,
-                        HALF, INTERPRET)
+            acc = gemv_step(acc, words, cur, x_step_ptrs(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS,
+                            SUB, M, HALF, INTERPRET)
     else:
         nxt = _step_loads(tiles, plane, s_ptr, z_ptr, step0, last, G, CPG, BITS, SUB)
         if AHEAD == 2:
@@ -459,8 +460,8 @@ def _gemv(xw_ptr, x_rows, w_base, s_ptr, z_ptr, n0, n_end, step0, step1, steps, 
                 nxt, nxt2 = nxt2, fresh
             else:
                 nxt = fresh
-            acc = _sums(acc, cur[0], cur[1], _x_steps(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC, CPS, SUB,
-                        M, HALF, INTERPRET)
+            acc = gemv_step(acc, cur[0], cur[1], x_step_ptrs(x_row_ptrs, step, XSLOTS, CPS, M), col, exp, BITS, VPC,
+                            CPS, SUB, M, HALF, INTERPRET)
     outs = ()
     for m in tl.static_range(M):
         parts = ()
@@ -589,9 +590,9 @@ def _dot(x_ptr, x_rows, r_mask, row_ptr, grp_ptr, s_ptr, z_ptr, n_mask, step0, s
 
 
 @triton.jit
-def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-              INTERPRET: tl.constexpr):
+def low_rank_tile(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """(x V^T) U^T for these outputs and rows: U [N, R] (rows of u_ptr), xv [rows, R] (rows xv_stride apart: the MoE
     kernels read their expert's R columns of x V_all^T [rows, E * R]) -> [BLOCK_N, BLOCK_M] fp32."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -610,12 +611,12 @@ def _low_rank(u_ptr, xv_ptr, xv_stride, offs_n, n_mask, rows, r_mask, R, USE_DOT
 
 
 @triton.jit
-def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row, groups_per_row, exp,
-          BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr, VPC: tl.constexpr, AHEAD: tl.constexpr,
-          SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
-          PAIRED: tl.constexpr = False):
-    """Rows x_rows [BLOCK_M] of x (_tile_rows) times BLOCK_N weight rows from n0 (_weight_rows: rows [n0, n_end), or
+def tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1, K, words_per_row,
+                 groups_per_row, exp, BITS: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr,
+                 VPC: tl.constexpr, AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
+                 INTERPRET: tl.constexpr, PAIRED: tl.constexpr = False):
+    """Rows x_rows [BLOCK_M] of x (tile_rows) times BLOCK_N weight rows from n0 (_weight_rows: rows [n0, n_end), or
     PAIRED, BLOCK_N / 2 gate rows then their up rows): acc [BLOCK_N, BLOCK_M] fp32."""
     if USE_DOT:
         n, n_mask = _weight_rows(n0, n_end, tl.arange(0, BLOCK_N), BLOCK_N, PAIRED)
@@ -629,15 +630,15 @@ def _tile(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, n_end, step0, step1
     return acc
 
 
-DENSE, SORTED, SLOTS, SLOT_PROGRAMS = 0, 1, 2, 3  # how a kernel finds its rows (ROUTE): see _expert_rows
-_DENSE, _SORTED, _SLOTS, _SLOT_PROGRAMS = (tl.constexpr(DENSE), tl.constexpr(SORTED), tl.constexpr(SLOTS),
-                                           tl.constexpr(SLOT_PROGRAMS))  # the same, for kernels
+DENSE, SORTED, SLOTS, SLOT_PROGRAMS = 0, 1, 2, 3  # how a kernel finds its rows (ROUTE): see expert_rows
+ROUTE_DENSE, ROUTE_SORTED, ROUTE_SLOTS, ROUTE_SLOT_PROGRAMS = (  # the same, for kernels
+    tl.constexpr(DENSE), tl.constexpr(SORTED), tl.constexpr(SLOTS), tl.constexpr(SLOT_PROGRAMS))
 
 
 @triton.jit
-def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
+def expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
     """This program's rows (grid axis 2) as (start, end, expert, match, rank); its tiles are rows [start, end) in
-    BLOCK_M steps (_tile_rows).
+    BLOCK_M steps (tile_rows).
     DENSE: block pid of the M rows of x. SORTED: expert pid's rows of expert-sorted x (route_a/b = the routing table's
     end offsets and counts). Slot order (ROUTE >= SLOTS; slot t * k + j: token t's j-th expert), route_a = the M flat
     expert ids [T*k] (NSLOTS >= M): match/rank [NSLOTS] say which slots are the program's expert's and their order
@@ -648,9 +649,9 @@ def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr
     s = tl.arange(0, NSLOTS)
     match, rank = s < 0, s
     e = pid.to(tl.int64)
-    if ROUTE >= _SLOTS:
+    if ROUTE >= ROUTE_SLOTS:
         ids = tl.load(route_a + s, mask=s < M, other=-1)  # [NSLOTS]
-        if ROUTE == _SLOT_PROGRAMS:
+        if ROUTE == ROUTE_SLOT_PROGRAMS:
             e = tl.load(route_a + pid).to(tl.int64)
             match = ids == e
             match = match & (tl.min(tl.where(match, s, NSLOTS), axis=0) == pid)  # the expert's first slot only
@@ -659,10 +660,10 @@ def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr
         hit = match.to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit  # [NSLOTS] place among the expert's slots
         start, end = 0, tl.sum(hit, axis=0)
-    if ROUTE == _SORTED:
+    if ROUTE == ROUTE_SORTED:
         end = tl.load(route_a + pid)
         start = end - tl.load(route_b + pid)
-    if ROUTE == _DENSE:
+    if ROUTE == ROUTE_DENSE:
         start = pid * BLOCK_M
         end = tl.minimum(start + BLOCK_M, M)
         e = e * 0
@@ -670,12 +671,12 @@ def _expert_rows(route_a, route_b, M, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
-    """Tile rows [row0, row0 + BLOCK_M) of _expert_rows -> (their rows [BLOCK_M], in range [BLOCK_M]); rows past the
+def tile_rows(row0, end, match, rank, ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, NSLOTS: tl.constexpr):
+    """Tile rows [row0, row0 + BLOCK_M) of expert_rows -> (their rows [BLOCK_M], in range [BLOCK_M]); rows past the
     end repeat a real one. SLOTS: the slots of ranks row0 .. row0 + BLOCK_M - 1."""
     r = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     r_mask = r < end
-    if ROUTE >= _SLOTS:
+    if ROUTE >= ROUTE_SLOTS:
         hit = match[None, :] & (rank[None, :] == tl.minimum(r, end - 1)[:, None])  # [BLOCK_M, NSLOTS]
         rows = tl.sum(tl.where(hit, tl.arange(0, NSLOTS)[None, :], 0), axis=1)
     else:
@@ -697,20 +698,20 @@ def _lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, ro
     C: tl.constexpr = BLOCK_K // VPC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    start, end, e, match, rank = _expert_rows(route_a, route_b, M, ROUTE, BLOCK_M, NSLOTS)
+    start, end, e, match, rank = expert_rows(route_a, route_b, M, ROUTE, BLOCK_M, NSLOTS)
     step0 = tl.program_id(1) * steps_per_split
     step1 = tl.minimum(step0 + steps_per_split, tl.cdiv(K, BLOCK_K))
     for row0 in range(start, end, BLOCK_M):  # an expert's rows, BLOCK_M at a time (a loop: no host sync)
-        rows, r_mask = _tile_rows(row0, end, match, rank, ROUTE, BLOCK_M, NSLOTS)
+        rows, r_mask = tile_rows(row0, end, match, rank, ROUTE, BLOCK_M, NSLOTS)
         lr = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if HAS_LR:  # before the weight stream (see the module docstring)
             if tl.program_id(1) == 0:
-                lr = _low_rank(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
-                               USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
-        acc = _tile(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
-                    z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K, words_per_row,
-                    groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD, SUB,
-                    PIPE, HALF, INTERPRET) + lr
+                lr = low_rank_tile(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
+                                   USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+        acc = tile_product(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
+                           z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
+                           words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
+                           C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET) + lr
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
@@ -899,7 +900,7 @@ def kernel_inputs(x: torch.Tensor, tile: dict, fill: torch.Tensor | None = None,
 @dataclass(frozen=True)
 class Preparation:
     """How the CUDA-core kernels want x prepared (prepare_x's layout): packed width, inputs per step, fp16 pairs.
-    Another kernel that reads x anyway can write it (kernels/triton/router.py), one launch fewer."""
+    Another kernel that reads x anyway can write it (kernels/triton/topk_router.py), one launch fewer."""
 
     bits: int
     block_k: int
@@ -954,7 +955,7 @@ def prepare_warps(columns: int) -> int:
 
 
 def tile_constexprs(cfg: dict, bits: int, group: int, rows: int, dtype: torch.dtype, has_lr: bool) -> dict:
-    """The compile-time arguments _tile takes (and the launch options) for a config and up to `rows` rows per
+    """The compile-time arguments tile_product takes (and the launch options) for a config and up to `rows` rows per
     program: shared by the dense/down kernel and the MoE gate/up kernel."""
     use_dot, block_m, block_k = blocks(bits, group, rows, cfg)
     pipelined_dot = use_dot and cfg.get("PIPE", 0) > 0  # _dot's PIPE: dequantized tiles of whole groups
@@ -978,7 +979,7 @@ def routed_tokens(routing) -> int:
 
 
 def route_args(routing, rows: int, placeholder: torch.Tensor, programs: int) -> dict:
-    """The kernels' row arguments (_expert_rows) and grid axis 2 (`programs`: the experts, or the row blocks of a
+    """The kernels' row arguments (expert_rows) and grid axis 2 (`programs`: the experts, or the row blocks of a
     dense matmul) for a routing: None (dense, `rows` rows), a RoutingTable (sorted rows: its end offsets and counts) or
     expert ids [T, k] (slot order: the T*k flat ids; a program per slot where there are no more slots than
     experts)."""
@@ -1039,8 +1040,6 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
     in x's dtype (x V^T is a tiny matmul here, U^T is applied in the kernel's epilogue)."""
     check_activation(x, in_features)
     check_weight(qweight, scale, zero, bits, group, in_features)
-    from moeserve.kernels.triton.configs import gpu_name, lowbit_config
-
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()  # [M, K]
     M, N = x2.shape[0], qweight.shape[0]
