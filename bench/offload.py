@@ -40,7 +40,7 @@ from common import add_run_args, result_record, run_device, sync, write_result  
 
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
-from moeserve.loader import _is_routed_expert, _set_tensor, load_model  # noqa: E402
+from moeserve.loader import is_routed_expert, set_tensor, load_model  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
 from moeserve.offload.budget import kv_cache_bytes, plan_slots  # noqa: E402
@@ -76,11 +76,11 @@ def dense_model(spec: ModelSpec, device, dtype) -> MoETransformer:
         model = MoETransformer(spec)
     g = torch.Generator(device).manual_seed(0)
     for name, p in list(model.named_parameters()):
-        if _is_routed_expert(name):
+        if is_routed_expert(name):
             continue
         t = (torch.ones(p.shape, device=device, dtype=dtype) if "norm" in name
              else torch.randn(p.shape, device=device, dtype=dtype, generator=g) * STD)
-        _set_tensor(model, name, t, False)
+        set_tensor(model, name, t, False)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
 
@@ -89,7 +89,7 @@ def dense_bytes(spec: ModelSpec, dtype) -> int:
     """Bytes of the weights that stay on the GPU (all but the routed experts)."""
     with torch.device("meta"):
         model = MoETransformer(spec)
-    return sum(p.numel() for n, p in model.named_parameters() if not _is_routed_expert(n)) * dtype.itemsize
+    return sum(p.numel() for n, p in model.named_parameters() if not is_routed_expert(n)) * dtype.itemsize
 
 
 def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64) -> ExpertStore:

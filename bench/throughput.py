@@ -45,7 +45,7 @@ from offload import MIXTRAL, QUICK, STD, model_spec  # noqa: E402
 
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
 from moeserve.errors import MoeserveError  # noqa: E402
-from moeserve.loader import _set_tensor  # noqa: E402
+from moeserve.loader import set_tensor  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
 from moeserve.plan.batch import HOST_SHARE, policy_for_budget  # noqa: E402
@@ -77,7 +77,7 @@ def host_model(spec, distinct: int, dtype, cuda: bool) -> MoETransformer:
             t = (torch.ones(p.shape, dtype=dtype) if "norm" in name
                  else (torch.randn(p.shape, device=gen_device, dtype=dtype, generator=g) * STD).cpu())
             tensors[key] = t.pin_memory() if cuda else t
-        _set_tensor(model, name, tensors[key], False)
+        set_tensor(model, name, tensors[key], False)
     model.rotary = RotaryEmbedding(spec)
     return model.eval()
 

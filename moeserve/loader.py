@@ -44,7 +44,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
+def set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool) -> None:
     """A Parameter is set as it is, so that the names of a tied tensor keep sharing one."""
     *path, leaf = name.split(".")
     module = model.get_submodule(".".join(path))
@@ -107,7 +107,7 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
             t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
             t = t if is_buffer else nn.Parameter(t, requires_grad=False)
             for alias in names:
-                _set_tensor(model, alias, t, is_buffer)
+                set_tensor(model, alias, t, is_buffer)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
 

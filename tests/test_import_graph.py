@@ -150,6 +150,17 @@ def test_no_private_names_across_files():
     assert not problems, "private names imported across files:\n  " + "\n  ".join(problems)
 
 
+def test_scripts_and_tests_use_public_names():
+    """bench/ and tests/ drive the package from outside: they get its public names only."""
+    problems = []
+    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "tests").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+                problems += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: from {node.module} import {a.name}"
+                             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not problems, "private names imported from moeserve:\n  " + "\n  ".join(problems)
+
+
 def test_graph_sees_function_level_and_submodule_imports():
     """Sanity checks on the walker itself, so a passing test means something."""
     modules = _modules()
