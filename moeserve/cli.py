@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from moeserve import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
@@ -19,7 +20,7 @@ from moeserve.units import format_bytes, parse_bytes
 # Each command imports what it runs inside its own function: modules that load torch stay out of start-up, so
 # `moeserve --help` and argument errors answer at once (tests/test_cli_inputs.py checks that torch is not imported).
 
-DEMO_DIR = Path(__file__).parent / "demo"
+DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
 
