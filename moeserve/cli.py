@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Describe a checkpoint without loading its weights.")
     i.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--explain", action="store_true",
+                   help="load the model and print which execution path (kernel) each layer takes on this machine for "
+                        "calls of --tokens tokens: attention projections, router, experts, dense FFN")
+    i.add_argument("--tokens", default="1,8,512", metavar="LIST",
+                   help="with --explain: comma-separated token counts per call to explain (default 1,8,512: decode, "
+                        "batch decode, a prefill chunk)")
+    i.add_argument("--device", default="auto", help="with --explain: cpu, cuda, cuda:N or auto (default auto)")
+    i.add_argument("--dtype", default="auto", help="with --explain: float32, bfloat16, float16 or auto (default)")
 
     e = sub.add_parser("eval", help="evaluate a model (perplexity)", description="Evaluate a model.")
     esub = e.add_subparsers(dest="metric", metavar="METRIC", required=True)
@@ -534,7 +542,12 @@ def cmd_offload_prepare(args) -> int:
 def cmd_info(args) -> int:
     from moeserve.spec import ModelSpec
 
+    tokens = _token_counts(args.tokens)
+    if not args.explain and (args.tokens != "1,8,512" or args.device != "auto" or args.dtype != "auto"):
+        raise MoeserveError("--tokens, --device and --dtype describe --explain; add --explain")
     spec = ModelSpec.from_dir(args.model)
+    if args.explain:
+        return _explain(args, tokens)
     counts = spec.parameter_counts()
     memory = {name: counts["total"] * bits / 8 for name, bits in (("float32", 32), ("bfloat16", 16), ("int8", 8),
                                                                    ("int4", 4), ("int3", 3))}
@@ -556,6 +569,61 @@ def cmd_info(args) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise MoeserveError(f"--tokens must be positive integers separated by commas, got {text!r}")
+    return counts
+
+
+def _explain(args, tokens: tuple[int, ...]) -> int:
+    """Print the execution path of every layer for calls of each token count (model/paths.py)."""
+    import torch
+
+    import moeserve
+    from moeserve.engine.cuda_graph import graph_safe
+    from moeserve.model.paths import EXPERT_PATHS, LINEAR_PATHS, ROUTER_PATHS, explain
+
+    model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True)
+    layers = explain(model, tokens)
+    where = str(model.device) + (f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else "")
+    graphs = {t: graph_safe(model, t) for t in tokens}
+    dtype = str(model.dtype).removeprefix("torch.")
+    if args.json:
+        print(json.dumps({"device": where, "dtype": dtype, "cuda_graph_decode": graphs,
+                          "layers": [dataclasses.asdict(p) for p in layers]}, indent=2))
+        return 0
+    print(f"execution paths on {where}, {dtype}; decode step as a CUDA graph: "
+          + ", ".join(f"batch {t} {'yes' if ok else 'no'}" for t, ok in graphs.items()))
+    header = ("layers", "tokens", "attention q/k/v", "router", "experts", "dense FFN / shared")
+    rows, used = [], set()
+    groups: list[list] = []  # consecutive layers with the same paths: [first, last, LayerPaths]
+    for p in layers:
+        if groups and groups[-1][2].row() == p.row():
+            groups[-1][1] = p.layer
+        else:
+            groups.append([p.layer, p.layer, p])
+    for first, last, p in groups:
+        for n, t in enumerate(tokens):
+            cells = [d[t] if d is not None else "-" for d in (p.attention, p.router, p.experts, p.ffn)]
+            used.update(c for c in cells if c != "-")
+            name = (str(first) if first == last else f"{first}-{last}") if n == 0 else ""
+            rows.append((name, str(t), *cells))
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print()
+    for table in (LINEAR_PATHS, ROUTER_PATHS, EXPERT_PATHS):
+        for name, what in table.items():
+            if name in used:
+                print(f"{name}: {what}")
+                used.discard(name)
     return 0
 
 
@@ -866,6 +934,18 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def _configure_logging(level: str) -> None:
+    """MOESERVE_LOG=debug|info|warning: log records of moeserve's modules on stderr (debug: each layer's path)."""
+    if not level:
+        return
+    import logging
+
+    if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise MoeserveError(f"MOESERVE_LOG must be debug, info, warning or error, got {level!r}")
+    logging.basicConfig(format="moeserve: %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("moeserve").setLevel(level.upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
@@ -873,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
                "plan": cmd_plan}[args.command]
     status = 1
     try:
+        _configure_logging(os.environ.get("MOESERVE_LOG", ""))
         status = command(args)
         return status
     except MoeserveError as e:

@@ -10,6 +10,7 @@ from conftest import FAMILIES
 from moeserve.cli import DEMO_DIR
 from moeserve.engine import generate as generate_mod
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
+from moeserve.model.paths import GRAPH_SAFE
 from moeserve.engine.generate import generate, left_padded
 from moeserve.engine.sampling import SamplingParams
 from moeserve.model.kv_cache import KVCache
@@ -72,7 +73,7 @@ def test_graph_safe_needs_cuda_and_sync_free_experts(hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], dtype=torch.float32)
     assert not graph_safe(model, 1)  # CPU: the expert loop reads routing counts on the host
     x = torch.empty(1, model.spec.hidden_size)
-    assert not model.model.layers[0].mlp.experts.graph_safe(x)
+    assert model.model.layers[0].mlp.experts.kernel_path(x, 1) == "loop" and "loop" not in GRAPH_SAFE
 
 
 def test_static_step_refuses_a_full_cache(hf_checkpoints):

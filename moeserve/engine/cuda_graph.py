@@ -3,8 +3,8 @@
 At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
 launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
 fixed shapes that never reads the device from the host: the static decode step over a KV cache (write
-slot and masks on the device), and expert backends that say `graph_safe` (resident experts on the fused
-Triton or grouped-GEMM paths; not the CPU loop, nor offloading, which read routing on the host).
+slot and masks on the device), and expert paths in model/paths.py GRAPH_SAFE (the fused Triton and
+grouped-GEMM paths; not the CPU loop, nor offloading, which read routing on the host).
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ import warnings
 import torch
 
 from moeserve.model.kv_cache import KVCache
+from moeserve.model.paths import GRAPH_SAFE
 
 
 def graph_safe(model, batch: int) -> bool:
-    """Whether the decode step of `model` at `batch` tokens can be captured: CUDA, and every expert backend
-    sync-free at that size (a backend without a `graph_safe` method is taken to sync)."""
+    """Whether the decode step of `model` at `batch` tokens can be captured: CUDA, and every MoE layer's expert
+    path at that size one that never reads the device from the host (model/paths.py GRAPH_SAFE)."""
     if model.device.type != "cuda":
         return False
     x = torch.empty(batch, model.spec.hidden_size, device=model.device, dtype=model.dtype)  # [B, D] probe
-    for layer in model.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and not (hasattr(experts, "graph_safe") and experts.graph_safe(x)):
-            return False
-    return True
+    return all(layer.mlp.experts.kernel_path(x, batch) in GRAPH_SAFE
+               for layer in model.model.layers if hasattr(layer.mlp, "experts"))
 
 
 class StaticDecoder:

@@ -54,7 +54,23 @@ def default_tiles_available(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool
     return tiles_fit(DEFAULT_TILES["gate_up"], D) and tiles_fit(DEFAULT_TILES["down"], two_f // 2)
 
 
-class LoopedExperts(nn.Module):
+class ExpertBackend(nn.Module):
+    """What the MoE block needs of an expert backend: the call, the path a call takes, and two optional hooks."""
+
+    overlaps_dense = False  # True: forward takes dense= and computes it while its own work is in flight
+
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        """The path (a model/paths.py EXPERT_PATHS name) of a call on num_tokens rows like x [.., D]; forward runs
+        the path this names. expert_weights: the call's gate weights, where autograd through them matters."""
+        raise NotImplementedError
+
+    def x_preparation(self, x: torch.Tensor, top_k: int):
+        """How this backend will read x when the router may prepare it in its own launch, or None (nothing to
+        prepare). See QuantizedExperts."""
+        return None
+
+
+class LoopedExperts(ExpertBackend):
     """Dispatch through the routing table, one FFN call per active expert, weighted combine.
 
     Subclasses say how one expert computes its rows (`expert_ffn`); the loop is the CPU path and the
@@ -66,10 +82,8 @@ class LoopedExperts(nn.Module):
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def graph_safe(self, x: torch.Tensor) -> bool:
-        """Whether a call on x [T, D] runs without a host sync, so a CUDA graph can capture it: not the loop,
-        which reads the expert counts on the host."""
-        return False
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        return "loop"
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         table = build_routing_table(expert_ids, expert_weights, self.num_experts)
@@ -104,17 +118,14 @@ class ResidentExperts(LoopedExperts):
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
 
-    def kernel_path(self, x: torch.Tensor, num_tokens: int) -> str:
-        """Which path computes num_tokens rows like x [.., D]: "fused" (Triton, tuned), "grouped_mm", "tiles"
-        (Triton row tiles with default configs, on GPUs without grouped GEMMs) or "loop"."""
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        """The path: "fused" (Triton, tuned), "grouped_mm", "tiles" (Triton row tiles with default configs, on GPUs
+        without grouped GEMMs) or "loop"."""
         if fused_moe_available(x, num_tokens, self.gate_up_proj):
             return "fused"
         if grouped_mm_available(x, x.shape[1], self.ffn):
             return "grouped_mm"
         return "tiles" if default_tiles_available(x, self.gate_up_proj) else "loop"
-
-    def graph_safe(self, x: torch.Tensor) -> bool:
-        return self.kernel_path(x, x.shape[0]) != "loop"  # fused and grouped GEMMs never sync
 
     def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
         path = self.kernel_path(x_sorted, table.num_tokens)

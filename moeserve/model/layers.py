@@ -64,10 +64,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def linears_path(x: torch.Tensor, mods) -> str:
+    """How linears() runs x through mods: "skinny" (CUDA, decode rows: one launch for all of them, where cuBLAS runs
+    each as a split-K GEMV plus a reduce) or "torch" (each module). Names in model/paths.py LINEAR_PATHS."""
+    return "skinny" if triton_serves(x) and skinny_serves(x, mods) else "torch"
+
+
 def linears(x: torch.Tensor, *mods: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """x [.., K] through each of the linear layers mods: on CUDA, for one decode token, one launch for all of them
-    (kernels/triton/skinny.py: cuBLAS runs each as a split-K GEMV plus a reduce); else each module."""
-    if triton_serves(x) and skinny_serves(x, mods):
+    """x [.., K] through each of the linear layers mods, as linears_path says."""
+    if linears_path(x, mods) == "skinny":
         return side_by_side(x, mods).split([m.out_features for m in mods], dim=-1)
     return tuple(m(x) for m in mods)
 
@@ -149,7 +154,7 @@ class Attention(nn.Module):
         cache = kv.static_slot(self.layer_idx)
         mods = (self.q_proj, self.k_proj, self.v_proj)
         if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
-                or not triton_serves(x) or not skinny_serves(x, mods)
+                or linears_path(x, mods) != "skinny"
                 or not x.dtype == cos.dtype == sin.dtype == cache[0].dtype):
             return None
         from moeserve.kernels.triton.norm_rotary import rotary_into_cache

@@ -2,31 +2,39 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from moeserve.model.experts import ResidentExperts
+from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.model.layers import MLP
 from moeserve.model.router import TopKRouter
 from moeserve.spec import ModelSpec
 
+log = logging.getLogger(__name__)
+
 
 class MoEBlock(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_idx: int = 0):
         super().__init__()
         D = spec.hidden_size
+        self.layer_idx = layer_idx
         self.gate = TopKRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
-        self.experts: nn.Module = ResidentExperts(spec.num_experts, D, spec.expert_ffn)
+        self.experts: ExpertBackend = ResidentExperts(spec.num_experts, D, spec.expert_ffn)
         if spec.shared_expert_ffn:
             self.shared_expert = MLP(D, spec.shared_expert_ffn)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_expert_gate else None
         else:
             self.shared_expert = None
+        self._logged: set[tuple[int, str]] = set()  # (tokens, path) pairs already logged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, D]
-        if self.shared_expert is not None and getattr(self.experts, "overlaps_dense", False):
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_path(x)
+        if self.shared_expert is not None and self.experts.overlaps_dense:
             # an expert-parallel backend computes the shared expert while its tokens are in flight
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
             return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
@@ -42,14 +50,21 @@ class MoEBlock(nn.Module):
         return out.reshape(shape)
 
     def _prepared_input(self, x: torch.Tensor):
-        """(Preparation, its empty buffer) where the experts read x prepared (QuantizedExperts.x_preparation) and the
-        fused router can write it in its own launch: one launch fewer per block (prepare_x), else None."""
-        wish = getattr(self.experts, "x_preparation", None)
-        fused = getattr(self.gate, "fused_applies", None)  # another router (a replay, a tap) prepares nothing
-        if wish is None or fused is None or not fused(x):
+        """(Preparation, its empty buffer) where the experts read x prepared (ExpertBackend.x_preparation) and the
+        router's triton_topk launch can write it: one launch fewer per block, else None. Another router (a replay,
+        a tap) prepares nothing."""
+        if not (isinstance(self.gate, TopKRouter) and self.gate.kernel_path(x) == "triton_topk"):
             return None
-        prep = wish(x, self.gate.top_k)
+        prep = self.experts.x_preparation(x, self.gate.top_k)
         return None if prep is None else (prep, prep.buffer(x.shape[0], x.shape[1], x.device))
+
+    def _log_path(self, x: torch.Tensor) -> None:
+        """One debug line per new (tokens, expert path) of this layer (MOESERVE_LOG=debug)."""
+        T = x.shape[0]
+        path = self.experts.kernel_path(x, T)
+        if (T, path) not in self._logged:
+            self._logged.add((T, path))
+            log.debug("layer %d, %d tokens on %s: experts %s", self.layer_idx, T, x.device, path)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert (Qwen2-MoE: sigmoid-gated) on x [T, D] -> [T, D]."""

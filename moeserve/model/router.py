@@ -30,25 +30,26 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, prepared=None):
         """x [T, D] -> expert_ids [T, k], expert_weights [T, k], logits [T, E] (for aux losses / traces).
-        prepared (a lowbit_linear.Preparation and its buffer; only where fused_applies): filled with x prepared for
-        the experts' kernels by the same launch."""
-        if self.fused_applies(x):
+        prepared (the experts' x Preparation and its buffer; only on the "triton_topk" path): filled with x prepared
+        for the experts' kernels by the same launch."""
+        if self.kernel_path(x) == "triton_topk":
             from moeserve.kernels.triton.topk_router import fused_router
 
             return fused_router(x, self.weight, self.top_k, self.normalize,
                                 torch.float32 if self.weights_fp32 else x.dtype, prepared)
         if prepared is not None:
-            raise ValueError("only the fused router prepares x for the experts (fused_applies)")
+            raise ValueError("only the triton_topk router path prepares x for the experts")
         logits = F.linear(x, self.weight)  # [T, E]
         ids, weights = softmax_topk(logits, self.top_k, self.normalize)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         return ids, weights, logits
 
-    def fused_applies(self, x: torch.Tensor) -> bool:
-        """One Triton launch instead of eight (decode-sized batches on CUDA, no autograd: it has no backward)."""
+    def kernel_path(self, x: torch.Tensor) -> str:
+        """The path of a call on x [T, D] (names in model/paths.py ROUTER_PATHS): "triton_topk", one launch instead of
+        eight (decode-sized batches on CUDA, no autograd: it has no backward), else "torch"."""
         if not triton_serves(x, self.weight):
-            return False
+            return "torch"
         from moeserve.kernels.triton.topk_router import MAX_TOKENS
 
-        return x.shape[0] <= MAX_TOKENS and x.dtype == self.weight.dtype
+        return "triton_topk" if x.shape[0] <= MAX_TOKENS and x.dtype == self.weight.dtype else "torch"

@@ -17,7 +17,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MoEBlock(spec) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
+        self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
 
     def forward(self, x, cos, sin, mask, kv):

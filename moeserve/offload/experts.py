@@ -195,6 +195,9 @@ class OffloadedExperts(LoopedExperts):
         return list(dict.fromkeys((self.next_layers[j], int(e)) for t in picks.tolist()
                                   for j, row in enumerate(t) for e in row))
 
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        return "offload"
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         prec = cache.precision(expert_weights)  # [T, k]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
-from moeserve.model.experts import ResidentExperts
+from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
 from moeserve.parallel.groups import check_experts, split_range
@@ -22,7 +22,7 @@ from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.parallel.plan import DispatchPlan
 
 
-class ExpertParallelExperts(nn.Module):
+class ExpertParallelExperts(ExpertBackend):
     """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts)."""
 
     overlaps_dense = True  # MoEBlock hands it the shared expert to compute while tokens are in flight
@@ -37,6 +37,9 @@ class ExpertParallelExperts(nn.Module):
         self.local, self.num_experts, self.group, self.hierarchy, self.tp = local, num_experts, group, hierarchy, tp
         self.rank, self.size, self.plan = group_rank, group_size, plan
         self.per_rank = num_experts // group_size
+
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        return "expert_parallel"
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 dense: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.errors import MoeserveError
+from moeserve.model.experts import ExpertBackend
 from moeserve.model.layers import MLP, Attention
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.vocab_parallel import enable_vocab_parallel, split_index, vocab_index
@@ -35,12 +36,15 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class SlicedExperts(nn.Module):
+class SlicedExperts(ExpertBackend):
     """An expert backend whose experts hold a slice of their FFN dimension: partial outputs, summed."""
 
     def __init__(self, inner: nn.Module, group):
         super().__init__()
         self.inner, self.group = inner, group
+
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        return "tensor_parallel"
 
     def forward(self, x, expert_ids, expert_weights):
         y = self.inner(x, expert_ids, expert_weights)

@@ -25,6 +25,7 @@ from moeserve.quant.pack import pack, padded_length, unpack
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
+LOWBIT_PATHS = ("lowbit_slots", "lowbit_sorted")
 TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
 
 
@@ -134,16 +135,18 @@ class QuantizedExperts(LoopedExperts):
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return self.down[e](swiglu(self.gate_up[e](rows)))
 
-    def fused_applies(self, x_sorted: torch.Tensor, num_tokens: int) -> bool:
-        layers = [*self.gate_up, *self.down]
-        if len({(m.bits, m.group) for m in layers}) != 1:
-            return False
-        return all(triton_applies(x_sorted, num_tokens, m.bits, m.group, m.in_features)
-                   for m in (self.gate_up[0], self.down[0]))
-
-    def graph_safe(self, x: torch.Tensor) -> bool:
-        """The fused low-bit path never reads the device from the host (captured in bench/moe_block.py)."""
-        return self.fused_applies(x, x.shape[0])
+    def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
+        """The path: on CUDA when all experts share bits and group, the Triton low-bit fused MoE, for one token in
+        slot order ("lowbit_slots": no routing table and no gather, two launches fewer per layer; not under
+        autograd through the gate weights, which its combine has no backward for), else over expert-sorted rows
+        ("lowbit_sorted"); elsewhere the per-expert loop, with the generated CPU kernels where they read this
+        layout on this machine ("cpu_lowbit"), else "loop"."""
+        layouts = {(m.bits, m.group, m.in_features): m for m in (*self.gate_up, *self.down)}.values()  # one each
+        uniform = len({(m.bits, m.group) for m in layouts}) == 1
+        if uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features) for m in layouts):
+            slots = slot_order_pays(num_tokens) and (expert_weights is None or not needs_grad(expert_weights))
+            return "lowbit_slots" if slots else "lowbit_sorted"
+        return "cpu_lowbit" if all(cpu_gemv.applies(m, x, 1) for m in layouts) else "loop"
 
     def stacked(self, dtype: torch.dtype):
         """(gate_up, down) StackedLowbit, rebuilt when the weights moved or the activation dtype changed."""
@@ -158,9 +161,9 @@ class QuantizedExperts(LoopedExperts):
         return self._stacked[1]
 
     def x_preparation(self, x: torch.Tensor, top_k: int):
-        """How the fused one-token path will read x (a lowbit_linear.Preparation: MoEBlock has the router's launch
-        prepare it), or None (no fused slot-order path here, or it reads x itself)."""
-        if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)):
+        """How the lowbit_slots path will read x (a Preparation: MoEBlock has the router's launch prepare it), or
+        None (another path, or one that reads x itself)."""
+        if self.kernel_path(x, x.shape[0]) != "lowbit_slots":
             return None
         from moeserve.kernels.triton.fused_moe_lowbit import x_preparation
 
@@ -168,10 +171,9 @@ class QuantizedExperts(LoopedExperts):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 prepared_x: torch.Tensor | None = None) -> torch.Tensor:
-        """One token takes the fused path in slot order (the kernels find each routed expert's slots among the ids):
-        no routing table and no gather, two launches fewer per layer than the sorted path (slot_order_pays).
+        """As kernel_path says; in slot order the kernels find each routed expert's slots among the ids.
         prepared_x: x prepared as x_preparation said (by the router's launch)."""
-        if not (slot_order_pays(x.shape[0]) and self.fused_applies(x, 1)) or needs_grad(expert_weights):
+        if self.kernel_path(x, x.shape[0], expert_weights) != "lowbit_slots":
             return super().forward(x, expert_ids, expert_weights)
         from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
@@ -180,7 +182,7 @@ class QuantizedExperts(LoopedExperts):
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
 
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
-        if not self.fused_applies(x_sorted, table.num_tokens):
+        if self.kernel_path(x_sorted, table.num_tokens) not in LOWBIT_PATHS:  # slots: forward's autograd fallback
             return super().run_sorted(x_sorted, table)
         from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
 

@@ -149,14 +149,19 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"moeserve: generated CPU kernels unavailable ({reason}); using the PyTorch path", stacklevel=3)
 
 
+def applies(layer, x: torch.Tensor, rows: int) -> bool:
+    """Whether quantized_linear takes rows rows like x through a generated kernel: a CPU tensor, at most MAX_ROWS
+    rows, a layout the kernels read, and a kernel that builds on this machine."""
+    return (not x.is_cuda and rows <= MAX_ROWS and supports(layer.in_features, layer.group, layer.bits)
+            and default_kernel(layer.bits) is not None)
+
+
 def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     """x @ dequant(W)^T through the generated kernel, or None when the kernel does not apply."""
     rows = x.numel() // layer.in_features
-    if x.is_cuda or rows > MAX_ROWS or not supports(layer.in_features, layer.group, layer.bits):
+    if not applies(layer, x, rows):
         return None
     kernel = default_kernel(layer.bits)
-    if kernel is None:
-        return None
     key = (layer.qweight.data_ptr(), kernel.isa, kernel.tile_outputs)
     cached = getattr(layer, "_cpu_packed", None)
     if cached is None or cached[0] != key:
