@@ -18,7 +18,7 @@ from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.units import format_bytes, parse_bytes
 
 # Each command imports what it runs inside its own function: modules that load torch stay out of start-up, so
-# `moeserve --help` and argument errors answer at once (tests/test_cli_inputs.py checks that torch is not imported).
+# `moeserve --help` and argument errors answer at once (tests/cli/test_cli_inputs.py checks that torch is not imported).
 
 DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"

@@ -1,6 +1,13 @@
-"""Assertions and torch references shared by the CPU-interpreter and GPU test modules."""
+"""Assertions, torch references and shared data of the test modules."""
 
 import torch
+
+GiB = 1 << 30
+# H100 80GB + its 16-core host, from BENCHMARKS.md (2026-11-22): plan/hardware.py profile fields
+H100 = {"cpu_name": "16-core host", "cpu_cores": 16, "cpu_fp32_flops": 1.4e12, "cpu_bf16_flops": 3.4e12,
+        "dram_bandwidth": 79e9, "ram_bytes": 128 * GiB, "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_flops": 774e12,
+        "hbm_bandwidth": 2.94e12, "gpu_memory_bytes": 80 * GiB, "h2d_bandwidth": 54.4e9, "d2h_bandwidth": 54.9e9,
+        "h2d_pageable_bandwidth": 7.7e9, "h2d_chunk_bandwidth": {"1": 28.9e9, "4": 44.4e9, "16": 50.8e9}}
 
 
 def assert_same_top_k(ids: torch.Tensor, ref_ids: torch.Tensor, logits: torch.Tensor) -> None:

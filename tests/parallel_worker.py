@@ -1,4 +1,4 @@
-"""Code each spawned rank runs in tests/test_parallel.py (a module, so spawn can import it).
+"""Code each spawned rank runs in tests/parallel/test_parallel.py (a module, so spawn can import it).
 
 One spawn per world size runs every case in one process group (a spawn costs seconds on 2 cores); a failing
 case names itself in the error."""

@@ -16,7 +16,7 @@ from moeserve.tokenizer import ByteTokenizer
 from moeserve.train.data import encode_documents, find_texts, load_corpus
 from moeserve.train.demo import DEMO_CONFIG, demo_config, TrainConfig, fit_steps, load_balancing_loss, lr_at, main
 
-REAL_TEXTS = Path(__file__).parent.parent / ".data" / "texts"
+REAL_TEXTS = Path(__file__).resolve().parents[2] / ".data" / "texts"
 WORDS = "the king my lord good sir what thou art love night day is not and to of a with".split()
 
 

@@ -1,5 +1,5 @@
 """Execution paths (model/paths.py): every component names its path from the tables, runs the path it names, and
-`moeserve info --explain` / MOESERVE_LOG=debug report them. GPU paths: tests/test_gpu_paths.py."""
+`moeserve info --explain` / MOESERVE_LOG=debug report them. GPU paths: tests/model/test_gpu_paths.py."""
 
 import json
 import logging

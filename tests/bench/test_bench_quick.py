@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 COMMON_FIELDS = ("name", "date", "git", "device", "device_type", "threads", "torch", "triton", "transformers", "config")
 
 

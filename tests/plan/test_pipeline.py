@@ -207,7 +207,7 @@ def test_batch_cli_bad_lines_and_resume(tmp_path, capsys):
 
 def test_batch_cli_auto_policy_from_a_profile(tmp_path, capsys):
     """--auto plans with a hardware profile (here the H100's, from a file) and runs what it planned."""
-    from test_plan import H100
+    from checks import H100
 
     (tmp_path / "h100.json").write_text(json.dumps(H100))
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("KING.", "To be", "Ay")))

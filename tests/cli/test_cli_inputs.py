@@ -10,7 +10,7 @@ import pytest
 
 from moeserve.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_only_rank_0_prints_the_status_lines(capsys, byte_model_dir, monkeypatch
 
 
 def test_plan_json_is_valid_json(capsys, tmp_path):
-    from test_plan import H100
+    from checks import H100
 
     (tmp_path / "h100.json").write_text(json.dumps(H100))
     code, out, _ = run(capsys, "plan", "--profile", tmp_path / "h100.json", "--gpu-memory", "16GiB",
