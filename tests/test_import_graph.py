@@ -10,6 +10,7 @@ module only, not to the packages above it (Python runs their `__init__` first, b
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import moeserve
@@ -153,7 +154,7 @@ def test_no_private_names_across_files():
 def test_scripts_and_tests_use_public_names():
     """bench/ and tests/ drive the package from outside: they get its public names only."""
     problems = []
-    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "tests").glob("*.py")]):
+    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
                 problems += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: from {node.module} import {a.name}"
@@ -176,3 +177,32 @@ def test_model_never_imports_engine():
     upward = sorted(f"{a} -> {b}" for a in graph if a.startswith("moeserve.model")
                     for b in graph[a] if b.startswith(("moeserve.engine", "moeserve.plan", "moeserve.serve")))
     assert not upward, "the model imports the engine:\n  " + "\n  ".join(upward)
+
+
+OPTIONAL = ("triton", "moeserve.kernels.triton", "matplotlib", "fastapi", "uvicorn", "prometheus_client")
+DEFERRED = re.compile(r"^#.*\bimport(s|ed)?\b.*\binside\b", re.MULTILINE)  # a module-level comment saying why
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function hides an edge of the graph: it is for an optional dependency, or it says why
+    (a comment on its line, or a module-level comment about the imports inside this module's functions)."""
+    problems = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.splitlines()
+        explained_here = DEFERRED.search(text) is not None
+        for fn in ast.walk(ast.parse(text, filename=str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    targets = [node.module or ""]
+                else:
+                    continue
+                if all(any(t == o or t.startswith(o + ".") for o in OPTIONAL) for t in targets):
+                    continue
+                if "#" not in lines[node.lineno - 1] and not explained_here:
+                    problems.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: import {', '.join(targets)}")
+    assert not problems, "imports inside functions without a reason:\n  " + "\n  ".join(problems)

@@ -26,7 +26,8 @@ from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_
                                  read_tensor, save_safetensors_atomic, tensors_digest, validate_safetensors,
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
-from moeserve.quant import hqq, pack
+from moeserve.kernels import pack
+from moeserve.quant import hqq
 from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec

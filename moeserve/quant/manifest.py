@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moeserve.errors import MoeserveError
-from moeserve.quant.pack import planar_from_units
+from moeserve.kernels.pack import planar_from_units
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
 MANIFEST = "moeserve_quant.json"

@@ -21,7 +21,7 @@ import torch
 
 from moeserve.errors import MoeserveError
 from moeserve.quant.hqq import QuantizedWeight, dequantize
-from moeserve.quant.pack import pack, padded_length, unpack
+from moeserve.kernels.pack import pack, padded_length, unpack
 
 COMPENSATOR_BITS = (3, 8, 16)
 COMPENSATOR_GROUP = 64

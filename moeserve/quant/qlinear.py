@@ -21,7 +21,7 @@ from moeserve.kernels.routing import slot_order_pays
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
-from moeserve.quant.pack import pack, padded_length, unpack
+from moeserve.kernels.pack import pack, padded_length, unpack
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 

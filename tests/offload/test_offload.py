@@ -16,7 +16,7 @@ from moeserve.offload.experts import enable_offload
 from moeserve.offload.policies import POLICIES, CachePolicy
 from moeserve.offload.simulate import simulate
 from moeserve.offload.store import META_FILE, ExpertStore
-from moeserve.quant.pack import units_from_planar
+from moeserve.kernels.pack import units_from_planar
 from moeserve.errors import MoeserveError
 
 

@@ -12,7 +12,7 @@ from moeserve.errors import MoeserveError
 from moeserve.quant import compress
 from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
 from moeserve.quant.manifest import FORMAT, MANIFEST, UNITS_FORMAT
-from moeserve.quant.pack import units_from_planar
+from moeserve.kernels.pack import units_from_planar
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from moeserve.kernels.cpu import build, codegen, tuning
 from moeserve.kernels.cpu.machine import ISAS, cpu_info
+from moeserve.kernels.pack import pack, units_from_planar
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
 
@@ -75,8 +76,6 @@ def supports(in_features: int, group: int, bits: int) -> bool:
 def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                  kernel: CpuKernel, packed_words: bool = False) -> PackedForCpu:
     """From uint8 codes [out, in] (or pack.py words [out, in*bits/32]) to the kernel's layout."""
-    from moeserve.quant.pack import pack, units_from_planar
-
     words = codes_or_words if packed_words else pack(codes_or_words, bits)
     if bits == 3:
         words = units_from_planar(words)  # word 3u + k = word k of unit u, as the kernels index it
