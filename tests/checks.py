@@ -2,6 +2,8 @@
 
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def assert_same_top_k(ids: torch.Tensor, ref_ids: torch.Tensor, logits: torch.Tensor) -> None:
     """ids [T, k] pick experts with exactly the reference's top-k softmax probabilities, best first, each once:
@@ -36,3 +38,39 @@ def expert_loop_fp64(ex, x_sorted, table):
         g, u = (gu[e] @ x_sorted[s].double()).chunk(2)
         out[s] = dn[e] @ (torch.nn.functional.silu(g) * u)
     return out
+
+
+def quantized(N, K, bits, group, rank=0, comp_bits=16):
+    """A random QuantizedLinear (HQQ codes, and a random rank-r compensator at comp_bits) on DEVICE."""
+    from moeserve.quant import hqq, milo
+    from moeserve.quant.qlinear import QuantizedLinear
+
+    qw = hqq.quantize_hqq(torch.randn(N, K) * K ** -0.5, bits, group)  # outputs of order 1
+    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.1, torch.randn(rank, K) * 0.1, comp_bits) if rank else None
+    return QuantizedLinear.from_quantized(qw, comp, rank, comp_bits).to(DEVICE)
+
+
+def reference(layer, x):
+    """float64: x dequant(W)^T + (x V^T) U^T."""
+    y = x.double() @ layer.weight(torch.float64).T
+    uv = layer.compensator(torch.float64)
+    return y if uv is None else y + (x.double() @ uv[1].T) @ uv[0].T
+
+
+def quantized_experts(E, D, F, bits, ranks):
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    return QuantizedExperts([quantized(2 * F, D, bits, 32, r) for r in ranks],
+                            [quantized(D, F, bits, 32, r) for r in ranks])
+
+
+def quantized_experts_as_float64(ex):
+    """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
+    from moeserve.model.experts import ResidentExperts
+
+    dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)
+    with torch.no_grad():
+        for e in range(ex.num_experts):
+            dense.gate_up_proj[e] = reference(ex.gate_up[e], torch.eye(dense.gate_up_proj.shape[2], device=DEVICE)).T
+            dense.down_proj[e] = reference(ex.down[e], torch.eye(dense.down_proj.shape[2], device=DEVICE)).T
+    return dense

@@ -153,7 +153,7 @@ def test_no_private_names_across_files():
 def test_scripts_and_tests_use_public_names():
     """bench/ and tests/ drive the package from outside: they get its public names only."""
     problems = []
-    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "tests").glob("*.py")]):
+    for path in sorted([*(ROOT.parent / "bench").glob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
                 problems += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: from {node.module} import {a.name}"

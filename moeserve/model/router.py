@@ -30,7 +30,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, prepared=None):
         """x [T, D] -> expert_ids [T, k], expert_weights [T, k], logits [T, E] (for aux losses / traces).
-        prepared (a lowbit_linear.Preparation and its buffer; only where fused_applies): filled with x prepared for
+        prepared (a lowbit.Preparation and its buffer; only where fused_applies): filled with x prepared for
         the experts' kernels by the same launch."""
         if self.fused_applies(x):
             from moeserve.kernels.triton.topk_router import fused_router
