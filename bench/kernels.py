@@ -25,8 +25,9 @@ if "--quick" in sys.argv and not torch.cuda.is_available():
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, result_record, time_cuda_graph, time_fn, write_result  # noqa: E402
 
-from moeserve.kernels.triton.configs import lowbit_config, lowbit_shape_key, split_for, write_sections  # noqa: E402
-from moeserve.kernels.triton.lowbit_linear import lowbit_linear  # noqa: E402
+from moeserve.kernels.triton.configs import (LowbitConfig, lowbit_config, lowbit_shape_key, split_for,  # noqa: E402
+                                             write_sections)
+from moeserve.kernels.triton.lowbit import lowbit_linear  # noqa: E402
 from moeserve.quant import milo  # noqa: E402
 from moeserve.quant.hqq import QuantizedWeight  # noqa: E402
 from moeserve.quant.qlinear import QuantizedLinear  # noqa: E402
@@ -39,14 +40,14 @@ GEMV_SWEEP = [(16, 256, 4, 1), (32, 256, 4, 2), (64, 256, 4, 4), (32, 512, 8, 2)
 # 2..8 rows on CUDA cores: BLOCK_N, BLOCK_K, warps, SUB, BLOCK_M (rows of x per tile; codes decoded once for them)
 GEMV_ROWS_SWEEP = [(16, 512, 4, 2, 4), (8, 512, 4, 1, 4), (8, 512, 4, 1, 8), (32, 512, 4, 4, 2), (16, 512, 4, 2, 2)]
 DOT_SWEEP = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4)]  # BN, BK, warps (64 x 256 at 4 warps spills)
-# tensor cores on dequantized tiles, PIPE steps in flight through shared memory (lowbit_linear._dot): BN, BK, warps,
+# tensor cores on dequantized tiles, PIPE steps in flight through shared memory (lowbit/tiles.py): BN, BK, warps,
 # PIPE (an H100 probe's best four at 16 and 64 rows of the 4-bit Mixtral FFN shapes)
 PIPED_DOT_SWEEP = [(64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 3), (128, 256, 8, 4)]
 
 
-def load_variants(best: dict) -> list[dict]:
+def load_variants(best: LowbitConfig) -> list[LowbitConfig]:
     """A one-row winner with more loads in flight: two steps of register prefetch, or 3/4 cp.async stages."""
-    return [{**best, "AHEAD": 2}, {**best, "PIPE": 3}, {**best, "PIPE": 4}]
+    return [best.replace(AHEAD=2), best.replace(PIPE=3), best.replace(PIPE=4)]
 
 
 def random_layer(N: int, K: int, bits: int, device, rank: int = 0) -> QuantizedLinear:
@@ -60,7 +61,7 @@ def random_layer(N: int, K: int, bits: int, device, rank: int = 0) -> QuantizedL
     return QuantizedLinear.from_quantized(qw, comp, rank, 16).to(device)
 
 
-def call(layer: QuantizedLinear, x: torch.Tensor, config: dict | None = None, lowrank: bool = False):
+def call(layer: QuantizedLinear, x: torch.Tensor, config: LowbitConfig | None = None, lowrank: bool = False):
     return lowbit_linear(x, layer.qweight, layer.scale, layer.zero, layer.bits, layer.group, layer.in_features,
                          lowrank=layer.cached_compensator(x.dtype) if lowrank else None, config=config)
 
@@ -86,7 +87,7 @@ def check(shapes, rows_list, device, dtype) -> list[dict]:
     return out
 
 
-def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
+def candidates(M: int, N: int, K: int, quick: bool) -> list[LowbitConfig]:
     """Launch configs to time: block shapes x split-K around the one that fills the GPU."""
     if M == 1:
         sweep = [(*tile, 1) for tile in GEMV_SWEEP]
@@ -107,6 +108,7 @@ def candidates(M: int, N: int, K: int, quick: bool) -> list[dict]:
                 cfg["BLOCK_M"] = block_m
             if pipe:
                 cfg["PIPE"] = pipe[0]
+            cfg = LowbitConfig.of(cfg)
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -142,20 +144,23 @@ def bench(N, K, bits, M, layers, dense, x, bw, device, quick, sweep=True) -> tup
         if best is not None:
             graphs["best_graph_ms"] = best_gpu_ms
             graphs["best_graph_hbm_share"] = nbytes / bw["bytes_per_s"] * 1e3 / best_gpu_ms
-            if M == 1 or "BLOCK_M" in best:  # the same CUDA-core tile summing in fp32
-                graphs["fp32_sums_graph_ms"] = gpu_time(lambda l: call(l, x, {**best, "HALF": 0}), layers, device)
+            if M == 1 or best.BLOCK_M is not None:  # the same CUDA-core tile summing in fp32
+                fp32_sums = best.replace(HALF=0)
+                graphs["fp32_sums_graph_ms"] = gpu_time(lambda l: call(l, x, fp32_sums), layers, device)
                 print(f"   fp16 pairs {best_gpu_ms:.4f} ms vs fp32 sums {graphs['fp32_sums_graph_ms']:.4f} ms")
         print(f"   graph replay: ours {graphs['dispatch_graph_ms']:.4f} ms ({100 * graphs['graph_hbm_share']:.0f}% of "
               f"HBM; best swept {graphs.get('best_graph_ms', float('nan')):.4f} ms), bf16 "
               f"{graphs['bf16_graph_ms']:.4f} ms", flush=True)
     floor = nbytes / bw["bytes_per_s"] * 1e3
-    row = {"N": N, "K": K, "bits": bits, "rows": M, **graphs, "ours_ms": best_ms, "config": best,
-           "dispatch_ms": default_ms,
+    row = {"N": N, "K": K, "bits": bits, "rows": M, **graphs, "ours_ms": best_ms,
+           "config": best.as_dict() if best is not None else None, "dispatch_ms": default_ms,
            "bf16_ms": bf16, "weight_bytes": nbytes, "floor_ms": floor, "bf16_floor_ms": N * K * 2 / bw["bytes_per_s"] * 1e3,
            "achieved_GBps": nbytes / best_ms / 1e6, "hbm_share": floor / best_ms, "speedup_vs_bf16": bf16 / best_ms}
     print(f"{N}x{K} {bits}-bit M={M}: {best_ms:.4f} ms ({row['achieved_GBps']:.0f} GB/s, {100 * row['hbm_share']:.0f}% "
-          f"of HBM) dispatch {default_ms:.4f} | bf16 {bf16:.4f} ms -> {row['speedup_vs_bf16']:.2f}x | {best}", flush=True)
-    return row, ({**best, "ms": round(best_gpu_ms, 4)} if best is not None else None)  # the GPU time it won with
+          f"of HBM) dispatch {default_ms:.4f} | bf16 {bf16:.4f} ms -> {row['speedup_vs_bf16']:.2f}x | {row['config']}",
+          flush=True)
+    # the table entry, with the GPU time it won with
+    return row, (best.replace(ms=round(best_gpu_ms, 4)).as_dict() if best is not None else None)
 
 
 def compensator_overhead(shapes, ranks, device, dtype, rotate) -> list[dict]:

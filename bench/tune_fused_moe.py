@@ -25,7 +25,7 @@ from common import add_tuner_args, result_record, time_fn, tuner_shapes, write_r
 
 from moeserve.kernels.routing import build_routing_table  # noqa: E402
 from moeserve.kernels.triton import fused_moe  # noqa: E402
-from moeserve.kernels.triton.configs import device_table, shape_key, write_sections  # noqa: E402
+from moeserve.kernels.triton.configs import FusedMoEConfig, device_table, shape_key, write_sections  # noqa: E402
 from moeserve.kernels.triton.swiglu import fused_swiglu  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}  # E, k, D, F
@@ -33,19 +33,21 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 ROUTINGS = 4
 DECODE_MAX_TOKENS = 64  # the decode schedule unrolls cdiv(T, BLOCK_M) row chunks: small T only
 TILES_MIN_TOKENS = 64
-DECODE = {"gate_up": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+DECODE = {"gate_up": [FusedMoEConfig.of(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w))
                       for m, n, k, w in itertools.product((16, 64), (32, 64, 128), (128, 256), (4, 8))],
-          "down": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+          "down": [FusedMoEConfig.of(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w))
                    for m, n, k, w in itertools.product((16, 64), (16, 32, 64), (256, 512), (4, 8))]}
-TILES = {"gate_up": [dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, TMA=t)
+TILES = {"gate_up": [FusedMoEConfig.of(dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w,
+                                            num_stages=s, TMA=t))
                      for m, n, w, s, t in itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (0, 1))],
-         "down": [dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, TMA=t)
+         "down": [FusedMoEConfig.of(dict(schedule="tiles", BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, num_warps=w,
+                                         num_stages=s, TMA=t))
                   for m, n, w, s, t in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4), (0, 1))]}
 
 
-def candidates(part: str, T: int, D: int, F: int) -> list[dict]:
+def candidates(part: str, T: int, D: int, F: int) -> list[FusedMoEConfig]:
     K = D if part == "gate_up" else F
-    out = [c for c in DECODE[part] if T <= DECODE_MAX_TOKENS and (c["BLOCK_M"] == 16 or T >= 16)]
+    out = [c for c in DECODE[part] if T <= DECODE_MAX_TOKENS and (c.BLOCK_M == 16 or T >= 16)]
     return out + [c for c in TILES[part] if T >= TILES_MIN_TOKENS and fused_moe.tiles_fit(c, K)]
 
 
@@ -72,14 +74,10 @@ class Problem:
                                         torch.empty(T * self.k, self.D, device=self.dev, dtype=torch.bfloat16)))
         return self._routed[T]
 
-    def run(self, part: str, cfg: dict, item: tuple) -> None:
+    def run(self, part: str, cfg: FusedMoEConfig, item: tuple) -> None:
         table, x, h, y = item
-        if cfg.get("schedule") == "tiles":
-            fused_moe.launch_tiles(part, *((x, self.gu, h) if part == "gate_up" else (h, self.dn, y)), table, cfg)
-        elif part == "gate_up":
-            fused_moe.launch_gate_up(x, self.gu, h, table, table.num_tokens, cfg)
-        else:
-            fused_moe.launch_down(h, self.dn, y, table, table.num_tokens, cfg)
+        launch = fused_moe.launch_tiles if cfg.schedule == "tiles" else fused_moe.launch_decode
+        launch(part, *((x, self.gu, h) if part == "gate_up" else (h, self.dn, y)), table, cfg)
 
     def grouped_mm(self, item: tuple) -> torch.Tensor:
         """The path the fused kernels compete with: grouped GEMM, fused SwiGLU, grouped GEMM."""
@@ -101,15 +99,14 @@ def _compile(job: tuple) -> str | None:
         _WORKER[name].run(part, cfg, _WORKER[name].routed(T)[0])
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported; the timing run skips it
-        return f"{name} T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+        return f"{name} T={T} {part} {cfg.as_dict()}: {type(e).__name__}: {str(e)[:200]}"
     return None
 
 
 def precompile(jobs: list[tuple], workers: int) -> list[str]:
     """Compile each distinct kernel once in parallel processes (tile kernels do not depend on T; the decode ones
     unroll cdiv(T, BLOCK_M) chunks), grouped by shape so that a worker builds few problems."""
-    distinct = {(j[0], j[2], tuple(sorted(j[3].items())),
-                 None if j[3].get("schedule") == "tiles" else -(-j[1] // j[3]["BLOCK_M"])): j for j in jobs}
+    distinct = {(j[0], j[2], j[3], None if j[3].schedule == "tiles" else -(-j[1] // j[3].BLOCK_M)): j for j in jobs}
     ordered = sorted(distinct.values(), key=lambda j: j[0])
     if workers <= 1 or not ordered:
         return []
@@ -130,9 +127,9 @@ def tune_shape(name: str, tokens, log: list) -> dict:
                 try:
                     timed.append((time_fn(lambda item, cfg=cfg: problem.run(part, cfg, item), items, "cuda"), cfg))
                 except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                    log.append(f"{name} T={T} {part} {cfg} failed: {type(e).__name__}")
+                    log.append(f"{name} T={T} {part} {cfg.as_dict()} failed: {type(e).__name__}")
             ms, cfg = min(timed, key=lambda p: p[0])
-            best[part] = {**cfg, "ms": round(ms, 4)}
+            best[part] = cfg.replace(ms=round(ms, 4)).as_dict()
         fused_ms = best["gate_up"]["ms"] + best["down"]["ms"]
         grouped = time_fn(problem.grouped_mm, items, "cuda")
         # floor: the distinct experts hit, read once, or the FLOPs at the H100's measured 774 TFLOP/s

@@ -37,10 +37,11 @@ from common import add_tuner_args, capture_graph, result_record, tuner_shapes, w
 from kernels import GROUP, load_variants, random_layer  # noqa: E402
 
 from moeserve.kernels.routing import build_routing_table, slot_order_pays  # noqa: E402
-from moeserve.kernels.triton.configs import lowbit_moe_config, lowbit_moe_key, write_sections  # noqa: E402
-from moeserve.kernels.triton.fused_moe_lowbit import (launch_down_tma, launch_gate_up, lowbit_experts,  # noqa: E402
-                                                     tma_experts, tma_one_token)
-from moeserve.kernels.triton.lowbit_linear import BITS, launch  # noqa: E402
+from moeserve.kernels.triton.configs import (ExpertsConfig, LowbitConfig, lowbit_moe_config,  # noqa: E402
+                                             lowbit_moe_key, write_sections)
+from moeserve.kernels.triton.lowbit import BITS, lowbit_experts  # noqa: E402
+from moeserve.kernels.triton.lowbit.launch import (launch, launch_down_tma, launch_gate_up, tma_experts,  # noqa: E402
+                                                   tma_one_token)
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "deepseek_like": (64, 6, 2048, 1408)}  # E, k, D, F
@@ -54,9 +55,9 @@ GEMV = [(32, 512, 4, 4), (16, 512, 4, 2), (64, 512, 8, 4), (16, 512, 4, 4), (8, 
         (32, 512, 4, 2), (64, 512, 4, 4), (16, 1024, 4, 2), (32, 1024, 4, 4)]  # BN, BK, warps, SUB
 ROWS = [(32, 512, 4, 4, 1), (16, 512, 4, 2, 2), (16, 512, 4, 2, 4)]  # BN, BK, warps, SUB, BLOCK_M (rows of x)
 DOT = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4), (32, 128, 4)]  # BN, BK, warps: tensor cores
-# tensor cores on dequantized tiles with PIPE steps in flight (lowbit_linear._dot): BN, BK, warps, PIPE
+# tensor cores on dequantized tiles with PIPE steps in flight (lowbit/tiles.py): BN, BK, warps, PIPE
 PIPED_DOT = [(64, 256, 4, 3), (128, 256, 8, 3), (32, 256, 4, 3), (64, 256, 4, 4)]
-# one-token gate_up and down by TMA (fused_moe_lowbit.tma_one_token: group 64): BN, BK, warps,
+# one-token gate_up and down by TMA (lowbit/launch.py's tma_one_token: group 64): BN, BK, warps,
 # stages; down's programs take 2 BN rows
 TMA_TILES = [(8, 1024, 4, 3), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 2),
              (32, 512, 8, 3), (16, 1024, 8, 2), (8, 2048, 4, 2), (8, 2048, 4, 3), (16, 1024, 4, 3), (8, 1024, 2, 3),
@@ -77,7 +78,7 @@ CUDA_CORE_MAX_TOKENS = 16
 DOT_MIN_TOKENS = 4
 
 
-def tiles(T: int, E: int, k: int) -> list[dict]:
+def tiles(T: int, E: int, k: int) -> list[LowbitConfig]:
     """The tiles worth timing at T tokens (K split left to the caller)."""
     average = -(-T * k // E)  # rows an expert gets on average
     out = []
@@ -89,11 +90,11 @@ def tiles(T: int, E: int, k: int) -> list[dict]:
     if T >= DOT_MIN_TOKENS:  # the dot on 16-bit codes, scale/zero per group after it (HALF), or on dequantized tiles
         out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **half) for bn, bk, w in DOT for half in ({}, {"HALF": 0})]
         out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, PIPE=pipe) for bn, bk, w, pipe in PIPED_DOT]
-    return [{**t, "num_stages": 3} for t in out]
+    return [LowbitConfig.of({**t, "num_stages": 3}) for t in out]
 
 
-def splits(cfg: dict, K: int) -> list[int]:
-    steps = -(-K // max(cfg["BLOCK_K"], 64))
+def splits(cfg: LowbitConfig, K: int) -> list[int]:
+    steps = -(-K // max(cfg.BLOCK_K, 64))
     return sorted({s for s in SPLITS if s <= steps} | ({steps} if steps <= max(SPLITS) else set()))
 
 
@@ -128,17 +129,17 @@ class Problem:
                         torch.zeros(T * self.k, self.D, device=dev, dtype=torch.float32)))
         return out
 
-    def run_pair(self, config: dict, item: tuple) -> None:
-        """Both projections with {"gate_up": cfg, "down": cfg}, as QuantizedExperts runs them."""
+    def run_pair(self, config: ExpertsConfig, item: tuple) -> None:
+        """Both projections, as QuantizedExperts runs them."""
         routing, x, _, _ = item
         lowbit_experts(x, self.gate_up, self.down, routing, config)
 
-    def run(self, part: str, cfg: dict, item: tuple) -> None:
+    def run(self, part: str, cfg: LowbitConfig, item: tuple) -> None:
         """One launch of `part` as lowbit_experts runs it (each with its prepare_x and output fill): down by TMA
         where tma_one_token says so, else the CUDA-core or tensor-core kernel."""
         routing, x, h, y = item
         if part == "gate_up":
-            launch_gate_up(x, self.gate_up, h, routing, {**cfg, "SPLIT_K": 1})
+            launch_gate_up(x, self.gate_up, h, routing, cfg.replace(SPLIT_K=1))
             return
         p = self.down
         if tma_one_token(cfg, p, routing, h.device):
@@ -163,27 +164,27 @@ def graph_ms(fn, items, replays: int = 10) -> float:
     return statistics.median(times[2:])
 
 
-def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, dict]]:
+def jobs_for(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, LowbitConfig]]:
     """(part, config) pairs to time at T tokens before the one-token load variants; tma: the experts can take the
-    one-token TMA kernels (fused_moe_lowbit.tma_experts)."""
+    one-token TMA kernels (launch.tma_experts)."""
     out = []
     for tile in tiles(T, E, k):
-        out += [("gate_up", {**tile, "SPLIT_K": 1, "PAIRED": paired}) for paired in (0, 1)]
-        out += [("down", {**tile, "SPLIT_K": s}) for s in splits(tile, F)]
+        out += [("gate_up", tile.replace(SPLIT_K=1, PAIRED=paired)) for paired in (0, 1)]
+        out += [("down", tile.replace(SPLIT_K=s)) for s in splits(tile, F)]
     if T == 1 and tma:
-        out += [("gate_up", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1))
+        out += [("gate_up", LowbitConfig.of(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1, TMA=1)))
                 for bn, bk, w, st in TMA_TILES + TMA_GATE_UP_TILES if bk <= D]
-        out += [("down", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=s, TMA=1))
+        out += [("down", LowbitConfig.of(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=s, TMA=1)))
                 for bn, bk, w, st in TMA_TILES + TMA_DOWN_TILES if bk <= F for s in TMA_DOWN_SPLITS]
     return out
 
 
-def compile_jobs(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, dict]]:
+def compile_jobs(T: int, E: int, k: int, D: int, F: int, tma: bool = False) -> list[tuple[str, LowbitConfig]]:
     """jobs_for, plus the load variants of every one-token register-prefetch tile (whichever wins, its variants are
     compiled)."""
     jobs = jobs_for(T, E, k, D, F, tma)
     if T == 1:
-        jobs += [(part, variant) for part, cfg in jobs if cfg["SPLIT_K"] <= 2 and not cfg.get("TMA")
+        jobs += [(part, variant) for part, cfg in jobs if cfg.SPLIT_K <= 2 and not cfg.TMA
                  for variant in load_variants(cfg)]
     return jobs
 
@@ -203,7 +204,7 @@ def _compile(job: tuple) -> str | None:
         problem.run(part, cfg, problem.routed(T)[0])
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported, then skipped by the timing run
-        return f"{name} {bits}-bit r{rank} T={T} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+        return f"{name} {bits}-bit r{rank} T={T} {part} {cfg.as_dict()}: {type(e).__name__}: {str(e)[:200]}"
     return None
 
 
@@ -213,8 +214,7 @@ def compiled_as(job: tuple) -> tuple:
     name, bits, rank, T, part, cfg = job
     rows = T * SHAPES[name][1]
     spec = (rows == 1, rows % 16 == 0) if part == "down" else ()
-    return (name, bits, rank > 0, part, spec, cfg["SPLIT_K"] > 1,
-            tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K")))
+    return (name, bits, rank > 0, part, spec, cfg.SPLIT_K > 1, cfg.replace(SPLIT_K=1))
 
 
 def precompile(jobs: list[tuple], workers: int) -> list[str]:
@@ -234,13 +234,12 @@ def table_key(name: str, bits: int, rank: int) -> str:
     return lowbit_moe_key(bits, E, D, F, rank > 0)
 
 
-def best_few(timed: list[tuple[float, dict]], n: int) -> list[tuple[float, dict]]:
+def best_few(timed: list[tuple[float, LowbitConfig]], n: int) -> list[tuple[float, LowbitConfig]]:
     """The n fastest distinct configs of (ms, config) timings, each with its best time."""
-    best: dict[str, tuple[float, dict]] = {}
+    best: dict[LowbitConfig, tuple[float, LowbitConfig]] = {}
     for ms, cfg in timed:
-        key = json.dumps(cfg, sort_keys=True)
-        if key not in best or ms < best[key][0]:
-            best[key] = (ms, cfg)
+        if cfg not in best or ms < best[cfg][0]:
+            best[cfg] = (ms, cfg)
     return sorted(best.values(), key=lambda p: p[0])[:n]
 
 
@@ -256,7 +255,7 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
             try:
                 ms = graph_ms(lambda item: problem.run(part, cfg, item), items)
             except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                log.append(f"{name} b{bits} r{rank} T={T} {part} {cfg} failed: {type(e).__name__}")
+                log.append(f"{name} b{bits} r{rank} T={T} {part} {cfg.as_dict()} failed: {type(e).__name__}")
                 return
             timed[part].append((ms, cfg))
 
@@ -264,27 +263,29 @@ def tune(name: str, bits: int, rank: int, tokens, log: list) -> dict:
             time_job(part, cfg)
         if T == 1:
             for part in ("gate_up", "down"):
-                best = min([t for t in timed[part] if not t[1].get("TMA")], key=lambda p: p[0])[1]
+                best = min([t for t in timed[part] if not t[1].TMA], key=lambda p: p[0])[1]
                 for cfg in load_variants(best):
                     time_job(part, cfg)
         default = lowbit_moe_config(torch.cuda.get_device_name(), bits, E, D, F, T, k, rank > 0)  # dispatch till now
-        default = {part: {key: v for key, v in cfg.items() if key != "ms"} for part, cfg in default.items()}
+        default = ExpertsConfig(default.gate_up.replace(ms=None), default.down.replace(ms=None))
         part_ms = {}
-        for part in ("gate_up", "down"):  # the dispatch's own config is a finalist where it is among the best
-            part_ms[part] = graph_ms(lambda item: problem.run(part, default[part], item), items)
-            timed[part].append((part_ms[part], default[part]))
+        # the dispatch's own config is a finalist where it is among the best
+        for part, cfg in (("gate_up", default.gate_up), ("down", default.down)):
+            part_ms[part] = graph_ms(lambda item: problem.run(part, cfg, item), items)
+            timed[part].append((part_ms[part], cfg))
         finalists = {part: best_few(timed[part], PAIR_FINALISTS) for part in ("gate_up", "down")}
         pairs = [(graph_ms(functools.partial(problem.run_pair, default), items), default, part_ms)]
         for gu_ms, gu in finalists["gate_up"]:
             for dn_ms, dn in finalists["down"]:
-                config = {"gate_up": gu, "down": dn}
+                config = ExpertsConfig(gu, dn)
                 try:
                     pairs.append((graph_ms(functools.partial(problem.run_pair, config), items), config,
                                   {"gate_up": gu_ms, "down": dn_ms}))
                 except Exception as e:  # noqa: BLE001 - reported; the others still compete
-                    log.append(f"{name} b{bits} r{rank} T={T} pair {config} failed: {type(e).__name__}")
+                    log.append(f"{name} b{bits} r{rank} T={T} pair {config.as_dict()} failed: {type(e).__name__}")
         ms, config, apart = min(pairs, key=lambda p: p[0])  # the dispatch's own pair stays where none beat it
-        entry = {part: {**config[part], "ms": round(apart[part], 4)} for part in ("gate_up", "down")}
+        entry = {part: cfg.replace(ms=round(apart[part], 4)).as_dict()
+                 for part, cfg in (("gate_up", config.gate_up), ("down", config.down))}
         log.append(f"{name} {bits}-bit r{rank} T={T}: experts {ms:.4f} ms (dispatch before {pairs[0][0]:.4f}) | "
                    f"gate_up {entry['gate_up']} | down {entry['down']}")
         print(log[-1], flush=True)

@@ -8,6 +8,7 @@ H100 = {"cpu_name": "16-core host", "cpu_cores": 16, "cpu_fp32_flops": 1.4e12, "
         "dram_bandwidth": 79e9, "ram_bytes": 128 * GiB, "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_flops": 774e12,
         "hbm_bandwidth": 2.94e12, "gpu_memory_bytes": 80 * GiB, "h2d_bandwidth": 54.4e9, "d2h_bandwidth": 54.9e9,
         "h2d_pageable_bandwidth": 7.7e9, "h2d_chunk_bandwidth": {"1": 28.9e9, "4": 44.4e9, "16": 50.8e9}}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_same_top_k(ids: torch.Tensor, ref_ids: torch.Tensor, logits: torch.Tensor) -> None:
@@ -43,3 +44,39 @@ def expert_loop_fp64(ex, x_sorted, table):
         g, u = (gu[e] @ x_sorted[s].double()).chunk(2)
         out[s] = dn[e] @ (torch.nn.functional.silu(g) * u)
     return out
+
+
+def quantized(N, K, bits, group, rank=0, comp_bits=16):
+    """A random QuantizedLinear (HQQ codes, and a random rank-r compensator at comp_bits) on DEVICE."""
+    from moeserve.quant import hqq, milo
+    from moeserve.quant.qlinear import QuantizedLinear
+
+    qw = hqq.quantize_hqq(torch.randn(N, K) * K ** -0.5, bits, group)  # outputs of order 1
+    comp = milo.compensator_to_buffers(torch.randn(N, rank) * 0.1, torch.randn(rank, K) * 0.1, comp_bits) if rank else None
+    return QuantizedLinear.from_quantized(qw, comp, rank, comp_bits).to(DEVICE)
+
+
+def reference(layer, x):
+    """float64: x dequant(W)^T + (x V^T) U^T."""
+    y = x.double() @ layer.weight(torch.float64).T
+    uv = layer.compensator(torch.float64)
+    return y if uv is None else y + (x.double() @ uv[1].T) @ uv[0].T
+
+
+def quantized_experts(E, D, F, bits, ranks):
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    return QuantizedExperts([quantized(2 * F, D, bits, 32, r) for r in ranks],
+                            [quantized(D, F, bits, 32, r) for r in ranks])
+
+
+def quantized_experts_as_float64(ex):
+    """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
+    from moeserve.model.experts import ResidentExperts
+
+    dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)
+    with torch.no_grad():
+        for e in range(ex.num_experts):
+            dense.gate_up_proj[e] = reference(ex.gate_up[e], torch.eye(dense.gate_up_proj.shape[2], device=DEVICE)).T
+            dense.down_proj[e] = reference(ex.down[e], torch.eye(dense.down_proj.shape[2], device=DEVICE)).T
+    return dense

@@ -52,6 +52,7 @@ def test_row_tile_experts_compiled_match_fp64(T, routing, E, k, D, F, tma):
     """The prefill tile kernels compiled in bf16 at tile sizes the tuner picks (128-row tiles, wgmma), through
     pointers and TMA descriptors: partial tiles, experts without rows, all tokens on one expert."""
     from moeserve.kernels.routing import build_routing_table
+    from moeserve.kernels.triton.configs import ExpertsConfig, FusedMoEConfig
     from moeserve.kernels.triton.fused_moe import fused_experts
 
     block = random_block(E, k, D, F)
@@ -62,7 +63,8 @@ def test_row_tile_experts_compiled_match_fp64(T, routing, E, k, D, F, tma):
            "down": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=tma)}
     x_sorted = x[table.token_ids]
     with torch.no_grad():
-        out = fused_experts(x_sorted, block.experts.gate_up_proj, block.experts.down_proj, table, cfg).double()
+        out = fused_experts(x_sorted, block.experts.gate_up_proj, block.experts.down_proj, table,
+                            ExpertsConfig.of(cfg, FusedMoEConfig)).double()
         ref = expert_loop_fp64(block.experts, x_sorted, table)
     assert (out - ref).norm() / ref.norm() < 1e-2
 
@@ -327,13 +329,14 @@ def test_decode_projections_in_one_launch_match_the_layers(rows, bias, monkeypat
 def test_lowbit_cuda_core_tiles_compiled(config, bits):
     """The swept CUDA-core configs (sub-tiles, two steps ahead, rows of x per tile; the last two load 3-bit words
     as 8-byte pairs) compiled, at odd shapes."""
-    from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+    from moeserve.kernels.triton.configs import LowbitConfig
+    from moeserve.kernels.triton.lowbit import lowbit_linear
 
     layer = _random_quantized(1000, 4160, bits)
     w = layer.weight(torch.float32)
     for M in (1, 3, 8, 13):
         x = torch.randn(M, 4160, device="cuda", dtype=torch.bfloat16)
-        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 4160, config=config)
+        y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 64, 4160, config=LowbitConfig.of(config))
         ref = x.float() @ w.T
         assert not y.isnan().any() and ((y.float() - ref).norm() / ref.norm()) < 1e-2
 
@@ -381,7 +384,8 @@ def test_lowbit_fused_moe_pipelined_dot_tiles_compiled(bits, T, routing):
     flight), gate_up plain and PAIRED, down whole and split-K, on expert-sorted rows with skewed routings (experts
     with no rows, a row count no tile divides) and compensators on some experts, vs the dequantized float32 loop."""
     from moeserve.kernels.routing import build_routing_table
-    from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+    from moeserve.kernels.triton.configs import ExpertsConfig, LowbitConfig
+    from moeserve.kernels.triton.lowbit import lowbit_experts
     from moeserve.model.experts import swiglu
     from moeserve.quant.qlinear import QuantizedExperts
 
@@ -401,8 +405,8 @@ def test_lowbit_fused_moe_pipelined_dot_tiles_compiled(bits, T, routing):
                      for e, rows in enumerate(x_sorted.float().split(table.counts.tolist()))])
     for bn, bk, warps, pipe, paired, split in [(64, 256, 4, 3, 0, 1), (128, 256, 8, 3, 1, 4), (32, 256, 4, 4, 1, 2)]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3, PIPE=pipe)
-        got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table,
-                             {"gate_up": {**cfg, "SPLIT_K": 1, "PAIRED": paired}, "down": {**cfg, "SPLIT_K": split}})
+        got = lowbit_experts(x_sorted, *ex.stacked(x_sorted.dtype), table, ExpertsConfig.of(
+            {"gate_up": {**cfg, "SPLIT_K": 1, "PAIRED": paired}, "down": {**cfg, "SPLIT_K": split}}, LowbitConfig))
         assert not got.isnan().any(), cfg
         assert ((got.float() - ref).norm() / ref.norm()) < 2e-2, cfg
 
@@ -415,7 +419,7 @@ def _dense_float32(layer):
 
 def _stacked(layers, rank):
     """E QuantizedLinears -> one StackedLowbit (bf16 compensators zero-padded to `rank`, as QuantizedExperts does)."""
-    from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit
+    from moeserve.kernels.triton.lowbit import StackedLowbit
 
     first = layers[0]
     p = StackedLowbit(*(torch.stack([getattr(m, n) for m in layers]) for n in ("qweight", "scale", "zero")),
@@ -436,8 +440,9 @@ def test_lowbit_one_token_tma_compiled(bits, rank):
     block per plane; rank: rank-32 compensators on all but expert 2, added before the weight stream)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0")
-    from moeserve.kernels.triton.fused_moe_lowbit import launch_down_tma, launch_gate_up, tma_one_token
-    from moeserve.kernels.triton.lowbit_linear import values_per_column
+    from moeserve.kernels.triton.configs import LowbitConfig
+    from moeserve.kernels.triton.lowbit.launch import launch_down_tma, launch_gate_up, tma_one_token
+    from moeserve.kernels.triton.lowbit.layout import values_per_column
     from moeserve.model.experts import swiglu
 
     E, D, F = 8, 4096, 1000
@@ -450,9 +455,9 @@ def test_lowbit_one_token_tma_compiled(bits, rank):
     ref = torch.stack([swiglu(x.float() @ _dense_float32(layers[int(e)]).T)[0] for e in ids[0]])  # [2, F]
     vpc = values_per_column(bits)
     for bn, bk, warps, stages in [(8, 1024, 4, 3), (16, 512, 4, 2), (32, 512, 8, 3), (8, min(256 * vpc, D), 4, 2)]:
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1)
+        cfg = LowbitConfig.of(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=1, TMA=1))
         assert tma_one_token(cfg, gate_up, ids, x.device)
-        assert not tma_one_token({**cfg, "BLOCK_K": 512 * vpc}, gate_up, ids, x.device)  # 512-word boxes
+        assert not tma_one_token(cfg.replace(BLOCK_K=512 * vpc), gate_up, ids, x.device)  # 512-word boxes
         h = torch.full((2, F), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch_gate_up(x, gate_up, h, ids, cfg)
         assert not h.isnan().any(), cfg
@@ -461,7 +466,7 @@ def test_lowbit_one_token_tma_compiled(bits, rank):
     ref = torch.stack([h[j].float() @ _dense_float32(downs[int(e)]).T for j, e in enumerate(ids[0])])  # [2, D]
     big = (64, 1024, 8, 3, 1) if bits < 8 else (16, 1024, 8, 2, 1)  # 64 x 256 8-bit words x 3 stages: over 228 KB
     for bn, bk, warps, stages, split in [(32, 512, 4, 3, 2), (16, 512, 4, 2, 1), big]:
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, TMA=1)
+        cfg = LowbitConfig.of(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split, TMA=1))
         assert tma_one_token(cfg, down, ids, x.device)
         y = torch.full((2, D), float("nan"), device="cuda")
         launch_down_tma(h, down, y, ids, cfg)

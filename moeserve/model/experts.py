@@ -51,7 +51,7 @@ def default_tiles_available(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool
     from moeserve.kernels.triton.fused_moe import tiles_fit
 
     E, two_f, D = gate_up_proj.shape
-    return tiles_fit(DEFAULT_TILES["gate_up"], D) and tiles_fit(DEFAULT_TILES["down"], two_f // 2)
+    return tiles_fit(DEFAULT_TILES.gate_up, D) and tiles_fit(DEFAULT_TILES.down, two_f // 2)
 
 
 class ExpertBackend(nn.Module):

@@ -34,7 +34,7 @@ def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_feature
     layout the Triton low-bit kernels read."""
     if not (rows <= TRITON_MAX_ROWS and triton_serves(x)):
         return False
-    from moeserve.kernels.triton.lowbit_linear import DTYPES, supported
+    from moeserve.kernels.triton.lowbit import DTYPES, supported
 
     return x.dtype in DTYPES and supported(bits, group) and in_features % group == 0
 
@@ -98,7 +98,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_applies(x, x.numel() // self.in_features, self.bits, self.group, self.in_features):
-            from moeserve.kernels.triton.lowbit_linear import lowbit_linear
+            from moeserve.kernels.triton.lowbit import lowbit_linear
 
             y = lowbit_linear(x, self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features,
                               lowrank=self.cached_compensator(x.dtype))
@@ -150,7 +150,7 @@ class QuantizedExperts(LoopedExperts):
 
     def stacked(self, dtype: torch.dtype):
         """(gate_up, down) StackedLowbit, rebuilt when the weights moved or the activation dtype changed."""
-        from moeserve.kernels.triton.fused_moe_lowbit import StackedLowbit
+        from moeserve.kernels.triton.lowbit import StackedLowbit
 
         def key():  # stacking moves the buffers, so this is read again after it
             return dtype, self.gate_up[0].qweight.data_ptr(), self.down[0].qweight.data_ptr()
@@ -165,7 +165,7 @@ class QuantizedExperts(LoopedExperts):
         None (another path, or one that reads x itself)."""
         if self.kernel_path(x, x.shape[0]) != "lowbit_slots":
             return None
-        from moeserve.kernels.triton.fused_moe_lowbit import x_preparation
+        from moeserve.kernels.triton.lowbit import x_preparation
 
         return x_preparation(x, *self.stacked(x.dtype), top_k)
 
@@ -175,7 +175,7 @@ class QuantizedExperts(LoopedExperts):
         prepared_x: x prepared as x_preparation said (by the router's launch)."""
         if self.kernel_path(x, x.shape[0], expert_weights) != "lowbit_slots":
             return super().forward(x, expert_ids, expert_weights)
-        from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+        from moeserve.kernels.triton.lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
 
         y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids, prepared_x=prepared_x)  # [k, D] fp32, slot order
@@ -184,7 +184,7 @@ class QuantizedExperts(LoopedExperts):
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
         if self.kernel_path(x_sorted, table.num_tokens) not in LOWBIT_PATHS:  # slots: forward's autograd fallback
             return super().run_sorted(x_sorted, table)
-        from moeserve.kernels.triton.fused_moe_lowbit import lowbit_experts
+        from moeserve.kernels.triton.lowbit import lowbit_experts
 
         return lowbit_experts(x_sorted, *self.stacked(x_sorted.dtype), table)  # [T*k, D] fp32
 

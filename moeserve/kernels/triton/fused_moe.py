@@ -12,6 +12,8 @@ Two schedules of the same math:
         the grid is a fixed upper bound on the tiles and tiles past the last return at once. Axis 0 walks the
         row tiles of one output block, so the programs in flight share their weight tiles through L2 and each
         expert weight is read from HBM about once.
+Both find their rows on the GPU with rows.py, which the low-bit kernels share. Each projection's config
+(configs.FusedMoEConfig) says its schedule and tiles.
 
 The gate-weight scaling and the scatter back to tokens stay in kernels/routing.combine.
 """
@@ -23,22 +25,24 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.routing import RoutingTable
-from moeserve.kernels.triton.configs import fused_moe_config, gpu_name
+from moeserve.kernels.triton.configs import ExpertsConfig, FusedMoEConfig, fused_moe_config, gpu_name
+from moeserve.kernels.triton.rows import ROUTE_SORTED, expert_rows, expert_tile
 from moeserve.kernels.triton.swiglu import silu_mul
 
 
 @triton.jit
 def _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, N, BLOCK_N: tl.constexpr):
-    """This program's expert e: its rows [start, end) in the sorted order, its block of N outputs, its weights."""
-    e = tl.program_id(0)
-    end = tl.load(offsets_ptr + e)
+    """This program's expert e (axis 0): its rows [start, end) in the sorted order, its block of N outputs, its
+    weights."""
+    start, end, e, _, _ = expert_rows(tl.program_id(0), offsets_ptr, counts_ptr, 0, ROUTE_SORTED, 1, 1)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    return end - tl.load(counts_ptr + e), end, offs_n, offs_n < N, w_ptr + e.to(tl.int64) * stride_we
+    return start, end, offs_n, offs_n < N, w_ptr + e * stride_we
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
-                    PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_decode_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
+                           PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start, end, offs_n, n_mask, w_base = _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, F, BLOCK_N)
     for c in tl.static_range(CHUNKS):  # an expert has at most T rows: CHUNKS = cdiv(T, BLOCK_M), no host sync
       m0 = start + c * BLOCK_M
@@ -63,8 +67,9 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, offsets_ptr, counts_ptr, D, F, stride_w
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
-                 PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_decode_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
+                        PRECISION: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start, end, offs_n, n_mask, w_base = _program_setup(offsets_ptr, counts_ptr, w_ptr, stride_we, D, BLOCK_N)
     for c in tl.static_range(CHUNKS):
       m0 = start + c * BLOCK_M
@@ -85,28 +90,10 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, offsets_ptr, counts_ptr, D, F, stride_we,
 
 
 @triton.jit
-def _tile_rows(counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, first row, end row) of this program's row tile (axis 0) in the expert-sorted order, from the
-    per-expert counts; a tile past the last one gets first row >= end row."""
-    tile = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E] row tiles per expert
-    tile_end = tl.cumsum(tiles, axis=0)
-    row_end = tl.cumsum(counts, axis=0)
-    mine = (tile_end - tiles <= tile) & (tile < tile_end)  # one expert, or none past the last tile
-    expert = tl.sum(tl.where(mine, e, 0), axis=0)
-    end = tl.sum(tl.where(mine, row_end, 0), axis=0)
-    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
-    start = tl.sum(tl.where(mine, row_end - counts, 0), axis=0) + (tile - first_tile) * BLOCK_M
-    return expert, start, end
-
-
-@triton.jit
 def _tile_setup(counts_ptr, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     """A row tile's (expert, first row, end row, rows [BLOCK_M] clamped below the end, outputs [BLOCK_N], the same
     clamped below N): clamped rows and outputs read real memory, so the K loop has no masks."""
-    expert, start, end = _tile_rows(counts_ptr, E, BLOCK_M, BLOCK_E)
+    expert, start, end = expert_tile(counts_ptr, E, BLOCK_M, BLOCK_E)
     rows = tl.minimum(start + tl.arange(0, BLOCK_M), end - 1)  # [BLOCK_M]
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     return expert, start, end, rows, offs_n, tl.minimum(offs_n, N - 1)
@@ -181,80 +168,69 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def launch_gate_up(x_sorted, gate_up_proj, h, table: RoutingTable, num_tokens: int, cfg: dict) -> None:
-    E, two_f, D = gate_up_proj.shape
-    F = two_f // 2
-    _gate_up_kernel[(E, triton.cdiv(F, cfg["BLOCK_N"]))](
-        x_sorted, gate_up_proj, h, table.offsets, table.counts, D, F, gate_up_proj.stride(0),
-        PRECISION=_precision(x_sorted), CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+def launch_decode(part: str, a, w, out, table: RoutingTable, cfg: FusedMoEConfig) -> None:
+    """One projection ("gate_up": x -> h, or "down": h -> y) in the decode schedule: a [T*k, K] with the stacked
+    weights w -> out [T*k, N], a program per (expert, output block); table.num_tokens bounds an expert's rows, which
+    fixes the kernel's CHUNKS of BLOCK_M rows without a sync."""
+    E, _, K = w.shape
+    N = out.shape[1]
+    kernel, (D, F) = (_gate_up_decode_kernel, (K, N)) if part == "gate_up" else (_down_decode_kernel, (N, K))
+    kernel[(E, triton.cdiv(N, cfg.BLOCK_N))](
+        a, w, out, table.offsets, table.counts, D, F, w.stride(0), PRECISION=_precision(a),
+        CHUNKS=triton.cdiv(table.num_tokens, cfg.BLOCK_M), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps)
 
 
-def launch_down(h, down_proj, y, table: RoutingTable, num_tokens: int, cfg: dict) -> None:
-    E, D, F = down_proj.shape
-    _down_kernel[(E, triton.cdiv(D, cfg["BLOCK_N"]))](
-        h, down_proj, y, table.offsets, table.counts, D, F, down_proj.stride(0),
-        PRECISION=_precision(h), CHUNKS=triton.cdiv(num_tokens, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
-
-
-def tiles_grid(cfg: dict, slots: int, E: int, N: int) -> tuple[int, int]:
+def tiles_grid(cfg: FusedMoEConfig, slots: int, E: int, N: int) -> tuple[int, int]:
     """(row tiles, output blocks): the row tiles of `slots` rows over E experts are at most
     cdiv(slots, BLOCK_M) + min(E, slots) - 1 (each expert with rows wastes at most one partial tile)."""
-    bm = cfg["BLOCK_M"]
-    return max(1, triton.cdiv(slots, bm) + min(E, slots) - 1), triton.cdiv(N, cfg["BLOCK_N"])
+    bm = cfg.BLOCK_M
+    return max(1, triton.cdiv(slots, bm) + min(E, slots) - 1), triton.cdiv(N, cfg.BLOCK_N)
 
 
-def tiles_fit(cfg: dict, K: int) -> bool:
+def tiles_fit(cfg: FusedMoEConfig, K: int) -> bool:
     """The tile kernels' K loops run unmasked: a tile config's BLOCK_K must divide the projection's inputs K."""
-    return K % cfg["BLOCK_K"] == 0
+    return K % cfg.BLOCK_K == 0
 
 
-def launch_tiles(part: str, a, w, out, table: RoutingTable, cfg: dict) -> None:
+def launch_tiles(part: str, a, w, out, table: RoutingTable, cfg: FusedMoEConfig) -> None:
     """One projection ("gate_up": x -> h, or "down": h -> y) over row tiles: a [T*k, K] with the stacked weights w
     -> out [T*k, N]; cfg TMA: the operands go as TMA descriptors."""
     E, _, K = w.shape
     N = out.shape[1]
     kernel, (D, F) = (_gate_up_tiles_kernel, (K, N)) if part == "gate_up" else (_down_tiles_kernel, (N, K))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm, bn, bk = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     if not w.is_contiguous():
         raise ValueError(f"the tile kernels read contiguous expert weights, got strides {w.stride()}")
-    tma = bool(cfg.get("TMA", 0))
+    tma = bool(cfg.TMA)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # TMA only; not in every Triton
 
         a, w = TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, K), [bn, bk])
     kernel[tiles_grid(cfg, out.shape[0], E, N)](
         a, w, out, table.counts, E, D, F, PRECISION=_precision(out), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_E=triton.next_power_of_2(E), STAGES=cfg.get("num_stages", 3), TMA=tma, num_warps=cfg["num_warps"])
+        BLOCK_E=triton.next_power_of_2(E), STAGES=cfg.num_stages, TMA=tma, num_warps=cfg.num_warps)
 
 
 def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  table: RoutingTable, config: dict | None = None) -> torch.Tensor:
+                  table: RoutingTable, config: ExpertsConfig | None = None) -> torch.Tensor:
     """x_sorted [T*k, D] expert-sorted rows -> expert outputs [T*k, D] (before gate weighting).
 
-    Each projection runs the decode schedule, or the row tiles where its config says "schedule": "tiles" (then its
+    Each projection runs the decode schedule, or the row tiles where its config's schedule is "tiles" (then its
     BLOCK_K must divide its inputs). table.num_tokens bounds the rows of one expert, which fixes the decode
     kernels' loops without a sync."""
-    num_tokens = table.num_tokens
     E, two_f, D = gate_up_proj.shape
     F = two_f // 2
     if config is None:
         name = gpu_name(x_sorted.device.index or 0) if x_sorted.is_cuda else "cpu"
-        config = fused_moe_config(name, E, D, F, num_tokens)
-    gate_up_tiles, down_tiles = (config[p].get("schedule") == "tiles" for p in ("gate_up", "down"))
-    for tiles, proj, K in ((gate_up_tiles, "gate_up", D), (down_tiles, "down", F)):
-        if tiles and not tiles_fit(config[proj], K):
-            raise ValueError(f"the {proj} tile config needs a BLOCK_K that divides its {K} inputs: {config[proj]}")
+        config = fused_moe_config(name, E, D, F, table.num_tokens)
+    for proj, cfg, K in (("gate_up", config.gate_up, D), ("down", config.down, F)):
+        if cfg.schedule == "tiles" and not tiles_fit(cfg, K):
+            raise ValueError(f"the {proj} tile config needs a BLOCK_K that divides its {K} inputs: {cfg}")
     x_sorted = x_sorted.contiguous()
     h = torch.empty(x_sorted.shape[0], F, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, F]
     y = torch.empty(x_sorted.shape[0], D, dtype=x_sorted.dtype, device=x_sorted.device)  # [T*k, D]
-    if gate_up_tiles:
-        launch_tiles("gate_up", x_sorted, gate_up_proj, h, table, config["gate_up"])
-    else:
-        launch_gate_up(x_sorted, gate_up_proj, h, table, num_tokens, config["gate_up"])
-    if down_tiles:
-        launch_tiles("down", h, down_proj, y, table, config["down"])
-    else:
-        launch_down(h, down_proj, y, table, num_tokens, config["down"])
+    for part, cfg, a, w, out in (("gate_up", config.gate_up, x_sorted, gate_up_proj, h),
+                                 ("down", config.down, h, down_proj, y)):
+        (launch_tiles if cfg.schedule == "tiles" else launch_decode)(part, a, w, out, table, cfg)
     return y

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.triton.lowbit_linear import Preparation, prepare_step
+from moeserve.kernels.triton.lowbit import Preparation, prepare_step
 from moeserve.kernels.triton.pdl import after_previous, dependent_launch
 
 MAX_TOKENS = 64  # above this, cuBLAS and torch's kernels (one program per token re-reads the gate weight)
@@ -36,7 +36,7 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, xw_ptr, T, D,
                    STAGES: tl.constexpr, PREP: tl.constexpr, BITS: tl.constexpr, VPC: tl.constexpr,
                    CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
     """Programs 0..T-1 route token t = program id (_route_token). PREP: programs T.. prepare x for the experts'
-    CUDA-core kernels (lowbit_linear.prepare_step: step q % steps of token q // steps, q = program id - T) in the
+    CUDA-core kernels (lowbit.prepare_step: step q % steps of token q // steps, q = program id - T) in the
     same launch."""
     after_previous(PDL)
     pid = tl.program_id(0)

@@ -1,0 +1,20 @@
+"""Low-bit (W{2,3,4,8}A16) matmuls in Triton for decode, dense or as a fused MoE, on the pack.py layout.
+
+Files import only downward:
+    codes.py     packed words -> values (jit)                 layout.py   layout facts, input checks, StackedLowbit
+    gemv.py      CUDA-core GEMV, 1..8 rows of x (jit)        launch.py   config -> Tile, x preparation, launches
+    tiles.py     tensor-core tiles, tile_product (jit)        ops.py      lowbit_linear, lowbit_experts
+    prepare.py   x prepared for the GEMV (jit)
+    tma.py       the one-token GEMV fed by TMA (jit)
+    kernels.py   the entry kernels (jit)
+Row scheduling (which rows a program owns) is kernels/triton/rows.py, shared with the bf16 fused MoE; launch configs
+are configs.LowbitConfig, tuned per GPU (bench/kernels.py, bench/tune_lowbit_moe.py).
+"""
+
+from moeserve.kernels.triton.lowbit.launch import Preparation, prepare_x
+from moeserve.kernels.triton.lowbit.layout import BITS, DTYPES, StackedLowbit, supported
+from moeserve.kernels.triton.lowbit.ops import lowbit_experts, lowbit_linear, x_preparation
+from moeserve.kernels.triton.lowbit.prepare import prepare_step
+
+__all__ = ["BITS", "DTYPES", "Preparation", "StackedLowbit", "lowbit_experts", "lowbit_linear", "prepare_step",
+           "prepare_x", "supported", "x_preparation"]
