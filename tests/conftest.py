@@ -12,13 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter at tiny sizes
 os.environ["MOESERVE_CACHE"] = tempfile.mkdtemp(prefix="moeserve-test-cache-")  # compiled kernels: built fresh
 
-FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe"]  # + sliding window, rope scaling
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """family -> (HF fp32 model, directory it was saved to with save_pretrained)."""
-    from hf_models import build_hf_model
+    from hf_models import FAMILIES, build_hf_model
 
     out = {}
     for i, fam in enumerate(FAMILIES):

@@ -11,6 +11,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
               max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe"]  # + sliding window, rope scaling
+
 def family_configs():
     """family -> (config class name, kwargs)."""
     return {

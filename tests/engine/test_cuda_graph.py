@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moeserve
-from conftest import FAMILIES
+from hf_models import FAMILIES
 from moeserve.cli import DEMO_DIR
 from moeserve.engine import generate as generate_mod
 from moeserve.engine.cuda_graph import StaticDecoder, graph_safe

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moeserve
-from conftest import FAMILIES
+from hf_models import FAMILIES
 from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.model.kv_cache import KVCache
