@@ -71,7 +71,13 @@ class CacheState:
             self.pinned.add(key)
         return decision
 
-    def _admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
+    def admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
+        """Admit a missed expert served elsewhere this time (the hybrid backend computed it on the CPU) when the
+        policy ranks it above the entry it would evict (LRU always does: it was just used); its uses were
+        counted by request(admit=False)."""
+        return self._admit(key, tier, needed, only_if_hotter=True)
+
+    def _admit(self, key: Key, tier: int, needed: set[Key], only_if_hotter: bool = False) -> Decision:
         pool = self.pools[tier]
         capacity, rivals = self.capacity[tier], list(pool)
         if self.per_layer:  # slots spread evenly, the first layers taking the remainder
@@ -84,8 +90,13 @@ class CacheState:
         if len(rivals) >= capacity:
             evicted = self.policy.victim({k: self.stats[k] for k in rivals}, self.now, key[0],
                                          protected=needed | self.pinned)
-            if evicted is None:
+            if evicted is None or only_if_hotter and not self._hotter(key, evicted, rivals):
                 return Decision(False, tier, False, None)
             del pool[evicted]
         pool[key] = None
         return Decision(False, tier, True, evicted)
+
+    def _hotter(self, key: Key, other: Key, rivals: list[Key]) -> bool:
+        """Whether the policy ranks key strictly above other (among the rivals and key)."""
+        prio = self.policy.priorities({k: self.stats[k] for k in [*rivals, key]}, self.now, key[0])
+        return prio[key] > prio[other]

@@ -1,0 +1,53 @@
+"""Turn a loaded model into a hybrid one: its CPU layers' experts become HybridExperts sharing one runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moeserve.hybrid.experts import HybridExperts
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.hybrid.runtime import HybridRuntime
+from moeserve.offload.store import ExpertStore
+from moeserve.quant.qlinear import QuantizedExperts
+
+MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
+
+
+def store_layers(placement: HybridPlacement) -> list[int]:
+    """The MoE layers whose experts the store holds (and the loader leaves unread): the CPU layers; with low-bit
+    experts every MoE layer (the resident layers' experts are the store's low-bit copies, moved to the model
+    device)."""
+    return list(placement.moe_layers if placement.low else placement.cpu_layers)
+
+
+def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
+                group: int = 64, progress: bool = True) -> ExpertStore:
+    """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
+    the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
+    low-bit experts or mixed precision."""
+    low_bits = placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0
+    return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
+                                       device=device if device.type == "cuda" else None, high=not placement.low,
+                                       progress=progress)
+
+
+def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
+    """A resident layer of a low-bit run: the store's low-bit copies of its experts on the model device."""
+    pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
+             for e in range(store.meta["num_experts"])]
+    return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs])
+
+
+def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, **runtime_options) -> HybridRuntime:
+    """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned); in a
+    low-bit run the other MoE layers' experts become the store's low-bit copies on the model device."""
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, **runtime_options)
+    layers = model.model.layers
+    for i in placement.cpu_layers:
+        layers[i].mlp.experts = HybridExperts(i, model.spec.num_experts, runtime)
+    if placement.low:
+        for i in sorted(set(placement.moe_layers) - set(placement.cpu_layers)):
+            layers[i].mlp.experts = resident_lowbit(store, i, model.device)
+    return runtime
