@@ -18,8 +18,8 @@ import torch
 
 from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.model.experts import ExpertBackend
-from moeserve.offload.host_compute import ExpertRows
-from moeserve.offload.precision import LOW, SKIP
+from moeserve.offload.host_compute import CpuPairs
+from moeserve.offload.precision import SKIP
 
 
 def routing_to_host(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
@@ -49,34 +49,29 @@ class HybridExperts(ExpertBackend):
         """x [T, D], expert_ids / expert_weights [T, k] -> [T, D] (+ dense(x), the shared expert, when given)."""
         rt = self.runtime
         x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights)  # host [T, D], [T, k] x2
-        choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP
-        kept = choice != SKIP  # [T, k]
+        choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP, or None: every pair at the run's precision
         slot = rt.cache.where(self.layer, ids) if rt.cache is not None else None  # [T, k] slot or -1
-        on_gpu = kept & (slot >= 0) if slot is not None else torch.zeros_like(kept)  # [T, k]
-        on_cpu = kept & ~on_gpu  # [T, k]
+        on_gpu = None if slot is None else slot >= 0  # [T, k]
+        if choice is not None:
+            kept = choice != SKIP
+            on_gpu = kept if on_gpu is None else on_gpu & kept
+        on_cpu = None if on_gpu is None else ~on_gpu if choice is None else kept & ~on_gpu  # None: every pair
         job = None
-        if on_cpu.any():
-            t, j = on_cpu.nonzero(as_tuple=True)  # [n] each
-            work = ExpertRows(t, ids[t, j], rt.low_copy(choice)[t, j], weights[t, j])
-            job = rt.worker.submit(rt.host.run_layer, self.layer, x_host, work)
+        if on_cpu is None or on_cpu.any():
+            pairs = CpuPairs(ids, weights, on_cpu, rt.low_copy(choice))
+            job = rt.worker.submit(rt.host.run_layer, self.layer, x_host, pairs)
         out = None
-        if on_gpu.any():
+        if on_gpu is not None and on_gpu.any():
             out = rt.cache.slots.compute(x, expert_weights, torch.where(on_gpu, slot, rt.cache.slots.none))
         shared = dense(x) if dense is not None else None
         if rt.cache is not None:
-            rt.cache.account(self.layer, ids, choice, on_cpu)
+            rt.cache.account(self.layer, ids, choice if choice is not None else torch.zeros_like(ids),
+                             on_cpu if on_cpu is not None else torch.ones_like(ids, dtype=torch.bool))
         if job is not None:
-            y = job.result().to(x.device)  # [T, D]
+            y = job.result()  # [T, D]
+            y = y if y.device == x.device else y.to(x.device)
             out = y if out is None else out + y
         if out is None:
             out = torch.zeros_like(x)
-        self._count(on_gpu, on_cpu, kept, choice)
+        rt.count(ids.numel(), on_gpu, on_cpu, choice)
         return out if shared is None else out + shared
-
-    def _count(self, on_gpu, on_cpu, kept, choice) -> None:
-        st = self.runtime.stats
-        st.gpu_pairs += int(on_gpu.sum())
-        st.cpu_pairs += int(on_cpu.sum())
-        st.skipped += int((~kept).sum())
-        if self.runtime.placement.mixed:
-            st.low_pairs += int((choice == LOW).sum())

@@ -12,7 +12,7 @@ from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.worker import CpuWorker
 from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.policies import CachePolicy
-from moeserve.offload.precision import HIGH, HOBBIT_T1, HOBBIT_T2, LOW, choose_precision
+from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, choose_precision
 from moeserve.offload.store import ExpertStore
 
 
@@ -42,16 +42,24 @@ class HybridRuntime:
                                    placement.low)
         self.stats = HybridStats()
 
-    def choose(self, expert_weights: torch.Tensor) -> torch.Tensor:
-        """expert_weights [T, k] (host) -> [T, k] HIGH / LOW / SKIP: HOBBIT's rule with mixed precision, else
-        every pair HIGH (the run's own precision)."""
-        if not self.placement.mixed:
-            return torch.full(expert_weights.shape, HIGH, dtype=torch.long)
-        return choose_precision(expert_weights, self.t1, self.t2)
+    def choose(self, expert_weights: torch.Tensor) -> torch.Tensor | None:
+        """expert_weights [T, k] (host) -> [T, k] HIGH / LOW / SKIP by HOBBIT's rule with mixed precision; None
+        without it (every pair at the run's precision)."""
+        return choose_precision(expert_weights, self.t1, self.t2) if self.placement.mixed else None
 
-    def low_copy(self, choice: torch.Tensor) -> torch.Tensor:
-        """Which pairs read the store's low-bit copy: all of them in a low-bit run, else mixed precision's LOWs."""
-        return torch.ones_like(choice, dtype=torch.bool) if self.placement.low else choice == LOW
+    def low_copy(self, choice: torch.Tensor | None) -> torch.Tensor | bool:
+        """Which pairs read the store's low-bit copy: all in a low-bit run, else mixed precision's LOW choices."""
+        return self.placement.low if choice is None or self.placement.low else choice == LOW
+
+    def count(self, pairs: int, on_gpu: torch.Tensor | None, on_cpu: torch.Tensor | None,
+              choice: torch.Tensor | None) -> None:
+        """Add one call's pairs to the stats (None masks: every pair on the CPU)."""
+        st = self.stats
+        gpu = 0 if on_gpu is None else int(on_gpu.sum())
+        cpu = pairs if on_cpu is None else int(on_cpu.sum())
+        st.gpu_pairs, st.cpu_pairs, st.skipped = st.gpu_pairs + gpu, st.cpu_pairs + cpu, st.skipped + pairs - gpu - cpu
+        if choice is not None:
+            st.low_pairs += int((choice == LOW).sum())
 
     def summary(self) -> dict:
         out = {**asdict(self.stats), "cache_slots": self.placement.cache_slots}

@@ -6,13 +6,16 @@ from pathlib import Path
 
 import torch
 
+from moeserve.errors import MoeserveError
 from moeserve.hybrid.experts import HybridExperts
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.offload.store import ExpertStore
 from moeserve.quant.qlinear import QuantizedExperts
+from moeserve.spec import ModelSpec
 
 MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
+GROUPS = (64, 32, 16)  # quantization group of a store built on the fly: the largest dividing D and F
 
 
 def store_layers(placement: HybridPlacement) -> list[int]:
@@ -22,12 +25,22 @@ def store_layers(placement: HybridPlacement) -> list[int]:
     return list(placement.moe_layers if placement.low else placement.cpu_layers)
 
 
+def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
+    """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
+    if group is None and placement.needs_low_copies:
+        raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
+                            f"(here {D} and {F})")
+    return (placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0), group or GROUPS[0]
+
+
 def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
-                group: int = 64, progress: bool = True) -> ExpertStore:
+                progress: bool = True) -> ExpertStore:
     """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
     the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
     low-bit experts or mixed precision."""
-    low_bits = placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0
+    low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
                                        device=device if device.type == "cuda" else None, high=not placement.low,
                                        progress=progress)

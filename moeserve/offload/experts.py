@@ -11,7 +11,7 @@ import torch
 from moeserve.model.experts import ExpertBackend
 from moeserve.offload.cache_state import CacheState
 from moeserve.offload.cooperative import CpuExperts, choose_cpu
-from moeserve.offload.host_compute import ExpertRows
+from moeserve.offload.host_compute import CpuPairs
 from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
@@ -238,10 +238,10 @@ class OffloadedExperts(ExpertBackend):
         on_gpu = [p for p in planned if p[4][0] == "gpu"]
         if on_cpu:  # read the rows before queueing GPU work behind the copies
             x_host = x.cpu()  # [T, D]
-            tokens = torch.tensor([p[0] for p in on_cpu])
-            work = ExpertRows(tokens, torch.tensor([p[2] for p in on_cpu]),
-                              torch.tensor([src[1] == LOW for *_, src in on_cpu]),
-                              expert_weights.cpu()[tokens, torch.tensor([p[1] for p in on_cpu])])
+            ids, mask, low = (torch.zeros(expert_weights.shape, dtype=dt) for dt in (torch.long, torch.bool, torch.bool))
+            for t, j, e, _, (_, tier) in on_cpu:
+                ids[t, j], mask[t, j], low[t, j] = e, True, tier == LOW
+            work = CpuPairs(ids, expert_weights.cpu(), mask, low)  # [T, k] each
         if on_gpu:
             virtual = torch.full(expert_weights.shape, self.slots.none, dtype=torch.long)  # [T, k]
             for t, j, _, _, (_, tier, slot) in on_gpu:

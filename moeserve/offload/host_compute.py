@@ -2,9 +2,9 @@
 model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
 dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`: the (token, expert, precision, gate weight) rows are grouped per
-expert and precision with one sort, each group runs through its expert once, and the weighted outputs are added
-back to their tokens as the resident backend's combine does (so the result matches it).
+A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision with one
+sort, each group runs through its expert once, and the weighted outputs are added back to their tokens as the
+resident backend's combine does (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ from moeserve.offload.store import ExpertStore
 
 
 @dataclass
-class ExpertRows:
-    """One layer's rows for the CPU: row i is token tokens[i] through expert experts[i] (low[i]: its low-bit copy),
-    scaled by weights[i]. Host tensors, all [n]."""
+class CpuPairs:
+    """A layer's (token, k) pairs for the CPU, host tensors: pair (t, j) runs token t through expert
+    expert_ids[t, j] scaled by weights[t, j], when mask[t, j] (mask None: every pair), from the low-bit copy where
+    low says so (a [T, k] bool tensor, or one bool for every pair)."""
 
-    tokens: torch.Tensor  # [n] long
-    experts: torch.Tensor  # [n] long
-    low: torch.Tensor  # [n] bool
-    weights: torch.Tensor  # [n] gate weights, in the router's dtype
-
-    def __len__(self) -> int:
-        return self.tokens.numel()
+    expert_ids: torch.Tensor  # [T, k] long
+    weights: torch.Tensor  # [T, k] gate weights, in the router's dtype
+    mask: torch.Tensor | None = None  # [T, k] bool
+    low: torch.Tensor | bool = False  # [T, k] bool, or one for all
 
 
 class HostExperts:
@@ -60,23 +58,32 @@ class HostExperts:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
         if not low:
             gate_up, down = self.high(layer, expert)
-            return F.linear(swiglu(F.linear(rows.to(gate_up.dtype), gate_up)), down).to(rows.dtype)
+            x = rows if rows.dtype == gate_up.dtype else rows.to(gate_up.dtype)
+            y = F.linear(swiglu(F.linear(x, gate_up)), down)
+            return y if y.dtype == rows.dtype else y.to(rows.dtype)
         gate_up, down = self.low(layer, expert)
         return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
 
-    def run_layer(self, layer: int, x: torch.Tensor, work: ExpertRows) -> torch.Tensor:
-        """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over work's rows of weight * expert(x[token])."""
-        out = torch.zeros_like(x)  # [T, D]
-        if not len(work):
-            return out
-        unit = work.experts * 2 + work.low  # [n]: expert and precision
-        order = torch.argsort(unit, stable=True)  # [n]
+    def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
+        """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
+        k = pairs.expert_ids.shape[1]
+        unit = pairs.expert_ids.reshape(-1)  # [T*k]: expert, or expert and precision
+        per_pair = isinstance(pairs.low, torch.Tensor)
+        if per_pair:
+            unit = unit * 2 + pairs.low.reshape(-1)
+        if pairs.mask is None:
+            order = torch.argsort(unit, stable=True)  # [T*k]
+        else:
+            kept = pairs.mask.reshape(-1).nonzero().squeeze(1)  # [n]
+            order = kept[torch.argsort(unit[kept], stable=True)]  # [n]
         units, counts = torch.unique_consecutive(unit[order], return_counts=True)
-        tokens, weights = work.tokens[order], work.weights[order]  # [n] each, grouped
+        tokens = order // k  # [n], grouped by unit
+        x_sorted = x[tokens]  # [n, D]
+        y = torch.empty_like(x_sorted)  # [n, D]
         start = 0
         for u, n in zip(units.tolist(), counts.tolist()):
-            t = tokens[start:start + n]  # [n_u]
-            y = self.run(layer, u >> 1, bool(u & 1), x[t])  # [n_u, D]
-            out.index_add_(0, t, (y * weights[start:start + n, None]).to(x.dtype))  # as routing.combine scales
+            expert, low = (u >> 1, bool(u & 1)) if per_pair else (u, pairs.low)
+            y[start:start + n] = self.run(layer, expert, low, x_sorted[start:start + n])
             start += n
-        return out
+        scaled = (y * pairs.weights.reshape(-1)[order, None]).to(x.dtype)  # as routing.combine scales
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
