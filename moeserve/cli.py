@@ -432,7 +432,8 @@ def _check_hybrid_args(args, spec) -> None:
                             f"--cpu-moe/--n-cpu-moe the GPU cache is --gpu-cache-experts S")
     moe_layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
     args.placement = HybridPlacement.choose(
-        moe_layers, args.cpu_moe, args.n_cpu_moe, args.gpu_cache_experts, args.cpu_threads or len(physical_cores()),
+        moe_layers, args.cpu_moe, args.n_cpu_moe, args.gpu_cache_experts,
+        len(physical_cores()) if args.cpu_threads is None else args.cpu_threads,
         args.mixed_precision, args.experts_bits, args.cache_policy, spec.num_experts)
 
 

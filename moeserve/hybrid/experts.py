@@ -51,11 +51,7 @@ class HybridExperts(ExpertBackend):
         x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights)  # host [T, D], [T, k] x2
         choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP, or None: every pair at the run's precision
         slot = rt.cache.where(self.layer, ids) if rt.cache is not None else None  # [T, k] slot or -1
-        on_gpu = None if slot is None else slot >= 0  # [T, k]
-        if choice is not None:
-            kept = choice != SKIP
-            on_gpu = kept if on_gpu is None else on_gpu & kept
-        on_cpu = None if on_gpu is None else ~on_gpu if choice is None else kept & ~on_gpu  # None: every pair
+        on_gpu, on_cpu = self._split(slot, choice)  # [T, k] bool each; None: no pair / every pair
         job = None
         if on_cpu is None or on_cpu.any():
             pairs = CpuPairs(ids, weights, on_cpu, rt.low_copy(choice))
@@ -75,3 +71,13 @@ class HybridExperts(ExpertBackend):
             out = torch.zeros_like(x)
         rt.count(ids.numel(), on_gpu, on_cpu, choice)
         return out if shared is None else out + shared
+
+    @staticmethod
+    def _split(slot: torch.Tensor | None, choice: torch.Tensor | None):
+        """(on_gpu, on_cpu) [T, k] masks from the slots (None: no cache) and the precision choice (None: no skips);
+        on_gpu None: no pair in a slot, on_cpu None: every pair on the CPU."""
+        kept = None if choice is None else choice != SKIP
+        if slot is None:
+            return None, kept
+        cached = slot >= 0
+        return (cached, ~cached) if kept is None else (cached & kept, ~cached & kept)
