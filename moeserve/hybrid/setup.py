@@ -42,7 +42,7 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
     low-bit experts or mixed precision."""
     low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
-                                       device=device if device.type == "cuda" else None, high=not placement.low,
+                                       device=device if device.type == "cuda" and low_bits else None, high=not placement.low,
                                        progress=progress)
 
 

@@ -2,8 +2,8 @@
 
 The pools' slots are numbered one after another (virtual expert = the slot's place in that numbering: the first
 pool's slots, then the next pool's), and the host, which chose each (token, k) pair's slot, builds the routing
-table: only the pairs in the pass are gathered, and the expert counts are host numbers, so the pass never reads
-the device. Each slot's CUDA events order the pass after its load and the next load after the pass.
+table: only the pairs in the pass are gathered, each used slot computes its rows, and the counts are host numbers,
+so the pass never reads the device. Each slot's CUDA events order the pass after its load and the next load after the pass.
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels.routing import RoutingTable, combine
-from moeserve.model.experts import LoopedExperts, swiglu
+from moeserve.model.experts import swiglu
 from moeserve.offload.slots import SlotPool
 
 
-class SlotExperts(LoopedExperts):
+class SlotExperts:
     def __init__(self, pools: list[SlotPool]):
-        super().__init__()
         self.pools = pools
         self.starts = [sum(p.num_slots for p in pools[:i]) for i in range(len(pools))]  # first virtual id per pool
-        self.num_experts = sum(p.num_slots for p in pools)
-        self.none = self.num_experts  # the virtual id of a pair that is not in the pass
+        self.num_slots = sum(p.num_slots for p in pools)
+        self.none = self.num_slots  # the virtual id of a pair that is not in the pass
 
     def virtual(self, pool: int, slot: int) -> int:
         return self.starts[pool] + slot
@@ -40,25 +39,32 @@ class SlotExperts(LoopedExperts):
         flat = virtual.reshape(-1)  # [T*k]
         pairs = (flat < self.none).nonzero().squeeze(1)  # [n]
         order = pairs[torch.argsort(flat[pairs], stable=True)]  # [n] pair index, grouped by slot
-        counts = torch.zeros(self.num_experts, dtype=torch.long).index_add_(0, flat[order], torch.ones_like(order))
-        used = [self._slot(v) for v in torch.nonzero(counts).squeeze(1).tolist()]
+        slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        used = [(self._slot(v), n) for v, n in zip(slots.tolist(), counts.tolist())]
         order_dev = order.to(x.device, non_blocking=True)
         table = RoutingTable(token_ids=order_dev // k, weights=expert_weights.reshape(-1)[order_dev], counts=counts,
                              offsets=torch.cumsum(counts, 0).to(torch.int32), num_tokens=T)
         if x.is_cuda:
-            for pool, slot in used:
+            for (pool, slot), _ in used:
                 torch.cuda.current_stream().wait_event(pool.loaded[slot])
-        y = combine(self.run_sorted(x[table.token_ids], table), table, T, x.dtype)  # [T, D]
+        x_sorted = x[table.token_ids]  # [n, D]
+        y = torch.empty_like(x_sorted)  # [n, D]
+        start = 0
+        for (pool, slot), n in used:
+            y[start:start + n] = self.expert_ffn(pool.weights[slot], x_sorted[start:start + n])
+            start += n
+        out = combine(y, table, T, x.dtype)  # [T, D]
         if x.is_cuda:
             done = torch.cuda.Event()
             done.record()
-            for pool, slot in used:
+            for (pool, slot), _ in used:
                 pool.used[slot] = done
-        return y
+        return out
 
-    def expert_ffn(self, v: int, rows: torch.Tensor) -> torch.Tensor:
-        pool, slot = self._slot(v)
-        gate_up, down = pool.weights[slot]
+    @staticmethod
+    def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, D] through one slot's expert: (gate_up, down) tensors or QuantizedLinear modules."""
+        gate_up, down = weights
         if isinstance(gate_up, torch.Tensor):
             return F.linear(swiglu(F.linear(rows, gate_up)), down)
         return down(swiglu(gate_up(rows)))
