@@ -3,8 +3,9 @@ model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kerne
 dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
 
 A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision with one
-sort, each group runs through its expert once, and the weighted outputs are added back to their tokens as the
-resident backend's combine does (same order, so the result matches it).
+sort, each float group runs through its expert, the low-bit groups through one batched kernel call per projection
+(kernels/cpu: every expert's output tiles in one parallel region), and the weighted outputs are added back to their
+tokens as the resident backend's combine does (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.cpu.gemv import quantized_linear_batch
 from moeserve.model.experts import swiglu
 from moeserve.offload.store import ExpertStore
+
+LOW_UNIT = 1 << 20  # sort key offset of a pair on a low-bit copy: float pairs first, in expert order
 
 
 @dataclass
@@ -67,23 +71,45 @@ class HostExperts:
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
         k = pairs.expert_ids.shape[1]
-        unit = pairs.expert_ids.reshape(-1)  # [T*k]: expert, or expert and precision
-        per_pair = isinstance(pairs.low, torch.Tensor)
-        if per_pair:
-            unit = unit * 2 + pairs.low.reshape(-1)
+        unit = pairs.expert_ids.reshape(-1)  # [T*k]: expert (+ LOW_UNIT for a low-bit copy)
+        if isinstance(pairs.low, torch.Tensor):
+            unit = unit + pairs.low.reshape(-1) * LOW_UNIT
+        elif pairs.low:
+            unit = unit + LOW_UNIT
         if pairs.mask is None:
             order = torch.argsort(unit, stable=True)  # [T*k]
         else:
             kept = pairs.mask.reshape(-1).nonzero().squeeze(1)  # [n]
             order = kept[torch.argsort(unit[kept], stable=True)]  # [n]
         units, counts = torch.unique_consecutive(unit[order], return_counts=True)
-        tokens = order // k  # [n], grouped by unit
+        tokens = order // k  # [n], grouped by unit: float copies first, then low-bit ones
         x_sorted = x[tokens]  # [n, D]
         y = torch.empty_like(x_sorted)  # [n, D]
-        start = 0
+        start, low = 0, []
         for u, n in zip(units.tolist(), counts.tolist()):
-            expert, low = (u >> 1, bool(u & 1)) if per_pair else (u, pairs.low)
-            y[start:start + n] = self.run(layer, expert, low, x_sorted[start:start + n])
+            if u >= LOW_UNIT:
+                low.append((u - LOW_UNIT, n))
+                continue
+            y[start:start + n] = self.run(layer, u, False, x_sorted[start:start + n])
             start += n
+        if low:
+            y[start:] = self.run_low(layer, low, x_sorted[start:])
         scaled = (y * pairs.weights.reshape(-1)[order, None]).to(x.dtype)  # as routing.combine scales
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+    def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
+        """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each
+        projection of every expert in one native call where the kernels take the blocks (decode), else one expert
+        after another."""
+        mods = [self.low(layer, e) for e, _ in groups]
+        rows = [n for _, n in groups]
+        h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32
+        if h is not None:
+            y = quantized_linear_batch([down for _, down in mods], swiglu(h), rows)  # [n, D] float32
+            if y is not None:
+                return y.to(x.dtype)
+        out, start = torch.empty_like(x), 0
+        for e, n in groups:
+            out[start:start + n] = self.run(layer, e, True, x[start:start + n])
+            start += n
+        return out
