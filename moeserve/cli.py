@@ -601,7 +601,7 @@ def _load_hybrid(args, placement):
                                 routed_experts=[i for i in placement.moe_layers if i not in stored])
     if store is None:
         store = build_store(args.model, placement, dtype, device)
-    args.hybrid = enable_hybrid(model, store, placement)
+    args.hybrid = enable_hybrid(model, store, placement, warm=True)
     print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits), file=sys.stderr, flush=True)
     return model
 

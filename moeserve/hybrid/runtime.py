@@ -28,13 +28,19 @@ class HybridStats:
 
 class HybridRuntime:
     def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, device: torch.device,
-                 dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None):
+                 dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
+                 host: HostExperts | None = None, warm: bool = False):
         """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
-        when the model is on a GPU, whose work they overlap) or inline."""
+        when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
+        with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
+        .warm) rather than at its first token."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
-        self.host = HostExperts(store, dtype)
+        self.host = host or HostExperts(store, dtype)
+        if warm:
+            for low in {placement.low, placement.mixed or placement.low}:
+                self.host.warm(list(placement.cpu_layers), low)
         self.cache = None
         if placement.cache_slots:
             policy = CachePolicy.named(CACHE_POLICIES[placement.policy], num_layers)

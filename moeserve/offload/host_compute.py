@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu.gemv import quantized_linear_batch
+from moeserve.kernels.cpu.gemv import applies, default_kernel, packed_weight, quantized_linear_batch
 from moeserve.model.experts import swiglu
 from moeserve.offload.store import ExpertStore
 
@@ -57,6 +57,19 @@ class HostExperts:
         if key not in self._low:
             self._low[key] = self.store.quantized_modules(parts)
         return self._low[key]
+
+    def warm(self, layers: list[int], low: bool) -> None:
+        """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
+        compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
+        probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
+        for layer in layers:
+            for e in range(self.store.meta["num_experts"]):
+                if not low:
+                    self.high(layer, e)
+                    continue
+                for m in self.low(layer, e):
+                    if applies(m, probe, 1):
+                        packed_weight(m, default_kernel(m.bits))
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
