@@ -86,14 +86,16 @@ def test_batched_call_equals_one_call_per_weight(kernels, isa):
     assert torch.equal(y, torch.cat([kernel(x[s:s + n], p, threads=2) for p, s, n in zip(packed, (0, 1, 6), rows)]))
 
 
-def test_quantized_linear_batch_takes_decode_blocks_only():
+def test_quantized_linear_batch_takes_blocks_of_any_size():
     layers = [QuantizedLinear.from_quantized(hqq.quantize_hqq(torch.randn(64, 128), 4, 32)) for _ in range(2)]
     x = torch.randn(3, 128)
     if gemv.default_kernel(4) is None:
         pytest.skip("no C compiler for the generated CPU kernels here")
     y = gemv.quantized_linear_batch(layers, x, [1, 2])
     assert torch.equal(y, torch.cat([gemv.quantized_linear(layers[0], x[:1]), gemv.quantized_linear(layers[1], x[1:])]))
-    assert gemv.quantized_linear_batch(layers, torch.randn(40, 128), [20, 20]) is None  # prefill blocks: per layer
+    x = torch.randn(40, 128)
+    y = gemv.quantized_linear_batch(layers, x, [30, 10])  # prefill blocks too (QuantizedLinear dequantizes past 16)
+    torch.testing.assert_close(y, torch.cat([layers[0](x[:30]), layers[1](x[30:])]), atol=1e-4, rtol=1e-4)
     other = QuantizedLinear.from_quantized(hqq.quantize_hqq(torch.randn(32, 128), 4, 32))
     assert gemv.quantized_linear_batch([layers[0], other], x, [1, 2]) is None  # shapes differ
 

@@ -112,8 +112,8 @@ class HostExperts:
 
     def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
         """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each
-        projection of every expert in one native call where the kernels take the blocks (decode), else one expert
-        after another."""
+        projection of every expert in one native call where the kernels read the layout, else one expert after
+        another (QuantizedLinear)."""
         mods = [self.low(layer, e) for e, _ in groups]
         rows = [n for _, n in groups]
         h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32

@@ -251,8 +251,9 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
   for (int b = 0; b < n; b++) row_sums(xs[b], ms[b], ldx, n_groups, group, xsum + first[b] * n_groups);
   const int gb = kb / group < 1 ? 1 : kb / group;
   const int n_tiles = n_vectors / TILE_VECTORS;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (long job = 0; job < (long)n * n_tiles; job++) {{
+  const long jobs = (long)n * n_tiles, chunk = jobs / (4L * threads) > 1 ? jobs / (4L * threads) : 1;
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)  /* blocks differ in rows */
+  for (long job = 0; job < jobs; job++) {{
     const int b = (int)(job / n_tiles), tile = (int)(job % n_tiles);
     output_tile(xs[b], ms[b], ldx, xsum + first[b] * n_groups, n_groups, ws[b], ss[b], zs[b], W, group, ys[b], ldy,
                 tile * TILE_VECTORS, gb);

@@ -175,10 +175,10 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"moeserve: generated CPU kernels unavailable ({reason}); using the PyTorch path", stacklevel=3)
 
 
-def applies(layer, x: torch.Tensor, rows: int) -> bool:
+def applies(layer, x: torch.Tensor, rows: int | None) -> bool:
     """Whether quantized_linear takes rows rows like x through a generated kernel: a CPU tensor, at most MAX_ROWS
-    rows, a layout the kernels read, and a kernel that builds on this machine."""
-    return (not x.is_cuda and rows <= MAX_ROWS and supports(layer.in_features, layer.group, layer.bits)
+    rows (rows None: any number), a layout the kernels read, and a kernel that builds on this machine."""
+    return (not x.is_cuda and (rows is None or rows <= MAX_ROWS) and supports(layer.in_features, layer.group, layer.bits)
             and default_kernel(layer.bits) is not None)
 
 
@@ -206,12 +206,13 @@ def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
 
 def quantized_linear_batch(layers: list, x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     """Row blocks of x [sum(rows), in] (rows[b] rows each) through layers[b] (QuantizedLinear of one shape, no
-    compensator or bias) in one native call -> [sum(rows), out] float32; None when the kernel does not apply to
-    every block (then each layer runs on its own)."""
+    compensator or bias) in one native call -> [sum(rows), out] float32; None when the kernel does not read these
+    layers (then each runs on its own). Blocks of any size: past a few rows the kernel is compute-bound, yet it
+    beats dequantizing a whole expert's weight per call by far (bench/hybrid.py's prefill)."""
     first = layers[0]
     if not (all(m.rank == 0 and m.bias is None and (m.bits, m.group, m.in_features, m.out_features) == (
             first.bits, first.group, first.in_features, first.out_features) for m in layers)
-            and all(applies(first, x, m) for m in rows)):
+            and applies(first, x, None)):
         return None
     kernel = default_kernel(first.bits)
     return kernel.batch(x.float(), rows, [packed_weight(m, kernel) for m in layers])
