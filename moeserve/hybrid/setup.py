@@ -39,10 +39,11 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
                 progress: bool = True) -> ExpertStore:
     """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
     the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
-    low-bit experts or mixed precision."""
+    low-bit experts or mixed precision; page-locked when a GPU cache copies from them."""
     low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
-                                       device=device if device.type == "cuda" and low_bits else None, high=not placement.low,
+                                       device=device if device.type == "cuda" and low_bits else None,
+                                       high=not placement.low, pin=device.type == "cuda" and placement.cache_slots > 0,
                                        progress=progress)
 
 

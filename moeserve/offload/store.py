@@ -210,12 +210,13 @@ class ExpertStore:
     @classmethod
     def from_checkpoint(cls, model_path: str | Path, layers: list[int] | None = None, low_bits: int = 4,
                         group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
-                        progress: bool = True) -> "ExpertStore":
+                        pin: bool = False, progress: bool = True) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
         offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
         low-bit / float copies (layer_tensors); dtype: the float copies' dtype (the compute dtype: no conversion
         when the CPU runs them); device: where the low-bit copies are quantized (a GPU takes milliseconds per
-        layer, a CPU seconds)."""
+        layer, a CPU seconds); pin: page-lock each layer as it is built (copies to a GPU are then DMA; pin() later
+        would hold two copies at once)."""
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "building an expert store")
         if low_bits:
@@ -227,6 +228,8 @@ class ExpertStore:
         for i, stacks, digests[i] in _source_layers(reader, spec, chosen, progress):
             tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
                                        dtype, high)
+            if pin:
+                tensors[i] = {k: t.pin_memory() for k, t in tensors[i].items()}
         meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
         return cls(meta, tensors.__getitem__)
 
