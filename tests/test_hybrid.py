@@ -128,6 +128,14 @@ def test_admission_only_when_hotter_keeps_the_most_used_experts():
     lru.start_event(0)
     lru.request((0, 2), HIGH, {(0, 2)}, admit=False)
     assert lru.admit((0, 2), HIGH, {(0, 2)}).keep  # LRU: the expert just used always ranks first
+    sampled = CacheState(CachePolicy.named("lru", 1), 6, 0, victim_sample=2)  # victims drawn from 2 of the 6
+    for e in range(6):
+        sampled.start_event(0)
+        sampled.request((0, e), HIGH, set(), admit=True)
+    sampled.start_event(0)
+    sampled.request((0, 9), HIGH, {(0, 9)}, admit=False)
+    d = sampled.admit((0, 9), HIGH, {(0, 9), (0, 0)})
+    assert d.keep and d.evicted not in (None, (0, 0)) and len(sampled.pools[HIGH]) == 6
 
 
 def test_mixed_precision_runs_low_bit_and_skips(hf_checkpoints, references):

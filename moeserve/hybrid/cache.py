@@ -3,8 +3,9 @@ run's precision, chosen by a policy as experts are used.
 
 An expert whose copy is in a slot and loaded runs there; a missed one runs on the CPU this time (no copy waits on
 the link) and may be copied into a slot in the background: at most one admission per layer call, only while no
-other copy is in flight (an idle link; a copy also reads host DRAM, which the CPU experts need), and only when the
-policy ranks it above the expert it would evict (offload's CacheState.admit). A slot becomes usable once its copy
+other copy is in flight (an idle link; a copy also reads host DRAM, which the CPU experts need), for the CPU expert
+with the most rows in the call, and only when the policy ranks it above the expert it would evict (offload's
+CacheState.admit, which draws that victim from a sample of the cache). A slot becomes usable once its copy
 has landed (its CUDA event has completed); until then its expert keeps running on the CPU.
 
 The bookkeeping is offload's (CacheState, SlotPool, Copier), and the cached experts of a layer run through
@@ -24,6 +25,7 @@ from moeserve.offload.store import ExpertStore
 from moeserve.offload.transfer import Copier
 
 NOT_CACHED = -1
+VICTIM_SAMPLE = 32  # cached experts an admission compares itself with (CacheState.victim_sample)
 
 
 class SlotCache:
@@ -32,7 +34,8 @@ class SlotCache:
         """slots: experts the cache holds; layers: the CPU layers it serves; low: it holds the low-bit copies
         (else the float ones, in `dtype`)."""
         self.store, self.low = store, low
-        self.state = CacheState(policy, slots, 0)  # one tier: a cached copy serves every precision request
+        self.state = CacheState(policy, slots, 0, victim_sample=VICTIM_SAMPLE)  # one tier: a cached copy serves
+        # every precision request
         parts = store.part_shapes(low)
         parts = parts if low else [(shape, dtype) for shape, _ in parts]
         self.pool = SlotPool(slots, parts, device, store.quantized_modules if low else tuple)
@@ -71,11 +74,10 @@ class SlotCache:
         if self.pending or not on_cpu.any():
             return  # the link is busy (or nothing missed)
         rows = torch.zeros(E, dtype=torch.long).index_add_(0, expert_ids[on_cpu], torch.ones_like(expert_ids[on_cpu]))
-        for e in torch.argsort(rows, descending=True, stable=True)[:int((rows > 0).sum())].tolist():
-            decision = self.state.admit((layer, e), HIGH, needed)
-            if decision.keep:
-                self._load((layer, e), decision.evicted)
-                return
+        e = int(rows.argmax())  # the CPU expert with the most rows this call: the one candidate
+        decision = self.state.admit((layer, e), HIGH, needed)
+        if decision.keep:
+            self._load((layer, e), decision.evicted)
 
     def _load(self, key: tuple[int, int], evicted: tuple[int, int] | None) -> None:
         if evicted is not None:
