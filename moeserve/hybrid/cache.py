@@ -34,8 +34,8 @@ class SlotCache:
         """slots: experts the cache holds; layers: the CPU layers it serves; low: it holds the low-bit copies
         (else the float ones, in `dtype`)."""
         self.store, self.low = store, low
-        self.state = CacheState(policy, slots, 0, victim_sample=VICTIM_SAMPLE)  # one tier: a cached copy serves
-        # every precision request
+        # one tier: a cached copy serves every precision a request asks for
+        self.state = CacheState(policy, slots, 0, victim_sample=VICTIM_SAMPLE)
         parts = store.part_shapes(low)
         parts = parts if low else [(shape, dtype) for shape, _ in parts]
         self.pool = SlotPool(slots, parts, device, store.quantized_modules if low else tuple)
