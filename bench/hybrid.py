@@ -22,18 +22,21 @@ layer i mod that (as bench/offload.py: every expert read still streams its bytes
 
     python bench/hybrid.py            # GPU: both shapes, JSON to bench/results/, a table on stdout
     python bench/hybrid.py --quick    # tiny model on the CPU (RAM as the model device), seconds
+    OMP_WAIT_POLICY=ACTIVE python bench/hybrid.py   # OpenMP threads spin between regions (default here: PASSIVE)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+import torch  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import (add_run_args, measure_dram_read_bandwidth, measure_hbm_bandwidth, result_record,  # noqa: E402
@@ -210,7 +213,8 @@ def main(argv=None) -> int:
     record = result_record("hybrid", {"quick": args.quick, "bits": BITS, "group": GROUP, "prompt": args.prompt,
                                       "new_tokens": args.new_tokens, "prefill": args.prefill, "warmup": args.warmup,
                                       "offload_tokens": args.offload_tokens, "cpu_threads": args.cpu_threads,
-                                      "distinct_layers": args.distinct_layers, "dtype": str(dtype)}, device)
+                                      "distinct_layers": args.distinct_layers, "dtype": str(dtype),
+                                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}, device)
     record.update({"rates": {"dram_read_bytes_per_s": rates["dram"], "hbm_bytes_per_s": rates["hbm"],
                              "h2d_bytes_per_s": bandwidth}, "shapes": results, "demo_mixed_precision": ppl})
     print(write_result(record, args.out))

@@ -1056,6 +1056,15 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def _cpu_wait_policy(args) -> None:
+    """Hybrid runs: OpenMP threads that finish a parallel region sleep rather than spin (OMP_WAIT_POLICY=PASSIVE
+    unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
+    cores, and spinning threads take them from the others (4x slower decode measured on a busy host). Must be set
+    before torch (and its OpenMP runtime) loads, which the commands do after this."""
+    if _hybrid_requested(args):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _configure_logging(level: str) -> None:
     """MOESERVE_LOG=debug|info|warning: log records of moeserve's modules on stderr (debug: each layer's path)."""
     if not level:
@@ -1076,6 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))
+        _cpu_wait_policy(args)
         status = command(args)
         return status
     except MoeserveError as e:

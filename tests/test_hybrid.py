@@ -3,6 +3,7 @@ resident model, on the CPU: exact greedy tokens for every family and split, with
 command line's flags, placement line and errors. GPU: tests/test_gpu_hybrid.py."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -282,6 +283,17 @@ def test_cli_hybrid_errors(expect_cli_error, byte_model_dir, tmp_path, monkeypat
     store = tmp_path / "s"
     ExpertStore.build(byte_model_dir, store, low_bits=4, group=32, progress=False)
     expect_cli_error(gen + ["--cpu-moe", "--offload", store, "--experts-bits", "3"], "holds 4-bit copies", watch=store)
+
+
+def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsys):
+    """OMP_WAIT_POLICY=PASSIVE for hybrid commands (set before torch loads in a real run), unless the user set it."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    argv = ["generate", "--model", str(byte_model_dir), "--max-new-tokens", "1", "--device", "cpu"]
+    assert main(argv) == 0 and "OMP_WAIT_POLICY" not in os.environ
+    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    capsys.readouterr()
 
 
 def test_help_explains_the_flags(capsys):

@@ -3,7 +3,8 @@
 The pools' slots are numbered one after another (virtual expert = the slot's place in that numbering: the first
 pool's slots, then the next pool's), and the host, which chose each (token, k) pair's slot, builds the routing
 table: only the pairs in the pass are gathered, each used slot computes its rows, and the counts are host numbers,
-so the pass never reads the device. Each slot's CUDA events order the pass after its load and the next load after the pass.
+so the pass never reads the device. Each slot's CUDA events order the pass after its load and the next load after
+the pass.
 """
 
 from __future__ import annotations

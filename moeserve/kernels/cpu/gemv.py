@@ -178,8 +178,8 @@ def _warn_once(reason: str) -> None:
 def applies(layer, x: torch.Tensor, rows: int | None) -> bool:
     """Whether quantized_linear takes rows rows like x through a generated kernel: a CPU tensor, at most MAX_ROWS
     rows (rows None: any number), a layout the kernels read, and a kernel that builds on this machine."""
-    return (not x.is_cuda and (rows is None or rows <= MAX_ROWS) and supports(layer.in_features, layer.group, layer.bits)
-            and default_kernel(layer.bits) is not None)
+    return (not x.is_cuda and (rows is None or rows <= MAX_ROWS)
+            and supports(layer.in_features, layer.group, layer.bits) and default_kernel(layer.bits) is not None)
 
 
 def packed_weight(layer, kernel: CpuKernel) -> PackedForCpu:
