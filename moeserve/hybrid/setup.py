@@ -10,6 +10,8 @@ from moeserve.errors import MoeserveError
 from moeserve.hybrid.experts import HybridExperts
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.runtime import HybridRuntime
+from moeserve.offload.host_compute import HostExperts
+from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
 from moeserve.offload.store import ExpertStore
 from moeserve.quant.qlinear import QuantizedExperts
 from moeserve.spec import ModelSpec
@@ -54,10 +56,14 @@ def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> Qua
     return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs])
 
 
-def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, **runtime_options) -> HybridRuntime:
-    """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned); in a
-    low-bit run the other MoE layers' experts become the store's low-bit copies on the model device."""
-    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, **runtime_options)
+def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
+                  t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
+                  warm: bool = False) -> HybridRuntime:
+    """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned; the options
+    are HybridRuntime's); in a low-bit run the other MoE layers' experts become the store's low-bit copies on the
+    model device."""
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, t1, t2, threaded, host,
+                            warm)
     layers = model.model.layers
     for i in placement.cpu_layers:
         layers[i].mlp.experts = HybridExperts(i, model.spec.num_experts, runtime)
