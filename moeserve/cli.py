@@ -91,6 +91,39 @@ def _offload_args(o) -> list[argparse.Action]:
     ]
 
 
+def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
+    """The hybrid placement's options (generate, eval ppl); store_option: add --offload STORE here (generate has it
+    in its offload group)."""
+    h = p.add_argument_group(
+        "hybrid CPU/GPU experts", "routed experts in host RAM, computed on the CPU where they lie (llama.cpp's "
+        "--cpu-moe / --n-cpu-moe); attention, routers, shared experts and the KV cache stay on --device. The experts "
+        "come from --offload STORE (from `moeserve offload-prepare`) or are read from --model into RAM")
+    h.add_argument("--cpu-moe", action="store_true", help="every MoE layer's routed experts on the CPU")
+    h.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="the routed experts of the first N MoE layers on the CPU, the other layers' resident on "
+                        "--device")
+    h.add_argument("--gpu-cache-experts", type=int, default=0, metavar="S",
+                   help="S slots on the GPU caching experts of the CPU layers, filled by --cache-policy as experts are "
+                        "used (a missed expert runs on the CPU and may be copied in the background; default 0: a "
+                        "static placement)")
+    h.add_argument("--cache-policy", default="hobbit", metavar="NAME",
+                   help="what --gpu-cache-experts keeps: lru, hobbit (default: recency, frequency, precision and layer "
+                        "distance) or static (the most used experts: the placement settles)")
+    h.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores)")
+    h.add_argument("--experts-bits", type=int, default=16, metavar="B",
+                   help="precision of the routed experts: 16 (the checkpoint's float weights, default) or 8, 4, 3, 2 "
+                        "(HQQ copies: fewer bytes for the CPU to read; a STORE must hold B-bit copies, without one "
+                        "they are made on the fly)")
+    h.add_argument("--mixed-precision", action="store_true",
+                   help="HOBBIT's per-token rule for the experts: by gate weight each runs at full precision, 4-bit "
+                        "(or the store's low bits) or is skipped (T1 0.6, T2 0.9); default off: exact output")
+    if store_option:
+        h.add_argument("--offload", metavar="STORE", default=None,
+                       help="with --cpu-moe/--n-cpu-moe: the expert store to read experts from (default: built in RAM "
+                            "from --model)")
+
+
 def _batch_parser(sub) -> None:
     b = sub.add_parser("batch", help="throughput generation for a JSONL file of prompts (resumable)",
                        description="Generate for every {\"id\": ..., \"prompt\": \"...\"} line of INPUT with the "
@@ -157,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     _parallel_args(g)
     o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
                              "in fast memory; see `moeserve offload-prepare`")
-    o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
+    o.add_argument("--offload", metavar="STORE", default=None,
+                   help="expert store directory from offload-prepare (with --cpu-moe/--n-cpu-moe: the hybrid's store)")
     _offload_args(o)
+    _hybrid_args(g, store_option=False)
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
@@ -184,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     ppl.add_argument("--max-tokens", type=int, default=0, help="evaluate only the first N tokens (0 = all)")
     _parallel_args(ppl)
+    _hybrid_args(ppl, store_option=True)
 
     q = sub.add_parser(
         "quantize", help="write a low-bit copy of a checkpoint (RTN, HQQ or MiLo)",
@@ -345,6 +381,8 @@ def _check_offload_args(args) -> None:
     """Offload options are rejected without --offload, checked with it, and never silently dropped."""
     from moeserve.offload.policies import POLICIES
 
+    if _hybrid_requested(args):
+        return  # --offload names the hybrid's store; _check_hybrid_args checks the rest
     if not args.offload:
         for option in _offload_only_options():
             if getattr(args, option.dest) != option.default:
@@ -361,6 +399,42 @@ def _check_offload_args(args) -> None:
             raise MoeserveError("--low-slots needs --high-slots: with --gpu-memory the slots of both precisions "
                                 "are planned from the budget")
     _check_cache_args(args.high_slots or 0, args.low_slots, args.t1, args.t2)
+
+
+HYBRID_ONLY = {"gpu_cache_experts": ("--gpu-cache-experts", 0), "cache_policy": ("--cache-policy", "hobbit"),
+               "cpu_threads": ("--cpu-threads", None), "experts_bits": ("--experts-bits", 16),
+               "mixed_precision": ("--mixed-precision", False)}
+
+
+def _hybrid_requested(args) -> bool:
+    return getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None) is not None
+
+
+def _check_hybrid_args(args, spec) -> None:
+    """The hybrid options: none without --cpu-moe/--n-cpu-moe, none of offload's with them; with them, the
+    placement (args.placement), checked against the model's MoE layers before anything loads."""
+    if not _hybrid_requested(args):
+        args.placement = None
+        for dest, (flag, default) in HYBRID_ONLY.items():
+            if getattr(args, dest, default) != default:
+                raise MoeserveError(f"{flag} needs --cpu-moe or --n-cpu-moe N (a hybrid placement)")
+        if args.command == "eval" and args.offload:
+            raise MoeserveError("--offload needs --cpu-moe or --n-cpu-moe N here (eval runs a hybrid placement)")
+        return
+    from moeserve.hybrid.placement import HybridPlacement
+    from moeserve.kernels.cpu.machine import physical_cores
+
+    if args.tp > 1 or args.ep > 1:
+        raise MoeserveError("--cpu-moe/--n-cpu-moe and --tp/--ep cannot be combined yet")
+    offload_only = [o for o in _offload_only_options() if getattr(args, o.dest, o.default) != o.default]
+    if offload_only:
+        raise MoeserveError(f"{offload_only[0].option_strings[0]} is an option of --offload's expert cache; with "
+                            f"--cpu-moe/--n-cpu-moe the GPU cache is --gpu-cache-experts S")
+    moe_layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+    args.placement = HybridPlacement.choose(
+        moe_layers, args.cpu_moe, args.n_cpu_moe, args.gpu_cache_experts,
+        len(physical_cores()) if args.cpu_threads is None else args.cpu_threads,
+        args.mixed_precision, args.experts_bits, args.cache_policy, spec.num_experts)
 
 
 def _is_main_rank() -> bool:
@@ -397,7 +471,9 @@ def _load_model(args):
     import moeserve
 
     offload = getattr(args, "offload", None)
-    if getattr(args, "ep", 1) > 1 or getattr(args, "tp", 1) > 1:
+    if getattr(args, "placement", None) is not None:
+        model = _load_hybrid(args, args.placement)
+    elif getattr(args, "ep", 1) > 1 or getattr(args, "tp", 1) > 1:
         if offload:
             raise MoeserveError("--ep/--tp and --offload cannot be combined yet")
         model = _load_parallel(args)
@@ -421,6 +497,7 @@ def cmd_generate(args) -> int:
     _check_parallel(args)
     _check_offload_args(args)
     spec, tok = _tokenizer(args.model)
+    _check_hybrid_args(args, spec)
     texts = args.prompts or [DEFAULT_PROMPT]
     _check_utf8(texts)
     prompts = [tok.encode(t) for t in texts]
@@ -459,6 +536,12 @@ def cmd_generate(args) -> int:
               f"{st['hit_rate']:.1%}, {st['high_misses']} high / {st['low_misses']} low misses, {st['skipped']} skipped, "
               f"{st['cpu_experts']} on the CPU, {format_bytes(st['bytes_moved'])} moved, {st['prefetched']} prefetched "
               f"({st['prefetch_accuracy']:.0%} used)]", file=sys.stderr)
+    hybrid = getattr(args, "hybrid", None)
+    if hybrid is not None:
+        st = hybrid.summary()
+        print(f"[hybrid experts: {st['cpu_pairs']} computed on the CPU, {st['gpu_pairs']} in cache slots "
+              f"({st['gpu_share']:.1%}), {st['skipped']} skipped, {st['low_pairs']} low-bit by mixed precision"
+              + (f", {st['admitted']} copied into the cache" if 'admitted' in st else "") + "]", file=sys.stderr)
     n_tokens = sum(len(r.token_ids) for r in results)
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
@@ -482,6 +565,44 @@ def _load_parallel(args):
         args.seed = seed[0]
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
+    return model
+
+
+def _load_hybrid(args, placement):
+    """The model with its CPU layers' experts in host RAM (--offload's store, or read from --model), after the RAM
+    they need is checked; prints the placement in one line."""
+    import moeserve
+    from moeserve.hybrid.memory import check_host_ram, host_bytes
+    from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers, store_precision
+    from moeserve.loader import resolve_device, resolve_dtype
+    from moeserve.offload.store import ExpertStore
+    from moeserve.quant.manifest import refuse_quantized
+    from moeserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    store, mapped_bytes = None, None
+    if args.offload:
+        store = ExpertStore.open(args.offload)
+        store.check_model(spec, args.model)
+        low_bits, group = store.meta["low_bits"], store.meta["group"]
+        if placement.low and low_bits != placement.bits:
+            raise MoeserveError(f"--experts-bits {placement.bits}: the store {args.offload} holds {low_bits}-bit "
+                                f"copies; give --experts-bits {low_bits} or 16, or build a {placement.bits}-bit store "
+                                f"(`moeserve offload-prepare --low-bits {placement.bits}`)")
+        mapped_bytes = store.part_shapes(low=False)[0][1].itemsize
+    else:
+        refuse_quantized(Path(args.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
+        low_bits, group = store_precision(spec, placement)
+    check_host_ram(host_bytes(spec, placement, dtype.itemsize, low_bits, group, mapped_bytes))
+    stored = set(store_layers(placement))
+    model = moeserve.load_model(args.model, device=device, dtype=dtype, progress=True,
+                                routed_experts=[i for i in placement.moe_layers if i not in stored])
+    if store is None:
+        store = build_store(args.model, placement, dtype, device)
+    args.hybrid = enable_hybrid(model, store, placement, warm=True)
+    print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits), file=sys.stderr, flush=True)
     return model
 
 
@@ -647,7 +768,8 @@ def cmd_eval_ppl(args) -> int:
     if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
         raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
     _check_parallel(args)
-    _, tok = _tokenizer(args.model)
+    spec, tok = _tokenizer(args.model)
+    _check_hybrid_args(args, spec)
     text_path, text = _read_text(args.text, args.model, "--text")
     ids = tok.encode(text)
     model = _load_model(args)
@@ -934,6 +1056,15 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def _cpu_wait_policy(args) -> None:
+    """Hybrid runs: OpenMP threads that finish a parallel region sleep rather than spin (OMP_WAIT_POLICY=PASSIVE
+    unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
+    cores, and spinning threads take them from the others (4x slower decode measured on a busy host). Must be set
+    before torch (and its OpenMP runtime) loads, which the commands do after this."""
+    if _hybrid_requested(args):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _configure_logging(level: str) -> None:
     """MOESERVE_LOG=debug|info|warning: log records of moeserve's modules on stderr (debug: each layer's path)."""
     if not level:
@@ -954,6 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))
+        _cpu_wait_policy(args)
         status = command(args)
         return status
     except MoeserveError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -113,11 +114,18 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
 
 
 def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
-               routed_experts: bool = True) -> MoETransformer:
+               routed_experts: bool | Collection[int] = True) -> MoETransformer:
     """routed_experts=False leaves the routed expert weights unread (on the meta device) for a backend
-    that brings its own, e.g. offload.enable_offload."""
+    that brings its own, e.g. offload.enable_offload; a collection of layer indices reads only those layers'
+    (the hybrid backend brings the others')."""
     device = resolve_device(device)
     model = meta_model(path)
     dtype = resolve_dtype(dtype, device)
-    return read_weights(model, CheckpointReader(path), device, dtype, None if routed_experts else is_routed_expert,
-                        progress=progress)
+    if routed_experts is True:
+        skip = None
+    elif routed_experts is False:
+        skip = is_routed_expert
+    else:
+        layers = {int(i) for i in routed_experts}
+        skip = lambda name: is_routed_expert(name) and int(name.split(".")[2]) not in layers  # noqa: E731
+    return read_weights(model, CheckpointReader(path), device, dtype, skip, progress=progress)

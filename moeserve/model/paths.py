@@ -1,7 +1,7 @@
 """Execution paths: the named ways a call can run, and which one each layer takes on this machine.
 
 Each component decides its path in one function that returns a name from the tables below: an expert backend in
-`kernel_path(x, num_tokens)` (model/experts.py, quant/qlinear.py, offload/, parallel/), the router in
+`kernel_path(x, num_tokens)` (model/experts.py, quant/qlinear.py, offload/, hybrid/, parallel/), the router in
 `TopKRouter.kernel_path`, dense projections in `layers.linears_path`. The components then run the path they named,
 so what `explain` reports is what runs. Whether a decode step can be captured as a CUDA graph follows from the
 expert paths (GRAPH_SAFE): a path that reads the device from the host cannot be captured.
@@ -28,6 +28,8 @@ EXPERT_PATHS = {
                   "few (decode), else dequantize + matmul",
     "loop": "per-expert loop in PyTorch (reads the expert counts on the host)",
     "offload": "expert cache: hits run on GPU slots, misses are copied in or run on the CPU",
+    "hybrid": "experts computed where they lie: those cached on the model device in one routed pass there, the "
+              "rest by the CPU worker from host RAM, meanwhile",
     "expert_parallel": "tokens sent to the ranks that hold their experts (all-to-all)",
     "tensor_parallel": "every rank computes its slice of each expert's FFN, then an all-reduce",
 }

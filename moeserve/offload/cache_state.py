@@ -8,6 +8,7 @@ no such entry (or no slots) the expert is used once and not kept ("streamed").
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from moeserve.offload.policies import CachePolicy, ExpertStats
@@ -25,10 +26,14 @@ class Decision:
 
 
 class CacheState:
-    def __init__(self, policy: CachePolicy, high_slots: int, low_slots: int, per_layer: bool = False):
+    def __init__(self, policy: CachePolicy, high_slots: int, low_slots: int, per_layer: bool = False,
+                 victim_sample: int | None = None):
         """per_layer: each layer gets an even share of each pool's slots and evicts only its own experts (the
-        per-layer caches of mixtral-offloading); otherwise one pool serves all layers."""
+        per-layer caches of mixtral-offloading); otherwise one pool serves all layers. victim_sample: admit()
+        looks for its victim among that many cached experts drawn at random (seeded), not all of them: the
+        policy's priorities are Python, and a pool of thousands of small experts would cost milliseconds a call."""
         self.policy, self.per_layer = policy, per_layer
+        self.victim_sample, self._rng = victim_sample, random.Random(0)
         self.capacity = {HIGH: high_slots, 1: low_slots}
         self.pools: dict[int, dict[Key, None]] = {HIGH: {}, 1: {}}  # dicts: deterministic order
         self.stats: dict[Key, ExpertStats] = {}
@@ -71,7 +76,13 @@ class CacheState:
             self.pinned.add(key)
         return decision
 
-    def _admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
+    def admit(self, key: Key, tier: int, needed: set[Key]) -> Decision:
+        """Admit a missed expert served elsewhere this time (the hybrid backend computed it on the CPU) when the
+        policy ranks it above the entry it would evict (LRU always does: it was just used); its uses were
+        counted by request(admit=False)."""
+        return self._admit(key, tier, needed, only_if_hotter=True)
+
+    def _admit(self, key: Key, tier: int, needed: set[Key], only_if_hotter: bool = False) -> Decision:
         pool = self.pools[tier]
         capacity, rivals = self.capacity[tier], list(pool)
         if self.per_layer:  # slots spread evenly, the first layers taking the remainder
@@ -82,10 +93,23 @@ class CacheState:
             return Decision(False, tier, False, None)
         evicted = None
         if len(rivals) >= capacity:
-            evicted = self.policy.victim({k: self.stats[k] for k in rivals}, self.now, key[0],
-                                         protected=needed | self.pinned)
+            evicted = (self._colder_victim(key, rivals, needed | self.pinned) if only_if_hotter else
+                       self.policy.victim({k: self.stats[k] for k in rivals}, self.now, key[0],
+                                          protected=needed | self.pinned))
             if evicted is None:
                 return Decision(False, tier, False, None)
             del pool[evicted]
         pool[key] = None
         return Decision(False, tier, True, evicted)
+
+    def _colder_victim(self, key: Key, rivals: list[Key], protected: set[Key]) -> Key | None:
+        """The policy's victim among the rivals (or victim_sample of them) when it ranks key above it, else None."""
+        if self.victim_sample is not None and len(rivals) > self.victim_sample:
+            rivals = self._rng.sample(rivals, self.victim_sample)
+        candidates = [k for k in rivals if k not in protected]
+        if not candidates:
+            return None
+        stats = {k: self.stats[k] for k in [*candidates, key]}
+        prio = self.policy.priorities(stats, self.now, key[0])
+        victim = min(candidates, key=lambda k: (prio[k], stats[k].last_use))
+        return victim if prio[key] > prio[victim] else None

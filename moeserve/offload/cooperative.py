@@ -13,36 +13,24 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from moeserve.model.experts import swiglu
+from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.store import ExpertStore
 
 TIMED_ROWS = (1, 8)
 
 
-class CpuExperts:
-    def __init__(self, store: ExpertStore):
-        self.store = store
-        self._modules: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
+class CpuExperts(HostExperts):
+    """HostExperts with a cost model: each precision timed once at 1 and 8 rows."""
+
+    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None):
+        super().__init__(store, dtype)
         self.seconds = {low: [self._time(low, rows) for rows in TIMED_ROWS] for low in (False, True)}
 
     def cost(self, low: bool, rows: int) -> float:
         """Predicted seconds to compute `rows` rows of one expert at a precision on the CPU."""
         (r0, r1), (t0, t1) = TIMED_ROWS, self.seconds[low]
         return max(t0 + (rows - r0) * (t1 - t0) / (r1 - r0), t0)
-
-    def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
-        """rows [n, D] on the CPU -> expert output [n, D] (in `rows`' dtype)."""
-        parts = self.store.host_parts(layer, expert, low)
-        if not low:  # in the store's dtype: no conversion pass over the weights
-            gate_up, down = parts
-            return F.linear(swiglu(F.linear(rows.to(gate_up.dtype), gate_up)), down).to(rows.dtype)
-        key = parts[0].data_ptr()
-        if key not in self._modules:  # the CPU kernels repack a weight once; keep the modules
-            self._modules[key] = self.store.quantized_modules(parts)
-        gate_up, down = self._modules[key]
-        return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
 
     def _time(self, low: bool, rows: int) -> float:
         layer = self.store.meta["layers"][0]

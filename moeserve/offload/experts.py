@@ -7,15 +7,15 @@ from collections import Counter, deque
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from moeserve.kernels.routing import build_routing_table, combine
-from moeserve.model.experts import LoopedExperts, swiglu
+from moeserve.model.experts import ExpertBackend
 from moeserve.offload.cache_state import CacheState
 from moeserve.offload.cooperative import CpuExperts, choose_cpu
+from moeserve.offload.host_compute import CpuPairs
 from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
+from moeserve.offload.slot_compute import SlotExperts
 from moeserve.offload.slots import SlotPool
 from moeserve.offload.store import ExpertStore
 from moeserve.offload.transfer import Copier, measure_h2d_bandwidth
@@ -175,7 +175,7 @@ class ExpertCache:
                 "prefetch_accuracy": self.prefetch_used / max(self.prefetched, 1), "cpu_experts": self.cpu_experts}
 
 
-class OffloadedExperts(LoopedExperts):
+class OffloadedExperts(ExpertBackend):
     """Serves each token's experts through the cache, in token order (as the simulator replays them),
     then computes them: GPU experts over their slots in one routed pass, CPU ones on the host meanwhile."""
 
@@ -183,6 +183,7 @@ class OffloadedExperts(LoopedExperts):
                  next_layers: list[int] = (), next_gates: torch.Tensor | None = None):
         super().__init__()
         self.layer, self.num_experts, self.top_k, self.cache = layer, num_experts, top_k, cache
+        self.slots = SlotExperts([cache.pools[HIGH], cache.pools[LOW]])  # virtual ids: high slots, then low
         self.next_layers = list(next_layers)
         self.next_gates = next_gates  # [n * E, D]: the routers of the next n MoE layers, stacked
 
@@ -231,50 +232,23 @@ class OffloadedExperts(LoopedExperts):
         return out
 
     def _compute(self, x, expert_weights, planned, out) -> None:
-        """Add the planned (token, k-slot) contributions to out [T, D]."""
+        """Add the planned (token, k-slot) contributions to out [T, D]: the CPU's rows as one layer call
+        (HostExperts.run_layer), the slots' in one routed pass (SlotExperts)."""
         on_cpu = [p for p in planned if p[4][0] == "cpu"]
         on_gpu = [p for p in planned if p[4][0] == "gpu"]
         if on_cpu:  # read the rows before queueing GPU work behind the copies
-            cpu_tokens = torch.tensor([p[0] for p in on_cpu], device=x.device)
-            cpu_rows = x[cpu_tokens].cpu()  # [n, D]
+            x_host = x.cpu()  # [T, D]
+            ids, mask, low = (torch.zeros(expert_weights.shape, dtype=dt) for dt in (torch.long, torch.bool, torch.bool))
+            for t, j, e, _, (_, tier) in on_cpu:
+                ids[t, j], mask[t, j], low[t, j] = e, True, tier == LOW
+            work = CpuPairs(ids, expert_weights.cpu(), mask, low)  # [T, k] each
         if on_gpu:
-            out += self._compute_on_slots(x, expert_weights, on_gpu)
+            virtual = torch.full(expert_weights.shape, self.slots.none, dtype=torch.long)  # [T, k]
+            for t, j, _, _, (_, tier, slot) in on_gpu:
+                virtual[t, j] = self.slots.virtual(tier, slot)
+            out += self.slots.compute(x, expert_weights, virtual)
         if on_cpu:
-            y = torch.cat([self.cache.cpu.run(self.layer, e, src[1] == LOW, cpu_rows[i:i + 1]) * w
-                           for i, (_, _, e, w, src) in enumerate(on_cpu)])  # [n, D]
-            out.index_add_(0, cpu_tokens, y.to(device=x.device, dtype=out.dtype))
-
-    def _compute_on_slots(self, x, expert_weights, planned) -> torch.Tensor:
-        """One routed pass over the slots the planned pairs use: virtual expert = slot (low pool after high)."""
-        pools = self.cache.pools
-        H, L = pools[HIGH].num_slots, pools[LOW].num_slots
-        virtual = torch.full(expert_weights.shape, H + L, dtype=torch.long)  # [T, k]; H + L: not in this pass
-        for t, j, _, _, (_, tier, slot) in planned:
-            virtual[t, j] = slot + (H if tier == LOW else 0)
-        used = {(src[1], src[2]) for *_, src in planned}
-        if x.is_cuda:
-            for tier, slot in used:
-                torch.cuda.current_stream().wait_event(pools[tier].loaded[slot])
-        virtual = virtual.to(x.device)
-        weights = expert_weights.masked_fill(virtual == H + L, 0)
-        table = build_routing_table(virtual, weights, H + L + 1)
-        y = combine(self.run_sorted(x[table.token_ids], table), table, x.shape[0], x.dtype)
-        if x.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-            for tier, slot in used:
-                pools[tier].used[slot] = done
-        return y
-
-    def expert_ffn(self, v: int, rows: torch.Tensor) -> torch.Tensor:
-        pools = self.cache.pools
-        H, L = pools[HIGH].num_slots, pools[LOW].num_slots
-        if v == H + L:
-            return torch.zeros_like(rows)
-        gate_up, down = pools[HIGH].weights[v] if v < H else pools[LOW].weights[v - H]
-        if isinstance(gate_up, torch.Tensor):
-            return F.linear(swiglu(F.linear(rows, gate_up)), down)
-        return down(swiglu(gate_up(rows)))
+            out += self.cache.cpu.run_layer(self.layer, x_host, work).to(x.device)
 
 
 def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",

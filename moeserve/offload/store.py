@@ -114,24 +114,33 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
                                 f"{_rebuild_hint(path)}")
 
 
+def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
+    """(layer, [gate_up [E, 2F, D], down [E, D, F]], sha256 of the two) of each MoE layer in `layers`, read one
+    layer at a time from the checkpoint (peak memory: one layer's experts)."""
+    with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
+        for i in bar:
+            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
+                      for n in ("gate_up_proj", "down_proj")]
+            yield i, stacks, tensors_digest(stacks)
+
+
+def _moe_layers(spec) -> list[int]:
+    return [i for i, moe in enumerate(spec.moe_layers) if moe]
+
+
 def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
                   progress: bool) -> dict[int, str]:
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
-    with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
-        for i in bar:
-            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
-                      for n in ("gate_up_proj", "down_proj")]
-            digests[i] = tensors_digest(stacks)
-            provenance = _provenance(digests[i], low_bits, group)
-            f = _layer_file(out, i)
-            if read_provenance(f) == provenance:
-                continue  # built by an earlier run from these very experts and settings
-            (out / META_FILE).unlink(missing_ok=True)  # incomplete until every layer matches the new meta
-            save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), f,
-                                    metadata={PROVENANCE: json.dumps(provenance)})
+    for i, stacks, digests[i] in _source_layers(reader, spec, _moe_layers(spec), progress):
+        provenance = _provenance(digests[i], low_bits, group)
+        f = _layer_file(out, i)
+        if read_provenance(f) == provenance:
+            continue  # built by an earlier run from these very experts and settings
+        (out / META_FILE).unlink(missing_ok=True)  # incomplete until every layer matches the new meta
+        save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), f,
+                                metadata={PROVENANCE: json.dumps(provenance)})
     return digests
 
 
@@ -161,15 +170,20 @@ def read_provenance(f: Path, header: dict | None = None) -> dict | None:
         return None
 
 
-def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int) -> dict[str, torch.Tensor]:
+def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int,
+                  dtype: torch.dtype | None = None, high: bool = True) -> dict[str, torch.Tensor]:
     """One layer's experts, stacks gate_up [E, 2F, D] and down [E, D, F], in both precisions, on the CPU
-    (quantized on the stacks' device: a GPU does it in milliseconds)."""
+    (quantized on the stacks' device: a GPU does it in milliseconds). A store for experts that never run at one
+    precision may leave it out: low_bits 0 (no low-bit copies) or high=False (no float copies). dtype: the float
+    copies' dtype (default: the stacks')."""
     state = {}
     for e in range(gate_up.shape[0]):
         for name, w in zip(PROJECTIONS, (gate_up[e], down[e])):
-            state[f"{e}.high.{name}"] = w.detach().cpu().contiguous()
-            q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float(), low_bits, group))
-            state.update({f"{e}.low.{name}.{p}": getattr(q, p).cpu() for p in LOW_PARTS})
+            if high:
+                state[f"{e}.high.{name}"] = w.detach().to("cpu", dtype or w.dtype).contiguous()
+            if low_bits:
+                q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float(), low_bits, group))
+                state.update({f"{e}.low.{name}.{p}": getattr(q, p).cpu() for p in LOW_PARTS})
     return state
 
 
@@ -193,6 +207,32 @@ class ExpertStore:
             moe[layer], f"{projection}_proj")[e, row].detach().cpu())
         return cls(store_meta(model.spec, list(layers), low_bits, group, store_source(digests, sample)),
                    layers.__getitem__)
+
+    @classmethod
+    def from_checkpoint(cls, model_path: str | Path, layers: list[int] | None = None, low_bits: int = 4,
+                        group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
+                        pin: bool = False, progress: bool = True) -> "ExpertStore":
+        """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
+        offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
+        low-bit / float copies (layer_tensors); dtype: the float copies' dtype (the compute dtype: no conversion
+        when the CPU runs them); device: where the low-bit copies are quantized (a GPU takes milliseconds per
+        layer, a CPU seconds); pin: page-lock each layer as it is built (copies to a GPU are then DMA; pin() later
+        would hold two copies at once)."""
+        spec = ModelSpec.from_dir(model_path)
+        refuse_quantized(Path(model_path), "building an expert store")
+        if low_bits:
+            for inputs in (spec.hidden_size, spec.expert_ffn):
+                hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
+        reader = CheckpointReader(model_path)
+        tensors, digests = {}, {}
+        chosen = _moe_layers(spec) if layers is None else sorted(layers)
+        for i, stacks, digests[i] in _source_layers(reader, spec, chosen, progress):
+            tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
+                                       dtype, high)
+            if pin:
+                tensors[i] = {k: t.pin_memory() for k, t in tensors[i].items()}
+        meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
+        return cls(meta, tensors.__getitem__)
 
     @classmethod
     def build(cls, model_path: str | Path, out: str | Path, low_bits: int = 4, group: int = 64,
@@ -274,7 +314,7 @@ class ExpertStore:
         records no sample (an older moeserve's) cannot be matched and is refused."""
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"], m["num_experts"])
-        theirs = (spec.num_layers, [i for i, moe in enumerate(spec.moe_layers) if moe], spec.hidden_size,
+        theirs = (spec.num_layers, _moe_layers(spec), spec.hidden_size,
                   spec.expert_ffn, spec.num_experts)
         if "source" not in m:
             raise MoeserveError(f"expert store {where} records no source fingerprint (an older moeserve built "

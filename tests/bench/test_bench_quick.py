@@ -123,3 +123,15 @@ def test_lowbit_decode_bench_quick(tmp_path):
     result = quick_json("lowbit_decode", tmp_path)
     assert result["config"]["bits"] == 3 and result["weight_bytes_per_token"] > 0
     assert result["results"]["eager"]["tokens_per_s"] > 0 and result["floor_tokens_per_s"] > 0
+
+
+def test_hybrid_bench_quick(tmp_path):
+    result = quick_json("hybrid", tmp_path)
+    rows = result["shapes"]["quick"]["rows"]
+    assert [r["column"] for r in rows] == ["cpu", "hybrid", "hybrid+cache", "hybrid+mixed", "hobbit-offload"]
+    assert all(r["tg_tokens_per_s"] > 0 for r in rows)
+    for r in rows[:4]:
+        assert r["pp_tokens_per_s"] > 0 and r["floor_tokens_per_s"] > 0 and r["cpu_pairs_per_token"] > 0
+    assert rows[0]["cpu_layers"] == 4 and 0 < rows[1]["cpu_layers"] < 4 and rows[2]["cache_slots"] > 0
+    assert rows[3]["skipped_per_token"] >= 0 and result["demo_mixed_precision"]["4bit"] > 1
+    assert result["rates"]["dram_read_bytes_per_s"] > 0

@@ -74,6 +74,32 @@ def test_quantized_linear_uses_the_kernel_for_few_rows_only():
     assert getattr(layer, "_cpu_packed", None) is not None  # the 1- and 14-row calls went through it
 
 
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_batched_call_equals_one_call_per_weight(kernels, isa):
+    """qgemm_batch: a layer's experts (one shape) in one parallel region give each expert's own result, bit for bit."""
+    kernel = kernels[(isa, 4)]
+    packed = [pack_for_cpu(*(lambda q: (q.codes, q.scale, q.zero))(hqq.quantize_rtn(torch.randn(100, 256), 4, 64)), 4,
+                           64, kernel) for _ in range(3)]
+    rows = [1, 5, 2]
+    x = torch.randn(sum(rows), 256)
+    y = kernel.batch(x, rows, packed, threads=2)
+    assert torch.equal(y, torch.cat([kernel(x[s:s + n], p, threads=2) for p, s, n in zip(packed, (0, 1, 6), rows)]))
+
+
+def test_quantized_linear_batch_takes_blocks_of_any_size():
+    layers = [QuantizedLinear.from_quantized(hqq.quantize_hqq(torch.randn(64, 128), 4, 32)) for _ in range(2)]
+    x = torch.randn(3, 128)
+    if gemv.default_kernel(4) is None:
+        pytest.skip("no C compiler for the generated CPU kernels here")
+    y = gemv.quantized_linear_batch(layers, x, [1, 2])
+    assert torch.equal(y, torch.cat([gemv.quantized_linear(layers[0], x[:1]), gemv.quantized_linear(layers[1], x[1:])]))
+    x = torch.randn(40, 128)
+    y = gemv.quantized_linear_batch(layers, x, [30, 10])  # prefill blocks too (QuantizedLinear dequantizes past 16)
+    torch.testing.assert_close(y, torch.cat([layers[0](x[:30]), layers[1](x[30:])]), atol=1e-4, rtol=1e-4)
+    other = QuantizedLinear.from_quantized(hqq.quantize_hqq(torch.randn(32, 128), 4, 32))
+    assert gemv.quantized_linear_batch([layers[0], other], x, [1, 2]) is None  # shapes differ
+
+
 def test_compiled_kernels_are_cached_and_rebuilt_when_the_source_changes(monkeypatch):
     isa = ISAS_HERE[-1]
     source = codegen.generate(isa, 4, 1, 1)

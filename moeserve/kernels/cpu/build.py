@@ -82,4 +82,6 @@ def load(lib: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     dll.qgemm.argtypes = [p, i, i, i, p, p, p, i, p, i, i, i, i]
     dll.qgemm.restype = i
+    dll.qgemm_batch.argtypes = [i, p, p, i, i, p, p, p, i, p, i, i, i, i]
+    dll.qgemm_batch.restype = i
     return dll

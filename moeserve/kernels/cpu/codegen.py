@@ -13,7 +13,7 @@ scale and zero enter once per group.
 
 Register tile: `rows` input rows x `vectors` output vectors (V lanes each) accumulate in registers; the
 driver walks output tiles in parallel (OpenMP), input blocks of `kb` values (sized for L1 by tuning.py)
-and row chunks of `rows`.
+and row chunks of `rows`. The batched driver makes every output tile of every product one parallel job.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
 
 
 def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
-    """C source exporting `qgemm` for this ISA, bit width and register tile (rows x vectors)."""
+    """C source exporting `qgemm` (one product) and `qgemm_batch` (several of one shape, e.g. a layer's experts, in
+    one parallel region) for this ISA, bit width and register tile (rows x vectors)."""
     lanes = ISAS[isa][0]
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"no CPU kernel for {bits}-bit weights")
@@ -188,6 +189,29 @@ def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
 
 {tiles}
 
+/* xsum [m, n_groups]: the sum of each row's inputs per group (the zero-point term). */
+static void row_sums(const float* x, int m, int ldx, int n_groups, int group, float* xsum) {{
+  for (int r = 0; r < m; r++)
+    for (int g = 0; g < n_groups; g++) {{
+      float acc = 0.0f;
+      for (int k = 0; k < group; k++) acc += x[(size_t)r * ldx + g * group + k];
+      xsum[(size_t)r * n_groups + g] = acc;
+    }}
+}}
+
+/* One output tile (TILE_VECTORS vectors from ob) of y [m, ldy] = x [m, ldx] W^T, over input blocks of gb groups. */
+static void output_tile(const float* x, int m, int ldx, const float* xsum, int n_groups, const uint32_t* w,
+                        const uint16_t* s, const uint16_t* z, int W, int group, float* y, int ldy, int ob, int gb) {{
+  for (int g0 = 0; g0 < n_groups; g0 += gb) {{
+    const int g1 = g0 + gb < n_groups ? g0 + gb : n_groups;
+    for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {{
+      switch (m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS) {{
+{cases}
+      }}
+    }}
+  }}
+}}
+
 /* y [m, ldy] = x [m, ldx] W^T. w: [n_vectors][W][LANES] words, s/z: [n_vectors][n_groups][LANES] fp16 scale
    and zero; n_vectors a multiple of TILE_VECTORS; in_features and group multiples of 32. */
 int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const uint16_t* s, const uint16_t* z,
@@ -197,28 +221,45 @@ int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, co
   const int W = in_features / 32 * {bits};
   float* xsum = (float*)malloc(sizeof(float) * (size_t)m * n_groups);
   if (!xsum) return 2;
-  for (int r = 0; r < m; r++)
-    for (int g = 0; g < n_groups; g++) {{
-      float acc = 0.0f;
-      for (int k = 0; k < group; k++) acc += x[(size_t)r * ldx + g * group + k];
-      xsum[(size_t)r * n_groups + g] = acc;
-    }}
-  int gb = kb / group;
-  if (gb < 1) gb = 1;
+  row_sums(x, m, ldx, n_groups, group, xsum);
+  const int gb = kb / group < 1 ? 1 : kb / group;
   const int n_tiles = n_vectors / TILE_VECTORS;
   #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int tile = 0; tile < n_tiles; tile++) {{
-    const int ob = tile * TILE_VECTORS;
-    for (int g0 = 0; g0 < n_groups; g0 += gb) {{
-      const int g1 = g0 + gb < n_groups ? g0 + gb : n_groups;
-      for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {{
-        switch (m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS) {{
-{cases}
-        }}
-      }}
-    }}
+  for (int tile = 0; tile < n_tiles; tile++)
+    output_tile(x, m, ldx, xsum, n_groups, w, s, z, W, group, y, ldy, tile * TILE_VECTORS, gb);
+  free(xsum);
+  return 0;
+}}
+
+/* n products of one shape in one parallel region: y_b [ms[b], ldy] = x_b [ms[b], ldx] W_b^T for b < n (a layer's
+   experts: every output tile of every expert is one job, so small experts still fill the threads). */
+int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_features, const uint32_t* const* ws,
+                const uint16_t* const* ss, const uint16_t* const* zs, int group, float* const* ys, int ldy,
+                int n_vectors, int kb, int threads) {{
+  if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || n < 1) return 1;
+  const int n_groups = in_features / group;
+  const int W = in_features / 32 * {bits};
+  size_t* first = (size_t*)malloc(sizeof(size_t) * ((size_t)n + 1));
+  if (!first) return 2;
+  first[0] = 0;
+  for (int b = 0; b < n; b++) {{
+    if (ms[b] < 1) {{ free(first); return 1; }}
+    first[b + 1] = first[b] + (size_t)ms[b];
+  }}
+  float* xsum = (float*)malloc(sizeof(float) * first[n] * n_groups);
+  if (!xsum) {{ free(first); return 2; }}
+  for (int b = 0; b < n; b++) row_sums(xs[b], ms[b], ldx, n_groups, group, xsum + first[b] * n_groups);
+  const int gb = kb / group < 1 ? 1 : kb / group;
+  const int n_tiles = n_vectors / TILE_VECTORS;
+  const long jobs = (long)n * n_tiles, chunk = jobs / (4L * threads) > 1 ? jobs / (4L * threads) : 1;
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)  /* blocks differ in rows */
+  for (long job = 0; job < jobs; job++) {{
+    const int b = (int)(job / n_tiles), tile = (int)(job % n_tiles);
+    output_tile(xs[b], ms[b], ldx, xsum + first[b] * n_groups, n_groups, ws[b], ss[b], zs[b], W, group, ys[b], ldy,
+                tile * TILE_VECTORS, gb);
   }}
   free(xsum);
+  free(first);
   return 0;
 }}
 """

@@ -10,6 +10,7 @@ pack.py stores them word-planar), so a kernel reads each 32-value unit from cons
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import time
@@ -66,6 +67,31 @@ class CpuKernel:
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
         return y[:, :packed.out_features]
+
+
+    def batch(self, x: torch.Tensor, rows: list[int], packed: list[PackedForCpu],
+              threads: int | None = None) -> torch.Tensor:
+        """x [sum(rows), in] float32, row blocks of rows[b] rows each through packed[b] (all of one shape) in one
+        native call -> y [sum(rows), out] float32."""
+        x = x.contiguous()
+        first, n_vectors = packed[0], packed[0].words.shape[0]
+        y = torch.empty(x.shape[0], n_vectors * self.lanes)
+        starts = [0]
+        for m in rows[:-1]:
+            starts.append(starts[-1] + m)
+
+        def pointers(values, ctype=ctypes.c_void_p):
+            return (ctype * len(values))(*values)
+
+        kb = tuning.k_block(self.bits, self.tile_outputs, first.group)
+        rc = self.dll.qgemm_batch(
+            len(rows), pointers([x[s].data_ptr() for s in starts]), pointers(rows, ctypes.c_int), x.shape[1],
+            first.in_features, pointers([p.words.data_ptr() for p in packed]),
+            pointers([p.scale.data_ptr() for p in packed]), pointers([p.zero.data_ptr() for p in packed]), first.group,
+            pointers([y[s].data_ptr() for s in starts]), y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
+        return y[:, :first.out_features]
 
 
 def supports(in_features: int, group: int, bits: int) -> bool:
@@ -148,11 +174,23 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"moeserve: generated CPU kernels unavailable ({reason}); using the PyTorch path", stacklevel=3)
 
 
-def applies(layer, x: torch.Tensor, rows: int) -> bool:
+def applies(layer, x: torch.Tensor, rows: int | None) -> bool:
     """Whether quantized_linear takes rows rows like x through a generated kernel: a CPU tensor, at most MAX_ROWS
-    rows, a layout the kernels read, and a kernel that builds on this machine."""
-    return (not x.is_cuda and rows <= MAX_ROWS and supports(layer.in_features, layer.group, layer.bits)
-            and default_kernel(layer.bits) is not None)
+    rows (rows None: any number), a layout the kernels read, and a kernel that builds on this machine."""
+    return (not x.is_cuda and (rows is None or rows <= MAX_ROWS)
+            and supports(layer.in_features, layer.group, layer.bits) and default_kernel(layer.bits) is not None)
+
+
+def packed_weight(layer, kernel: CpuKernel) -> PackedForCpu:
+    """The layer's weight in the kernel's layout, repacked at the first call and kept on the layer (again when its
+    buffers moved or another kernel reads it)."""
+    key = (layer.qweight.data_ptr(), kernel.isa, kernel.tile_outputs)
+    cached = getattr(layer, "_cpu_packed", None)
+    if cached is None or cached[0] != key:
+        packed = pack_for_cpu(layer.qweight, layer.scale, layer.zero, layer.bits, layer.group, kernel,
+                              packed_words=True)
+        layer._cpu_packed = cached = (key, packed)
+    return cached[1]
 
 
 def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
@@ -161,11 +199,19 @@ def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     if not applies(layer, x, rows):
         return None
     kernel = default_kernel(layer.bits)
-    key = (layer.qweight.data_ptr(), kernel.isa, kernel.tile_outputs)
-    cached = getattr(layer, "_cpu_packed", None)
-    if cached is None or cached[0] != key:
-        packed = pack_for_cpu(layer.qweight, layer.scale, layer.zero, layer.bits, layer.group, kernel,
-                              packed_words=True)
-        layer._cpu_packed = cached = (key, packed)
-    y = kernel(x.reshape(rows, layer.in_features).float(), cached[1])
+    y = kernel(x.reshape(rows, layer.in_features).float(), packed_weight(layer, kernel))
     return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
+def quantized_linear_batch(layers: list, x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """Row blocks of x [sum(rows), in] (rows[b] rows each) through layers[b] (QuantizedLinear of one shape, no
+    compensator or bias) in one native call -> [sum(rows), out] float32; None when the kernel does not read these
+    layers (then each runs on its own). Blocks of any size: past a few rows the kernel is compute-bound, yet it
+    beats dequantizing a whole expert's weight per call by far (bench/hybrid.py's prefill)."""
+    first = layers[0]
+    if not (all(m.rank == 0 and m.bias is None and (m.bits, m.group, m.in_features, m.out_features) == (
+            first.bits, first.group, first.in_features, first.out_features) for m in layers)
+            and applies(first, x, None)):
+        return None
+    kernel = default_kernel(first.bits)
+    return kernel.batch(x.float(), rows, [packed_weight(m, kernel) for m in layers])

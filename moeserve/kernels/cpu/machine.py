@@ -63,3 +63,20 @@ def cpu_info() -> CpuInfo:
         pass
     return CpuInfo(model=model, flags=frozenset(flags), l1d_bytes=_cache_size(1, ("Data", "Unified"), 32 * 1024),
                    l2_bytes=_cache_size(2, ("Unified", "Data"), 1024 * 1024), cores=os.cpu_count() or 1)
+
+
+def physical_cores() -> list[int]:
+    """One logical CPU per physical core this process may run on (the lowest-numbered hyper-thread sibling of each
+    core), from the /sys topology; every allowed CPU where the topology is not readable."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    seen, first = set(), []
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            core = (topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()
+        except OSError:
+            return allowed
+        if core not in seen:
+            seen.add(core)
+            first.append(cpu)
+    return first

@@ -1,0 +1,225 @@
+"""Hybrid CPU/GPU experts at batch 1: decode (tg128) and 512-token prefill (pp512) tokens/s of a model whose 4-bit
+experts do not fit the GPU budget, per placement, beside today's HOBBIT offload and the physical floor.
+
+Shapes (random weights, family Mixtral's layers):
+  mixtral  Mixtral-8x7B: 32 layers, D 4096, expert FFN 14336, 8 experts top-2, 12 GiB GPU budget
+  qwen3    Qwen3-30B-A3B: 48 layers, D 2048, expert FFN 768, 128 experts top-8, 8 GiB GPU budget
+Columns (experts 4-bit HQQ, group 64; CPU threads = --cpu-threads, default the physical cores):
+  cpu             every MoE layer's experts on the CPU (--cpu-moe)
+  hybrid          static: the first N MoE layers' experts on the CPU, the rest resident on the GPU, N the fewest
+                  that fit the budget (--n-cpu-moe N)
+  hybrid+cache    every layer on the CPU, the budget as GPU cache slots (--cpu-moe --gpu-cache-experts S, HOBBIT)
+  hybrid+mixed    static, with HOBBIT's precision rule (4-bit experts: the low-weight ones are skipped); its
+                  perplexity cost is measured on the demo model (held-out text, 4-bit experts on the CPU)
+  hobbit-offload  today's offload (bench/offload.py's `hobbit`: bf16 + 4-bit cache, misses copied over PCIe)
+Floor per column: max(CPU expert bytes / DRAM read bandwidth, GPU bytes / HBM bandwidth) per decode token, with
+the bytes each column read in its timed steps (its measured hit rate); offload: its PCIe bytes / host->device.
+
+Routing: Mixtral replays the demo model's routing of held-out text (bench/offload.py's DemoRouting: both have 8
+experts, top-2); the Qwen3 shape's 128 experts cannot replay the demo's 8, so its random routers pick (near
+uniform: the cache's worst case). The store holds --distinct-layers layers of random experts and layer i reads
+layer i mod that (as bench/offload.py: every expert read still streams its bytes from DRAM or over PCIe).
+
+    python bench/hybrid.py            # GPU: both shapes, JSON to bench/results/, a table on stdout
+    python bench/hybrid.py --quick    # tiny model on the CPU (RAM as the model device), seconds
+    OMP_WAIT_POLICY=ACTIVE python bench/hybrid.py   # OpenMP threads spin between regions (default here: PASSIVE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+import torch  # noqa: E402
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
+from common import (add_run_args, measure_dram_read_bandwidth, measure_hbm_bandwidth, result_record,  # noqa: E402
+                    run_device, sync, write_result)
+from offload import (DEMO_DIR, DemoRouting, dense_bytes, dense_model, model_spec, random_store,  # noqa: E402
+                     replay_routing, run_method)
+
+import moeserve  # noqa: E402
+from moeserve.engine.generate import iterate  # noqa: E402
+from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.evaluate import perplexity  # noqa: E402
+from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
+from moeserve.hybrid.setup import build_store, enable_hybrid  # noqa: E402
+from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
+from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
+from moeserve.offload.host_compute import HostExperts  # noqa: E402
+from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
+
+GiB = 1 << 30
+SHAPES = {
+    "mixtral": (dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                     expert_ffn=14336, num_experts=8, top_k=2), 12 * GiB, "demo"),
+    "qwen3": (dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                   expert_ffn=768, num_experts=128, top_k=8), 8 * GiB, "model"),
+}
+QUICK = (dict(vocab_size=258, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+              expert_ffn=256, num_experts=8, top_k=2), None, "demo")
+COLUMNS = ("cpu", "hybrid", "hybrid+cache", "hybrid+mixed", "hobbit-offload")
+BITS, GROUP = 4, 64
+
+
+def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) -> HybridPlacement:
+    """The column's placement for `room` bytes of GPU memory left for experts."""
+    layers = list(range(spec.num_layers))
+    if column == "hybrid+cache":
+        return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=max(room // expert_bytes, 0), threads=threads,
+                                      bits=BITS, num_experts=spec.num_experts)
+    resident = 0 if column == "cpu" else min(max(room // (spec.num_experts * expert_bytes), 0), spec.num_layers)
+    return HybridPlacement.choose(layers, n_cpu_moe=spec.num_layers - resident, threads=threads, bits=BITS,
+                                  mixed=column == "hybrid+mixed")
+
+
+def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_tokens: int | None, device, stats):
+    """(prefill seconds, decode seconds per step after warm-up, stats delta of the timed steps)."""
+    if routing_tokens:
+        replay_routing(model, DemoRouting(routing_tokens))
+    prompt = torch.randint(0, spec.vocab_size, (prompt_len,)).tolist()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    marks, t0 = [], time.perf_counter()
+    for _ in iterate(model, [prompt], params, cuda_graph=False):
+        sync(device)
+        marks.append((time.perf_counter(), dict(stats())))
+    prefill = marks[0][0] - t0
+    if new_tokens <= warmup + 1:
+        return prefill, None, {}
+    (ta, sa), (tb, sb) = marks[warmup], marks[-1]
+    steps = len(marks) - 1 - warmup
+    return prefill, (tb - ta) / steps, {k: (sb[k] - sa[k]) / steps for k in sb if isinstance(sb[k], (int, float))}
+
+
+def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident_bytes) -> dict:
+    expert_bytes = store.expert_bytes(True)
+    placement = placement_of(column, spec, room, expert_bytes, args.cpu_threads)
+    model = dense_model(spec, device, dtype)
+    runtime = enable_hybrid(model, store, placement, host=host, warm=True)  # repacked once per shape, not timed
+    demo = args.routing == "demo"
+    stats = lambda: vars(runtime.stats)  # noqa: E731
+    _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
+                             args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats)
+    prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats)
+    resident_layers = spec.num_layers - len(placement.cpu_layers)
+    cpu_bytes = per_token["cpu_pairs"] * expert_bytes
+    gpu_bytes = resident_bytes + (per_token["gpu_pairs"] + resident_layers * spec.top_k) * expert_bytes
+    floor = max(cpu_bytes / rates["dram"], gpu_bytes / rates["hbm"])
+    row = {"column": column, "cpu_layers": len(placement.cpu_layers), "cache_slots": placement.cache_slots,
+           "tg_tokens_per_s": 1 / step, "pp_tokens_per_s": args.prefill / prefill,
+           "cpu_pairs_per_token": per_token["cpu_pairs"], "gpu_pairs_per_token": per_token["gpu_pairs"],
+           "skipped_per_token": per_token["skipped"], "cpu_bytes_per_token": cpu_bytes,
+           "gpu_bytes_per_token": gpu_bytes, "floor_tokens_per_s": 1 / floor, "of_floor": floor / step,
+           "admitted": runtime.summary().get("admitted", 0)}
+    runtime.close()
+    del model, runtime
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return row
+
+
+def offload_column(spec, store, device, dtype, budget, args, resident, bandwidth) -> dict:
+    """bench/offload.py's `hobbit` method at this budget (decode only; --offload-tokens steps)."""
+    opts = SimpleNamespace(prompt=args.prompt, new_tokens=args.offload_tokens + args.warmup, warmup=args.warmup)
+    routing = DemoRouting(opts.prompt + opts.new_tokens + 1) if args.routing == "demo" else None
+    row = run_method(spec, store, device, dtype, budget, "hobbit", opts, bandwidth, routing, resident)
+    return {"column": "hobbit-offload", "tg_tokens_per_s": row["tokens_per_s"], "hit_rate": row["hit_rate"],
+            "floor_tokens_per_s": row["floor_tokens_per_s"], "of_floor": row["of_floor"],
+            "high_slots": row["high_slots"], "low_slots": row["low_slots"]}
+
+
+def demo_ppl_cost(tokens: int) -> dict:
+    """Held-out perplexity of the demo model with its experts 4-bit on the CPU, without and with mixed precision."""
+    ids = list((DEMO_DIR / "heldout.txt").read_bytes()[:tokens])
+    out = {}
+    for name, mixed in (("4bit", False), ("4bit+mixed", True)):
+        model = moeserve.load_model(DEMO_DIR, device="cpu", dtype="float32", routed_experts=False)
+        placement = HybridPlacement.choose(list(range(model.spec.num_layers)), cpu_moe=True, bits=BITS, mixed=mixed)
+        runtime = enable_hybrid(model, build_store(DEMO_DIR, placement, model.dtype, model.device, progress=False),
+                                placement)
+        out[name] = perplexity(model, ids, 256, progress=False)["perplexity"]
+        out[f"{name}_skipped_share"] = runtime.stats.skipped / max(runtime.stats.cpu_pairs + runtime.stats.skipped, 1)
+    out["mixed_ppl_cost"] = out["4bit+mixed"] / out["4bit"] - 1
+    return out
+
+
+def print_table(shape: str, rows: list[dict], prefill: int) -> None:
+    print(f"\n{shape}: batch 1, 4-bit experts")
+    print(f"{'column':15s} {'tg tok/s':>9s} {f'pp{prefill} tok/s':>12s} {'floor tok/s':>12s} {'of floor':>9s} "
+          f"{'CPU layers':>11s} {'slots':>6s}")
+    for r in rows:
+        pp = f"{r['pp_tokens_per_s']:12.1f}" if "pp_tokens_per_s" in r else f"{'-':>12s}"
+        fl = f"{r['floor_tokens_per_s']:12.1f}" if r.get("floor_tokens_per_s") else f"{'-':>12s}"
+        of = f"{r['of_floor']:9.0%}" if r.get("of_floor") else f"{'-':>9s}"
+        print(f"{r['column']:15s} {r['tg_tokens_per_s']:9.2f} {pp} {fl} {of} {r.get('cpu_layers', '-'):>11} "
+              f"{r.get('cache_slots', r.get('high_slots', '-')):>6}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of mixtral,qwen3")
+    ap.add_argument("--columns", default=",".join(COLUMNS), help="comma-separated subset of the columns")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the timed decode")
+    ap.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (tg)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (pp)")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    ap.add_argument("--offload-tokens", type=int, default=32, help="timed decode steps of hobbit-offload")
+    ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()), help="threads for the CPU experts")
+    ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
+    ap.add_argument("--ppl-tokens", type=int, default=4096, help="held-out demo tokens for the mixed-precision cost")
+    add_run_args(ap)
+    args = ap.parse_args(argv)
+    device, dtype = run_device(args)
+    shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes.split(",")}
+    if args.quick:
+        args.new_tokens, args.warmup, args.prompt, args.prefill, args.offload_tokens = 6, 2, 4, 32, 4
+        args.ppl_tokens, args.cpu_threads = 512, args.threads or 1
+    torch.set_num_threads(args.cpu_threads)
+    rates = {"dram": measure_dram_read_bandwidth(256 << 20 if args.quick else 1 << 30)["bytes_per_s"],
+             "hbm": measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)["bytes_per_s"]}
+    bandwidth = measure_h2d_bandwidth(device) if device.type == "cuda" else None
+    results = {}
+    for name, (shape, budget, routing) in shapes.items():
+        spec = model_spec(shape)
+        args.routing = routing
+        store = random_store(spec, min(args.distinct_layers, spec.num_layers), device, dtype, BITS,
+                             32 if args.quick else GROUP)
+        resident = dense_bytes(spec, dtype)
+        kv = kv_cache_bytes(spec, 1, args.prefill + args.new_tokens + args.warmup + args.prompt, dtype.itemsize)
+        budget = budget or int(resident + kv + 20 * store.expert_bytes(True))  # quick: ~2.5 layers' experts
+        room = int(budget * (1 - WORKSPACE_SHARE)) - resident - kv
+        rows, host = [], HostExperts(store, dtype)  # the CPU's view of the store, shared by the columns
+        for column in args.columns.split(","):
+            if column == "hobbit-offload":
+                rows.append(offload_column(spec, store, device, dtype, budget, args, resident, bandwidth))
+            else:
+                rows.append(hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident))
+            print(f"{name} {column}: {rows[-1]['tg_tokens_per_s']:.2f} tok/s", flush=True)
+        print_table(name, rows, args.prefill)
+        results[name] = {"shape": shape, "budget_bytes": budget, "dense_bytes": resident,
+                         "expert_bytes_4bit": store.expert_bytes(True), "rows": rows}
+        del store, host
+        gc.collect()
+    ppl = demo_ppl_cost(args.ppl_tokens)
+    print(f"\nmixed precision on the demo (4-bit experts on the CPU): perplexity {ppl['4bit']:.3f} -> "
+          f"{ppl['4bit+mixed']:.3f} ({ppl['mixed_ppl_cost']:+.2%}), {ppl['4bit+mixed_skipped_share']:.1%} skipped")
+    record = result_record("hybrid", {"quick": args.quick, "bits": BITS, "group": GROUP, "prompt": args.prompt,
+                                      "new_tokens": args.new_tokens, "prefill": args.prefill, "warmup": args.warmup,
+                                      "offload_tokens": args.offload_tokens, "cpu_threads": args.cpu_threads,
+                                      "distinct_layers": args.distinct_layers, "dtype": str(dtype),
+                                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}, device)
+    record.update({"rates": {"dram_read_bytes_per_s": rates["dram"], "hbm_bytes_per_s": rates["hbm"],
+                             "h2d_bytes_per_s": bandwidth}, "shapes": results, "demo_mixed_precision": ppl})
+    print(write_result(record, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

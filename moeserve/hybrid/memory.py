@@ -1,0 +1,47 @@
+"""Host RAM a hybrid run needs for its experts, from the model's shape, checked before anything is allocated."""
+
+from __future__ import annotations
+
+from moeserve.errors import MoeserveError
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.offload.budget import available_ram
+from moeserve.quant.pack import padded_length
+from moeserve.units import format_bytes
+
+
+def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
+    """Bytes of one expert: float (bits 16) at dtype_bytes per weight, or a low-bit copy as the store holds it
+    (QuantizedLinear: packed int32 words, fp16 scale and zero per group) for gate_up [2F, D] and down [D, F]."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    if bits == 16:
+        return 3 * D * F * dtype_bytes
+    return sum(rows * padded_length(cols) * bits // 8 + 2 * rows * (cols // group) * 2
+               for rows, cols in ((2 * F, D), (D, F)))
+
+
+def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: int, group: int,
+               mapped_float_bytes: int | None = None) -> int:
+    """RAM the experts take. A store built in RAM now (mapped_float_bytes None) holds every copy it is built with
+    (float ones in the compute dtype); a mapped store on disk costs the pages the CPU reads (its float copies at
+    mapped_float_bytes per weight) and a compute-dtype copy of those when the dtypes differ. Low-bit experts the CPU
+    runs are also repacked once for its kernels (a second copy)."""
+    E = spec.num_experts
+    high = 0 if placement.low else expert_bytes(spec, 16, compute_bytes)
+    low = expert_bytes(spec, low_bits, group=group) if placement.needs_low_copies else 0
+    cpu_experts = len(placement.cpu_layers) * E
+    if mapped_float_bytes is None:
+        stored_layers = len(placement.moe_layers) if placement.low else len(placement.cpu_layers)
+        total = stored_layers * E * (high + low)
+    else:
+        read_high = 0 if placement.low else expert_bytes(spec, 16, mapped_float_bytes)
+        total = cpu_experts * (read_high + low + (high if mapped_float_bytes != compute_bytes else 0))
+    return total + cpu_experts * low
+
+
+def check_host_ram(needed: int) -> None:
+    """A MoeserveError naming what the experts need when the RAM available now (MemAvailable) is less."""
+    have = available_ram()
+    if needed > have:
+        raise MoeserveError(f"not enough host RAM for the experts on the CPU: they need {format_bytes(needed)}, "
+                            f"{format_bytes(have)} is available; put fewer MoE layers on the CPU (--n-cpu-moe), use "
+                            f"fewer --experts-bits, or free memory")

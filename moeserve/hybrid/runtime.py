@@ -1,0 +1,79 @@
+"""What the hybrid layers of one model share: the CPU worker, the CPU's view of the expert store, the optional
+dynamic slot cache, the precision rule, and the counts a run reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moeserve.hybrid.cache import SlotCache
+from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
+from moeserve.hybrid.worker import CpuWorker
+from moeserve.offload.host_compute import HostExperts
+from moeserve.offload.policies import CachePolicy
+from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, choose_precision
+from moeserve.offload.store import ExpertStore
+
+
+@dataclass
+class HybridStats:
+    """(token, expert) pairs by where they ran, summed over every hybrid layer call."""
+
+    gpu_pairs: int = 0  # in a cache slot on the model device
+    cpu_pairs: int = 0  # on the CPU, from host RAM
+    skipped: int = 0  # mixed precision: below the gate-weight threshold
+    low_pairs: int = 0  # mixed precision: on the low-bit copy
+
+
+class HybridRuntime:
+    def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, device: torch.device,
+                 dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
+                 host: HostExperts | None = None, warm: bool = False):
+        """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
+        when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
+        with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
+        .warm) rather than at its first token."""
+        self.placement, self.t1, self.t2 = placement, t1, t2
+        threaded = device.type == "cuda" if threaded is None else threaded
+        self.worker = CpuWorker(placement.threads, inline=not threaded)
+        self.host = host or HostExperts(store, dtype)
+        if warm:
+            for low in {placement.low, placement.mixed or placement.low}:
+                self.host.warm(list(placement.cpu_layers), low)
+        self.cache = None
+        if placement.cache_slots:
+            policy = CachePolicy.named(CACHE_POLICIES[placement.policy], num_layers)
+            self.cache = SlotCache(store, placement.cache_slots, policy, list(placement.cpu_layers), device, dtype,
+                                   placement.low)
+        self.stats = HybridStats()
+
+    def choose(self, expert_weights: torch.Tensor) -> torch.Tensor | None:
+        """expert_weights [T, k] (host) -> [T, k] HIGH / LOW / SKIP by HOBBIT's rule with mixed precision; None
+        without it (every pair at the run's precision)."""
+        return choose_precision(expert_weights, self.t1, self.t2) if self.placement.mixed else None
+
+    def low_copy(self, choice: torch.Tensor | None) -> torch.Tensor | bool:
+        """Which pairs read the store's low-bit copy: all in a low-bit run, else mixed precision's LOW choices."""
+        return self.placement.low if choice is None or self.placement.low else choice == LOW
+
+    def count(self, pairs: int, on_gpu: torch.Tensor | None, on_cpu: torch.Tensor | None,
+              choice: torch.Tensor | None) -> None:
+        """Add one call's pairs to the stats (None masks: every pair on the CPU)."""
+        st = self.stats
+        gpu = 0 if on_gpu is None else int(on_gpu.sum())
+        cpu = pairs if on_cpu is None else int(on_cpu.sum())
+        st.gpu_pairs, st.cpu_pairs, st.skipped = st.gpu_pairs + gpu, st.cpu_pairs + cpu, st.skipped + pairs - gpu - cpu
+        if choice is not None:
+            st.low_pairs += int((choice == LOW).sum())
+
+    def summary(self) -> dict:
+        out = {**asdict(self.stats), "cache_slots": self.placement.cache_slots}
+        if self.cache is not None:
+            out.update(admitted=self.cache.admitted, bytes_copied=self.cache.bytes_copied)
+        pairs = self.stats.gpu_pairs + self.stats.cpu_pairs
+        out["gpu_share"] = self.stats.gpu_pairs / max(pairs, 1)
+        return out
+
+    def close(self) -> None:
+        self.worker.close()

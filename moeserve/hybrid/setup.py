@@ -1,0 +1,73 @@
+"""Turn a loaded model into a hybrid one: its CPU layers' experts become HybridExperts sharing one runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moeserve.errors import MoeserveError
+from moeserve.hybrid.experts import HybridExperts
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.hybrid.runtime import HybridRuntime
+from moeserve.offload.host_compute import HostExperts
+from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
+from moeserve.offload.store import ExpertStore
+from moeserve.quant.qlinear import QuantizedExperts
+from moeserve.spec import ModelSpec
+
+MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
+GROUPS = (64, 32, 16)  # quantization group of a store built on the fly: the largest dividing D and F
+
+
+def store_layers(placement: HybridPlacement) -> list[int]:
+    """The MoE layers whose experts the store holds (and the loader leaves unread): the CPU layers; with low-bit
+    experts every MoE layer (the resident layers' experts are the store's low-bit copies, moved to the model
+    device)."""
+    return list(placement.moe_layers if placement.low else placement.cpu_layers)
+
+
+def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
+    """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
+    if group is None and placement.needs_low_copies:
+        raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
+                            f"(here {D} and {F})")
+    return (placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0), group or GROUPS[0]
+
+
+def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
+                progress: bool = True) -> ExpertStore:
+    """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
+    the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
+    low-bit experts or mixed precision; page-locked when a GPU cache copies from them."""
+    low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
+    return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
+                                       device=device if device.type == "cuda" and low_bits else None,
+                                       high=not placement.low, pin=device.type == "cuda" and placement.cache_slots > 0,
+                                       progress=progress)
+
+
+def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
+    """A resident layer of a low-bit run: the store's low-bit copies of its experts on the model device."""
+    pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
+             for e in range(store.meta["num_experts"])]
+    return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs])
+
+
+def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
+                  t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
+                  warm: bool = False) -> HybridRuntime:
+    """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned; the options
+    are HybridRuntime's); in a low-bit run the other MoE layers' experts become the store's low-bit copies on the
+    model device."""
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, t1, t2, threaded, host,
+                            warm)
+    layers = model.model.layers
+    for i in placement.cpu_layers:
+        layers[i].mlp.experts = HybridExperts(i, model.spec.num_experts, runtime)
+    if placement.low:
+        for i in sorted(set(placement.moe_layers) - set(placement.cpu_layers)):
+            layers[i].mlp.experts = resident_lowbit(store, i, model.device)
+    return runtime

@@ -1,0 +1,128 @@
+"""Experts computed on the CPU straight from their store copies: the high (float) copy through torch in the
+model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
+dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
+
+A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision with one
+sort, each float group runs through its expert, the low-bit groups through one batched kernel call per projection
+(kernels/cpu: every expert's output tiles in one parallel region), and the weighted outputs are added back to their
+tokens as the resident backend's combine does (same order, so the result matches it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.cpu.gemv import applies, default_kernel, packed_weight, quantized_linear_batch
+from moeserve.model.experts import swiglu
+from moeserve.offload.store import ExpertStore
+
+LOW_UNIT = 1 << 20  # sort key offset of a pair on a low-bit copy: float pairs first, in expert order
+
+
+@dataclass
+class CpuPairs:
+    """A layer's (token, k) pairs for the CPU, host tensors: pair (t, j) runs token t through expert
+    expert_ids[t, j] scaled by weights[t, j], when mask[t, j] (mask None: every pair), from the low-bit copy where
+    low says so (a [T, k] bool tensor, or one bool for every pair)."""
+
+    expert_ids: torch.Tensor  # [T, k] long
+    weights: torch.Tensor  # [T, k] gate weights, in the router's dtype
+    mask: torch.Tensor | None = None  # [T, k] bool
+    low: torch.Tensor | bool = False  # [T, k] bool, or one for all
+
+
+class HostExperts:
+    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None):
+        """dtype: the compute dtype of high-precision experts (the model's); store copies of another dtype are
+        converted once, on first use, and kept."""
+        self.store, self.dtype = store, dtype
+        self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
+
+    def high(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2F, D], down [D, F]) in the compute dtype (the store's tensors when it matches: no copy)."""
+        key = (layer, expert)
+        if key not in self._high:
+            parts = self.store.host_parts(layer, expert, low=False)
+            self._high[key] = tuple(p if self.dtype in (None, p.dtype) else p.to(self.dtype) for p in parts)
+        return self._high[key]
+
+    def low(self, layer: int, expert: int) -> tuple:
+        """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once)."""
+        parts = self.store.host_parts(layer, expert, low=True)
+        key = parts[0].data_ptr()
+        if key not in self._low:
+            self._low[key] = self.store.quantized_modules(parts)
+        return self._low[key]
+
+    def warm(self, layers: list[int], low: bool) -> None:
+        """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
+        compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
+        probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
+        for layer in layers:
+            for e in range(self.store.meta["num_experts"]):
+                if not low:
+                    self.high(layer, e)
+                    continue
+                for m in self.low(layer, e):
+                    if applies(m, probe, 1):
+                        packed_weight(m, default_kernel(m.bits))
+
+    def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
+        if not low:
+            gate_up, down = self.high(layer, expert)
+            x = rows if rows.dtype == gate_up.dtype else rows.to(gate_up.dtype)
+            y = F.linear(swiglu(F.linear(x, gate_up)), down)
+            return y if y.dtype == rows.dtype else y.to(rows.dtype)
+        gate_up, down = self.low(layer, expert)
+        return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
+
+    def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
+        """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
+        k = pairs.expert_ids.shape[1]
+        unit = pairs.expert_ids.reshape(-1)  # [T*k]: expert (+ LOW_UNIT for a low-bit copy)
+        if isinstance(pairs.low, torch.Tensor):
+            unit = unit + pairs.low.reshape(-1) * LOW_UNIT
+        elif pairs.low:
+            unit = unit + LOW_UNIT
+        if pairs.mask is None:
+            order = torch.argsort(unit, stable=True)  # [T*k]
+        else:
+            kept = pairs.mask.reshape(-1).nonzero().squeeze(1)  # [n]
+            order = kept[torch.argsort(unit[kept], stable=True)]  # [n]
+        units, counts = torch.unique_consecutive(unit[order], return_counts=True)
+        tokens = order // k  # [n], grouped by unit: float copies first, then low-bit ones
+        x_sorted = x[tokens]  # [n, D]
+        y = torch.empty_like(x_sorted)  # [n, D]
+        start, low = 0, []
+        for u, n in zip(units.tolist(), counts.tolist()):
+            if u >= LOW_UNIT:
+                low.append((u - LOW_UNIT, n))
+                continue
+            y[start:start + n] = self.run(layer, u, False, x_sorted[start:start + n])
+            start += n
+        if low:
+            y[start:] = self.run_low(layer, low, x_sorted[start:])
+        scaled = (y * pairs.weights.reshape(-1)[order, None]).to(x.dtype)  # as routing.combine scales
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+    def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
+        """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each
+        projection of every expert in one native call where the kernels read the layout, else one expert after
+        another (QuantizedLinear)."""
+        mods = [self.low(layer, e) for e, _ in groups]
+        rows = [n for _, n in groups]
+        h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32
+        if h is not None:
+            y = quantized_linear_batch([down for _, down in mods], swiglu(h), rows)  # [n, D] float32
+            if y is not None:
+                return y.to(x.dtype)
+        out, start = torch.empty_like(x), 0
+        for e, n in groups:
+            out[start:start + n] = self.run(layer, e, True, x[start:start + n])
+            start += n
+        return out

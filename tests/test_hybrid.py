@@ -1,0 +1,306 @@
+"""The hybrid expert backend (experts computed on the CPU where they lie, an optional slot cache) against the
+resident model, on the CPU: exact greedy tokens for every family and split, with and without the cache; the
+command line's flags, placement line and errors. GPU: tests/test_gpu_hybrid.py."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+import moeserve
+from moeserve.cli import main
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+from moeserve.hybrid.memory import expert_bytes, host_bytes
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
+from moeserve.hybrid.worker import CpuWorker
+from moeserve.model.paths import EXPERT_PATHS, GRAPH_SAFE, explain
+from moeserve.offload.cache_state import CacheState
+from moeserve.offload.policies import CachePolicy
+from moeserve.offload.precision import HIGH
+from moeserve.offload.store import ExpertStore
+
+
+def greedy(model, prompts, n=8):
+    return [r.token_ids for r in generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0))]
+
+
+def moe_layers(spec) -> list[int]:
+    return [i for i, moe in enumerate(spec.moe_layers) if moe]
+
+
+def hybrid_model(path, placement: HybridPlacement, store: ExpertStore | None = None, **options):
+    """The model of `path` with the placement's CPU layers hybrid; (model, runtime)."""
+    stored = set(store_layers(placement))
+    model = moeserve.load_model(path, routed_experts=[i for i in placement.moe_layers if i not in stored])
+    store = store or build_store(path, placement, model.dtype, model.device, progress=False)
+    return model, enable_hybrid(model, store, placement, **options)
+
+
+@pytest.fixture(scope="module")
+def references(hf_checkpoints):
+    """family -> (prompts, resident greedy tokens, tokens, resident logits)."""
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for fam in FAMILIES:
+        resident = moeserve.load_model(hf_checkpoints[fam][1])
+        prompts = [torch.randint(3, 97, (7,), generator=g).tolist(), torch.randint(3, 97, (4,), generator=g).tolist()]
+        tokens = torch.randint(3, 97, (2, 9), generator=g)
+        out[fam] = (prompts, greedy(resident, prompts), tokens, resident(tokens))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("slots", [0, 3])
+def test_hybrid_equals_resident_for_every_split(hf_checkpoints, references, family, slots):
+    """fp32, mixed precision off: greedy tokens equal the resident model's, logits agree to fp32 rounding, with 0,
+    some and all MoE layers' experts on the CPU, static (slots 0) or with a slot cache that fills as experts are
+    used (so later calls run some experts in slots, some on the CPU)."""
+    path = hf_checkpoints[family][1]
+    prompts, expected, tokens, logits = references[family]
+    layers = moe_layers(moeserve.load_model(path, routed_experts=False).spec)
+    for n in sorted({0, 1, len(layers)}):
+        placement = HybridPlacement.choose(layers, n_cpu_moe=n, cache_slots=slots, num_experts=8)
+        model, runtime = hybrid_model(path, placement)
+        assert greedy(model, prompts) == expected, (family, n, slots)
+        torch.testing.assert_close(model(tokens), logits, atol=1e-5, rtol=1e-5)
+        st = runtime.summary()
+        assert st["skipped"] == st["low_pairs"] == 0
+        assert (st["cpu_pairs"] > 0) == (n > 0)
+        if slots and n:
+            assert st["gpu_pairs"] > 0 and 0 < st["admitted"] and len(runtime.cache.pool.slot_of) <= slots
+
+
+def test_worker_thread_gives_the_same_output(hf_checkpoints, references):
+    """The CPU experts on the worker thread (as with a GPU model) under the caller's inference mode."""
+    path = hf_checkpoints["qwen2_moe"][1]
+    prompts, expected, tokens, logits = references["qwen2_moe"]
+    layers = moe_layers(moeserve.load_model(path, routed_experts=False).spec)
+    model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, cache_slots=2), threaded=True)
+    assert not runtime.worker.inline
+    assert greedy(model, prompts) == expected
+    torch.testing.assert_close(model(tokens), logits, atol=1e-5, rtol=1e-5)
+    runtime.close()
+
+
+def test_worker_runs_jobs_on_one_thread_and_raises_their_errors():
+    worker = CpuWorker(threads=1)
+    names = {worker.submit(lambda: __import__("threading").current_thread().name).result() for _ in range(3)}
+    assert len(names) == 1 and names.pop().startswith("moeserve-cpu-experts")
+    with torch.inference_mode():
+        assert worker.submit(torch.is_inference_mode_enabled).result()
+    with pytest.raises(ZeroDivisionError):
+        worker.submit(lambda: 1 / 0).result()
+    worker.close()
+    assert CpuWorker(inline=True).submit(lambda a: a + 1, 1).result() == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "hobbit", "static"])
+def test_cache_policies_give_the_same_tokens(hf_checkpoints, references, policy):
+    path = hf_checkpoints["mixtral"][1]
+    prompts, expected, _, _ = references["mixtral"]
+    placement = HybridPlacement.choose([0, 1, 2], cpu_moe=True, cache_slots=4, policy=policy)
+    model, runtime = hybrid_model(path, placement)
+    assert greedy(model, prompts) == expected
+    assert runtime.summary()["gpu_pairs"] > 0
+
+
+def test_admission_only_when_hotter_keeps_the_most_used_experts():
+    """static (LFU priority, admit only above the victim): a newcomer used less than every cached expert stays out."""
+    state = CacheState(CachePolicy.named("lfu", 1), 2, 0)
+    for key, uses in (((0, 1), 3), ((0, 2), 2)):
+        for _ in range(uses):
+            state.start_event(0)
+            state.request(key, HIGH, {key}, admit=True)
+    state.start_event(0)
+    state.request((0, 3), HIGH, {(0, 3)}, admit=False)
+    assert not state.admit((0, 3), HIGH, {(0, 3)}).keep  # 1 use < 2
+    for _ in range(2):
+        state.start_event(0)
+        state.request((0, 3), HIGH, {(0, 3)}, admit=False)
+    d = state.admit((0, 3), HIGH, {(0, 3)})
+    assert d.keep and d.evicted == (0, 2)  # 3 uses > 2
+    lru = CacheState(CachePolicy.named("lru", 1), 1, 0)
+    lru.request((0, 1), HIGH, set(), admit=True)
+    lru.start_event(0)
+    lru.request((0, 2), HIGH, {(0, 2)}, admit=False)
+    assert lru.admit((0, 2), HIGH, {(0, 2)}).keep  # LRU: the expert just used always ranks first
+    sampled = CacheState(CachePolicy.named("lru", 1), 6, 0, victim_sample=2)  # victims drawn from 2 of the 6
+    for e in range(6):
+        sampled.start_event(0)
+        sampled.request((0, e), HIGH, set(), admit=True)
+    sampled.start_event(0)
+    sampled.request((0, 9), HIGH, {(0, 9)}, admit=False)
+    d = sampled.admit((0, 9), HIGH, {(0, 9), (0, 0)})
+    assert d.keep and d.evicted not in (None, (0, 0)) and len(sampled.pools[HIGH]) == 6
+
+
+def test_mixed_precision_runs_low_bit_and_skips(hf_checkpoints, references):
+    path = hf_checkpoints["qwen2_moe"][1]  # top-3: some second and third experts are low-bit, some skipped
+    _, _, tokens, logits = references["qwen2_moe"]
+    layers = moe_layers(moeserve.load_model(path, routed_experts=False).spec)
+    model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, mixed=True),
+                                  t1=0.3, t2=0.6)
+    out = model(tokens)
+    st = runtime.summary()
+    assert st["low_pairs"] > 0 and st["skipped"] > 0
+    assert (out - logits).abs().max() < 0.5 * logits.abs().max()  # an approximation, not garbage
+
+
+def test_low_bit_experts_agree_on_the_cpu_in_slots_and_resident(hf_checkpoints):
+    """--experts-bits 4: the same HQQ copies computed on the CPU, in cache slots, and resident (QuantizedExperts)."""
+    path = hf_checkpoints["mixtral"][1]
+    tokens = torch.randint(3, 97, (2, 7))
+    store = build_store(path, HybridPlacement.choose([0, 1, 2], cpu_moe=True, bits=4), torch.float32,
+                        torch.device("cpu"), progress=False)
+    assert store.meta["low_bits"] == 4
+    with pytest.raises(KeyError):  # no float copies
+        store.host_parts(0, 0, low=False)
+    outs = []
+    for n, slots in ((3, 0), (3, 24), (1, 0), (0, 0)):
+        placement = HybridPlacement.choose([0, 1, 2], n_cpu_moe=n, cache_slots=slots, bits=4)
+        model, runtime = hybrid_model(path, placement, store)
+        model(tokens)  # fills the slots
+        outs.append(model(tokens))
+        assert all(type(model.model.layers[i].mlp.experts).__name__ == "QuantizedExperts" for i in range(n, 3))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_low_bit_decode_runs_each_projection_of_all_experts_in_one_kernel_call(byte_model_dir, monkeypatch):
+    """Decode rows of 4-bit experts on the CPU: one batched kernel call per projection, the same tokens as the
+    experts resident (QuantizedExperts: one kernel call per expert and projection)."""
+    from moeserve.kernels.cpu import gemv
+    from moeserve.offload import host_compute
+
+    if gemv.default_kernel(4) is None:
+        pytest.skip("no C compiler for the generated CPU kernels here")
+    calls = []
+
+    def counted(layers, x, rows):
+        y = gemv.quantized_linear_batch(layers, x, rows)
+        calls.append((len(layers), y is not None))
+        return y
+
+    monkeypatch.setattr(host_compute, "quantized_linear_batch", counted)
+    store = ExpertStore.from_checkpoint(byte_model_dir, low_bits=4, group=32, high=False, progress=False)
+    prompts = [[72, 65, 77], [75, 73]]
+    runs = [greedy(hybrid_model(byte_model_dir, HybridPlacement.choose([0, 1], n_cpu_moe=n, bits=4), store)[0],
+                   prompts) for n in (2, 0)]
+    assert runs[0] == runs[1]
+    assert any(n >= 2 and batched for n, batched in calls)  # decode steps: several experts in one call
+
+
+def test_placement_checks_and_line():
+    layers = list(range(32))
+    with pytest.raises(MoeserveError, match="outside the model's 32 MoE layers"):
+        HybridPlacement.choose(layers, n_cpu_moe=33)
+    with pytest.raises(MoeserveError, match="cannot be combined"):
+        HybridPlacement.choose(layers, cpu_moe=True, n_cpu_moe=3)
+    with pytest.raises(MoeserveError, match="unknown cache policy"):
+        HybridPlacement.choose(layers, cpu_moe=True, policy="mru")
+    with pytest.raises(MoeserveError, match="--experts-bits 5"):
+        HybridPlacement.choose(layers, cpu_moe=True, bits=5)
+    p = HybridPlacement.choose(layers, n_cpu_moe=24, cache_slots=16, threads=16)
+    assert p.cpu_layers == tuple(range(24))
+    assert p.describe("cuda", "bfloat16") == ("[placement: hybrid, 24/32 MoE layers' experts on CPU (bfloat16), "
+                                              "16 GPU cache slots (policy hobbit), 16 CPU threads]")
+    assert "no GPU" in HybridPlacement.choose(layers, cpu_moe=True).describe("cpu", "float32")
+    assert HybridPlacement.choose([0, 1], cpu_moe=True, cache_slots=100, num_experts=8).cache_slots == 16
+
+
+def test_host_bytes_match_the_store(hf_checkpoints):
+    path = hf_checkpoints["mixtral"][1]
+    spec = moeserve.load_model(path, routed_experts=False).spec
+    store = ExpertStore.from_checkpoint(path, low_bits=4, group=16, progress=False)
+    assert expert_bytes(spec, 16, 4) == store.expert_bytes(False)
+    assert expert_bytes(spec, 4, group=16) == store.expert_bytes(True)
+    mixed = HybridPlacement.choose([0, 1, 2], n_cpu_moe=2, mixed=True)
+    assert host_bytes(spec, mixed, 4, 4, 16) == 2 * 8 * (store.expert_bytes(False) + 2 * store.expert_bytes(True))
+
+
+def test_only_the_named_layers_experts_are_read(hf_checkpoints):
+    model = moeserve.load_model(hf_checkpoints["mixtral"][1], routed_experts=[1])
+    assert [model.model.layers[i].mlp.experts.gate_up_proj.is_meta for i in range(3)] == [True, False, True]
+
+
+def test_path_is_named_and_not_graph_safe(hf_checkpoints):
+    path = hf_checkpoints["olmoe"][1]
+    model, _ = hybrid_model(path, HybridPlacement.choose([0, 1, 2], n_cpu_moe=2))
+    assert "hybrid" in EXPERT_PATHS and "hybrid" not in GRAPH_SAFE
+    assert [p.experts for p in explain(model, (1,))] == [{1: "hybrid"}, {1: "hybrid"}, {1: "loop"}]
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+
+def test_cli_generate_and_eval_hybrid(capsys, byte_model_dir, tmp_path):
+    base = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "6", "--ignore-eos",
+            "--device", "cpu", "HAM"]
+    assert main(base) == 0
+    resident = capsys.readouterr().out
+    for extra in (["--cpu-moe"], ["--n-cpu-moe", "1", "--gpu-cache-experts", "2", "--cpu-threads", "1"]):
+        assert main(base + extra) == 0
+        captured = capsys.readouterr()
+        assert captured.out == resident
+        lines = [ln for ln in captured.err.splitlines() if ln.startswith("[placement:")]
+        assert len(lines) == 1 and "MoE layers' experts on CPU (float32)" in lines[0]
+        assert "[hybrid experts:" in captured.err
+    assert "2/2 MoE layers" in lines[0] or "1/2 MoE layers" in lines[0]
+    store = tmp_path / "store"
+    assert main(["offload-prepare", "--model", str(byte_model_dir), "--out", str(store),
+                              "--group", "32"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--cpu-moe", "--offload", str(store)]) == 0
+    assert capsys.readouterr().out == resident
+    ppl = ["eval", "ppl", "--model", str(byte_model_dir), "--device", "cpu", "--max-tokens", "64"]
+    assert main(ppl) == 0
+    expected = json.loads(capsys.readouterr().out)["perplexity"]
+    assert main(ppl + ["--n-cpu-moe", "1", "--offload", str(store)]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(expected, rel=1e-5)
+    assert main(ppl + ["--cpu-moe", "--experts-bits", "4", "--offload", str(store)]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(expected, rel=0.2)
+
+
+def test_cli_hybrid_errors(expect_cli_error, byte_model_dir, tmp_path, monkeypatch):
+    gen = ["generate", "--model", byte_model_dir, "--max-new-tokens", "2", "--device", "cpu"]
+    expect_cli_error(gen + ["--n-cpu-moe", "3"], "--n-cpu-moe 3 is outside the model's 2 MoE layers")
+    expect_cli_error(gen + ["--cpu-moe", "--n-cpu-moe", "1"], "cannot be combined")
+    expect_cli_error(gen + ["--gpu-cache-experts", "4"], "needs --cpu-moe or --n-cpu-moe")
+    expect_cli_error(gen + ["--mixed-precision"], "needs --cpu-moe or --n-cpu-moe")
+    expect_cli_error(gen + ["--cpu-moe", "--high-slots", "2"], "--gpu-cache-experts")
+    expect_cli_error(gen + ["--cpu-moe", "--cache-policy", "mru"], "unknown cache policy")
+    expect_cli_error(gen + ["--cpu-moe", "--cpu-threads", "0"], "--cpu-threads must be >= 1")
+    expect_cli_error(["eval", "ppl", "--model", byte_model_dir, "--offload", tmp_path], "needs --cpu-moe")
+    monkeypatch.setattr("moeserve.hybrid.memory.available_ram", lambda: 1000)
+    line = expect_cli_error(gen + ["--cpu-moe"], "not enough host RAM")
+    assert "they need" in line and "available" in line
+    monkeypatch.undo()
+    store = tmp_path / "s"
+    ExpertStore.build(byte_model_dir, store, low_bits=4, group=32, progress=False)
+    expect_cli_error(gen + ["--cpu-moe", "--offload", store, "--experts-bits", "3"], "holds 4-bit copies", watch=store)
+
+
+def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsys):
+    """OMP_WAIT_POLICY=PASSIVE for hybrid commands (set before torch loads in a real run), unless the user set it."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    argv = ["generate", "--model", str(byte_model_dir), "--max-new-tokens", "1", "--device", "cpu"]
+    assert main(argv) == 0 and "OMP_WAIT_POLICY" not in os.environ
+    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    capsys.readouterr()
+
+
+def test_help_explains_the_flags(capsys):
+    for argv in (["generate", "--help"], ["eval", "ppl", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        for flag in ("--cpu-moe", "--n-cpu-moe N", "--gpu-cache-experts S", "--cpu-threads N", "--mixed-precision",
+                     "--experts-bits B", "--cache-policy"):
+            assert flag in text, (argv, flag)
