@@ -5,7 +5,7 @@ from __future__ import annotations
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.offload.budget import available_ram
-from moeserve.quant.pack import padded_length
+from moeserve.kernels.pack import padded_length
 from moeserve.units import format_bytes
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import FAMILIES
+from hf_models import FAMILIES
 
 import moeserve
 from moeserve.cli import main
