@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import result_record, write_result  # noqa: E402
+from common import add_run_args, result_record, write_result  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.serve.process import ServerProcess  # noqa: E402
@@ -116,7 +116,8 @@ def percentiles(name: str, values: list[float]) -> dict:
 def server_args(args, parallel: int) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--parallel", str(parallel),
            "--max-queue", str(max(64, parallel)), "--metrics"]
-    return out + (["--dtype", args.dtype] if args.dtype else [])
+    out += ["--dtype", args.dtype] if args.dtype else []
+    return out + (["--threads", str(args.threads)] if args.threads else [])
 
 
 def main() -> None:
@@ -135,14 +136,14 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="new tokens per request (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 new tokens (smoke run)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    add_run_args(ap)  # --threads: of the server started here; --out
     args = ap.parse_args()
     if args.quick:
         args.clients, args.gen, args.min_requests, args.sequential_max, args.prompt_max = "1,4", 16, 4, 4, 48
     levels = [int(c) for c in args.clients.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     config = {k: getattr(args, k) for k in ("clients", "min_requests", "sequential_max", "prompt_min", "prompt_max",
-                                            "gen", "seed", "quick", "model", "dtype")}
+                                            "gen", "seed", "quick", "model", "dtype", "threads")}
     config["clients"] = levels
     server = None if args.url else ServerProcess(*server_args(args, max(levels)))
     url = args.url or server.url

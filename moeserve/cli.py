@@ -93,6 +93,14 @@ def _offload_args(o) -> list[argparse.Action]:
     ]
 
 
+def _offload_group(p: argparse.ArgumentParser) -> None:
+    """--offload STORE and the cache options that go with it (generate, serve)."""
+    o = p.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
+                             "in fast memory; see `moeserve offload-prepare`")
+    o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
+    _offload_args(o)
+
+
 def _batch_parser(sub) -> None:
     b = sub.add_parser("batch", help="throughput generation for a JSONL file of prompts (resumable)",
                        description="Generate for every {\"id\": ..., \"prompt\": \"...\"} line of INPUT with the "
@@ -164,9 +172,7 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--no-cuda-graph", action="store_true",
                     help="decode eagerly on a GPU (default: a CUDA graph per padded batch size where the experts "
                          "allow it)")
-    o = sv.add_argument_group("expert offloading (HOBBIT)", "as for `moeserve generate`")
-    o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
-    _offload_args(o)
+    _offload_group(sv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,10 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode eagerly on a GPU (default: replay each decode step as a CUDA graph where the "
                         "experts allow it)")
     _parallel_args(g)
-    o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
-                             "in fast memory; see `moeserve offload-prepare`")
-    o.add_argument("--offload", metavar="STORE", default=None, help="expert store directory from offload-prepare")
-    _offload_args(o)
+    _offload_group(g)
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")

@@ -12,18 +12,9 @@ from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import load_tokenizer
+from single_thread import one_thread  # noqa: F401 - autouse fixture
 
 MAX_STEPS = 2000  # every stepping loop below ends well before this
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread in this process (the server runs with --threads 1 too): two OpenMP threads on a busy 2-core
-    machine spin while they wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +128,33 @@ def test_context_limit_logprobs_and_checks(demo):
 
 def test_padded_batch_sizes():
     assert [padded_batch(b, 12) for b in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+
+
+def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch):
+    """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records the step and replays it eagerly
+    from the same static buffers, so every replay must see the inputs copied into them (rows, positions, tokens
+    of a changing batch, padded to 1, 2, 4 or 5 rows)."""
+    from moeserve.engine import cuda_graph
+
+    class Replay:
+        def __init__(self, step, out):
+            self.step, self.out = step, out
+
+        def replay(self):
+            self.out.copy_(self.step())
+
+    def capture(step, warmup, device, pool=None):
+        out = step()
+        return Replay(step, out), out
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: True)
+    model, tok = demo
+    prompts, params, alone = mixed_requests
+    batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=True)
+    batch.decoder.pool = "shared"  # no CUDA memory pool on the CPU
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
+    assert_alone(model, tok, requests, updates, alone)
+    assert set(batch.decoder.graphs) <= {1, 2, 4, 5} and len(batch.decoder.graphs) >= 3

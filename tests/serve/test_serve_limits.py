@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import moeserve
@@ -14,19 +13,10 @@ from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.serve.process import ServerProcess
 from moeserve.tokenizer import load_tokenizer
+from single_thread import one_thread  # noqa: F401 - autouse fixture
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread in this process (the server runs with --threads 1 too): two OpenMP threads on a busy 2-core
-    machine spin while they wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
