@@ -167,6 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="requests in all (default 2000)")
     ap.add_argument("--clients", type=int, default=16, help="requests in flight at once (default 16)")
+    ap.add_argument("--device", default="cpu", help="the server's --device (default cpu)")
     ap.add_argument("--parallel", type=int, default=8, help="the server's --parallel (default 8)")
     ap.add_argument("--max-queue", type=int, default=6, help="the server's --max-queue (default 6: some 503s)")
     ap.add_argument("--seed", type=int, default=0)
@@ -179,7 +180,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = [text[s:s + rng.randint(1, 300)] for s in (rng.randrange(len(text) - 400) for _ in range(40))]
     items = plan(args.requests, args.seed, prompts)
-    server_args = ["--parallel", str(args.parallel), "--max-queue", str(args.max_queue), "--api-key", KEY,
+    server_args = ["--device", args.device, "--parallel", str(args.parallel), "--max-queue", str(args.max_queue), "--api-key", KEY,
                    "--metrics"] + (["--threads", str(args.threads)] if args.threads else [])
     with ServerProcess(*server_args) as server:
         asyncio.run(soak(server.url, plan(20, args.seed + 1, prompts), prompts, 4, None, 10**9))  # warm-up
@@ -204,8 +205,9 @@ def main() -> None:
         problems.append(f"{len(ids) - len(set(ids))} duplicated response ids")
     if not alive or any(load.values()):
         problems.append(f"server alive {alive}, load at the end {load}")
-    config = {k: getattr(args, k) for k in ("requests", "clients", "parallel", "max_queue", "threads", "seed", "quick")}
-    record = result_record("serve_soak", {**config, "kinds": KINDS}, device="cpu")
+    config = {k: getattr(args, k) for k in ("requests", "clients", "device", "parallel", "max_queue", "threads", "seed",
+                                          "quick")}
+    record = result_record("serve_soak", {**config, "kinds": KINDS}, device=args.device)
     record.update(seconds=round(seconds, 1), outcomes=dict(Counter((r["kind"], r["status"]) for r in results)),
                   retried_503=sum(r.get("retries", 0) for r in results), responses=len(ids),
                   distinct_ids=len(set(ids)), rss_kib_start=rss_start, rss_kib_end=rss_end,
