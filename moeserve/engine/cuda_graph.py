@@ -100,50 +100,56 @@ def padded_batch(batch: int, slots: int) -> int:
 class SlotDecoder:
     """Decode steps over a SlotKVCache whose rows change from step to step (continuous batching).
 
-    Eager (the default off CUDA): the dynamic forward over the rows in use, attending over the columns up to
-    the furthest position. Static: `model.decode_step` at a padded batch size (padded_batch; pad entries write
-    the cache's spare row), over all columns; with `graph`, each padded size is captured as a CUDA graph on first
-    use (one memory pool for all) and replayed after. A capture that fails warns once and decodes eagerly.
+    Dynamic (off CUDA, and wherever a graph cannot serve): the forward over the rows in use, attending over the
+    columns up to the furthest position. Static: `model.decode_step` at a padded batch size (padded_batch; pad
+    entries write the cache's spare row) over all columns, the shapes a CUDA graph needs; with `graph`, each padded
+    size is captured on first use (one memory pool for all) and replayed after. A size the experts cannot run
+    sync-free decodes dynamically; a capture that fails warns once and every later step decodes dynamically.
     """
 
     def __init__(self, model, kv: SlotKVCache, graph: bool, static: bool | None = None, warmup: int = 2):
+        """static: run the static step even without graphs (eagerly; tests use it on the CPU)."""
         self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
         self.static = graph if static is None else static
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
-        self.eager_sizes: set[int] = set()  # padded sizes graph_safe refused
+        self.dynamic_sizes: set[int] = set()  # padded sizes graph_safe refused
         self.pool = None
 
     def __call__(self, tokens: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
         """One token for each of the cache rows `rows`, at `positions` -> logits [B, V]."""
         device, B = self.model.device, len(rows)
-        if not self.static:
-            self.kv.use(rows, max(positions) + 1)
-            tokens_t, positions_t = (torch.tensor(x, device=device)[:, None] for x in (tokens, positions))  # [B, 1]
-            return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
         size = padded_batch(B, self.kv.slots)
-        pad = size - B
-        inputs = [torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
-                  torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
-                  torch.tensor(rows + [self.kv.spare] * pad, device=device)]  # rows [Bp]
-        if self.use_graph and (size in self.graphs or self._captured(size, inputs)):
-            graph, buffers, logits = self.graphs[size]
-            for buf, x in zip(buffers, inputs):
-                buf.copy_(x)
-            graph.replay()
-        else:
-            logits = self._step(*inputs)
-        self.kv.commit()
-        return logits[:B, -1]
+        if self.static and (not self.use_graph or self._capturable(size)):
+            pad = size - B
+            inputs = [torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
+                      torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
+                      torch.tensor(rows + [self.kv.spare] * pad, device=device)]  # rows [Bp]
+            if self.use_graph and (size in self.graphs or self._captured(size, inputs)):
+                graph, buffers, logits = self.graphs[size]
+                for buf, x in zip(buffers, inputs):
+                    buf.copy_(x)
+                graph.replay()
+            else:  # static without graphs, or the capture just failed
+                logits = self._step(*inputs)
+            self.kv.commit()
+            return logits[:B, -1]
+        self.kv.use(rows, max(positions) + 1)
+        tokens_t, positions_t = (torch.tensor(x, device=device)[:, None] for x in (tokens, positions))  # [B, 1]
+        return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self.kv.use(rows, None)
         return self.model.decode_step(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), self.kv)
 
+    def _capturable(self, size: int) -> bool:
+        """Whether the step at `size` rows is captured or can be: the experts run it sync-free (asked once)."""
+        if size not in self.graphs and size not in self.dynamic_sizes and not graph_safe(self.model, size):
+            self.dynamic_sizes.add(size)
+        return size not in self.dynamic_sizes
+
     def _captured(self, size: int, inputs: list[torch.Tensor]) -> bool:
-        """Capture the step at `size` rows; False (eager static steps) where the model cannot be captured."""
-        if size in self.eager_sizes or not graph_safe(self.model, size):
-            self.eager_sizes.add(size)
-            return False
+        """Capture the step at `size` rows (its warm-up runs write what this step writes anyway); on failure, warn
+        and decode dynamically from now on."""
         buffers = [x.clone() for x in inputs]
         try:
             if self.pool is None:
@@ -151,8 +157,8 @@ class SlotDecoder:
             graph, logits = capture(lambda: self._step(*buffers), self.warmup, self.model.device, self.pool)
         except RuntimeError as e:
             warnings.warn(f"moeserve: CUDA-graph capture of the decode step failed ({str(e).splitlines()[0]}); "
-                          "decoding without a graph", stacklevel=3)
-            self.use_graph = False
+                          "decoding without a graph (--no-cuda-graph silences this)", stacklevel=3)
+            self.use_graph = self.static = False
             return False
         self.graphs[size] = (graph, buffers, logits)
         return True

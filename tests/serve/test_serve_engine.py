@@ -130,10 +130,12 @@ def test_padded_batch_sizes():
     assert [padded_batch(b, 12) for b in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
 
 
-def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch):
+@pytest.mark.parametrize("safe_up_to", [5, 2])
+def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch, safe_up_to):
     """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records the step and replays it eagerly
     from the same static buffers, so every replay must see the inputs copied into them (rows, positions, tokens
-    of a changing batch, padded to 1, 2, 4 or 5 rows)."""
+    of a changing batch, padded to 1, 2, 4 or 5 rows). Sizes the experts cannot run sync-free (above
+    `safe_up_to`) decode dynamically."""
     from moeserve.engine import cuda_graph
 
     class Replay:
@@ -148,7 +150,7 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
         return Replay(step, out), out
 
     monkeypatch.setattr(cuda_graph, "capture", capture)
-    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: True)
+    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: batch <= safe_up_to)
     model, tok = demo
     prompts, params, alone = mixed_requests
     batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
@@ -157,4 +159,26 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
     requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
     updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
     assert_alone(model, tok, requests, updates, alone)
-    assert set(batch.decoder.graphs) <= {1, 2, 4, 5} and len(batch.decoder.graphs) >= 3
+    graphs, dynamic = set(batch.decoder.graphs), batch.decoder.dynamic_sizes
+    assert graphs | dynamic == {1, 2, 4, 5} and graphs == {s for s in (1, 2, 4, 5) if s <= safe_up_to}
+
+
+def test_a_failed_capture_or_an_unsafe_size_decodes_dynamically(demo, mixed_requests, monkeypatch):
+    from moeserve.engine import cuda_graph
+
+    def capture(step, warmup, device, pool=None):
+        step()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: True)
+    model, tok = demo
+    prompts, params, alone = mixed_requests
+    batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=True)
+    batch.decoder.pool = "shared"
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    with pytest.warns(UserWarning, match="capture of the decode step failed"):
+        updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
+    assert_alone(model, tok, requests, updates, alone)
+    assert not batch.decoder.use_graph and not batch.decoder.static and not batch.decoder.graphs
