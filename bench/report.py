@@ -319,9 +319,34 @@ def parallel_tables(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def serve_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**Serving, `moeserve serve`** (streaming HTTP clients at once vs the same requests one after another; "
+             f"prompts {c['prompt_min']}-{c['prompt_max']} bytes, {c['gen']} greedy tokens each; server "
+             f"`{c['server']}`, threads {c.get('threads') or 'default'}; {_source(rec)})", "",
+             "| clients | tok/s | sequential tok/s | speedup | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+             "p99 ITL / 1-client ITL |", "|---:|---:|---:|---:|---|---|---:|"]
+    for r in rec["levels"]:
+        run, ratio = r["concurrent"], r.get("itl_p99_over_single")
+        lines.append(f"| {r['clients']} | {run['tok_per_s']:,.0f} | {r['sequential']['tok_per_s']:,.0f} | "
+                     f"{r['speedup']:.2f}x | {run['ttft_p50_ms']:.0f} / {run['ttft_p99_ms']:.0f} | "
+                     f"{run['itl_p50_ms']:.1f} / {run['itl_p99_ms']:.1f} | {'' if ratio is None else f'{ratio:.1f}'} |")
+    return lines + [""]
+
+
+def serve_soak_table(rec: dict) -> list[str]:
+    c, kib = rec["config"], 1024
+    return [f"**Serving soak** ({c['requests']} requests from {c['clients']} clients, {c['parallel']} slots, queue "
+            f"{c['max_queue']}; {_source(rec)}): {'passed' if rec['passed'] else 'FAILED'}; {rec['responses']} "
+            f"answers, {rec['distinct_ids']} distinct ids, {rec['retried_503']} retries after 503, server RSS "
+            f"{rec['rss_kib_start'] / kib:.0f} MiB after warm-up, {rec['rss_kib_end'] / kib:.0f} MiB at the end, "
+            f"{rec['seconds']:.0f} s", ""]
+
+
 TABLES = {"moe_block": moe_block_tables, "decode": decode_table, "quality": quality_tables,
           "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables, "offload": offload_table,
-          "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables}
+          "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables,
+          "serve": serve_table, "serve_soak": serve_soak_table}
 
 
 def _when(rec: dict) -> str:

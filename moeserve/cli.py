@@ -23,6 +23,8 @@ from moeserve.units import format_bytes, parse_bytes
 DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
+DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless the model's context is shorter
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # what `pip install moeserve[serve]` brings
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -124,6 +126,15 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                             "from --model)")
 
 
+def _offload_group(p: argparse.ArgumentParser) -> None:
+    """--offload STORE and the cache options that go with it (generate, serve)."""
+    o = p.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
+                             "in fast memory; see `moeserve offload-prepare`")
+    o.add_argument("--offload", metavar="STORE", default=None,
+                   help="expert store directory from offload-prepare (with --cpu-moe/--n-cpu-moe: the hybrid's store)")
+    _offload_args(o)
+
+
 def _batch_parser(sub) -> None:
     b = sub.add_parser("batch", help="throughput generation for a JSONL file of prompts (resumable)",
                        description="Generate for every {\"id\": ..., \"prompt\": \"...\"} line of INPUT with the "
@@ -163,6 +174,42 @@ def _batch_parser(sub) -> None:
                           "attention, else 1)")
 
 
+def _serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                        description="Serve the model over HTTP in the OpenAI API's conventions: POST /v1/completions "
+                                    "and /v1/chat/completions (streaming as server-sent events), GET /v1/models, "
+                                    "/health, /metrics; POST /tokenize, /detokenize. Requests join and leave the "
+                                    "running batch between decode steps. Needs `pip install 'moeserve[serve]'`.")
+    _model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
+    sv.add_argument("--parallel", type=int, default=8, metavar="N",
+                    help="KV cache slots: requests decoded together (default 8); more wait in a queue")
+    sv.add_argument("--ctx-size", type=int, default=None, metavar="C",
+                    help=f"tokens per slot, prompt and completion together (default: the model's context, at most "
+                         f"{DEFAULT_SERVE_CONTEXT}); KV memory grows with N x C")
+    sv.add_argument("--max-queue", type=int, default=64, metavar="Q",
+                    help="requests that may wait for a slot; beyond that the server answers 503 (default 64)")
+    sv.add_argument("--prefill-chunk", type=int, default=512, metavar="T",
+                    help="token slots one prefill pass computes between decode steps (default 512): longer prompts "
+                         "are read in chunks, so running streams keep flowing")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (default: none)")
+    sv.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="the model's id in the API (default: the name of the --model directory)")
+    sv.add_argument("--metrics", action="store_true",
+                    help="expose Prometheus metrics at GET /metrics (requests running/waiting, tokens, time to "
+                         "first token, inter-token latency, KV slots used)")
+    sv.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads the model runs on (default: torch's choice, one per core)")
+    sv.add_argument("--no-cuda-graph", action="store_true",
+                    help="decode eagerly on a GPU (default: a CUDA graph per padded batch size where the experts "
+                         "allow it)")
+    _offload_group(sv)
+    _hybrid_args(sv, store_option=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
@@ -188,11 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode eagerly on a GPU (default: replay each decode step as a CUDA graph where the "
                         "experts allow it)")
     _parallel_args(g)
-    o = g.add_argument_group("expert offloading (HOBBIT)", "keep experts in a store (RAM or disk) and a cache of them "
-                             "in fast memory; see `moeserve offload-prepare`")
-    o.add_argument("--offload", metavar="STORE", default=None,
-                   help="expert store directory from offload-prepare (with --cpu-moe/--n-cpu-moe: the hybrid's store)")
-    _offload_args(o)
+    _offload_group(g)
     _hybrid_args(g, store_option=False)
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
@@ -288,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="expert store from offload-prepare: report bytes_moved at its expert sizes")
 
     _batch_parser(sub)
+    _serve_parser(sub)
 
     pf = sub.add_parser("profile", help="measure this machine's FLOP/s and bandwidths (cached)",
                         description="Measure matmul FLOP/s, memory bandwidths and the host<->GPU link (a few seconds; "
@@ -636,8 +680,7 @@ def _enable_offload(model, store, budget, args):
         high, low = args.high_slots, args.low_slots
     else:
         resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_meta)
-        kv = kv_cache_bytes(model.spec, max(len(args.prompts), 1), model.spec.max_position_embeddings,
-                            model.dtype.itemsize)
+        kv = kv_cache_bytes(model.spec, *_kv_shape(args, model.spec), model.dtype.itemsize)
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
                                0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
                                max_slots=len(store.meta["layers"]) * store.meta["num_experts"])
@@ -648,6 +691,39 @@ def _enable_offload(model, store, budget, args):
                               cooperative=args.cooperative, pin=not args.no_pin, per_layer=args.per_layer_cache)
     except ValueError as e:
         raise MoeserveError(str(e)) from None
+
+
+def _kv_shape(args, spec) -> tuple[int, int]:
+    """(sequences, tokens each) the KV cache of a command will hold, for planning memory around it."""
+    if args.command == "serve":
+        return args.parallel, args.ctx_size
+    return max(len(args.prompts), 1), spec.max_position_embeddings
+
+
+def cmd_serve(args) -> int:
+    import importlib.util
+
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MoeserveError(f"`moeserve serve` needs {', '.join(missing)}: pip install 'moeserve[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise MoeserveError(f"--port {args.port} is not a TCP port (0 to 65535)")
+    if min(args.parallel, args.prefill_chunk, args.max_queue + 1, 1 if args.threads is None else args.threads) < 1:
+        raise MoeserveError("--parallel, --prefill-chunk and --threads must be >= 1 and --max-queue >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise MoeserveError("--api-key must not be empty")
+    _check_offload_args(args)
+    spec, tok = _tokenizer(args.model)
+    _check_hybrid_args(args, spec)
+    context = spec.max_position_embeddings
+    if args.ctx_size is None:
+        args.ctx_size = min(context, DEFAULT_SERVE_CONTEXT)
+    elif not 2 <= args.ctx_size <= context:
+        raise MoeserveError(f"--ctx-size {args.ctx_size} must be between 2 and the model's context of {context} "
+                            f"tokens")
+    from moeserve.serve.server import run
+
+    return run(args, spec, tok, args.ctx_size, load=lambda: _load_model(args))
 
 
 def cmd_offload_prepare(args) -> int:
@@ -1081,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
-               "plan": cmd_plan}[args.command]
+               "plan": cmd_plan, "serve": cmd_serve}[args.command]
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))

@@ -24,6 +24,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (none for BOS and EOS)."""
+        return bytes([token]) if token < 256 else b""
+
     def save(self, path: str | Path) -> None:
         Path(path, BYTE_TOKENIZER_FILE).write_text(
             json.dumps({"type": "bytes", "bos_id": self.bos_id, "eos_id": self.eos_id}) + "\n")
@@ -48,6 +52,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The text one token decodes to, as UTF-8 (a piece of a character decodes to U+FFFD)."""
+        return self.decode([token]).encode("utf-8")
 
 
 def load_tokenizer(path: str | Path, bos_id: int | None = None, eos_id: int | None = None):

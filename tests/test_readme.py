@@ -42,12 +42,17 @@ def test_readme_shell_block_runs_as_written(tmp_path, script):
     shutil.copytree(moeserve.DEMO_MODEL, demo)
     (tmp_path / "file.txt").write_text((demo / "heldout.txt").read_text()[:4000])
     (tmp_path / "prompts.jsonl").write_text('{"id": "a", "prompt": "KING."}\n{"id": "b", "prompt": "QUEEN."}\n')
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
-    # `moeserve` and `torchrun` as the installed entry points would run them, from this checkout
-    prelude = (f'set -euo pipefail\nmoeserve() {{ "{sys.executable}" -m moeserve "$@"; }}\n'
-               f'torchrun() {{ "{sys.executable}" -m torch.distributed.run "$@"; }}\n')
-    proc = subprocess.run(["bash", "-c", prelude + re.sub(r"\bDIR\b", str(demo), script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    # `moeserve` and `torchrun` as the installed entry points run them, from this checkout: executables (not shell
+    # functions), so that `kill` of one started in the background (`moeserve serve ... &`) stops the server itself
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, module in (("moeserve", "moeserve"), ("torchrun", "torch.distributed.run")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + re.sub(r"\bDIR\b", str(demo), script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 

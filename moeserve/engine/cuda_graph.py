@@ -1,4 +1,6 @@
-"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token.
+"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token
+(StaticDecoder: a fixed batch over a KVCache; SlotDecoder: changing rows of a SlotKVCache, a graph per padded
+batch size).
 
 At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
 launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
@@ -10,10 +12,11 @@ grouped-GEMM paths; not the CPU loop, nor offloading, which read routing on the 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from moeserve.model.kv_cache import KVCache
+from moeserve.model.kv_cache import KVCache, SlotKVCache
 from moeserve.model.paths import GRAPH_SAFE
 
 
@@ -67,12 +70,93 @@ class StaticDecoder:
     def _capture(self, *inputs: torch.Tensor) -> None:
         """Warm-up runs (Triton compiles, allocator fills) write only the slot this step writes anyway."""
         self.inputs = [x.clone() for x in inputs]
-        side = torch.cuda.Stream(device=self.kv.index.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.model.decode_step(*self.inputs, self.kv)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.model.decode_step(*self.inputs, self.kv)
+        self.graph, self.logits = capture(lambda: self.model.decode_step(*self.inputs, self.kv), self.warmup,
+                                          self.kv.index.device)
+
+
+def capture(step: Callable[[], torch.Tensor], warmup: int, device: torch.device,
+            pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, its static output) of `step`, after `warmup` eager runs on a side stream (Triton compiles,
+    allocator fills) as capturing requires; pool: a memory pool shared with other graphs."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
+
+
+def padded_batch(batch: int, slots: int) -> int:
+    """The graph size a batch of `batch` decode rows runs at: the next power of two, at most `slots`."""
+    return min(1 << (batch - 1).bit_length(), slots)
+
+
+class SlotDecoder:
+    """Decode steps over a SlotKVCache whose rows change from step to step (continuous batching).
+
+    Dynamic (off CUDA, and wherever a graph cannot serve): the forward over the rows in use, attending over the
+    columns up to the furthest position. Static: `model.decode_step` at a padded batch size (padded_batch; pad
+    entries write the cache's spare row) over all columns, the shapes a CUDA graph needs; with `graph`, each padded
+    size is captured on first use (one memory pool for all) and replayed after. A size the experts cannot run
+    sync-free decodes dynamically; a capture that fails warns once and every later step decodes dynamically.
+    """
+
+    def __init__(self, model, kv: SlotKVCache, graph: bool, static: bool | None = None, warmup: int = 2):
+        """static: run the static step even without graphs (eagerly; tests use it on the CPU)."""
+        self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
+        self.static = graph if static is None else static
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self.dynamic_sizes: set[int] = set()  # padded sizes graph_safe refused
+        self.pool = None
+
+    def __call__(self, tokens: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
+        """One token for each of the cache rows `rows`, at `positions` -> logits [B, V]."""
+        device, B = self.model.device, len(rows)
+        size = padded_batch(B, self.kv.slots)
+        if self.static and (not self.use_graph or self._capturable(size)):
+            pad = size - B
+            inputs = [torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
+                      torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
+                      torch.tensor(rows + [self.kv.spare] * pad, device=device)]  # rows [Bp]
+            if self.use_graph and (size in self.graphs or self._captured(size, inputs)):
+                graph, buffers, logits = self.graphs[size]
+                for buf, x in zip(buffers, inputs):
+                    buf.copy_(x)
+                graph.replay()
+            else:  # static without graphs, or the capture just failed
+                logits = self._step(*inputs)
+            self.kv.commit()
+            return logits[:B, -1]
+        self.kv.use(rows, max(positions) + 1)
+        tokens_t, positions_t = (torch.tensor(x, device=device)[:, None] for x in (tokens, positions))  # [B, 1]
+        return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.kv.use(rows, None)
+        return self.model.decode_step(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), self.kv)
+
+    def _capturable(self, size: int) -> bool:
+        """Whether the step at `size` rows is captured or can be: the experts run it sync-free (asked once)."""
+        if size not in self.graphs and size not in self.dynamic_sizes and not graph_safe(self.model, size):
+            self.dynamic_sizes.add(size)
+        return size not in self.dynamic_sizes
+
+    def _captured(self, size: int, inputs: list[torch.Tensor]) -> bool:
+        """Capture the step at `size` rows (its warm-up runs write what this step writes anyway); on failure, warn
+        and decode dynamically from now on."""
+        buffers = [x.clone() for x in inputs]
+        try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph, logits = capture(lambda: self._step(*buffers), self.warmup, self.model.device, self.pool)
+        except RuntimeError as e:
+            warnings.warn(f"moeserve: CUDA-graph capture of the decode step failed ({str(e).splitlines()[0]}); "
+                          "decoding without a graph (--no-cuda-graph silences this)", stacklevel=3)
+            self.use_graph = self.static = False
+            return False
+        self.graphs[size] = (graph, buffers, logits)
+        return True

@@ -65,16 +65,19 @@ def iterate(model, prompts: list[list[int]], params: SamplingParams, tokenizer=N
     return _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph)
 
 
-def check_request(spec, prompts: list[list[int]], params: SamplingParams, tokenizer=None) -> None:
-    """Raise MoeserveError for a batch no engine can run: empty prompts, too long, ids outside the vocabulary."""
+def check_request(spec, prompts: list[list[int]], params: SamplingParams, tokenizer=None,
+                  context: int | None = None) -> None:
+    """Raise MoeserveError for a batch no engine can run: empty prompts, too long (for `context` tokens, default
+    the model's), ids outside the vocabulary."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise MoeserveError("every prompt needs at least one token")
     if params.stop and tokenizer is None:
         raise MoeserveError("stop strings need a tokenizer")
     longest = max(len(p) for p in prompts)
-    if longest >= spec.max_position_embeddings:
-        raise MoeserveError(f"prompt of {longest} tokens does not fit the model's context of "
-                            f"{spec.max_position_embeddings} tokens")
+    context = context or spec.max_position_embeddings
+    if longest >= context:
+        whose = "the model's context" if context == spec.max_position_embeddings else "the context"
+        raise MoeserveError(f"prompt of {longest} tokens does not fit {whose} of {context} tokens")
     for b, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= spec.vocab_size:
             raise MoeserveError(f"prompt {b} holds a token id outside the vocabulary [0, {spec.vocab_size})")
@@ -127,10 +130,16 @@ def left_padded(prompts: list[list[int]], spec) -> tuple[torch.Tensor, torch.Ten
     return tokens, valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_limits(spec, prompts: list[list[int]], params: SamplingParams) -> list[int]:
-    """How many tokens each sequence may add: max_new_tokens, or fewer where the model's context ends first
-    (positions count a sequence's own tokens, so a short prompt in a batch keeps its own room)."""
-    return [min(params.max_new_tokens, spec.max_position_embeddings - len(p)) for p in prompts]
+def token_limits(spec, prompts: list[list[int]], params: SamplingParams, context: int | None = None) -> list[int]:
+    """How many tokens each sequence may add: max_new_tokens, or fewer where the context (`context` tokens, default
+    the model's) ends first (positions count a sequence's own tokens, so a short prompt in a batch keeps its own
+    room)."""
+    return [min(params.max_new_tokens, (context or spec.max_position_embeddings) - len(p)) for p in prompts]
+
+
+def limit_reason(params: SamplingParams, limit: int) -> str:
+    """The finish reason of a sequence that used all `limit` tokens token_limits gave it."""
+    return "length" if limit == params.max_new_tokens else "context"
 
 
 def record_tokens(gens: list[Generation], streams: list, new: torch.Tensor, alive: torch.Tensor, eos: set[int],
@@ -138,16 +147,14 @@ def record_tokens(gens: list[Generation], streams: list, new: torch.Tensor, aliv
     """Append each live sequence's new token [B] of decode step `step`; sequences that finish (limits from
     token_limits) are marked dead in alive [B]."""
     for b in alive.nonzero().flatten().tolist():
-        last = None
-        if step == limits[b] - 1:
-            last = "length" if limits[b] == params.max_new_tokens else "context"
-        _append(gens[b], streams[b], int(new[b]), eos, params, last=last, on_text=on_text, index=b)
+        last = limit_reason(params, limits[b]) if step == limits[b] - 1 else None
+        append_token(gens[b], streams[b], int(new[b]), eos, params, last=last, on_text=on_text, index=b)
         if gens[b].finish_reason:
             alive[b] = False
 
 
-def _append(gen: Generation, stream: TextStream | None, token: int, eos: set[int], params: SamplingParams,
-            last: str | None, on_text, index: int) -> None:
+def append_token(gen: Generation, stream: TextStream | None, token: int, eos: set[int], params: SamplingParams,
+                 last: str | None, on_text, index: int) -> None:
     """Record one new token and decide whether this sequence is finished (last: the finish reason if this is its
     last allowed token)."""
     if token in eos and not params.ignore_eos:

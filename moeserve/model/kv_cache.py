@@ -49,6 +49,15 @@ class KVCache:
         self._reserve(1)
         self.index.fill_(self.length)  # a kernel taking the value as an argument: no copy, no sync
 
+    def pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a dynamic pass: (query slots [S], key validity [B, S_total]) for attention_masks."""
+        start = self.length
+        return torch.arange(start, start + valid.shape[1], device=valid.device), self.begin(valid)
+
+    def static_pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a static decode step: (query slot [1], key validity over all slots [B, S_max])."""
+        return self.index, self.begin_static(valid)
+
     def begin_static(self, valid: torch.Tensor) -> torch.Tensor:
         """Device half: mark slot `index` with valid [B, 1]; returns key validity over all slots [B, S_max]."""
         self._static = True
@@ -72,3 +81,72 @@ class KVCache:
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+
+
+class SlotKVCache:
+    """Per-slot KV cache for continuous batching: `slots` independent rows of `max_len` tokens each, plus one
+    spare row that padded batch entries write to. A token at position p of a sequence lives in column p of its
+    row, so a row needs no shared clock: sequences of any lengths join and leave between passes.
+
+    A pass covers any subset of rows: `use(rows, span)` names them ([B] row indices, a [B] device tensor) before
+    the model runs. Dynamic passes (span = columns to attend over, max position + 1) write only the tokens marked
+    valid (pads in a batch of prompt chunks: they take the position of their row's last real token, so their
+    query sees what that token sees, and write nothing). Static passes (span None: one token per row, all
+    max_len columns, every entry written; padded entries point at the spare row) read nothing back to the host,
+    so a CUDA graph can capture them. Masks come from positions alone: key column j is visible to a query at
+    position p when j <= p (and within a sliding window), since every column below p holds that row's tokens.
+    """
+
+    def __init__(self, spec: ModelSpec, slots: int, max_len: int, device, dtype):
+        shape = (spec.num_layers, slots + 1, spec.num_kv_heads, max_len, spec.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # zeros: masked columns are multiplied by 0
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots, self.max_len, self.spare = slots, max_len, slots
+        self._rows = torch.zeros(1, dtype=torch.long, device=device)  # [B] rows of the pass
+        self._first_row: int | None = None  # rows are first_row, first_row + 1, ...: slice instead of gather
+        self._span: int | None = None
+        self._write: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def use(self, rows: list[int] | torch.Tensor, span: int | None) -> None:
+        """The rows the next passes cover (a list, or a [B] device tensor that a CUDA graph reads) and the columns
+        they attend over (None: all, static). Consecutive rows given as a list are sliced, not gathered."""
+        self._first_row = None
+        if isinstance(rows, list):
+            self._first_row = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
+            rows = torch.tensor(rows, device=self.k.device)
+        self._rows, self._span = rows, span
+
+    def pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a dynamic pass of tokens at positions [B, S] (valid [B, S]: written): (query slots [B, S],
+        key validity [B, span])."""
+        self._write = (positions, valid, None if bool(valid.all()) else valid)
+        return positions, torch.ones(positions.shape[0], self._span, dtype=torch.bool, device=positions.device)
+
+    def static_pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a static step, positions [B, 1]: (query slots [B, 1], key validity [B, max_len])."""
+        self._write = (positions, valid, None)
+        return positions, torch.ones(positions.shape[0], self.max_len, dtype=torch.bool, device=positions.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this pass's k/v [B, Hkv, S, Dh] at (row, position); return the rows' keys/values [B, Hkv, span, Dh]
+        (static: all max_len columns)."""
+        positions, _, written = self._write
+        rows = self._rows[:, None].expand_as(positions)  # [B, S]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, Dh]
+        if written is not None:
+            rows, positions, k, v = rows[written], positions[written], k[written], v[written]
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+        span = self.max_len if self._span is None else self._span
+        if self._first_row is not None:
+            end = self._first_row + self._rows.shape[0]
+            return self.k[layer, self._first_row:end, :, :span], self.v[layer, self._first_row:end, :, :span]
+        return (self.k[layer, :, :, :span].index_select(0, self._rows),
+                self.v[layer, :, :, :span].index_select(0, self._rows))
+
+    def static_slot(self, layer: int) -> None:
+        """No fused write-the-slot kernel for per-row positions: attention writes through update()."""
+        return None
+
+    def commit(self) -> None:
+        self._write = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.model.kv_cache import KVCache
+from moeserve.model.kv_cache import KVCache, SlotKVCache
 from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
@@ -46,15 +46,16 @@ class Backbone(nn.Module):
 def attention_masks(q_slots, key_valid, windows):
     """Boolean masks [B, 1, S, S_total] per distinct sliding window (None = full causal).
 
-    q_slots [S] are the cache slots of the new tokens, key_valid [B, S_total] marks real tokens.
-    A query always sees itself, so a pad row never has an empty (NaN) softmax.
+    q_slots [S] (or [B, S], per sequence) are the cache slots of the new tokens, key_valid [B, S_total] marks
+    real tokens. A query always sees itself, so a pad row never has an empty (NaN) softmax.
     """
     k_slots = torch.arange(key_valid.shape[1], device=key_valid.device)  # [S_total]
-    diff = q_slots[:, None] - k_slots[None, :]  # [S, S_total]
+    diff = q_slots[..., :, None] - k_slots  # [S, S_total] or [B, S, S_total]
+    diff = diff if diff.dim() == 3 else diff[None]
     masks = {}
     for w in set(windows):
         allowed = diff >= 0 if w is None else (diff >= 0) & (diff < w)
-        masks[w] = ((allowed[None] & key_valid[:, None, :]) | (diff == 0)[None])[:, None]
+        masks[w] = ((allowed & key_valid[:, None, :]) | (diff == 0))[:, None]
     return masks
 
 
@@ -82,20 +83,24 @@ class MoETransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, kv: KVCache | None = None,
-                valid: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                kv: KVCache | SlotKVCache | None = None, valid: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V] (or [B, 1, V] with last_only).
 
-        positions [B, S] default to 0..S-1 after what `kv` holds; valid [B, S] marks non-pad tokens.
+        positions [B, S] default to 0..S-1 after what `kv` holds; valid [B, S] marks non-pad tokens. kv: a KVCache
+        (sequences share its slots) or a SlotKVCache (positions required: they are the slots).
         """
         B, S = tokens.shape
-        start = kv.length if kv is not None else 0
         if valid is None:
             valid = torch.ones(B, S, dtype=torch.bool, device=tokens.device)
         if positions is None:
+            start = kv.length if kv is not None else 0
             positions = torch.arange(start, start + S, device=tokens.device).expand(B, S)
-        key_valid = kv.begin(valid) if kv is not None else valid  # [B, S_total]
-        q_slots = torch.arange(start, start + S, device=tokens.device)  # [S]
+        if kv is None:
+            q_slots, key_valid = torch.arange(S, device=tokens.device), valid  # [S], [B, S]
+        else:
+            q_slots, key_valid = kv.pass_slots(positions, valid)  # [S] or [B, S], [B, S_total]
         x, pending = self._layers(tokens, positions, attention_masks(q_slots, key_valid, self._windows()), kv)
         if kv is not None:
             kv.commit()
@@ -104,14 +109,15 @@ class MoETransformer(nn.Module):
         return self.lm_head(self.model.norm.added(x, pending)[0])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                    kv: KVCache) -> torch.Tensor:
+                    kv: KVCache | SlotKVCache) -> torch.Tensor:
         """One token per sequence, tokens/positions/valid [B, 1] -> logits [B, 1, V], written at slot kv.index.
 
         The static twin of forward() for decode: it attends over all kv.max_len slots (unwritten ones masked),
         so every step has the same shapes and nothing is read back to the host: a CUDA graph can capture it.
-        The host bookkeeping stays outside: kv.reserve_step() before, kv.commit() after.
+        The host bookkeeping stays outside: kv.reserve_step() (KVCache) or kv.use() (SlotKVCache) before,
+        kv.commit() after.
         """
-        masks = attention_masks(kv.index, kv.begin_static(valid), self._windows())  # kv.index [1]: the query slot
+        masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
         return self.lm_head(self.model.norm.added(*self._layers(tokens, positions, masks, kv))[0])
 

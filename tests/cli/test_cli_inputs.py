@@ -26,15 +26,17 @@ def run(capsys, *argv):
 
 
 def test_cli_and_its_parser_do_not_import_torch():
-    """`moeserve --help` stays fast: torch is imported by the commands that need it, not by the CLI module."""
+    """`moeserve --help` stays fast: torch is imported by the commands that need it, not by the CLI module; nor is
+    the web framework of `moeserve serve` (an optional extra)."""
     code = ("import sys, moeserve.cli as c\n"
             "p = c.build_parser()\n"
-            "for argv in (['--help'], ['generate', '--help'], ['batch', '--help']):\n"
+            "for argv in (['--help'], ['generate', '--help'], ['batch', '--help'], ['serve', '--help']):\n"
             "    try:\n"
             "        p.parse_args(argv)\n"
             "    except SystemExit:\n"
             "        pass\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+            "heavy = ('torch', 'fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'moeserve.serve')\n"
+            "print(sorted(m for m in sys.modules if m in heavy or m.startswith(tuple(h + '.' for h in heavy))))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"

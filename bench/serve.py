@@ -1,0 +1,181 @@
+"""Serving throughput and latency of `moeserve serve` (continuous batching): C clients streaming at once vs the same
+requests run one after another, over HTTP (asyncio + httpx), at C = 1, 4, 16, 64.
+
+Per level: R = max(C, --min-requests) requests, prompts cut from the demo's held-out text at random lengths
+(--prompt-min..--prompt-max bytes, seeded), greedy, exactly --gen new tokens each (ignore_eos). C client tasks
+take requests from one list until it is empty (a closed loop). Measured at the client, per request: time to first
+token (TTFT: request sent -> first chunk with text) and the gaps between later chunks (ITL: one token a chunk with
+the byte tokenizer); per level: generated tokens / wall time. The sequential baseline runs the same R requests one
+at a time (at most --sequential-max of them, the first ones: a request's time alone does not depend on R).
+Ratios: speedup = concurrent / sequential tok/s; itl_p99_over_single = p99 ITL / the 1-client level's median ITL.
+No physical floor is computed: the peer is the same server running one request at a time.
+
+    python bench/serve.py                        # starts `moeserve serve` (the demo, --device cpu) itself
+    python bench/serve.py --device cuda --model DIR --clients 1,4,16,64
+    python bench/serve.py --url http://127.0.0.1:8000 --device-label "H200 demo"   # a server you started
+    python bench/serve.py --quick                # 1 and 4 clients, short requests (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
+from common import add_run_args, result_record, write_result  # noqa: E402
+
+import moeserve  # noqa: E402
+from moeserve.serve.process import ServerProcess  # noqa: E402
+
+TIMEOUT = httpx.Timeout(600.0, connect=30.0)
+
+
+def make_requests(n: int, prompt_min: int, prompt_max: int, gen: int, seed: int) -> list[dict]:
+    """n completion bodies: random spans of the demo's held-out text, greedy, exactly `gen` new tokens."""
+    text = (Path(moeserve.DEMO_MODEL) / "heldout.txt").read_text()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(prompt_min, prompt_max)
+        start = rng.randrange(0, len(text) - length)
+        out.append({"prompt": text[start:start + length], "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}})
+    return out
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict, headers: dict | None = None) -> dict:
+    """One streamed completion: its chunks' arrival times, text, usage and id (status too, and the error body
+    when it is not 200)."""
+    t0 = time.perf_counter()
+    times, text, ids, result = [], [], set(), {"status": None}
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        result["status"] = r.status_code
+        if r.status_code != 200:
+            result["error"] = json.loads(await r.aread())
+            return result
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = json.loads(line[6:])
+            ids.add(chunk.get("id"))
+            if chunk.get("usage"):
+                result["usage"] = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    times.append(time.perf_counter() - t0)
+                    text.append(choice["text"])
+                if choice.get("finish_reason"):
+                    result["finish_reason"] = choice["finish_reason"]
+    result.update(times=times, text="".join(text), ids=ids, seconds=time.perf_counter() - t0)
+    return result
+
+
+async def run_level(url: str, requests: list[dict], clients: int, headers: dict | None) -> dict:
+    """`clients` tasks drain the request list; -> tok/s, TTFT and ITL percentiles, wall time."""
+    queue = list(reversed(requests))
+    results = []
+
+    async def worker(c: httpx.AsyncClient):
+        while queue:
+            results.append(await stream_completion(c, queue.pop(), headers))
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    bad = [r for r in results if r["status"] != 200 or not r.get("done")]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    ttft = [r["times"][0] * 1e3 for r in results if r["times"]]
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
+    return {"requests": len(results), "generated_tokens": tokens, "wall_s": round(wall, 3),
+            "tok_per_s": tokens / wall, **percentiles("ttft", ttft), **percentiles("itl", itl)}
+
+
+def percentiles(name: str, values: list[float]) -> dict:
+    if not values:
+        return {}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {f"{name}_p50_ms": statistics.median(values), f"{name}_p99_ms": q[98],
+            f"{name}_mean_ms": statistics.fmean(values)}
+
+
+def server_args(args, parallel: int) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--parallel", str(parallel),
+           "--max-queue", str(max(64, parallel)), "--metrics"]
+    out += ["--dtype", args.dtype] if args.dtype else []
+    return out + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=None, help="a running server (default: start one for the run)")
+    ap.add_argument("--model", default=moeserve.DEMO_MODEL, help="checkpoint for the server started here (the demo)")
+    ap.add_argument("--device", default="cpu", help="device of the server started here (default cpu)")
+    ap.add_argument("--dtype", default=None, help="dtype of the server started here (default: auto)")
+    ap.add_argument("--device-label", default=None, help="device name for the result with --url")
+    ap.add_argument("--api-key", default=None, help="the running server's --api-key")
+    ap.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels (default 1,4,16,64)")
+    ap.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
+    ap.add_argument("--sequential-max", type=int, default=16, help="requests of the sequential baseline (default 16)")
+    ap.add_argument("--prompt-min", type=int, default=16, help="shortest prompt in bytes (default 16)")
+    ap.add_argument("--prompt-max", type=int, default=160, help="longest prompt in bytes (default 160)")
+    ap.add_argument("--gen", type=int, default=64, help="new tokens per request (default 64)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 new tokens (smoke run)")
+    add_run_args(ap)  # --threads: of the server started here; --out
+    args = ap.parse_args()
+    if args.quick:
+        args.clients, args.gen, args.min_requests, args.sequential_max, args.prompt_max = "1,4", 16, 4, 4, 48
+    levels = [int(c) for c in args.clients.split(",")]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    config = {k: getattr(args, k) for k in ("clients", "min_requests", "sequential_max", "prompt_min", "prompt_max",
+                                            "gen", "seed", "quick", "model", "dtype", "threads")}
+    config["clients"] = levels
+    server = None if args.url else ServerProcess(*server_args(args, max(levels)))
+    url = args.url or server.url
+    try:
+        ready = next((line.strip() for line in (server.log if server else []) if line.startswith("[ready")), None)
+        record = result_record("serve", {**config, "server": ready or args.url},
+                               device=None if args.url else args.device)
+        if args.device_label:
+            record["device"] = args.device_label
+        asyncio.run(run_level(url, make_requests(2, 8, 16, 4, args.seed + 99), 2, headers))  # warm-up
+        rows = []
+        for clients in levels:
+            requests = make_requests(max(clients, args.min_requests), args.prompt_min, args.prompt_max, args.gen,
+                                     args.seed + clients)
+            concurrent = asyncio.run(run_level(url, requests, clients, headers))
+            sequential = asyncio.run(run_level(url, requests[:args.sequential_max], 1, headers))
+            row = {"clients": clients, "concurrent": concurrent, "sequential": sequential,
+                   "speedup": concurrent["tok_per_s"] / sequential["tok_per_s"]}
+            rows.append(row)
+            print(f"{clients:>3} clients: {concurrent['tok_per_s']:8.1f} tok/s ({row['speedup']:.2f}x sequential "
+                  f"{sequential['tok_per_s']:.1f}), TTFT p50 {concurrent['ttft_p50_ms']:.0f} ms p99 "
+                  f"{concurrent['ttft_p99_ms']:.0f}, ITL p50 {concurrent['itl_p50_ms']:.1f} ms p99 "
+                  f"{concurrent['itl_p99_ms']:.1f}", flush=True)
+        single = next((r["concurrent"]["itl_p50_ms"] for r in rows if r["clients"] == 1), None)
+        for r in rows:
+            r["itl_p99_over_single"] = r["concurrent"]["itl_p99_ms"] / single if single else None
+        record["levels"] = rows
+    finally:
+        if server:
+            server.stop()
+    print(f"wrote {write_result(record, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

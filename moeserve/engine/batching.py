@@ -1,0 +1,203 @@
+"""Continuous batching: requests join and leave the running batch between decode steps (Orca, vLLM, llama-server).
+
+`ContinuousBatch` owns a model, a SlotKVCache of `slots` rows of `context` tokens and a SlotDecoder. One caller
+(one thread) queues requests with add(), drops them with cancel() and calls step(). A step decodes one token for
+every running request, then prefills one chunk of the requests that hold a row but have not read their whole
+prompt (left-padded rows of at most `prefill_tokens` token slots in all), so running streams keep flowing while
+new prompts are read. A request that finishes or is cancelled frees its row at once; the next waiting request
+(first come, first served) takes it.
+
+Each request samples with its own SamplingParams and generator (a seed gives the tokens `generate` gives that
+prompt alone), ends on its own EOS, stop strings and limits, and reports every token through `on_update`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
+from moeserve.engine.generate import (Generation, TextStream, append_token, check_request, limit_reason,
+                                      token_limits)
+from moeserve.engine.sampling import SamplingParams, sample_next
+from moeserve.model.kv_cache import SlotKVCache
+
+DEFAULT_PREFILL_TOKENS = 512
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float  # natural log of the model's probability (before temperature and filters)
+    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first (top_logprobs of them)
+
+
+@dataclass
+class Update:
+    """What one step did for a request: text that became final, the tokens it added (EOS is not added), their
+    logprobs (when asked) and, on its last update, why it finished: eos, stop, length or context."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_update: Callable[[Request, Update], None]
+    top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k most likely
+    tag: object = None  # the caller's own (the server keeps its job here)
+    gen: Generation = field(init=False)
+    stream: TextStream | None = field(init=False, default=None)
+    generator: torch.Generator | None = field(init=False, default=None)
+    limit: int = field(init=False, default=0)  # tokens it may add (max_new_tokens or what the context leaves)
+    slot: int | None = field(init=False, default=None)  # its cache row while it holds one
+    cached: int = field(init=False, default=0)  # tokens in its cache row (prompt first, then generated)
+    sampled: int = field(init=False, default=0)  # tokens sampled so far (EOS included)
+    last_token: int = field(init=False, default=0)  # the token the next decode step feeds
+
+    @property
+    def prefilled(self) -> bool:
+        return self.cached >= len(self.prompt_ids)
+
+
+class ContinuousBatch:
+    def __init__(self, model, tokenizer, slots: int, context: int, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                 eos_ids=None, cuda_graph: bool = True):
+        """slots: requests decoded together; context: tokens per request (prompt + output); prefill_tokens: token
+        slots (rows x padded chunk length) one prefill pass may compute; cuda_graph: replay decode steps as CUDA
+        graphs (one per padded batch size) where the model allows it."""
+        self.model, self.tokenizer, self.context, self.prefill_tokens = model, tokenizer, context, prefill_tokens
+        self.eos = set(model.spec.eos_token_ids if eos_ids is None else eos_ids)
+        self.kv = SlotKVCache(model.spec, slots, context, model.device, model.dtype)
+        graph = cuda_graph and graph_safe(model, 1)
+        self.decoder = SlotDecoder(model, self.kv, graph=graph)
+        self.free = list(range(slots))  # a heap: the lowest free row first, so rows in use stay together
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # holding a row, in order of arrival
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise MoeserveError for a request this batch cannot run (empty, too long, ids outside the vocabulary)."""
+        check_request(self.model.spec, [prompt_ids], params, self.tokenizer, context=self.context)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (check() it first); it takes a free row at the next step."""
+        request.gen = Generation(prompt_ids=list(request.prompt_ids))
+        if self.tokenizer is not None:
+            request.stream = TextStream(self.tokenizer.decode, request.params.stop)
+        if request.params.seed is not None:
+            request.generator = torch.Generator().manual_seed(request.params.seed)
+        request.limit = token_limits(self.model.spec, [request.prompt_ids], request.params, self.context)[0]
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request wherever it is (waiting, prefilling or decoding); its row is free for the next step."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.active:
+            self._release(request)
+
+    def drop_active(self) -> list[Request]:
+        """Release every request holding a row (after a failed step) and return them."""
+        dropped = list(self.active)
+        for r in dropped:
+            self._release(r)
+        return dropped
+
+    def step(self) -> bool:
+        """One decode step for the running requests and one prefill chunk; False when there was nothing to do."""
+        while self.free and self.waiting:
+            r = self.waiting.popleft()
+            r.slot = heapq.heappop(self.free)
+            self.active.append(r)
+        decoding = [r for r in self.active if r.prefilled]
+        prefilling = [r for r in self.active if not r.prefilled]
+        with torch.inference_mode():
+            if decoding:
+                logits = self.decoder([r.last_token for r in decoding], [r.cached for r in decoding],
+                                      [r.slot for r in decoding])  # [B, V]
+                for r in decoding:
+                    r.cached += 1
+                self._sample(decoding, logits)
+            if prefilling:
+                self._prefill(prefilling)
+        return bool(decoding or prefilling)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Read the next chunk of the prompts of `requests` (as many as fit prefill_tokens, the first always);
+        those whose prompt is then complete sample their first token."""
+        chunks: list[tuple[Request, int]] = []
+        width = 0
+        for r in requests:
+            n = min(len(r.prompt_ids) - r.cached, self.prefill_tokens)
+            if chunks and (len(chunks) + 1) * max(width, n) > self.prefill_tokens:
+                break
+            chunks.append((r, n))
+            width = max(width, n)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # [B, W], left-padded
+        positions = torch.zeros(len(chunks), width, dtype=torch.long)
+        valid = torch.zeros(len(chunks), width, dtype=torch.bool)
+        for i, (r, n) in enumerate(chunks):
+            tokens[i, width - n:] = torch.tensor(r.prompt_ids[r.cached:r.cached + n])
+            positions[i] = r.cached  # pads take the first position: their queries see what it sees
+            positions[i, width - n:] = torch.arange(r.cached, r.cached + n)
+            valid[i, width - n:] = True
+        self.kv.use([r.slot for r, _ in chunks], max(r.cached + n for r, n in chunks))
+        device = self.model.device
+        logits = self.model(tokens.to(device), positions.to(device), kv=self.kv, valid=valid.to(device),
+                            last_only=True)[:, -1]  # [B, V]
+        for r, n in chunks:
+            r.cached += n
+        done = [i for i, (r, _) in enumerate(chunks) if r.prefilled]
+        if done:
+            self._sample([chunks[i][0] for i in done], logits[done])
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Each request's next token from its row of logits [B, V], with its own sampling parameters."""
+        logits = logits.float()
+        tokens = [0] * len(requests)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                tokens[i] = t
+        for i, r in enumerate(requests):
+            if not r.params.greedy:
+                tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
+        want = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
+        logprobs: dict[int, TokenLogprob] = {}
+        if want:
+            logp = torch.log_softmax(logits[want], dim=-1).cpu()  # [b, V]
+            for row, i in zip(logp, want):
+                k = requests[i].top_logprobs
+                top = torch.topk(row, k) if k else None
+                logprobs[i] = TokenLogprob(tokens[i], float(row[tokens[i]]),
+                                           list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
+        for i, r in enumerate(requests):
+            self._record(r, tokens[i], logprobs.get(i))
+
+    def _record(self, r: Request, token: int, logprob: TokenLogprob | None) -> None:
+        r.sampled += 1
+        r.last_token = token
+        last = limit_reason(r.params, r.limit) if r.sampled == r.limit else None
+        before, texts = len(r.gen.token_ids), []
+        append_token(r.gen, r.stream, token, self.eos, r.params, last=last, on_text=lambda _, t: texts.append(t),
+                     index=0)
+        added = r.gen.token_ids[before:]
+        if r.gen.finish_reason is not None:
+            self._release(r)
+        r.on_update(r, Update("".join(texts), added, [logprob] if logprob and added else [], r.gen.finish_reason))
+
+    def _release(self, r: Request) -> None:
+        self.active.remove(r)
+        heapq.heappush(self.free, r.slot)
+        r.slot = None

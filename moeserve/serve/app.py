@@ -1,0 +1,234 @@
+"""The HTTP app (FastAPI): OpenAI-compatible endpoints in front of the engine thread.
+
+POST /v1/completions, POST /v1/chat/completions (stream: server-sent events ending `data: [DONE]`),
+GET /v1/models, GET /health (503 while the model loads), GET /metrics (with --metrics), POST /tokenize,
+POST /detokenize. With --api-key, /v1/* and the tokenizer endpoints need `Authorization: Bearer KEY`.
+Every error is OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from moeserve.engine.batching import Update
+from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+from moeserve.serve.batcher import Engine, EngineFailed, Job, QueueFull
+from moeserve.serve.chat_template import ChatTemplate, TemplateError
+from moeserve.serve.metrics import CONTENT_TYPE, Metrics
+from moeserve.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     parse)
+from moeserve.serve.responses import ChatFormat, CompletionFormat, Format, sse, usage
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    tokenizer: object
+    template: ChatTemplate
+    model_name: str
+    context: int
+    vocab_size: int
+    metrics: Metrics
+    expose_metrics: bool = False
+    api_key: str | None = None
+    engine: Engine | None = None  # set once the model is loaded
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moeserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        state.metrics.error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=str(e.status_code)).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse(APIError(503, "the model is loading", "model_loading").body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if not state.expose_metrics:
+            raise APIError(404, "metrics are off: start the server with --metrics", "not_found")
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(state, request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "moeserve", "max_model_len": state.context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _authorize(state, request)
+        req = parse(TokenizeRequest, await request.body())
+        _check_model(state, req.model)
+        if req.messages is not None:
+            ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _authorize(state, request)
+        req = parse(DetokenizeRequest, await request.body())
+        _check_model(state, req.model)
+        if any(not 0 <= t < state.vocab_size for t in req.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {state.vocab_size})", "invalid_value", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(state, request)
+        req = parse(CompletionRequest, await request.body())
+        _check_model(state, req.model)
+        prompt = req.one_prompt()
+        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = _params(state, req, ids, req.max_tokens or COMPLETION_MAX_TOKENS)
+        fmt = CompletionFormat(state.tokenizer, state.model_name, req.include_usage)
+        return await _answer(state, request, fmt, ids, params, req.logprobs, req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _authorize(state, request)
+        req = parse(ChatRequest, await request.body())
+        _check_model(state, req.model)
+        ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+        params = _params(state, req, ids, req.max_completion_tokens or req.max_tokens or state.context - len(ids))
+        fmt = ChatFormat(state.tokenizer, state.model_name, req.include_usage)
+        return await _answer(state, request, fmt, ids, params, req.requested_logprobs, req.stream)
+
+    return app
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    """With --api-key: the request must carry `Authorization: Bearer KEY`."""
+    if state.api_key:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+            raise APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY` with the server's "
+                                "--api-key", "invalid_api_key")
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`",
+                       "model_not_found", "model")
+
+
+def _chat_ids(state: ServerState, messages, add_generation_prompt: bool) -> list[int]:
+    try:
+        return state.template.encode([m.as_dict() for m in messages], state.tokenizer, add_generation_prompt)
+    except TemplateError as e:
+        raise APIError(400, str(e), "invalid_messages", "messages") from None
+
+
+def _params(state: ServerState, req, ids: list[int], max_tokens: int) -> SamplingParams:
+    """The request's sampling parameters, once its prompt is known to fit (400s before 503s: a bad request is bad
+    whether or not the model is loaded)."""
+    if len(ids) >= state.context:
+        raise APIError(400, f"This model's maximum context length is {state.context} tokens; the prompt has "
+                            f"{len(ids)} tokens, which leaves no room for a completion", "context_length_exceeded",
+                       "messages" if isinstance(req, ChatRequest) else "prompt")
+    params = req.sampling_params(max(max_tokens, 1))
+    if state.engine is None:
+        raise APIError(503, "the model is loading; try again when GET /health answers 200", "model_loading")
+    try:
+        state.engine.batch.check(ids, params)
+    except MoeserveError as e:
+        raise APIError(400, str(e), "invalid_value", "prompt") from None
+    return params
+
+
+async def _answer(state: ServerState, request: Request, fmt: Format, ids: list[int], params: SamplingParams,
+                  top_logprobs: int | None, stream: bool):
+    """Submit the request and answer: whole (JSON) or streamed (server-sent events)."""
+    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+    try:
+        job = state.engine.submit(ids, params, top_logprobs,
+                                  lambda item: loop.call_soon_threadsafe(updates.put_nowait, item))
+    except QueueFull:
+        raise APIError(503, f"the server is full ({state.engine.capacity} requests running or queued); try again "
+                            f"later", "queue_full") from None
+    events = _events(state.engine, job, updates, None if stream else request)
+    logprobs = top_logprobs is not None
+    if stream:
+        return StreamingResponse(_stream(fmt, events, len(ids), logprobs), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, entries, sampled, finish = [], [], 0, None
+    async for u in events:
+        text.append(u.text)
+        entries += u.logprobs
+        sampled, finish = sampled + 1, u.finish_reason
+    if finish is None:  # the client went away: nobody reads this
+        return Response(status_code=499)
+    return fmt.response("".join(text), entries if logprobs else None, finish, usage(len(ids), sampled))
+
+
+async def _events(engine: Engine, job: Job, updates: asyncio.Queue, watch: Request | None) -> AsyncIterator[Update]:
+    """The job's updates until it finishes. The job is cancelled (its slot freed at the next step) if the
+    consumer stops early: a streaming client that disconnects cancels the response task, and `watch` (the
+    request of a non-streaming answer) is polled for a disconnect."""
+    finished, checked = False, float("-inf")
+    try:
+        while True:
+            if watch is not None and time.monotonic() - checked > DISCONNECT_POLL_S:
+                if await watch.is_disconnected():
+                    return
+                checked = time.monotonic()
+            try:
+                item = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S) if watch else await updates.get()
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(item, EngineFailed):
+                finished = True
+                raise APIError(500, str(item), "engine_error")
+            yield item
+            if item.finish_reason is not None:
+                finished = True
+                return
+    finally:
+        if not finished:
+            engine.cancel(job)
+
+
+async def _stream(fmt: Format, events: AsyncIterator[Update], prompt_tokens: int, logprobs: bool):
+    start = fmt.start_chunk()
+    if start:
+        yield sse(start)
+    sampled = 0
+    try:
+        async for u in events:
+            sampled += 1
+            if u.text or u.finish_reason or (logprobs and u.logprobs):
+                yield sse(fmt.chunk(u.text, u.logprobs if logprobs else None, u.finish_reason))
+    except APIError as e:
+        yield sse(e.body())
+    if fmt.include_usage:
+        yield sse(fmt.usage_chunk(usage(prompt_tokens, sampled)))
+    yield sse("[DONE]")

@@ -1,0 +1,145 @@
+"""The engine thread: the one thread that touches the model, running a ContinuousBatch for the HTTP handlers.
+
+Handlers (on the event loop) submit jobs and cancel them; both only put a message in the thread's inbox. The
+thread takes the messages between steps, so a request joins the running batch, or leaves it (a client that went
+away frees its KV slot), at the next step. Each job's updates go back through its `sink`, a function the handler
+gave that is safe to call from this thread (it hands the update to the handler's asyncio queue). The thread
+also keeps the metrics: time to first token, inter-token latency, tokens, running and waiting requests.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.engine.batching import ContinuousBatch, Request, Update
+from moeserve.engine.sampling import SamplingParams
+from moeserve.serve.metrics import Metrics
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue holds --max-queue requests."""
+
+
+class EngineFailed(Exception):
+    """The step this request was part of raised; the server goes on with the others."""
+
+
+@dataclass(eq=False)
+class Job:
+    request: Request
+    sink: Callable[[Update | Exception], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    closed: bool = False  # finished, failed or cancelled: counted out of the server's load
+
+
+class Engine:
+    def __init__(self, batch: ContinuousBatch, metrics: Metrics, max_queue: int, threads: int | None = None):
+        """threads: CPU threads for torch in the engine thread (an OpenMP setting is per thread: set it here)."""
+        self.batch, self.metrics, self.threads = batch, metrics, threads
+        self.capacity = batch.slots + max_queue  # requests in the server at once: running + waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._open = 0  # jobs submitted and not closed
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="moeserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None,
+               sink: Callable[[Update | Exception], None]) -> Job:
+        """Queue a checked request (batch.check) or raise QueueFull."""
+        with self._lock:
+            if self._open >= self.capacity:
+                raise QueueFull
+            self._open += 1
+        job = Job(Request(prompt_ids, params, self._on_update, top_logprobs), sink)
+        job.request.tag = job
+        self._put(("add", job))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job at the next step (nothing more is sent to it)."""
+        self._put(("cancel", job))
+
+    def _put(self, message) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _close(self, job: Job, reason: str | None) -> None:
+        if job.closed:
+            return
+        job.closed = True
+        with self._lock:
+            self._open -= 1
+        if reason:
+            self.metrics.finished(reason)
+
+    def _run(self) -> None:
+        device = self.batch.model.device
+        if device.type == "cuda":  # this thread's current device: where Triton launches go
+            torch.cuda.set_device(device)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while not self._stop:
+            self._wake.clear()
+            self._take_messages()
+            try:
+                busy = self.batch.step()
+            except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the server
+                traceback.print_exc(file=sys.stderr)
+                for r in self.batch.drop_active():
+                    self._close(r.tag, "error")
+                    r.tag.sink(EngineFailed(f"the engine failed on this request: {type(e).__name__}: {e}"))
+                busy = True
+            self._update_load()
+            if not busy:
+                self._wake.wait(timeout=1.0)
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.batch.add(job.request)
+            elif not job.closed:
+                self.batch.cancel(job.request)
+                self._close(job, "abort")
+
+    def _update_load(self) -> None:
+        b = self.batch
+        self.metrics.set_load(len(b.active), len(b.waiting), b.slots - len(b.free))
+
+    def _on_update(self, request: Request, update: Update) -> None:
+        """Called by the batch for every sampled token: timings, counts, then the job's sink."""
+        job, m, now = request.tag, self.metrics, time.perf_counter()
+        if job.closed:
+            return
+        m.generation_tokens.inc()
+        if job.last_token is None:
+            m.ttft.observe(now - job.arrival)
+            m.prompt_tokens.inc(len(request.prompt_ids))
+        else:
+            m.itl.observe(now - job.last_token)
+        job.last_token = now
+        if update.finish_reason is not None:
+            m.e2e.observe(now - job.arrival)
+            self._close(job, "stop" if update.finish_reason in ("eos", "stop") else "length")
+        job.sink(update)

@@ -1,0 +1,113 @@
+"""Chat templates: the checkpoint's Jinja template rendered as transformers renders it, or a plain fallback.
+
+The template comes from `chat_template.jinja` beside the weights, else `chat_template.json`, else the
+`chat_template` entry of `tokenizer_config.json` (a string, or a list of named templates: "default" is used).
+It is rendered in jinja2's immutable sandbox with trim_blocks, lstrip_blocks and loop controls, the
+`raise_exception` and `strftime_now` globals, transformers' `tojson` filter, and the special tokens of
+`tokenizer_config.json` (bos_token, eos_token, ...). The rendered text holds the special tokens the template
+writes, so it is encoded without adding a BOS. A checkpoint with no template (the demo) gets FALLBACK: each
+message as a speaker heading and its lines, as the demo's plays are written, encoded with a BOS.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from moeserve.errors import MoeserveError
+
+FALLBACK = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}[{{ message['content'] }}]\n\n"
+    "{% else %}{{ message['role'] | capitalize }}.\n{{ message['content'] }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant.\n{% endif %}"
+)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateError(ValueError):
+    """A template refused the conversation (raise_exception) or failed while rendering it."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, fallback: bool = False,
+                 origin: str = "fallback"):
+        from jinja2 import TemplateError as JinjaError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except JinjaError as e:
+            raise MoeserveError(f"cannot read the chat template in {origin}: {e}") from None
+        self.special_tokens = special_tokens or {}
+        self.fallback, self.origin = fallback, origin
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ChatTemplate:
+        """The template stored with a checkpoint, or FALLBACK when it has none."""
+        path = Path(path)
+        config = _read_json(path / "tokenizer_config.json") or {}
+        special = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
+        if (path / "chat_template.jinja").is_file():
+            return cls((path / "chat_template.jinja").read_text(encoding="utf-8"), special,
+                       origin=str(path / "chat_template.jinja"))
+        for file in ("chat_template.json", "tokenizer_config.json"):
+            source = _named_template((_read_json(path / file) or {}).get("chat_template"))
+            if source:
+                return cls(source, special, origin=str(path / file))
+        return cls(FALLBACK, special, fallback=True)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The conversation as the model reads it; TemplateError when the template refuses it."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        tools=None, documents=None, **self.special_tokens, **extra)
+        except TemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure inside the user's template is a bad conversation
+            raise TemplateError(f"the chat template failed on these messages: {e}") from None
+
+    def encode(self, messages: list[dict], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (a BOS added only for the fallback, which writes none)."""
+        return tokenizer.encode(self.render(messages, add_generation_prompt), add_bos=self.fallback)
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: unlike jinja2's, it does not escape HTML characters."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _read_json(file: Path) -> dict | None:
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoeserveError(f"cannot read {file}: {e}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _named_template(entry) -> str | None:
+    """tokenizer_config's chat_template: a string, or [{"name": ..., "template": ...}] ("default" chosen)."""
+    if isinstance(entry, list):
+        named = {t.get("name"): t.get("template") for t in entry if isinstance(t, dict)}
+        entry = named.get("default")
+    return entry if isinstance(entry, str) and entry else None

@@ -1,0 +1,177 @@
+"""Request bodies of the OpenAI-compatible API, validated strictly, and the errors the API answers with.
+
+Bodies are read as JSON and checked by pydantic in strict mode: a field of the wrong type (a string for
+`max_tokens`, a number for `stream`) is a 400 naming the field, not a silent conversion. Fields of the OpenAI
+API that this server does not implement are accepted at their neutral values (penalties 0, `n` 1, `best_of` 1,
+no `logit_bias`) and refused otherwise; fields it does not know are ignored, as OpenAI's own clients send some.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+
+MAX_LOGPROBS = 20
+PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             503: "unavailable_error"}
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """The fields completions and chat completions share."""
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM's -1 accepted)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever the model says
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _implemented(self):
+        """Options this server does not implement are accepted only at their neutral values."""
+        neutral = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
+                   "echo": False, "suffix": ""}
+        for name, value in neutral.items():
+            given = getattr(self, name, None)
+            if given is not None and given != value:
+                raise ValueError(f"{name} = {given!r} is not supported (only {value!r})")
+        return self
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (max_tokens: this request's, or the endpoint's default)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
+                                  top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+        except MoeserveError as e:
+            raise APIError(400, str(e), "invalid_value") from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids: one per request (a list of one is unwrapped)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"one prompt per request, got {len(p)}", "invalid_value", "prompt")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise APIError(400, "the prompt holds no tokens", "invalid_value", "prompt")
+        return p
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message as a chat template reads it: text parts joined into one string."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content or "", **({"name": self.name} if self.name else {})}
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True  # with a prompt: a BOS first
+    add_generation_prompt: bool = True  # with messages
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[Strict], body: bytes) -> Strict:
+    """A request body as `model`, or a 400 saying what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = [str(x) for x in err["loc"] if not (isinstance(x, str) and x.split("[")[0] in PYDANTIC_TAGS)]
+        field = ".".join(path)
+        message = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{field}: {message}" if field else message, "invalid_value",
+                       path[0] if path else None) from None

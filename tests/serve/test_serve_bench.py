@@ -1,0 +1,36 @@
+"""bench/serve.py and bench/serve_soak.py --quick: they run against a CPU server and write complete result JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_quick(script: str, out: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = out.glob("*.json")
+    return json.loads(result.read_text())
+
+
+def test_serve_bench_quick(tmp_path):
+    r = run_quick("serve.py", tmp_path)
+    assert r["name"] == "serve" and r["config"]["quick"] and "commit" in r["git"]
+    assert [level["clients"] for level in r["levels"]] == [1, 4]
+    for level in r["levels"]:
+        for run in (level["concurrent"], level["sequential"]):
+            assert run["tok_per_s"] > 0 and run["generated_tokens"] == 16 * run["requests"]
+            assert run["ttft_p50_ms"] > 0 and run["itl_p99_ms"] >= run["itl_p50_ms"] > 0
+        assert level["speedup"] > 0 and level["itl_p99_over_single"] > 0
+
+
+def test_serve_soak_quick(tmp_path):
+    r = run_quick("serve_soak.py", tmp_path)
+    assert r["passed"] and r["problems"] == [] and r["server_alive"]
+    assert sum(r["outcomes"].values()) == 60 and r["responses"] == r["distinct_ids"] > 0
+    assert r["rss_kib_start"] > 0 and r["rss_kib_end"] > 0 and not any(r["load_at_end"].values())

@@ -1,0 +1,184 @@
+"""Continuous batching in process: requests that join, leave and share steps get what they get alone."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeserve
+from moeserve.engine.batching import ContinuousBatch, Request
+from moeserve.engine.cuda_graph import SlotDecoder, padded_batch
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+from moeserve.tokenizer import load_tokenizer
+from single_thread import one_thread  # noqa: F401 - autouse fixture
+
+MAX_STEPS = 2000  # every stepping loop below ends well before this
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return moeserve.load_model(moeserve.DEMO_MODEL, dtype=torch.float32), load_tokenizer(moeserve.DEMO_MODEL)
+
+
+def run(batch: ContinuousBatch, requests: list[Request], arrivals: dict[int, list[Request]] | None = None) -> dict:
+    """Step until every request is done; requests of arrivals[n] are added before step n. -> {request: updates}"""
+    updates = {id(r): [] for r in requests}
+    for r in requests:
+        r.on_update = lambda req, u: updates[id(req)].append(u)
+    arrivals = arrivals or {0: requests}
+    for n in range(MAX_STEPS):
+        for r in arrivals.get(n, []):
+            batch.add(r)
+        if not batch.step() and n > max(arrivals):
+            return updates
+    raise AssertionError("the batch did not finish")
+
+
+def assert_alone(model, tok, requests, updates, alone=None):
+    """Each request's updates add up to what generate() gives its prompt alone (alone: those results, if known)."""
+    for n, r in enumerate(requests):
+        solo = alone[n] if alone else generate(model, [r.prompt_ids], r.params, tokenizer=tok)[0]
+        got = updates[id(r)]
+        assert [t for u in got for t in u.token_ids] == solo.token_ids
+        assert "".join(u.text for u in got) == solo.text
+        assert got[-1].finish_reason == solo.finish_reason and all(u.finish_reason is None for u in got[:-1])
+
+
+@pytest.fixture(scope="module")
+def mixed_requests(demo):
+    """12 prompts of 0 to 88 characters (+ BOS), greedy and seeded sampling, some with a stop string, and what
+    each gets alone."""
+    model, tok = demo
+    text = (Path(moeserve.DEMO_MODEL) / "heldout.txt").read_text()
+    prompts = [tok.encode(text[97 * i: 97 * i + 8 * i]) for i in range(12)]
+    params = [SamplingParams(max_new_tokens=4 + 2 * i, temperature=0.0 if i % 3 else 0.9, seed=i, ignore_eos=True,
+                             stop=("\n\n",) if i % 4 == 1 else ()) for i in range(12)]
+    return prompts, params, [generate(model, [p], sp, tokenizer=tok)[0] for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-padded"])
+def test_joining_and_leaving_requests_get_their_solo_tokens(demo, mixed_requests, static):
+    """12 requests, 5 slots, 32-token prefill chunks, half arriving mid-run: each request's tokens, text and finish
+    reason equal generate() on its prompt alone. `static` decodes through the padded step a CUDA graph captures
+    (spare row, all columns), eagerly."""
+    model, tok = demo
+    prompts, params, alone = mixed_requests
+    batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
+    if static:
+        batch.decoder = SlotDecoder(model, batch.kv, graph=False, static=True)
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
+    assert_alone(model, tok, requests, updates, alone)
+    assert sorted(batch.free) == list(range(5)) and not batch.active and not batch.waiting
+
+
+@pytest.mark.parametrize("family", ["mixtral_sliding", "qwen3_moe"])
+def test_per_slot_positions_with_sliding_window_and_qk_norm(hf_checkpoints, family):
+    """Masks from per-row positions: a sliding window of 5 tokens over prompts read in 3-token chunks."""
+    model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 2, 13, 4)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    batch = ContinuousBatch(model, None, slots=3, context=40, prefill_tokens=6)
+    requests = [Request(p, params, None) for p in prompts]
+    updates = run(batch, requests, {0: requests[:3], 2: requests[3:]})
+    assert_alone(model, None, requests, updates)
+
+
+def test_cancel_frees_the_slot_for_the_next_request(demo):
+    model, tok = demo
+    batch = ContinuousBatch(model, tok, slots=1, context=64)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    first, second = Request(tok.encode("KING."), params, None), Request(tok.encode("QUEEN."), params, None)
+    seen = {id(first): [], id(second): []}
+    for r in (first, second):
+        r.on_update = lambda req, u: seen[id(req)].append(u)
+        batch.add(r)
+    for _ in range(3):
+        batch.step()
+    assert first.slot == 0 and second.slot is None and len(seen[id(first)]) == 3
+    batch.cancel(first)
+    assert batch.free == [0]
+    for _ in range(MAX_STEPS):
+        if not batch.step():
+            break
+    assert len(seen[id(first)]) == 3 and seen[id(second)][-1].finish_reason == "length"
+    solo = generate(model, [second.prompt_ids], params)[0]
+    assert [t for u in seen[id(second)] for t in u.token_ids] == solo.token_ids
+
+
+def test_context_limit_logprobs_and_checks(demo):
+    model, tok = demo
+    batch = ContinuousBatch(model, tok, slots=2, context=20)
+    prompt = tok.encode("To be, or not")  # 14 tokens: 6 left in a 20-token slot
+    r = Request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True), None, top_logprobs=3)
+    updates = run(batch, [r])[id(r)]
+    assert len(updates) == 6 and updates[-1].finish_reason == "context"
+    for u in updates:
+        (lp,) = u.logprobs
+        assert lp.token == u.token_ids[0] and len(lp.top) == 3 and lp.top[0][0] == lp.token  # greedy: the best
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+    with pytest.raises(MoeserveError, match="context of 20"):
+        batch.check(tok.encode("x" * 19), SamplingParams())
+    with pytest.raises(MoeserveError, match="vocabulary"):
+        batch.check([300], SamplingParams())
+
+
+def test_padded_batch_sizes():
+    assert [padded_batch(b, 12) for b in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+
+
+@pytest.mark.parametrize("safe_up_to", [5, 2])
+def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch, safe_up_to):
+    """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records the step and replays it eagerly
+    from the same static buffers, so every replay must see the inputs copied into them (rows, positions, tokens
+    of a changing batch, padded to 1, 2, 4 or 5 rows). Sizes the experts cannot run sync-free (above
+    `safe_up_to`) decode dynamically."""
+    from moeserve.engine import cuda_graph
+
+    class Replay:
+        def __init__(self, step, out):
+            self.step, self.out = step, out
+
+        def replay(self):
+            self.out.copy_(self.step())
+
+    def capture(step, warmup, device, pool=None):
+        out = step()
+        return Replay(step, out), out
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: batch <= safe_up_to)
+    model, tok = demo
+    prompts, params, alone = mixed_requests
+    batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=True)
+    batch.decoder.pool = "shared"  # no CUDA memory pool on the CPU
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
+    assert_alone(model, tok, requests, updates, alone)
+    graphs, dynamic = set(batch.decoder.graphs), batch.decoder.dynamic_sizes
+    assert graphs | dynamic == {1, 2, 4, 5} and graphs == {s for s in (1, 2, 4, 5) if s <= safe_up_to}
+
+
+def test_a_failed_capture_or_an_unsafe_size_decodes_dynamically(demo, mixed_requests, monkeypatch):
+    from moeserve.engine import cuda_graph
+
+    def capture(step, warmup, device, pool=None):
+        step()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: True)
+    model, tok = demo
+    prompts, params, alone = mixed_requests
+    batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=True)
+    batch.decoder.pool = "shared"
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    with pytest.warns(UserWarning, match="capture of the decode step failed"):
+        updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
+    assert_alone(model, tok, requests, updates, alone)
+    assert not batch.decoder.use_graph and not batch.decoder.static and not batch.decoder.graphs
