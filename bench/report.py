@@ -343,10 +343,30 @@ def serve_soak_table(rec: dict) -> list[str]:
             f"{rec['seconds']:.0f} s", ""]
 
 
+def hybrid_tables(rec: dict) -> list[str]:
+    r, mp = rec["rates"], rec["demo_mixed_precision"]
+    lines = [f"**Hybrid CPU/GPU experts** (batch 1, 4-bit experts; tg: decode tok/s, pp512: prefill tok/s; floor = "
+             f"max(CPU expert bytes / DRAM read {r['dram_read_bytes_per_s'] / 1e9:.0f} GB/s, GPU bytes / HBM "
+             f"{r['hbm_bytes_per_s'] / 1e12:.1f} TB/s) at the run's hit rate; mixed precision costs "
+             f"{mp['mixed_ppl_cost']:+.2%} perplexity on the demo; {_source(rec)})", ""]
+    for name, shape in rec["shapes"].items():
+        lines += [f"{name} ({shape['shape']['num_layers']} layers, {shape['shape']['num_experts']} experts, top-"
+                  f"{shape['shape']['top_k']}), GPU budget {shape['budget_bytes'] / 2 ** 30:.0f} GiB:", "",
+                  "| column | CPU layers | GPU cache slots | tg tok/s | pp512 tok/s | floor tok/s | share of floor |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in shape["rows"]:
+            pp = row.get("pp_tokens_per_s")
+            lines.append(f"| {row['column']} | {row.get('cpu_layers', '')} | {row.get('cache_slots', '')} | "
+                         f"{row['tg_tokens_per_s']:.2f} | {'-' if pp is None else f'{pp:.1f}'} | "
+                         f"{row['floor_tokens_per_s']:.1f} | {row['of_floor']:.0%} |")
+        lines.append("")
+    return lines
+
+
 TABLES = {"moe_block": moe_block_tables, "decode": decode_table, "quality": quality_tables,
           "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables, "offload": offload_table,
           "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables,
-          "serve": serve_table, "serve_soak": serve_soak_table}
+          "serve": serve_table, "serve_soak": serve_soak_table, "hybrid": hybrid_tables}
 
 
 def _when(rec: dict) -> str:

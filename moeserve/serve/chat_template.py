@@ -15,6 +15,10 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from jinja2 import TemplateError as JinjaError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from moeserve.errors import MoeserveError
 
 FALLBACK = (
@@ -34,10 +38,6 @@ class TemplateError(ValueError):
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None, fallback: bool = False,
                  origin: str = "fallback"):
-        from jinja2 import TemplateError as JinjaError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
