@@ -46,12 +46,18 @@ def build_routing_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, 
 
 
 def sorted_table(expert_ids: torch.Tensor, expert_weights: torch.Tensor, num_experts: int,
-                 inverse: bool = False) -> RoutingTable:
+                 inverse: bool = False, mask: torch.Tensor | None = None) -> RoutingTable:
     """The table from a stable sort: any size, any device (the reference for the one-launch table); inverse: with
-    slot_of, the sort's inverse permutation."""
+    slot_of, the sort's inverse permutation; mask [T, k] bool: only these pairs are in the table (no inverse)."""
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # [T*k]
+    if mask is None:
+        order = torch.argsort(flat, stable=True)  # [T*k]
+    else:
+        assert not inverse, "a masked table has no inverse permutation"
+        kept = mask.reshape(-1).nonzero().squeeze(1)  # [n]
+        order = kept[torch.argsort(flat[kept], stable=True)]  # [n]
+        flat = flat[kept]
     # scatter-add, not bincount: bincount sizes its output from the data, a host sync on CUDA
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
         0, flat, torch.ones_like(flat))  # [E]

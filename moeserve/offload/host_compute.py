@@ -2,10 +2,11 @@
 model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
 dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision with one
-sort, each float group runs through its expert, the low-bit groups through one batched kernel call per projection
-(kernels/cpu: every expert's output tiles in one parallel region), and the weighted outputs are added back to their
-tokens as the resident backend's combine does (same order, so the result matches it).
+A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision in a routing
+table (kernels/routing.sorted_table), each float group runs through its expert, the low-bit groups through one
+batched kernel call per projection (kernels/cpu: every expert's output tiles in one parallel region), and the
+weighted outputs are added back to their tokens by the resident backend's combine (same order, so the result
+matches it).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels.cpu.gemv import applies, default_kernel, packed_weight, quantized_linear_batch
+from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import swiglu
 from moeserve.offload.store import ExpertStore
-
-LOW_UNIT = 1 << 20  # sort key offset of a pair on a low-bit copy: float pairs first, in expert order
 
 
 @dataclass
@@ -83,32 +83,23 @@ class HostExperts:
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
-        k = pairs.expert_ids.shape[1]
-        unit = pairs.expert_ids.reshape(-1)  # [T*k]: expert (+ LOW_UNIT for a low-bit copy)
-        if isinstance(pairs.low, torch.Tensor):
-            unit = unit + pairs.low.reshape(-1) * LOW_UNIT
-        elif pairs.low:
-            unit = unit + LOW_UNIT
-        if pairs.mask is None:
-            order = torch.argsort(unit, stable=True)  # [T*k]
-        else:
-            kept = pairs.mask.reshape(-1).nonzero().squeeze(1)  # [n]
-            order = kept[torch.argsort(unit[kept], stable=True)]  # [n]
-        units, counts = torch.unique_consecutive(unit[order], return_counts=True)
-        tokens = order // k  # [n], grouped by unit: float copies first, then low-bit ones
-        x_sorted = x[tokens]  # [n, D]
+        E = self.store.meta["num_experts"]
+        low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
+        units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)
+        table = sorted_table(units, pairs.weights, 2 * E, mask=pairs.mask)  # the pairs in unit order
+        x_sorted = x[table.token_ids]  # [n, D]
         y = torch.empty_like(x_sorted)  # [n, D]
+        used = table.counts.nonzero().squeeze(1)  # units with pairs, ascending
         start, low = 0, []
-        for u, n in zip(units.tolist(), counts.tolist()):
-            if u >= LOW_UNIT:
-                low.append((u - LOW_UNIT, n))
+        for u, n in zip(used.tolist(), table.counts[used].tolist()):
+            if u >= E:
+                low.append((u - E, n))
                 continue
             y[start:start + n] = self.run(layer, u, False, x_sorted[start:start + n])
             start += n
         if low:
             y[start:] = self.run_low(layer, low, x_sorted[start:])
-        scaled = (y * pairs.weights.reshape(-1)[order, None]).to(x.dtype)  # as routing.combine scales
-        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+        return combine(y, table, x.shape[0], x.dtype)
 
     def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
         """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each
