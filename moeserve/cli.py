@@ -21,6 +21,7 @@ from moeserve.units import format_bytes, parse_bytes
 # `moeserve --help` and argument errors answer at once (tests/cli/test_cli_inputs.py checks that torch is not imported).
 
 DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
+EXPLAIN_TOKENS = "1,8,512"  # info --explain: decode, batch decode, a prefill chunk
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
 DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless the model's context is shorter
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--explain", action="store_true",
                    help="load the model and print which execution path (kernel) each layer takes on this machine for "
                         "calls of --tokens tokens: attention projections, router, experts, dense FFN")
-    i.add_argument("--tokens", default="1,8,512", metavar="LIST",
+    i.add_argument("--tokens", default=EXPLAIN_TOKENS, metavar="LIST",
                    help="with --explain: comma-separated token counts per call to explain (default 1,8,512: decode, "
                         "batch decode, a prefill chunk)")
     i.add_argument("--device", default="auto", help="with --explain: cpu, cuda, cuda:N or auto (default auto)")
@@ -740,7 +741,7 @@ def cmd_info(args) -> int:
     from moeserve.spec import ModelSpec
 
     tokens = _token_counts(args.tokens)
-    if not args.explain and (args.tokens != "1,8,512" or args.device != "auto" or args.dtype != "auto"):
+    if not args.explain and (args.tokens != EXPLAIN_TOKENS or args.device != "auto" or args.dtype != "auto"):
         raise MoeserveError("--tokens, --device and --dtype describe --explain; add --explain")
     spec = ModelSpec.from_dir(args.model)
     if args.explain:

@@ -65,9 +65,9 @@ def explain(model, tokens: tuple[int, ...]) -> list[LayerPaths]:
     """Which path each layer of `model` takes for a call of each token count in `tokens`, on its device and dtype.
     Decides with probe tensors; runs nothing."""
     D = model.spec.hidden_size
+    probes = {t: torch.empty(t, D, device=model.device, dtype=model.dtype) for t in tokens}  # [T, D] each
     out = []
     for i, layer in enumerate(model.model.layers):
-        probes = {t: torch.empty(t, D, device=model.device, dtype=model.dtype) for t in tokens}  # [T, D] each
         attn = layer.self_attn
         attention = {t: linears_path(x, (attn.q_proj, attn.k_proj, attn.v_proj)) for t, x in probes.items()}
         mlp = layer.mlp
