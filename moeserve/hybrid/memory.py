@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import HybridPlacement
-from moeserve.offload.budget import available_ram
 from moeserve.kernels.pack import padded_length
+from moeserve.offload.budget import available_ram
 from moeserve.units import format_bytes
 
 

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from moeserve.errors import MoeserveError
-from moeserve.quant.hqq import QuantizedWeight, dequantize
 from moeserve.kernels.pack import pack, padded_length, unpack
+from moeserve.quant.hqq import QuantizedWeight, dequantize
 
 COMPENSATOR_BITS = (3, 8, 16)
 COMPENSATOR_GROUP = 64

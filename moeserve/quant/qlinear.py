@@ -17,11 +17,11 @@ from torch import nn
 
 from moeserve.kernels import needs_grad, triton_serves
 from moeserve.kernels.cpu import gemv as cpu_gemv
+from moeserve.kernels.pack import pack, padded_length, unpack
 from moeserve.kernels.routing import slot_order_pays
 from moeserve.model.experts import LoopedExperts, swiglu
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
-from moeserve.kernels.pack import pack, padded_length, unpack
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 

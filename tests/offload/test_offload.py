@@ -11,13 +11,13 @@ import moeserve
 from moeserve.cli import main
 from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+from moeserve.kernels.pack import units_from_planar
 from moeserve.offload.budget import plan_slots
 from moeserve.offload.experts import enable_offload
 from moeserve.offload.policies import POLICIES, CachePolicy
 from moeserve.offload.simulate import simulate
 from moeserve.offload.store import META_FILE, ExpertStore
-from moeserve.kernels.pack import units_from_planar
-from moeserve.errors import MoeserveError
 
 
 @pytest.fixture(scope="module")

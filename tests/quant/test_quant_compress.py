@@ -9,10 +9,10 @@ import torch
 import moeserve
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
+from moeserve.kernels.pack import units_from_planar
 from moeserve.quant import compress
 from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
 from moeserve.quant.manifest import FORMAT, MANIFEST, UNITS_FORMAT
-from moeserve.kernels.pack import units_from_planar
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moeserve.errors import MoeserveError
-from moeserve.quant import hqq, milo
 from moeserve.kernels.pack import pack, planar_from_units, units_from_planar, unpack
+from moeserve.quant import hqq, milo
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import TensorInfo, assign_ranks, parse_rank_policy, weight_kurtosis
 
