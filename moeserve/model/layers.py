@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.kernels import needs_grad, triton_serves
 from moeserve.spec import ModelSpec, rope_inv_freq
+
+# SDPA's cuDNN backend builds an execution plan per new shape, milliseconds of host time, and an eager decode step
+# has a new key length every step (offload, hybrid): attention on CUDA runs on the other backends.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -165,7 +172,8 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
         B, _, S, _ = q.shape
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
+        with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
         return out.transpose(1, 2).reshape(B, S, self.H * self.Dh)
 
 

@@ -2,11 +2,12 @@
 model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
 dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`: its (token, k) pairs are grouped per expert and precision in a routing
-table (kernels/routing.sorted_table), each float group runs through its expert, the low-bit groups through one
-batched kernel call per projection (kernels/cpu: every expert's output tiles in one parallel region), and the
-weighted outputs are added back to their tokens by the resident backend's combine (same order, so the result
-matches it).
+A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy and the generated kernels read its
+layout, that is one native call for the whole layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the
+weighted sum in one parallel region). Otherwise its (token, k) pairs are grouped per expert and precision in a
+routing table (kernels/routing.sorted_table), each float group runs through its expert, the low-bit groups through
+one batched kernel call per projection, and the weighted outputs are added back to their tokens by the resident
+backend's combine (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu.gemv import applies, default_kernel, packed_weight, quantized_linear_batch
+from moeserve.kernels.cpu.gemv import (LayerExperts, applies, default_kernel, moe_layer, packed_weight,
+                                       quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import swiglu
 from moeserve.offload.store import ExpertStore
@@ -41,6 +43,7 @@ class HostExperts:
         self.store, self.dtype = store, dtype
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
+        self._layers: dict[int, LayerExperts | None] = {}  # a layer's low experts for moe_layer (None: not read)
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2F, D], down [D, F]) in the compute dtype (the store's tensors when it matches: no copy)."""
@@ -81,8 +84,25 @@ class HostExperts:
         gate_up, down = self.low(layer, expert)
         return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
 
+    def layer_experts(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
+        """Every low-bit expert of the layer repacked for the native MoE call (once per layer), or None where the
+        generated kernels do not read them."""
+        if layer not in self._layers:
+            E = self.store.meta["num_experts"]
+            mods = [self.low(layer, e) for e in range(E)]
+            kernel = default_kernel(mods[0][0].bits)
+            ok = kernel is not None and all(applies(m, x, None) and m.rank == 0 and m.bias is None for m in mods[0])
+            self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
+                                                  [packed_weight(d, kernel) for _, d in mods]) if ok else None
+        return self._layers[layer]
+
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
+        if pairs.low is True:
+            experts = self.layer_experts(layer, x)
+            if experts is not None:
+                kernel = default_kernel(experts.gate_up[0].bits)
+                return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask).to(x.dtype)
         E = self.store.meta["num_experts"]
         low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
         units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)

@@ -5,6 +5,10 @@ pool's slots, then the next pool's), and the host, which chose each (token, k) p
 table: only the pairs in the pass are gathered, each used slot computes its rows, and the counts are host numbers,
 so the pass never reads the device. Each slot's CUDA events order the pass after its load and the next load after
 the pass.
+
+One token through a pool of low-bit slots on a GPU is one fused pass instead (the Triton low-bit MoE kernels in slot
+order over the pool's buffers, which are stacked already): the pool's pairs keep their gate weights, the others point
+at one of its slots (read again from L2) with weight zero.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.routing import RoutingTable, combine
+from moeserve.kernels.routing import RoutingTable, combine, slot_order_pays
 from moeserve.model.experts import swiglu
 from moeserve.offload.slots import SlotPool
+from moeserve.quant.qlinear import QuantizedLinear, triton_applies
+
+# Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
 
 class SlotExperts:
@@ -23,6 +30,7 @@ class SlotExperts:
         self.starts = [sum(p.num_slots for p in pools[:i]) for i in range(len(pools))]  # first virtual id per pool
         self.num_slots = sum(p.num_slots for p in pools)
         self.none = self.num_slots  # the virtual id of a pair that is not in the pass
+        self._stacks: dict[int, tuple] = {}  # pool index -> (gate_up, down) StackedLowbit over its buffers
 
     def virtual(self, pool: int, slot: int) -> int:
         return self.starts[pool] + slot
@@ -37,6 +45,8 @@ class SlotExperts:
         """x [T, D], expert_weights [T, k] on the slots' device; virtual [T, k] host long (self.none: a pair
         not in this pass) -> the weighted sum of the pairs' slot outputs, [T, D]."""
         T, k = virtual.shape
+        if all(self.fused_applies(i, x, T) for i in range(len(self.pools))):
+            return self.fused(x, expert_weights, virtual)
         flat = virtual.reshape(-1)  # [T*k]
         pairs = (flat < self.none).nonzero().squeeze(1)  # [n]
         order = pairs[torch.argsort(flat[pairs], stable=True)]  # [n] pair index, grouped by slot
@@ -61,6 +71,52 @@ class SlotExperts:
             for (pool, slot), _ in used:
                 pool.used[slot] = done
         return out
+
+    def fused_applies(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
+        """One token, a pool of low-bit slots, and a layout the Triton low-bit kernels read on x's device."""
+        first = self.pools[pool].weights[0]
+        return (slot_order_pays(tokens) and isinstance(first[0], QuantizedLinear)
+                and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
+
+    def stacks(self, pool: int):
+        """(gate_up, down) StackedLowbit over a low-bit pool's buffers [S, ...] (views, no copy)."""
+        if pool not in self._stacks:
+            from moeserve.kernels.triton.lowbit import StackedLowbit
+
+            p = self.pools[pool]
+            self._stacks[pool] = tuple(
+                StackedLowbit(qweight=b[0], scale=b[1], zero=b[2], bits=m.bits, group=m.group,
+                              in_features=m.in_features, u=None, v=None)
+                for b, m in ((p.buffers[0:3], p.weights[0][0]), (p.buffers[3:6], p.weights[0][1])))
+        return self._stacks[pool]
+
+    def fused(self, x: torch.Tensor, expert_weights: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:
+        """compute() for one token over low-bit pools: one fused pass per pool with pairs in it."""
+        from moeserve.kernels.triton.lowbit import lowbit_experts
+        from moeserve.kernels.triton.routing_table import gather_combine
+
+        k = virtual.shape[1]
+        out = None
+        for i, (pool, start) in enumerate(zip(self.pools, self.starts)):
+            local = virtual - start  # [1, k] slot in this pool where 0 <= local < its slots
+            in_pool = (local >= 0) & (local < pool.num_slots)  # [1, k]
+            if not in_pool.any():
+                continue
+            slots = local[in_pool]
+            ids = torch.where(in_pool, local, slots[0])  # [1, k]: the others read the first pair's slot again
+            dev = torch.stack([ids, in_pool.long()]).to(x.device, non_blocking=True)  # [2, 1, k]
+            if x.is_cuda:
+                for s in slots.tolist():
+                    torch.cuda.current_stream().wait_event(pool.loaded[s])
+            y = lowbit_experts(x, *self.stacks(i), dev[0])  # [k, D] fp32, slot order
+            part = gather_combine(y, None, expert_weights * dev[1].to(expert_weights.dtype), k, x.dtype)  # [1, D]
+            out = part if out is None else out + part
+            if x.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+                for s in slots.tolist():
+                    pool.used[s] = done
+        return out if out is not None else torch.zeros_like(x)
 
     @staticmethod
     def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:

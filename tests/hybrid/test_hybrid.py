@@ -171,9 +171,10 @@ def test_low_bit_experts_agree_on_the_cpu_in_slots_and_resident(hf_checkpoints):
         torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
 
 
-def test_low_bit_decode_runs_each_projection_of_all_experts_in_one_kernel_call(byte_model_dir, monkeypatch):
-    """Decode rows of 4-bit experts on the CPU: one batched kernel call per projection, the same tokens as the
-    experts resident (QuantizedExperts: one kernel call per expert and projection)."""
+def test_low_bit_layer_runs_in_one_native_call(byte_model_dir, monkeypatch):
+    """4-bit experts on the CPU: each hybrid layer call is one native call (moe_layer: both projections of every
+    routed expert), with the same tokens as the experts resident (QuantizedExperts: one kernel call per expert and
+    projection)."""
     from moeserve.kernels.cpu import gemv
     from moeserve.offload import host_compute
 
@@ -181,18 +182,19 @@ def test_low_bit_decode_runs_each_projection_of_all_experts_in_one_kernel_call(b
         pytest.skip("no C compiler for the generated CPU kernels here")
     calls = []
 
-    def counted(layers, x, rows):
-        y = gemv.quantized_linear_batch(layers, x, rows)
-        calls.append((len(layers), y is not None))
-        return y
+    def counted(kernel, experts, x, *args):
+        calls.append(x.shape[0])
+        return gemv.moe_layer(kernel, experts, x, *args)
 
-    monkeypatch.setattr(host_compute, "quantized_linear_batch", counted)
+    monkeypatch.setattr(host_compute, "moe_layer", counted)
     store = ExpertStore.from_checkpoint(byte_model_dir, low_bits=4, group=32, high=False, progress=False)
     prompts = [[72, 65, 77], [75, 73]]
-    runs = [greedy(hybrid_model(byte_model_dir, HybridPlacement.choose([0, 1], n_cpu_moe=n, bits=4), store)[0],
-                   prompts) for n in (2, 0)]
+    runs = []
+    for n in (2, 0):
+        model, runtime = hybrid_model(byte_model_dir, HybridPlacement.choose([0, 1], n_cpu_moe=n, bits=4), store)
+        runs.append(greedy(model, prompts))
     assert runs[0] == runs[1]
-    assert any(n >= 2 and batched for n, batched in calls)  # decode steps: several experts in one call
+    assert len(calls) >= 2 * 8 and max(calls) > 1  # both layers at every step, prefill rows included
 
 
 def test_placement_checks_and_line():

@@ -167,3 +167,34 @@ def test_without_a_compiler_the_pytorch_path_is_used_with_one_warning(monkeypatc
         assert torch.equal(y1, y2)
     finally:
         gemv.default_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_moe_layer_matches_float64_experts(kernels, isa, bits):
+    """moe_layer: a layer's routed experts (grouping, gate/up, SwiGLU, down, weighted sum) in one native call equal
+    float64 experts of the same dequantized weights, for decode rows, rows past a register tile and masked pairs."""
+    kernel = kernels[(isa, bits)]
+    E, D, F, k, group = 5, 128, 96, 2, 32
+    quantized = [(hqq.quantize_rtn(torch.randn(2 * F, D), bits, group), hqq.quantize_rtn(torch.randn(D, F), bits, group))
+                 for _ in range(E)]
+    experts = gemv.LayerExperts.of(*[[pack_for_cpu(q.codes, q.scale, q.zero, bits, group, kernel) for q in qs]
+                                     for qs in zip(*quantized)])
+    for T in (1, 3, 20):
+        x = torch.randn(T, D)
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])  # [T, k]
+        weights = torch.rand(T, k)
+        mask = torch.rand(T, k) > 0.3
+        mask[0] = torch.tensor([True, False])  # a kept and a dropped pair whatever the draw
+        y = gemv.moe_layer(kernel, experts, x, ids, weights, mask, threads=2)
+        ref = torch.zeros(T, D, dtype=torch.float64)
+        for t in range(T):
+            for j in range(k):
+                if mask[t, j]:
+                    gu, dn = quantized[int(ids[t, j])]
+                    h = reference(x[t:t + 1], gu)  # [1, 2F]
+                    ref[t] += weights[t, j].double() * reference(torch.nn.functional.silu(h[:, :F]) * h[:, F:], dn)[0]
+        err = (y.double() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-5, (isa, bits, T, float(err))
+    with pytest.raises(RuntimeError, match="code 3"):  # an expert id outside the layer
+        gemv.moe_layer(kernel, experts, torch.randn(1, D), torch.tensor([[0, E]]), torch.rand(1, 2))

@@ -84,4 +84,6 @@ def load(lib: Path) -> ctypes.CDLL:
     dll.qgemm.restype = i
     dll.qgemm_batch.argtypes = [i, p, p, i, i, p, p, p, i, p, i, i, i, i]
     dll.qgemm_batch.restype = i
+    dll.moe_layer.argtypes = [i, i, p, p, p, i, p, i, i, p, p, p, i, i, p, p, p, i, i, i, p, i]
+    dll.moe_layer.restype = i
     return dll

@@ -94,6 +94,47 @@ class CpuKernel:
         return y[:, :first.out_features]
 
 
+@dataclass
+class LayerExperts:
+    """A layer's E experts, repacked for one kernel, as the pointer arrays `moe_layer` reads (built once per layer)."""
+
+    gate_up: list[PackedForCpu]  # [E], out 2F (gate rows, then up rows)
+    down: list[PackedForCpu]  # [E], out D
+    arrays: tuple  # ctypes pointer arrays: gate_up words, scales, zeros, down words, scales, zeros
+
+    @classmethod
+    def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu]) -> "LayerExperts":
+        def pointers(tensors):
+            return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+        arrays = tuple(pointers([getattr(p, f) for p in packs]) for packs in (gate_up, down)
+                       for f in ("words", "scale", "zero"))
+        return cls(gate_up, down, arrays)
+
+
+def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_ids: torch.Tensor,
+              weights: torch.Tensor, mask: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """x [T, D] -> [T, D] float32: the sum over the pairs (t, j) (where mask [T, k] says so) of weights[t, j] times
+    expert expert_ids[t, j] on x[t], every expert a SwiGLU FFN of the layer's repacked low-bit projections; one
+    native call (kernel.moe_layer)."""
+    gu, dn = experts.gate_up[0], experts.down[0]
+    T, k = expert_ids.shape
+    x = x.float().contiguous()
+    ids = expert_ids.to(torch.int64).contiguous()
+    w = weights.float().contiguous()
+    keep = mask.to(torch.uint8).contiguous() if mask is not None else None
+    out = torch.empty(T, gu.in_features)
+    kb_gu = tuning.k_block(kernel.bits, kernel.tile_outputs, gu.group)
+    kb_dn = tuning.k_block(kernel.bits, kernel.tile_outputs, dn.group)
+    rc = kernel.dll.moe_layer(T, k, ids.data_ptr(), w.data_ptr(), keep.data_ptr() if keep is not None else None,
+                              len(experts.gate_up), x.data_ptr(), gu.in_features, dn.in_features, *experts.arrays[:3],
+                              gu.words.shape[0], kb_gu, *experts.arrays[3:], dn.words.shape[0], kb_dn, gu.group,
+                              out.data_ptr(), threads or torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"CPU MoE kernel rejected its arguments (code {rc})")
+    return out
+
+
 def supports(in_features: int, group: int, bits: int) -> bool:
     """The kernels need whole 32-value units: inputs and group multiples of 32."""
     return bits in (2, 3, 4, 8) and in_features % 32 == 0 and group % 32 == 0 and in_features % group == 0
