@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 
 from moeserve.errors import MoeserveError
 
+AUX_LOSS_COEF = 0.02  # the load-balancing loss weight the trainer uses (config.json's router_aux_loss_coef)
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -31,7 +33,6 @@ class ArchConfig:
     bos_token_id: int = 256
     eos_token_id: int = 257
     rms_norm_eps: float = 1e-5
-    aux_loss_coef: float = 0.02  # load-balancing loss weight
 
     @property
     def standard(self) -> bool:
@@ -59,7 +60,7 @@ class ArchConfig:
             "max_position_embeddings": context, "rope_theta": 10000.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rms_norm_eps": self.rms_norm_eps,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": None,
-            "tie_word_embeddings": False, "hidden_act": "silu", "router_aux_loss_coef": self.aux_loss_coef,
+            "tie_word_embeddings": False, "hidden_act": "silu", "router_aux_loss_coef": AUX_LOSS_COEF,
             "dtype": "bfloat16",
         }
         if self.standard:
