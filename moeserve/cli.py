@@ -15,6 +15,8 @@ from pathlib import Path
 from moeserve import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
+from moeserve.train.options import add_train_args
 from moeserve.units import format_bytes, parse_bytes
 
 # Each command imports what it runs inside its own function: modules that load torch stay out of start-up, so
@@ -333,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _batch_parser(sub)
     _serve_parser(sub)
+    tr = sub.add_parser("train", help="train a standard MoE, PR-MoE or Mixture-of-Students model on Shakespeare",
+                        description=TRAIN_DESCRIPTION)
+    add_train_args(tr)
 
     pf = sub.add_parser("profile", help="measure this machine's FLOP/s and bandwidths (cached)",
                         description="Measure matmul FLOP/s, memory bandwidths and the host<->GPU link (a few seconds; "
@@ -1133,6 +1138,13 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from moeserve.train.run import run
+
+    run(args)
+    return 0
+
+
 def _cpu_wait_policy(args) -> None:
     """Hybrid runs: OpenMP threads that finish a parallel region sleep rather than spin (OMP_WAIT_POLICY=PASSIVE
     unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
@@ -1158,7 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
-               "plan": cmd_plan, "serve": cmd_serve}[args.command]
+               "plan": cmd_plan, "serve": cmd_serve, "train": cmd_train}[args.command]
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))

@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 
 from moeserve.train.arch import ARCHITECTURES, SCALES
-from moeserve.train.data import GET_TEXTS
 
 DESCRIPTION = ("Train an MoE language model on the Shakespeare corpus (Hamlet held out): a standard MoE, a "
                "Pyramid-MoE, a Residual-MoE or a PR-MoE, or a Mixture-of-Students student distilled from a "
                "teacher with staged KD. Writes a checkpoint every moeserve command loads, with training.json "
                "(settings and the held-out loss curve).")
-EPILOG = f"Shakespeare texts: {GET_TEXTS}."
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

@@ -21,10 +21,10 @@ from moeserve.loader import load_model, resolve_device
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import ByteTokenizer
 from moeserve.train.arch import ArchConfig, architecture
-from moeserve.train.data import encode_documents, load_corpus
+from moeserve.train.data import GET_TEXTS, encode_documents, load_corpus
 from moeserve.train.distill import DistillConfig
 from moeserve.train.loop import QUICK, TrainConfig, train
-from moeserve.train.options import DESCRIPTION, EPILOG, add_train_args
+from moeserve.train.options import DESCRIPTION, add_train_args
 from moeserve.train.output import device_name, git_commit, save_model
 from moeserve.train.plot import plot_curves
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def build_parser(prog: str = "python -m moeserve.train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=f"Shakespeare texts: {GET_TEXTS}.")
     add_train_args(p)
     return p
 

@@ -67,8 +67,9 @@ def test_train_step_adds_the_kd_term_only_before_the_stop_step():
 
 
 def test_tiny_prmoe_run_learns_and_a_student_distils_from_it(texts, tmp_path, capsys):
-    """Seconds on a CPU: the PR-MoE loss falls; a 1-layer MoS student of it trains with staged KD (KD logged
-    before the stop, zero after); the saved PR-MoE answers `moeserve generate` and `moeserve quantize`."""
+    """Seconds on a CPU: the PR-MoE loss falls; a 1-layer MoS student of it trains with staged KD through
+    `moeserve train` (KD logged before the stop, zero after); the saved PR-MoE answers `moeserve generate` and
+    `moeserve quantize`."""
     teacher = tmp_path / "prmoe"
     assert main(["--arch", "prmoe", "--quick", "--texts", str(texts), "--out", str(teacher), "--device", "cpu",
                  "--steps", "40", "--eval-every", "10"]) == 0
@@ -80,9 +81,9 @@ def test_tiny_prmoe_run_learns_and_a_student_distils_from_it(texts, tmp_path, ca
     assert record["arch"]["experts"] == [2, 4] and record["arch"]["residual"]
 
     student = tmp_path / "mos"
-    assert main(["--arch", "prmoe", "--quick", "--layers", "1", "--teacher", str(teacher), "--kd-stop", "10",
-                 "--texts", str(texts), "--out", str(student), "--device", "cpu", "--steps", "20",
-                 "--eval-every", "5"]) == 0
+    assert cli_main(["train", "--arch", "prmoe", "--quick", "--layers", "1", "--teacher", str(teacher),
+                     "--kd-stop", "10", "--texts", str(texts), "--out", str(student), "--device", "cpu",
+                     "--steps", "20", "--eval-every", "5"]) == 0
     record = json.loads((student / "training.json").read_text())
     assert record["distill"]["stop_step"] == 10 and record["arch"]["experts"] == [4]
     assert [h["kd_loss"] > 0 for h in record["history"]] == [True, True, False, False]
