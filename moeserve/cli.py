@@ -681,6 +681,7 @@ def _open_store(args):
 def _enable_offload(model, store, budget, args):
     from moeserve.offload.budget import kv_cache_bytes, plan_slots
     from moeserve.offload.experts import enable_offload
+    from moeserve.offload.store import layer_experts
 
     if budget is None:
         high, low = args.high_slots, args.low_slots
@@ -689,7 +690,7 @@ def _enable_offload(model, store, budget, args):
         kv = kv_cache_bytes(model.spec, *_kv_shape(args, model.spec), model.dtype.itemsize)
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
                                0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
-                               max_slots=len(store.meta["layers"]) * store.meta["num_experts"])
+                               max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
     _check_cache_args(high, low, args.t1, args.t2)
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from moeserve.kernels.cpu.gemv import applies, default_kernel, packed_weight, quantized_linear_batch
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import swiglu
-from moeserve.offload.store import ExpertStore
+from moeserve.offload.store import ExpertStore, layer_experts
 
 
 @dataclass
@@ -63,7 +63,7 @@ class HostExperts:
         compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
         for layer in layers:
-            for e in range(self.store.meta["num_experts"]):
+            for e in range(layer_experts(self.store.meta, layer)):
                 if not low:
                     self.high(layer, e)
                     continue
@@ -83,7 +83,7 @@ class HostExperts:
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
-        E = self.store.meta["num_experts"]
+        E = self.store.meta["num_experts"]  # the most of any layer: unit ids stay apart
         low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
         units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)
         table = sorted_table(units, pairs.weights, 2 * E, mask=pairs.mask)  # the pairs in unit order

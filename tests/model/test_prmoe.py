@@ -106,3 +106,21 @@ def test_prmoe_config_errors_name_the_field(change, message):
     cfg = {**tiny_arch().hf_config(64), **change}
     with pytest.raises(MoeserveError, match=message):
         ModelSpec.from_hf_config(cfg)
+
+
+def test_prmoe_offloaded_and_hybrid_generate_as_resident(tmp_path, capsys):
+    """Layers of 2, 4 and 8 experts through the expert store: offloaded at full precision (--all-high, a cache
+    smaller than a layer, prefetching across layers of other sizes) and computed on the CPU (--cpu-moe) give the
+    resident model's greedy text."""
+    from moeserve.cli import main
+
+    path = save_prmoe_model(tmp_path / "m", tiny_arch((2, 4, 8), 1, True), seed=11)
+    store = tmp_path / "experts"
+    assert main(["offload-prepare", "--model", str(path), "--out", str(store), "--group", "8"]) == 0
+    gen = ["generate", "--model", str(path), "--greedy", "--max-new-tokens", "12", "--device", "cpu", "KING."]
+    outputs = []
+    for extra in ([], ["--offload", str(store), "--high-slots", "3", "--all-high"], ["--cpu-moe"]):
+        capsys.readouterr()
+        assert main(gen + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) > len("KING.")
