@@ -762,8 +762,10 @@ def cmd_info(args) -> int:
         ("family", spec.family),
         ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
         ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
-        ("experts", f"{spec.num_experts} x FFN {spec.expert_ffn}, top-{spec.top_k}"
-                    + (f", shared expert FFN {spec.shared_expert_ffn}" if spec.shared_expert_ffn else "")),
+        ("experts", (",".join(map(str, spec.layer_experts)) + " per layer" if spec.layer_experts
+                     else str(spec.num_experts)) + f" x FFN {spec.expert_ffn}, top-{spec.top_k}"
+                    + (f", {'residual MLP' if spec.residual_mix else 'shared expert'} FFN {spec.shared_expert_ffn}"
+                       if spec.shared_expert_ffn else "")),
         ("vocab / context", f"{spec.vocab_size} / {spec.max_position_embeddings}"),
         ("parameters: dense", f"{counts['dense']:,}"),
         ("parameters: experts", f"{counts['experts']:,}"),
