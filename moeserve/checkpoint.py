@@ -114,6 +114,13 @@ def _classic_moe_prefix(name: str, family: str) -> str:
     return name.replace(".mlp.", f".{_PER_EXPERT.get(family, _PER_EXPERT['default'])[0]}.", 1)
 
 
+def tensor_experts(spec, name: str) -> int:
+    """The routed experts of the layer tensor `name` belongs to (spec.num_experts outside the layers): what
+    read_tensor assembles a per-expert layer from when layers differ (PR-MoE's pyramid)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return spec.experts_at(int(m.group(1))) if m else spec.num_experts
+
+
 def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: int,
                 index: tuple | None = None) -> torch.Tensor:
     """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses.
@@ -197,10 +204,10 @@ def expert_sample_rows(spec) -> list[tuple[int, int, str, int]]:
     """(layer, expert, projection, row): one gate_up and one down row of up to SAMPLED_EXPERTS experts per MoE
     layer, spread over the experts and the rows. A few KiB per layer, read in milliseconds, yet two different
     trainings (or a fine-tune of the experts) differ in every one of them."""
-    step = max(1, spec.num_experts // SAMPLED_EXPERTS)
     rows = []
     for layer in (i for i, moe in enumerate(spec.moe_layers) if moe):
-        for e in range(0, spec.num_experts, step)[:SAMPLED_EXPERTS]:
+        E = spec.experts_at(layer)
+        for e in range(0, E, max(1, E // SAMPLED_EXPERTS))[:SAMPLED_EXPERTS]:
             k = 7919 * layer + 104729 * e + 13
             rows += [(layer, e, "gate_up", k % (2 * spec.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
     return rows

@@ -15,6 +15,8 @@ from pathlib import Path
 from moeserve import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
+from moeserve.train.options import add_train_args
 from moeserve.units import format_bytes, parse_bytes
 
 # Each command imports what it runs inside its own function: modules that load torch stay out of start-up, so
@@ -333,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _batch_parser(sub)
     _serve_parser(sub)
+    tr = sub.add_parser("train", help="train a standard MoE, PR-MoE or Mixture-of-Students model on Shakespeare",
+                        description=TRAIN_DESCRIPTION)
+    add_train_args(tr)
 
     pf = sub.add_parser("profile", help="measure this machine's FLOP/s and bandwidths (cached)",
                         description="Measure matmul FLOP/s, memory bandwidths and the host<->GPU link (a few seconds; "
@@ -676,6 +681,7 @@ def _open_store(args):
 def _enable_offload(model, store, budget, args):
     from moeserve.offload.budget import kv_cache_bytes, plan_slots
     from moeserve.offload.experts import enable_offload
+    from moeserve.offload.store import layer_experts
 
     if budget is None:
         high, low = args.high_slots, args.low_slots
@@ -684,7 +690,7 @@ def _enable_offload(model, store, budget, args):
         kv = kv_cache_bytes(model.spec, *_kv_shape(args, model.spec), model.dtype.itemsize)
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
                                0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
-                               max_slots=len(store.meta["layers"]) * store.meta["num_experts"])
+                               max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
     _check_cache_args(high, low, args.t1, args.t2)
     try:
         return enable_offload(model, store, high_slots=high, low_slots=low, policy=args.policy, mixed=not args.all_high,
@@ -756,8 +762,10 @@ def cmd_info(args) -> int:
         ("family", spec.family),
         ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
         ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
-        ("experts", f"{spec.num_experts} x FFN {spec.expert_ffn}, top-{spec.top_k}"
-                    + (f", shared expert FFN {spec.shared_expert_ffn}" if spec.shared_expert_ffn else "")),
+        ("experts", (",".join(map(str, spec.layer_experts)) + " per layer" if spec.layer_experts
+                     else str(spec.num_experts)) + f" x FFN {spec.expert_ffn}, top-{spec.top_k}"
+                    + (f", {'residual MLP' if spec.residual_mix else 'shared expert'} FFN {spec.shared_expert_ffn}"
+                       if spec.shared_expert_ffn else "")),
         ("vocab / context", f"{spec.vocab_size} / {spec.max_position_embeddings}"),
         ("parameters: dense", f"{counts['dense']:,}"),
         ("parameters: experts", f"{counts['experts']:,}"),
@@ -1133,6 +1141,13 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from moeserve.train.run import run
+
+    run(args)
+    return 0
+
+
 def _cpu_wait_policy(args) -> None:
     """Hybrid runs: OpenMP threads that finish a parallel region sleep rather than spin (OMP_WAIT_POLICY=PASSIVE
     unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
@@ -1158,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
-               "plan": cmd_plan, "serve": cmd_serve}[args.command]
+               "plan": cmd_plan, "serve": cmd_serve, "train": cmd_train}[args.command]
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from moeserve.checkpoint import CheckpointReader, read_tensor
+from moeserve.checkpoint import CheckpointReader, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
@@ -98,7 +98,8 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     with tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0) as bar:
         for names, meta, is_buffer in bar:  # an error clears the bar (closed by `with`), so it prints on its own line
             name = names[0]
-            t = read_tensor(reader, name, spec.family, spec.num_experts, None if index_of is None else index_of(name))
+            t = read_tensor(reader, name, spec.family, tensor_experts(spec, name),
+                            None if index_of is None else index_of(name))
             if tuple(t.shape) != tuple(meta.shape):
                 raise MoeserveError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies "
                                     f"{tuple(meta.shape)}")

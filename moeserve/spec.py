@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "PRMoEForCausalLM": "prmoe",  # moeserve's own: PR-MoE (pyramid of expert counts, residual MoE layers)
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -68,6 +69,10 @@ class ModelSpec:
     dense_ffn: int = 0  # FFN width of dense layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared expert
+    # PR-MoE (DeepSpeed-MoE): routed experts per layer where layers differ (the pyramid; 0 = a dense layer), and
+    # the residual mix: the shared expert (PR-MoE's dense MLP) and the routed output weighted by softmax(Linear(D, 2))
+    layer_experts: tuple[int, ...] = ()  # () = num_experts in every MoE layer
+    residual_mix: bool = False
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -75,6 +80,10 @@ class ModelSpec:
     torch_dtype: str = "float32"
 
     # ---- derived sizes -------------------------------------------------------------------
+    def experts_at(self, layer: int) -> int:
+        """Routed experts of layer `layer` (num_experts unless the layers differ)."""
+        return self.layer_experts[layer] if self.layer_experts else self.num_experts
+
     def parameter_counts(self) -> dict[str, int]:
         """Parameters split into dense (always active) and sparse (routed experts)."""
         D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
@@ -88,12 +97,14 @@ class ModelSpec:
         dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + D
         sparse = 0
         active_sparse = 0
-        for is_moe in self.moe_layers:
+        for i, is_moe in enumerate(self.moe_layers):
             dense += attn
             if is_moe:
-                dense += self.num_experts * D  # router
+                E = self.experts_at(i)
+                dense += E * D  # router
                 dense += 3 * D * self.shared_expert_ffn + (D if self.shared_expert_gate else 0)
-                sparse += self.num_experts * 3 * D * self.expert_ffn
+                dense += 2 * D + 2 if self.residual_mix else 0  # the mix's Linear(D, 2) with bias
+                sparse += E * 3 * D * self.expert_ffn
                 active_sparse += self.top_k * 3 * D * self.expert_ffn
             else:
                 dense += 3 * D * self.dense_ffn
@@ -290,7 +301,36 @@ def _olmoe(cfg: dict) -> ModelSpec:
     )
 
 
-_SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+def _prmoe(cfg: dict) -> ModelSpec:
+    """moeserve's PR-MoE config: `num_experts_per_layer` (one count per layer, 0 = a dense MLP layer) and
+    `residual` (each MoE layer adds a dense MLP of the experts' width, mixed as DeepSpeed-MoE's use_residual)."""
+    c = _common(cfg, "prmoe")
+    L, k = c["num_layers"], cfg["num_experts_per_tok"]
+    experts = cfg["num_experts_per_layer"]
+    if not (isinstance(experts, list) and len(experts) == L and all(isinstance(e, int) and e >= 0 for e in experts)):
+        raise MoeserveError(f"num_experts_per_layer must list {L} expert counts (0 = a dense layer), got {experts!r}")
+    if any(0 < e < k for e in experts) or not any(experts):
+        raise MoeserveError(f"num_experts_per_layer {experts} needs an MoE layer and at least top-{k} experts in each")
+    residual = bool(cfg.get("residual", False))
+    ffn = cfg["intermediate_size"]
+    return ModelSpec(
+        **c,
+        sliding_windows=(None,) * L,
+        num_experts=max(experts),
+        layer_experts=tuple(experts),
+        top_k=k,
+        expert_ffn=ffn,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", k > 1)),
+        router_weights_fp32=True,
+        moe_layers=tuple(e > 0 for e in experts),
+        dense_ffn=ffn,
+        shared_expert_ffn=ffn if residual else 0,
+        residual_mix=residual,
+    )
+
+
+_SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
+                 "prmoe": _prmoe}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

@@ -111,8 +111,8 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
     out = {"experts": 0, "dense": 0}
     for name, shape in reader.shapes.items():
         size = 4 * torch.Size(shape).numel()
-        if ".experts." in name:
-            out["experts"] += size // (ep if ep > 1 else tp)
+        if ".experts." in name:  # a layer of fewer experts than ranks: each rank reads one
+            out["experts"] += size // (min(ep, shape[0]) if ep > 1 else tp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
         elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name) or (  # attention, dense and shared FFNs

@@ -25,13 +25,12 @@ def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: i
     (float ones in the compute dtype); a mapped store on disk costs the pages the CPU reads (its float copies at
     mapped_float_bytes per weight) and a compute-dtype copy of those when the dtypes differ. Low-bit experts the CPU
     runs are also repacked once for its kernels (a second copy)."""
-    E = spec.num_experts
     high = 0 if placement.low else expert_bytes(spec, 16, compute_bytes)
     low = expert_bytes(spec, low_bits, group=group) if placement.needs_low_copies else 0
-    cpu_experts = len(placement.cpu_layers) * E
+    cpu_experts = sum(spec.experts_at(i) for i in placement.cpu_layers)
     if mapped_float_bytes is None:
-        stored_layers = len(placement.moe_layers) if placement.low else len(placement.cpu_layers)
-        total = stored_layers * E * (high + low)
+        stored_layers = placement.moe_layers if placement.low else placement.cpu_layers
+        total = sum(spec.experts_at(i) for i in stored_layers) * (high + low)
     else:
         read_high = 0 if placement.low else expert_bytes(spec, 16, mapped_float_bytes)
         total = cpu_experts * (read_high + low + (high if mapped_float_bytes != compute_bytes else 0))

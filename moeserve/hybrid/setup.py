@@ -12,7 +12,7 @@ from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
-from moeserve.offload.store import ExpertStore
+from moeserve.offload.store import ExpertStore, layer_experts
 from moeserve.quant.qlinear import QuantizedExperts
 from moeserve.spec import ModelSpec
 
@@ -52,7 +52,7 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
 def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
     """A resident layer of a low-bit run: the store's low-bit copies of its experts on the model device."""
     pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
-             for e in range(store.meta["num_experts"])]
+             for e in range(layer_experts(store.meta, layer))]
     return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs])
 
 
@@ -66,7 +66,7 @@ def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: 
                             warm)
     layers = model.model.layers
     for i in placement.cpu_layers:
-        layers[i].mlp.experts = HybridExperts(i, model.spec.num_experts, runtime)
+        layers[i].mlp.experts = HybridExperts(i, model.spec.experts_at(i), runtime)
     if placement.low:
         for i in sorted(set(placement.moe_layers) - set(placement.cpu_layers)):
             layers[i].mlp.experts = resident_lowbit(store, i, model.device)

@@ -1,4 +1,8 @@
-"""MoE block: router -> expert backend (dispatch, expert FFNs, combine) (+ shared expert)."""
+"""MoE block: router -> expert backend (dispatch, expert FFNs, combine) (+ shared expert).
+
+The shared expert is added (Mixtral has none), sigmoid-gated (Qwen2-MoE), or mixed with the routed output by a
+learned 2-way softmax (PR-MoE's residual MoE, DeepSpeed-MoE's use_residual: out = c0 * routed + c1 * mlp,
+c = softmax(Linear(D, 2)(x)))."""
 
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ class MoEBlock(nn.Module):
         super().__init__()
         D = spec.hidden_size
         self.layer_idx = layer_idx
-        self.gate = TopKRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
-        self.experts: ExpertBackend = ResidentExperts(spec.num_experts, D, spec.expert_ffn)
+        E = spec.experts_at(layer_idx)
+        self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
+        self.experts: ExpertBackend = ResidentExperts(E, D, spec.expert_ffn)
         if spec.shared_expert_ffn:
             self.shared_expert = MLP(D, spec.shared_expert_ffn)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_expert_gate else None
         else:
             self.shared_expert = None
+        self.coefficient = nn.Linear(D, 2) if spec.residual_mix else None  # [routed, shared] mix logits
         self._logged: set[tuple[int, str]] = set()  # (tokens, path) pairs already logged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,10 +40,14 @@ class MoEBlock(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, D]
         if log.isEnabledFor(logging.DEBUG):
             self._log_path(x)
+        mix = torch.softmax(self.coefficient(x), dim=-1) if self.coefficient is not None else None  # [T, 2]
         if self.shared_expert is not None and self.experts.overlaps_dense:
-            # an expert-parallel backend computes the shared expert while its tokens are in flight
+            # an expert-parallel backend computes the shared expert while its tokens are in flight; the routed
+            # share of a mix goes into the gate weights (the combine is linear in them)
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
-            return self.experts(x, expert_ids, expert_weights, dense=self._shared).reshape(shape)
+            if mix is not None:
+                expert_weights = expert_weights * mix[:, :1].to(expert_weights.dtype)
+            return self.experts(x, expert_ids, expert_weights, dense=lambda t: self._shared(t, mix)).reshape(shape)
         prepared = self._prepared_input(x)
         if prepared is None:
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
@@ -45,8 +55,10 @@ class MoEBlock(nn.Module):
         else:
             expert_ids, expert_weights, _ = self.gate(x, prepared)
             out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
+        if mix is not None:
+            out = out * mix[:, :1]
         if self.shared_expert is not None:
-            out = out + self._shared(x)
+            out = out + self._shared(x, mix)
         return out.reshape(shape)
 
     def _prepared_input(self, x: torch.Tensor):
@@ -66,9 +78,12 @@ class MoEBlock(nn.Module):
             self._logged.add((T, path))
             log.debug("layer %d, %d tokens on %s: experts %s", self.layer_idx, T, x.device, path)
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert (Qwen2-MoE: sigmoid-gated) on x [T, D] -> [T, D]."""
+    def _shared(self, x: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
+        """The shared expert on x [T, D] -> [T, D]: sigmoid-gated (Qwen2-MoE), or its share mix[:, 1] of a
+        residual mix (PR-MoE)."""
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if mix is not None:
+            shared = shared * mix[:, 1:]
         return shared

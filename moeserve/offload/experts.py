@@ -17,7 +17,7 @@ from moeserve.offload.precision import HIGH, LOW, SKIP, choose_precision
 from moeserve.offload.simulate import SimResult
 from moeserve.offload.slot_compute import SlotExperts
 from moeserve.offload.slots import SlotPool
-from moeserve.offload.store import ExpertStore
+from moeserve.offload.store import ExpertStore, layer_experts
 from moeserve.offload.transfer import Copier, measure_h2d_bandwidth
 from moeserve.offload.trace import RoutingTrace
 
@@ -185,16 +185,17 @@ class OffloadedExperts(ExpertBackend):
         self.layer, self.num_experts, self.top_k, self.cache = layer, num_experts, top_k, cache
         self.slots = SlotExperts([cache.pools[HIGH], cache.pools[LOW]])  # virtual ids: high slots, then low
         self.next_layers = list(next_layers)
-        self.next_gates = next_gates  # [n * E, D]: the routers of the next n MoE layers, stacked
+        self.next_gates = next_gates  # [sum of their E, D]: the routers of the next n MoE layers, stacked
+        self.next_counts = [layer_experts(cache.store.meta, j) for j in self.next_layers]
 
     def predict_next(self, x: torch.Tensor) -> list[tuple[int, int]]:
         """Experts the next layers' routers would pick for this layer's gate input (one stacked matmul)."""
         if not self.next_layers:
             return []
-        logits = (x @ self.next_gates.T).reshape(x.shape[0], len(self.next_layers), self.num_experts)  # [T, n, E]
-        picks = logits.topk(self.top_k, dim=-1).indices  # [T, n, k]
-        return list(dict.fromkeys((self.next_layers[j], int(e)) for t in picks.tolist()
-                                  for j, row in enumerate(t) for e in row))
+        logits = (x @ self.next_gates.T).split(self.next_counts, dim=-1)  # n x [T, E of that layer]
+        picks = [part.topk(self.top_k, dim=-1).indices.tolist() for part in logits]  # n x [T, k]
+        return list(dict.fromkeys((self.next_layers[j], e) for t in range(x.shape[0])
+                                  for j in range(len(picks)) for e in picks[j][t]))
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         return "offload"
@@ -276,6 +277,6 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
         following = moe[n + 1:n + 1 + prefetch_layers]
         gates = (torch.cat([model.model.layers[j].mlp.gate.weight for j in following]).detach()
                  if following else None)
-        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.num_experts, model.spec.top_k, cache,
+        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.experts_at(i), model.spec.top_k, cache,
                                                              following, gates)
     return cache

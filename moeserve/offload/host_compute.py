@@ -21,7 +21,7 @@ from moeserve.kernels.cpu.gemv import (LayerExperts, applies, default_kernel, mo
                                        quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import swiglu
-from moeserve.offload.store import ExpertStore
+from moeserve.offload.store import ExpertStore, layer_experts
 
 
 @dataclass
@@ -66,13 +66,15 @@ class HostExperts:
         compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
         for layer in layers:
-            for e in range(self.store.meta["num_experts"]):
+            for e in range(layer_experts(self.store.meta, layer)):
                 if not low:
                     self.high(layer, e)
                     continue
                 for m in self.low(layer, e):
                     if applies(m, probe, 1):
                         packed_weight(m, default_kernel(m.bits))
+            if low:
+                self.native_layer(layer, probe)
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
@@ -84,12 +86,11 @@ class HostExperts:
         gate_up, down = self.low(layer, expert)
         return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
 
-    def layer_experts(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
+    def native_layer(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
         """Every low-bit expert of the layer repacked for the native MoE call (once per layer), or None where the
         generated kernels do not read them."""
         if layer not in self._layers:
-            E = self.store.meta["num_experts"]
-            mods = [self.low(layer, e) for e in range(E)]
+            mods = [self.low(layer, e) for e in range(layer_experts(self.store.meta, layer))]
             kernel = default_kernel(mods[0][0].bits)
             ok = kernel is not None and all(applies(m, x, None) and m.rank == 0 and m.bias is None for m in mods[0])
             self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
@@ -99,11 +100,11 @@ class HostExperts:
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
         if pairs.low is True:
-            experts = self.layer_experts(layer, x)
+            experts = self.native_layer(layer, x)
             if experts is not None:
                 kernel = default_kernel(experts.gate_up[0].bits)
                 return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask).to(x.dtype)
-        E = self.store.meta["num_experts"]
+        E = self.store.meta["num_experts"]  # the most of any layer: unit ids stay apart
         low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
         units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)
         table = sorted_table(units, pairs.weights, 2 * E, mask=pairs.mask)  # the pairs in unit order

@@ -54,7 +54,14 @@ def store_meta(spec, layers: list[int], low_bits: int, group: int, source: dict 
     meta = {"layers": sorted(layers), "num_layers": spec.num_layers, "num_experts": spec.num_experts,
             "hidden": spec.hidden_size, "ffn": spec.expert_ffn, "low_bits": low_bits, "group": group,
             "pack_layout": pack.LAYOUT}
+    if spec.layer_experts:  # layers differ (PR-MoE): each layer's own count
+        meta["layer_experts"] = {str(i): spec.experts_at(i) for i in sorted(layers)}
     return meta if source is None else {**meta, "source": source}
+
+
+def layer_experts(meta: dict, layer: int) -> int:
+    """The experts a store holds of `layer` (num_experts unless the meta lists each layer's)."""
+    return meta.get("layer_experts", {}).get(str(layer), meta["num_experts"])
 
 
 def store_source(layer_digests: dict[int, str], experts_sample: str) -> dict:
@@ -102,7 +109,7 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
     except MoeserveError as e:  # truncated or not safetensors
         raise MoeserveError(f"{e}; {_rebuild_hint(path)}") from None
     D, F = meta["hidden"], meta["ffn"]
-    for e in range(meta["num_experts"]):
+    for e in range(layer_experts(meta, layer)):
         for name, shape in ((f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])):
             if header.get(name, {}).get("shape") != shape:
                 raise MoeserveError(f"{f} does not hold the experts {META_FILE} describes ({name}: "
@@ -119,7 +126,7 @@ def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: 
     layer at a time from the checkpoint (peak memory: one layer's experts)."""
     with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
         for i in bar:
-            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.num_experts)
+            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.experts_at(i))
                       for n in ("gate_up_proj", "down_proj")]
             yield i, stacks, tensors_digest(stacks)
 
@@ -145,7 +152,7 @@ def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, grou
 
 
 def _shape_text(num_layers, layers, hidden, ffn, experts) -> str:
-    return f"{num_layers} layers ({len(layers)} MoE), hidden {hidden}, expert FFN {ffn}, {experts} experts"
+    return f"{num_layers} layers ({len(layers)} MoE), hidden {hidden}, expert FFN {ffn}, {experts} experts (per layer)"
 
 
 def model_expert_sample(path: Path, spec) -> str:
@@ -313,9 +320,10 @@ class ExpertStore:
         checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source). A store that
         records no sample (an older moeserve's) cannot be matched and is refused."""
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
-        ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"], m["num_experts"])
+        ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
+                ",".join(str(layer_experts(m, i)) for i in m["layers"]))
         theirs = (spec.num_layers, _moe_layers(spec), spec.hidden_size,
-                  spec.expert_ffn, spec.num_experts)
+                  spec.expert_ffn, ",".join(str(spec.experts_at(i)) for i in _moe_layers(spec)))
         if "source" not in m:
             raise MoeserveError(f"expert store {where} records no source fingerprint (an older moeserve built "
                                 f"it); build it again with `moeserve offload-prepare --model {path} --out "

@@ -6,6 +6,8 @@ Two layouts of what a rank sends, both once per (token, destination rank) and no
   static  - `capacity` rows for every destination, row t = token t (padding past the real tokens), slots that
             are not the destination's marked -1; equal splits, static shapes, nothing read on the host.
 A row carries its token's k slots: the local expert id on the destination (-1: not there) and the gate weight.
+Destinations are ranks base + expert // per_rank: base is the first rank of the sender's copy of the layer
+(groups.expert_share; 0 unless the layer has fewer experts than ranks).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ class SendRows:
     weights: torch.Tensor  # [n, k] gate weights (0 for slots elsewhere)
 
 
-def dynamic_rows(expert_ids: torch.Tensor, expert_weights: torch.Tensor, per_rank: int, ranks: int) -> SendRows:
+def dynamic_rows(expert_ids: torch.Tensor, expert_weights: torch.Tensor, per_rank: int, ranks: int,
+                 base: int = 0) -> SendRows:
     """One row per (destination rank, token) that has at least one expert there, sorted by rank."""
     T, k = expert_ids.shape
-    dest = expert_ids // per_rank  # [T, k] destination rank of each selected expert
+    dest = base + expert_ids // per_rank  # [T, k] destination rank of each selected expert
     token = torch.arange(T, device=expert_ids.device).unsqueeze(1).expand(T, k)  # [T, k]
     pair, row_of_slot = torch.unique((dest * T + token).flatten(), return_inverse=True)  # [n], [T*k]
     local_ids = torch.full((pair.numel(), k), -1, dtype=torch.long, device=expert_ids.device)
@@ -39,10 +42,10 @@ def dynamic_rows(expert_ids: torch.Tensor, expert_weights: torch.Tensor, per_ran
 
 
 def static_rows(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, per_rank: int, ranks: int,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capacity: int, base: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [P*C, D], local ids [P*C, k], weights [P*C, k]): C = capacity rows per destination, row t = token t."""
     T, k = expert_ids.shape
-    dest = expert_ids // per_rank  # [T, k]
+    dest = base + expert_ids // per_rank  # [T, k]
     token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, k)  # [T, k]
     slot = torch.arange(k, device=x.device).expand(T, k)  # [T, k]
     ids = torch.full((ranks, capacity, k), -1, dtype=torch.long, device=x.device)

@@ -16,14 +16,16 @@ from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
-from moeserve.parallel.groups import check_experts, split_range
+from moeserve.parallel.groups import check_experts, expert_share, split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.parallel.plan import DispatchPlan
 
 
 class ExpertParallelExperts(ExpertBackend):
-    """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts)."""
+    """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts). A layer with
+    fewer experts than ranks is held by several copies of consecutive ranks (groups.expert_share); each rank
+    dispatches within its own copy."""
 
     overlaps_dense = True  # MoEBlock hands it the shared expert to compute while tokens are in flight
 
@@ -36,7 +38,8 @@ class ExpertParallelExperts(ExpertBackend):
         super().__init__()
         self.local, self.num_experts, self.group, self.hierarchy, self.tp = local, num_experts, group, hierarchy, tp
         self.rank, self.size, self.plan = group_rank, group_size, plan
-        self.per_rank = num_experts // group_size
+        self.per_rank = check_experts(num_experts, group_size)
+        self.base = expert_share(num_experts, group_size, group_rank)[1]  # first rank of this rank's copy
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         return "expert_parallel"
@@ -69,7 +72,7 @@ class ExpertParallelExperts(ExpertBackend):
         capacity = self.plan.capacity if self.plan is not None and self.hierarchy is None else None
         if capacity is not None:
             assert T <= capacity, "the dispatch plan was agreed for fewer tokens than this layer got"
-            sends = static_rows(x, expert_ids, expert_weights, self.per_rank, P, capacity)  # [P*C, D|k|k]
+            sends = static_rows(x, expert_ids, expert_weights, self.per_rank, P, capacity, self.base)  # [P*C, D|k|k]
             inflight = [self._exchange(t) for t in sends]
 
             def finish_static():
@@ -77,7 +80,7 @@ class ExpertParallelExperts(ExpertBackend):
                 return y_back.view(P, capacity, D).sum(0)[:T].to(x.dtype)  # sum the ranks' partial outputs
 
             return finish_static
-        rows = dynamic_rows(expert_ids, expert_weights, self.per_rank, P)
+        rows = dynamic_rows(expert_ids, expert_weights, self.per_rank, P, self.base)
         recv_counts = torch.empty_like(rows.counts)
         dist.all_to_all_single(recv_counts, rows.counts, group=self.group)
         sc, rc = rows.counts.tolist(), recv_counts.tolist()  # the dynamic mode's host sync
@@ -122,21 +125,22 @@ class ExpertParallelExperts(ExpertBackend):
 
 def enable_expert_parallel(model, group, group_rank: int, group_size: int, hierarchy: tuple | None = None,
                            tp: tuple | None = None, static_max_tokens: int = STATIC_MAX_TOKENS) -> None:
-    """Keep this rank's slice of every MoE layer's experts and route through all-to-all. Works on a model whose
-    experts are still on the meta device (sharded loading fills them in afterwards).
+    """Keep this rank's slice of every MoE layer's experts (each layer its own, when layers differ) and route
+    through all-to-all. Works on a model whose experts are still on the meta device (sharded loading fills them in
+    afterwards).
 
     static_max_tokens: tokens per rank up to which dispatch uses static buffers (0 = always dynamic)."""
-    per_rank = check_experts(model.spec.num_experts, group_size)
-    lo = group_rank * per_rank
+    spec = model.spec
     plan = DispatchPlan(group, model.device, static_max_tokens, tp[2] if tp is not None else 1)
     plan.install(model)
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         full = getattr(layer.mlp, "experts", None)
         if full is None:
             continue
+        mine = expert_share(spec.experts_at(i), group_size, group_rank)[0]
         with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
-            local = ResidentExperts(per_rank, model.spec.hidden_size, model.spec.expert_ffn)
-        local.gate_up_proj = nn.Parameter(full.gate_up_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
-        local.down_proj = nn.Parameter(full.down_proj[lo:lo + per_rank].detach().clone(), requires_grad=False)
-        layer.mlp.experts = ExpertParallelExperts(local, model.spec.num_experts, group, group_rank, group_size,
+            local = ResidentExperts(len(mine), spec.hidden_size, spec.expert_ffn)
+        local.gate_up_proj = nn.Parameter(full.gate_up_proj[mine.start:mine.stop].detach().clone(), requires_grad=False)
+        local.down_proj = nn.Parameter(full.down_proj[mine.start:mine.stop].detach().clone(), requires_grad=False)
+        layer.mlp.experts = ExpertParallelExperts(local, spec.experts_at(i), group, group_rank, group_size,
                                                   hierarchy, tp, plan)

@@ -42,11 +42,23 @@ class RankGrid:
 
 
 def check_experts(num_experts: int, ep: int) -> int:
-    """Experts per rank; an error when they do not split evenly."""
-    if num_experts % ep:
-        raise MoeserveError(f"{num_experts} experts cannot be split over {ep} expert-parallel ranks (needs a "
-                            f"divisor of {num_experts}; use --tp to slice each expert over more ranks instead)")
-    return num_experts // ep
+    """Experts per rank of a layer of num_experts experts over ep ranks: E / ep when ep divides E, 1 when E divides
+    ep (the layer is held ep / E times, DeepSpeed-MoE's expert + data parallelism for PR-MoE's smaller layers);
+    otherwise an error."""
+    if num_experts % ep and ep % num_experts:
+        raise MoeserveError(f"{num_experts} experts cannot be spread over {ep} expert-parallel ranks (needs a "
+                            f"divisor or a multiple of {num_experts}; use --tp to slice each expert over more ranks "
+                            f"instead)")
+    return max(num_experts // ep, 1)
+
+
+def expert_share(num_experts: int, ep: int, rank: int) -> tuple[range, int]:
+    """(the experts `rank` holds, the first rank of its copy of the layer). A layer with fewer experts than ranks
+    is held by ep / E copies of E consecutive ranks each; a rank dispatches its tokens within its own copy."""
+    per = check_experts(num_experts, ep)
+    span = num_experts // per  # ranks that hold one copy of the layer
+    start = (rank % span) * per
+    return range(start, start + per), rank // span * span
 
 
 def split_range(n: int, rank: int, size: int) -> range:

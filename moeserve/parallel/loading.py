@@ -20,7 +20,7 @@ from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.collectives import raise_if_any_failed
 from moeserve.parallel.expert_parallel import enable_expert_parallel
-from moeserve.parallel.groups import RankGrid, check_experts, new_groups, split_range
+from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
@@ -42,13 +42,15 @@ def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_siz
     return gate_up, torch.stack([reader.get_slice(d, (slice(None), f)) for _, _, d in names])
 
 
-def fill_experts(model, reader: CheckpointReader, experts: range, ffn: range, device, dtype) -> None:
-    """Read this rank's experts into the (meta) expert backends the parallel wrappers hold."""
+def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device, dtype) -> None:
+    """Read this rank's experts (experts_of(layer) -> range) into the (meta) expert backends the parallel wrappers
+    hold."""
     spec = model.spec
     for i, layer in enumerate(model.model.layers):
         backend = getattr(layer.mlp, "experts", None)
         if backend is None:
             continue
+        experts = experts_of(i)
         leaf = next(m for m in backend.modules() if isinstance(m, ResidentExperts))
         for name, t in zip(("gate_up_proj", "down_proj"),
                            read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)):
@@ -68,7 +70,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
     if ep > 1:
-        check_experts(spec.num_experts, ep)
+        for i in (i for i, moe in enumerate(spec.moe_layers) if moe):
+            check_experts(spec.experts_at(i), ep)
     if tp > 1:
         check_tensor_parallel(spec, tp)
     (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
@@ -92,7 +95,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
         ffn = split_range(spec.expert_ffn, tp_rank, tp) if ep == 1 else range(spec.expert_ffn)  # as _slice_experts
-        fill_experts(model, reader, split_range(spec.num_experts, ep_rank, ep), ffn, model.device, model.dtype)
+        fill_experts(model, reader, lambda i: expert_share(spec.experts_at(i), ep, ep_rank)[0], ffn, model.device,
+                     model.dtype)
     except MoeserveError as e:
         error = e
     raise_if_any_failed(error, device)

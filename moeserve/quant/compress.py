@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir, checkpoint_expert_sample,
-                                  read_tensor, save_safetensors_atomic, tensors_digest, update_digest,
+                                  read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest, update_digest,
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
@@ -84,7 +84,7 @@ def linear_tensors(spec: ModelSpec) -> list[TensorInfo]:
             continue
         if spec.shared_expert_ffn:
             out += _mlp(f"{m}.shared_expert", "shared_expert", i, D, spec.shared_expert_ffn)
-        for e in range(spec.num_experts):
+        for e in range(spec.experts_at(i)):
             out.append(TensorInfo(f"{m}.experts.gate_up.{e}", "expert", i, e, (2 * spec.expert_ffn, D)))
             out.append(TensorInfo(f"{m}.experts.down.{e}", "expert", i, e, (D, spec.expert_ffn)))
     return out
@@ -104,12 +104,13 @@ class LayerSource:
 
     def weight(self, info: TensorInfo) -> torch.Tensor:
         if info.kind != "expert":
-            return read_tensor(self.reader, info.name + ".weight", self.spec.family, self.spec.num_experts)
+            return read_tensor(self.reader, info.name + ".weight", self.spec.family, self.spec.experts_at(info.layer))
         stack_name, e = info.name.rsplit(".", 1)
         stack_name = stack_name.replace(".experts.gate_up", ".experts.gate_up_proj").replace(
             ".experts.down", ".experts.down_proj")
         if stack_name not in self._stacks:
-            self._stacks = {stack_name: read_tensor(self.reader, stack_name, self.spec.family, self.spec.num_experts)}
+            self._stacks = {stack_name: read_tensor(self.reader, stack_name, self.spec.family,
+                                                    self.spec.experts_at(info.layer))}
         return self._stacks[stack_name][int(e)]
 
     def bias(self, info: TensorInfo) -> torch.Tensor | None:
@@ -325,7 +326,7 @@ def _write_rest(reader: CheckpointReader, spec: ModelSpec, quantized_names: set[
     """Copy the tensors left in full precision (embeddings, norms, routers, skipped kinds); returns their digest."""
     with torch.device("meta"):
         names = [n for n, _ in MoETransformer(spec).named_parameters()]
-    rest = {name: read_tensor(reader, name, spec.family, spec.num_experts) for name in names
+    rest = {name: read_tensor(reader, name, spec.family, tensor_experts(spec, name)) for name in names
             if name.rsplit(".", 1)[0] not in quantized_names and not _in_quantized_experts(name, quantized_names)}
     save_safetensors_atomic(rest, partial / "rest.safetensors")
     return tensors_digest(rest.values())

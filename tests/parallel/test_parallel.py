@@ -11,18 +11,20 @@ import torch.multiprocessing as mp
 
 import parallel_worker
 from moeserve.errors import MoeserveError
-from moeserve.parallel.groups import RankGrid, check_experts, split_range
+from moeserve.parallel.groups import RankGrid, check_experts, expert_share, split_range
 
 MODEL_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]  # + shared expert (overlapped), dense layers, qk-norm
 CASES = {
     2: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral"], 1, 2, 128), ("model", ["mixtral"], 1, 2, 0),  # EP: static / dynamic dispatch
+        ("model", ["prmoe", "pyramid"], 1, 2, 128), ("model", ["prmoe"], 1, 2, 0),  # layers of 2, 4, 8 experts
         ("model", [*MODEL_FAMILIES, "olmoe", "fused_tied"], 2, 1, 128),  # TP: vocab-parallel, heads, expert
         # slicing, OLMoE's qk-norm over all heads (sharded) and clip_qkv
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
         ("model", ["qwen2_moe"], 2, 2, 128),  # coordinated TP x EP
+        ("model", ["prmoe", "pyramid"], 1, 4, 128), ("model", ["prmoe"], 1, 4, 0),  # 2 experts: 2 copies
         ("hierarchical",), ("bad_checkpoint",)],
 }
 
@@ -30,8 +32,10 @@ CASES = {
 @pytest.fixture(scope="module")
 def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0, and
-    `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored)."""
+    `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored);
+    `prmoe` (top-1 + residual MLP) and `pyramid` (top-2): PR-MoE checkpoints with layers of 2, 4 and 8 experts."""
     import moeserve
+    from prmoe_models import save_prmoe_model, tiny_arch
     from safetensors.torch import load_file, save_file
 
     paths = {fam: str(path) for fam, (_, path) in hf_checkpoints.items()}
@@ -48,6 +52,8 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     del state["lm_head.weight"]
     save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
     paths["fused_tied"] = str(fused)
+    paths["prmoe"] = str(save_prmoe_model(tmp_path_factory.mktemp("prmoe"), tiny_arch((2, 4, 8), 1, True), seed=5))
+    paths["pyramid"] = str(save_prmoe_model(tmp_path_factory.mktemp("pyramid"), tiny_arch((2, 4, 8), 2, False), seed=6))
     return paths
 
 
@@ -67,10 +73,14 @@ def test_rank_grid_layout():
         RankGrid(world=6, tp=4)
     with pytest.raises(MoeserveError, match="must divide"):
         RankGrid(world=8, tp=2, ep=3)
-    with pytest.raises(MoeserveError, match="cannot be split"):
+    with pytest.raises(MoeserveError, match="cannot be spread"):
         check_experts(8, 3)
     with pytest.raises(MoeserveError, match="use --tp"):
-        check_experts(8, 16)  # more EP ranks than experts
+        check_experts(6, 4)  # neither divides the other
+    assert check_experts(8, 16) == 1  # more EP ranks than experts: the layer is held twice
+    assert [expert_share(2, 4, r) for r in range(4)] == [(range(0, 1), 0), (range(1, 2), 0), (range(0, 1), 2),
+                                                        (range(1, 2), 2)]
+    assert expert_share(8, 4, 3) == (range(6, 8), 0)
     assert [split_range(97, r, 4) for r in range(4)] == [range(0, 25), range(25, 49), range(49, 73), range(73, 97)]
 
 
@@ -90,6 +100,9 @@ def test_dispatch_layouts():
     assert send.shape == (8, 2) and torch.equal(send[4:7], x) and not send[3].any()
     assert sids.tolist() == [[0, 1], [-1, -1], [1, -1], [-1, -1], [-1, -1], [1, 0], [-1, 1], [-1, -1]]
     assert rows_sent(ids, per_rank=2, ranks=2, rank=0) == {"per_rank": 2, "per_expert": 3}
+    # a 2-expert layer over 4 ranks: a rank of the second copy (ranks 2, 3) sends only within it
+    copy = dynamic_rows(torch.tensor([[0], [1], [1]]), torch.ones(3, 1), per_rank=1, ranks=4, base=2)
+    assert copy.counts.tolist() == [0, 0, 1, 2] and copy.local_ids.tolist() == [[0], [0], [0]]
 
 
 def _torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:

@@ -1,0 +1,5 @@
+import sys
+
+from moeserve.train.run import main
+
+sys.exit(main())
