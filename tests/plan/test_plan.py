@@ -180,18 +180,18 @@ def test_profile_json_round_trip_and_errors(tmp_path):
 
 
 def test_cli_plan_demo_and_mixtral(capsys, tmp_path, mixtral, h100_json):
-    assert main(["plan", "--profile", str(h100_json), "--gpu-memory", "16GiB", "--cpu-memory", "100GiB"]) == 0
+    assert main(["plan", "--for", "batch", "--profile", str(h100_json), "--gpu-memory", "16GiB", "--cpu-memory", "100GiB"]) == 0
     out = capsys.readouterr().out
     assert "policy" in out and "tokens/s" in out and "post_attention" in out
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "24GiB",
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "24GiB",
                  "--cpu-memory", "100GiB", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert ThroughputPolicy(**result["policy"]).batch_size >= 1 and result["bottleneck"] and result["tokens_per_s"] > 0
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "512MiB"]) == 2
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "512MiB"]) == 2
     assert "GPU memory short by" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     png = tmp_path / "roofline.png"
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "16GiB",
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "16GiB",
                  "--cpu-memory", "100GiB", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
