@@ -24,6 +24,7 @@ DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
 EXPLAIN_TOKENS = "1,8,512"  # info --explain: decode, batch decode, a prefill chunk
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
+DEFAULT_BENCH_GEN = 128  # tokens: `moeserve bench`'s decode steps (llama-bench's tg128)
 DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless the model's context is shorter
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # what `pip install moeserve[serve]` brings
 GPU_MEMORY_HELP = ("GPU memory budget, e.g. 24GiB: the placement planner chooses from the measured hardware profile "
@@ -227,11 +228,12 @@ def _bench_parser(sub) -> None:
                                     "untimed, then -r times. Prints a table: tokens/s mean ± std, peak GPU memory and "
                                     "peak host RSS.")
     _model_args(bp)
-    bp.add_argument("-p", "--n-prompt", dest="prompt_tokens", type=int, default=DEFAULT_PLAN_PROMPT, metavar="P",
+    bp.add_argument("-p", "--n-prompt", dest="prompt_tokens", type=int, default=None, metavar="P",
                     help=f"prompt tokens of the pp test (default {DEFAULT_PLAN_PROMPT}, or the model's context if "
                          f"shorter)")
-    bp.add_argument("-n", "--n-gen", dest="gen_tokens", type=int, default=128, metavar="N",
-                    help="decode steps of the tg test (default 128)")
+    bp.add_argument("-n", "--n-gen", dest="gen_tokens", type=int, default=None, metavar="N",
+                    help=f"decode steps of the tg test (default {DEFAULT_BENCH_GEN}, or what the model's context "
+                         f"allows)")
     bp.add_argument("-r", "--repetitions", type=int, default=3, metavar="R", help="timed runs per test (default 3)")
     bp.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     bp.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -860,8 +862,11 @@ def cmd_bench(args) -> int:
     from moeserve.spec import ModelSpec
 
     spec = ModelSpec.from_dir(args.model)
-    if args.prompt_tokens == DEFAULT_PLAN_PROMPT:
-        args.prompt_tokens = min(args.prompt_tokens, spec.max_position_embeddings)
+    context = spec.max_position_embeddings
+    if args.prompt_tokens is None:
+        args.prompt_tokens = min(DEFAULT_PLAN_PROMPT, context)
+    if args.gen_tokens is None:
+        args.gen_tokens = min(DEFAULT_BENCH_GEN, context - 2)
     check_bench(spec, args.prompt_tokens, args.gen_tokens, args.repetitions)
     _check_offload_args(args)
     _check_hybrid_args(args, spec)

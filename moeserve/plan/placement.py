@@ -210,16 +210,16 @@ def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float) 
 
 
 def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers: float, link_layers: float,
-                expert: float, cpu_dense: bool) -> tuple[Work, Work]:
+                expert: float, host_layers: int, cpu_dense: bool = False) -> tuple[Work, Work]:
     """(decode, prefill) work when `gpu_layers` MoE layers' experts are computed on the GPU, `cpu_layers` on the
     CPU (fractions: a cache's hits count on the GPU) and `link_layers` are copied to the GPU first; expert: bytes
-    of one expert; cpu_dense: the dense part runs on the CPU too (no GPU)."""
+    of one expert; host_layers: layers whose experts wait on the host; cpu_dense: the dense part runs on the CPU
+    too (no GPU)."""
     T, k = req.prompt_len, spec.top_k
     touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
     flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
     dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2)
     pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2)
-    host_layers = int(round(cpu_layers + link_layers)) if not cpu_dense else 0
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
                   link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers)
     prefill = Work(gpu_bytes=gpu_layers * touched * expert, cpu_bytes=cpu_layers * touched * expert,
@@ -311,7 +311,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
             slots = req.cache_slots if req.cache_slots is not None else int(max(room - (M - n) * E * eb, 0) // eb)
             slots = min(slots, n * E)
             hit = slots / (n * E) if n else 0.0
-            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, cpu_dense=False)
+            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n)
             host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
                                   fixed + ((M - n) * E + slots) * eb, host, decode, prefill))
@@ -335,7 +335,7 @@ def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
         high_slots = low_slots = 0
         problem = f"needs {format_bytes((fixed + k * (high + low)) / (1 - WORKSPACE_SHARE))} of GPU memory"
     hit = min((high_slots + low_slots) / (M * E), 1.0)
-    decode, prefill = _layer_work(spec, req, M, 0, M * (1 - hit), high, cpu_dense=False)
+    decode, prefill = _layer_work(spec, req, M, 0, M * (1 - hit), high, host_layers=M)
     gpu = fixed + (high_slots + k) * high + (low_slots + k) * low
     return _candidate(spec, hw, req, costs, "offload", 16, M, high_slots + low_slots, gpu,
                       M * E * (high + low), decode, prefill, problem)
@@ -350,7 +350,7 @@ def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
         eb = expert_bytes(spec, bits, req.dtype_bytes, group)
         host = dense + (M * E * eb if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group))
-        decode, prefill = _layer_work(spec, req, 0, M, 0, eb, cpu_dense=True)
+        decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
         out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))
     return out
 
