@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from checks import GiB, H100
+from checks import GiB, H100, MIXTRAL_CONFIG
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import expert_bytes
@@ -17,9 +17,6 @@ from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, cand
                                      dense_bytes, dense_minimum, plan_placement)
 from moeserve.spec import ModelSpec
 
-MIXTRAL = dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
-               num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6, sliding_window=None)
 # D 64, 2 heads of 32, 1 KV head, 4 experts of FFN 128, top-2, 2 MoE layers, vocabulary 100
 TINY = ModelSpec(family="mixtral", vocab_size=100, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                  head_dim=32, max_position_embeddings=256, num_experts=4, top_k=2, expert_ffn=128,
@@ -30,20 +27,6 @@ HW = HardwareProfile(cpu_name="cpu", cpu_cores=4, cpu_fp32_flops=1e10, cpu_bf16_
                      h2d_bandwidth=1e8)
 COSTS = Costs(graph_layer_s=1e-4, eager_layer_s=1e-3, host_layer_s=1e-2, cpu_call_s=1e-4, cpu_dram_share=0.5,
               cpu_flops_share=0.5, gpu_flops_share=0.5)
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mixtral")
-    (path / "config.json").write_text(json.dumps(MIXTRAL))
-    return path
-
-
-@pytest.fixture(scope="module")
-def h100_json(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hw") / "h100.json"
-    path.write_text(json.dumps(H100))
-    return path
 
 
 def mixtral_request(budget_gib: float, **options) -> PlanRequest:
@@ -89,7 +72,7 @@ def test_tiny_hybrid_candidate_by_hand():
 
 
 def test_choice_on_the_mixtral_shape():
-    spec = ModelSpec.from_hf_config(MIXTRAL)
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
     hw = HardwareProfile.from_dict(H100)
     # everything fits in bf16: the exact resident placement, though 4-bit would be faster
     plan = plan_placement(spec, hw, mixtral_request(100))
@@ -119,7 +102,7 @@ def test_choice_on_the_mixtral_shape():
 
 
 def test_explicit_flags_narrow_the_candidates():
-    spec = ModelSpec.from_hf_config(MIXTRAL)
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
     hw = HardwareProfile.from_dict(H100)
     cands = candidates(spec, hw, mixtral_request(24, bits=4))
     assert {c.bits for c in cands} == {4} and not any(c.kind == "offload" for c in cands)
@@ -131,7 +114,7 @@ def test_explicit_flags_narrow_the_candidates():
 
 
 def test_budget_and_host_ram_errors_name_what_is_needed():
-    spec = ModelSpec.from_hf_config(MIXTRAL)
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
     hw = HardwareProfile.from_dict(H100)
     need = dense_minimum(spec, 2, 1, 640)
     assert need > (dense_bytes(spec, 2) + kv_cache_bytes(spec, 1, 640, 2)) / (1 - WORKSPACE_SHARE)
@@ -143,7 +126,7 @@ def test_budget_and_host_ram_errors_name_what_is_needed():
 
 
 def test_cpu_only_plans_everything_on_the_cpu():
-    spec = ModelSpec.from_hf_config(MIXTRAL)
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
     hw = dataclasses.replace(HardwareProfile.from_dict(H100), gpu_name=None, gpu_flops=None, hbm_bandwidth=None)
     req = PlanRequest(None, 200 * GiB, 4, "float32")
     plan = plan_placement(spec, hw, req)
