@@ -203,3 +203,24 @@ def test_gpu_memory_errors_before_loading(expect_cli_error, byte_model_dir, quic
     ExpertStore.build(byte_model_dir, store, low_bits=4, group=32, progress=False)
     offload = ["generate", "--model", byte_model_dir, "--device", "cpu", "--offload", store]
     expect_cli_error(offload + ["--gpu-memory", "64KiB", "x"], "cannot hold the dense part", watch=store)
+
+
+def test_quantized_checkpoint_is_not_planned(expect_cli_error, byte_model_dir, tmp_path):
+    import shutil
+
+    quantized = tmp_path / "q"
+    shutil.copytree(byte_model_dir, quantized)
+    (quantized / "moeserve_quant.json").write_text("{}")
+    expect_cli_error(["generate", "--model", quantized, "--device", "cpu", "--gpu-memory", "1GiB", "x"],
+                     "is a moeserve quantized checkpoint", watch=quantized)
+
+
+def test_help_explains_planning_and_bench(capsys):
+    for argv, phrases in ((["generate", "--help"], ("placement planner", "--gpu-memory SIZE")),
+                          (["eval", "ppl", "--help"], ("placement planner",)),
+                          (["plan", "--help"], ("--for {decode,batch}", "--experts-bits B")),
+                          (["bench", "--help"], ("-p P", "-n N", "-r R", "peak host RSS"))):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(p in text for p in phrases), (argv, phrases)
