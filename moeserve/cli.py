@@ -576,7 +576,8 @@ def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
                                            chosen.cache_slots)
     else:
         args.placement = None
-        given = [flag for dest, (flag, default) in HYBRID_ONLY.items() if getattr(args, dest, default) != default]
+        given = [flag for dest, (flag, default) in HYBRID_ONLY.items() if getattr(args, dest, default) != default
+                 and dest not in ("experts_bits", "gpu_cache_experts")]  # those two narrowed the plan
         if given:
             raise MoeserveError(f"{given[0]} applies to experts on the CPU, and the plan keeps them all on the "
                                 f"{'CPU' if chosen.kind == 'cpu' else 'GPU'} unquantized ({chosen.where()}); give "

@@ -26,8 +26,8 @@ much faster); else, going down the precisions, the fastest fitting candidate of 
 replaces a higher one only when it is at least PRECISION_SPEEDUP times faster (fewer bits cost perplexity: 4-bit
 experts are taken over float ones mostly, 3-bit over 4-bit when they make a resident placement of a hybrid one).
 Offload needs an expert store from `moeserve offload-prepare`, so it is rated but only run when asked for with
---offload. Explicit flags (--cpu-moe / --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S)
-narrow the candidates to those they describe.
+--offload. Explicit flags (--cpu-moe / --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S) narrow the
+candidates to those they describe.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from moeserve.units import format_bytes
 PLAN_BITS = (16, 4, 3)  # expert precisions rated, highest first: 16 = the checkpoint's float weights, else HQQ
 PRECISION_SPEEDUP = 2.0  # how much faster a lower precision must be to be chosen over a higher one
 OFFLOAD_LOW_BITS = 4  # the low-bit copies of the offload candidate's store (offload-prepare's default)
-KINDS = ("resident", "hybrid", "offload", "cpu")
 
 
 @dataclass(frozen=True)
 class Costs:
     """What the roofline leaves out: the host's fixed costs and the shares of the peaks our kernels reach.
     Defaults fitted to bench/results/hybrid-nvidia-h200-20261126-115936.json (H200 + 16-core Xeon, Mixtral and
-    Qwen3-30B-A3B shapes at 4-bit: the decode rate of each hybrid and offload column within 20% of the measured)."""
+    Qwen3-30B-A3B shapes at 4-bit: the decode rate of each hybrid and offload column within about 20% of the
+    measured one)."""
 
     graph_layer_s: float = 30e-6  # a decoder layer replayed in a CUDA graph (every expert resident)
     eager_layer_s: float = 0.2e-3  # a decoder layer launched eagerly (a step with CPU or offloaded experts)
@@ -83,7 +83,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Candidate:
-    kind: str  # KINDS
+    kind: str  # resident, hybrid, offload or cpu (the module's docstring)
     bits: int  # experts' precision (16: the compute dtype's float)
     cpu_layers: int  # MoE layers whose experts the CPU computes (offload: those whose experts are copied)
     moe_layers: int

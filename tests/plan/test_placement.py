@@ -192,6 +192,7 @@ def test_gpu_memory_errors_before_loading(expect_cli_error, byte_model_dir, quic
     gen = ["generate", "--model", byte_model_dir, "--max-new-tokens", "2", "--device", "cpu", "--gpu-memory", "1GiB"]
     expect_cli_error(gen + ["--n-cpu-moe", "3"], "--n-cpu-moe 3 is outside the model's 2 MoE layers")
     expect_cli_error(gen + ["--mixed-precision"], "--mixed-precision applies to experts on the CPU")
+    expect_cli_error(gen + ["--experts-bits", "16", "--cpu-threads", "2"], "--cpu-threads applies to experts on")
     expect_cli_error(gen + ["--experts-bits", "5"], "--experts-bits 5 is not one of")
     monkeypatch.setattr("moeserve.offload.budget.available_ram", lambda: 1000)
     line = expect_cli_error(gen, "not enough host RAM for the experts")
@@ -224,3 +225,17 @@ def test_help_explains_planning_and_bench(capsys):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())
         assert all(p in text for p in phrases), (argv, phrases)
+
+
+def test_serve_checks_the_plan_and_host_ram_before_listening(expect_cli_error, byte_model_dir, quick_profile,
+                                                             monkeypatch):
+    pytest.importorskip("fastapi")
+
+    def listen(*_args, **_kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr("moeserve.serve.server.run", listen)
+    serve = ["serve", "--model", byte_model_dir, "--device", "cpu", "--port", "0"]
+    expect_cli_error(serve + ["--gpu-memory", "1GiB", "--n-cpu-moe", "3"], "outside the model's 2 MoE layers")
+    monkeypatch.setattr("moeserve.hybrid.memory.available_ram", lambda: 1000)
+    expect_cli_error(serve + ["--cpu-moe"], "not enough host RAM for the experts on the CPU")
