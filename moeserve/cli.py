@@ -26,8 +26,14 @@ DEMO_DIR = Path(DEMO_MODEL)  # the package names the demo once
 EXPLAIN_TOKENS = "1,8,512"  # info --explain: decode, batch decode, a prefill chunk
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
+DEFAULT_BENCH_GEN = 128  # tokens: `moeserve bench`'s decode steps (llama-bench's tg128)
 DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless the model's context is shorter
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # what `pip install moeserve[serve]` brings
+GPU_MEMORY_HELP = ("GPU memory budget, e.g. 24GiB: the placement planner chooses from the measured hardware profile "
+                   "where the experts live (all resident, quantized with --experts-bits, some layers' experts on the "
+                   "CPU, cache slots) and prints its plan (`moeserve plan` shows every candidate); --cpu-moe, "
+                   "--n-cpu-moe N, --experts-bits B and --gpu-cache-experts S fix those parts of it; on a machine "
+                   "without a GPU everything runs on the CPU")
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -72,9 +78,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 def _offload_args(o) -> list[argparse.Action]:
     """The options that only mean something with --offload; returned so their defaults can be compared."""
     return [
-        o.add_argument("--gpu-memory", "--memory", dest="memory", default=None, metavar="SIZE",
-                       help="fast-memory budget (e.g. 20GiB: GPU memory, or RAM with --device cpu) from which the "
-                            "cache slots are planned after the non-expert weights, KV cache and workspace"),
+        o.add_argument("--gpu-memory", "--memory", dest="memory", default=None, metavar="SIZE", help=GPU_MEMORY_HELP
+                       + "; with --offload, the fast-memory budget (GPU memory, or RAM with --device cpu) from which "
+                         "the cache slots are planned after the non-expert weights, KV cache and workspace"),
         o.add_argument("--high-slots", type=int, default=None,
                        help="high-precision cache slots (instead of --gpu-memory)"),
         o.add_argument("--low-slots", type=int, default=0,
@@ -97,8 +103,8 @@ def _offload_args(o) -> list[argparse.Action]:
 
 
 def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
-    """The hybrid placement's options (generate, eval ppl); store_option: add --offload STORE here (generate has it
-    in its offload group)."""
+    """The hybrid placement's options (generate, eval ppl, serve, bench); store_option: add --offload STORE and
+    --gpu-memory here (eval ppl: generate has them in its offload group)."""
     h = p.add_argument_group(
         "hybrid CPU/GPU experts", "routed experts in host RAM, computed on the CPU where they lie (llama.cpp's "
         "--cpu-moe / --n-cpu-moe); attention, routers, shared experts and the KV cache stay on --device. The experts "
@@ -107,17 +113,18 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
     h.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
                    help="the routed experts of the first N MoE layers on the CPU, the other layers' resident on "
                         "--device")
-    h.add_argument("--gpu-cache-experts", type=int, default=0, metavar="S",
+    h.add_argument("--gpu-cache-experts", type=int, default=None, metavar="S",
                    help="S slots on the GPU caching experts of the CPU layers, filled by --cache-policy as experts are "
                         "used (a missed expert runs on the CPU and may be copied in the background; default 0: a "
-                        "static placement)")
+                        "static placement; with --gpu-memory: the memory the plan leaves)")
     h.add_argument("--cache-policy", default="hobbit", metavar="NAME",
                    help="what --gpu-cache-experts keeps: lru, hobbit (default: recency, frequency, precision and layer "
                         "distance) or static (the most used experts: the placement settles)")
     h.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores)")
-    h.add_argument("--experts-bits", type=int, default=16, metavar="B",
-                   help="precision of the routed experts: 16 (the checkpoint's float weights, default) or 8, 4, 3, 2 "
+    h.add_argument("--experts-bits", type=int, default=None, metavar="B",
+                   help="precision of the routed experts: 16 (the checkpoint's float weights, default; with "
+                        "--gpu-memory: the plan's) or 8, 4, 3, 2 "
                         "(HQQ copies: fewer bytes for the CPU to read; a STORE must hold B-bit copies, without one "
                         "they are made on the fly)")
     h.add_argument("--mixed-precision", action="store_true",
@@ -127,6 +134,7 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
         h.add_argument("--offload", metavar="STORE", default=None,
                        help="with --cpu-moe/--n-cpu-moe: the expert store to read experts from (default: built in RAM "
                             "from --model)")
+        h.add_argument("--gpu-memory", dest="memory", default=None, metavar="SIZE", help=GPU_MEMORY_HELP)
 
 
 def _offload_group(p: argparse.ArgumentParser) -> None:
@@ -211,6 +219,29 @@ def _serve_parser(sub) -> None:
                          "allow it)")
     _offload_group(sv)
     _hybrid_args(sv, store_option=False)
+
+
+def _bench_parser(sub) -> None:
+    bp = sub.add_parser("bench", help="measure prefill and decode tokens/s of any model and placement (llama-bench)",
+                        description="Time prompt processing (ppP: one forward pass over P random tokens, batch 1) and "
+                                    "text generation (tgN: N greedy decode steps, batch 1) of the model as the "
+                                    "placement options place it (resident, a quantized checkpoint, --offload, "
+                                    "--cpu-moe/--n-cpu-moe, --gpu-memory's plan, --device cpu); each test runs once "
+                                    "untimed, then -r times. Prints a table: tokens/s mean ± std, peak GPU memory and "
+                                    "peak host RSS.")
+    _model_args(bp)
+    bp.add_argument("-p", "--n-prompt", dest="prompt_tokens", type=int, default=None, metavar="P",
+                    help=f"prompt tokens of the pp test (default {DEFAULT_PLAN_PROMPT}, or the model's context if "
+                         f"shorter)")
+    bp.add_argument("-n", "--n-gen", dest="gen_tokens", type=int, default=None, metavar="N",
+                    help=f"decode steps of the tg test (default {DEFAULT_BENCH_GEN}, or what the model's context "
+                         f"allows)")
+    bp.add_argument("-r", "--repetitions", type=int, default=3, metavar="R", help="timed runs per test (default 3)")
+    bp.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
+    bp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    bp.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on a GPU")
+    _offload_group(bp)
+    _hybrid_args(bp, store_option=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _batch_parser(sub)
     _serve_parser(sub)
+    _bench_parser(sub)
     tr = sub.add_parser("train", help="train a standard MoE, PR-MoE or Mixture-of-Students model on Shakespeare",
                         description=TRAIN_DESCRIPTION)
     add_train_args(tr)
@@ -346,11 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     pf.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    pl = sub.add_parser("plan", help="choose a throughput policy (MoE-Lightning) from a hierarchical roofline model",
-                        description="Search batch size, micro-batch, attention/FFN placement and the share of weights "
-                                    "and KV cache kept on the GPU for the highest predicted tokens/s that fits the "
-                                    "memory budgets. Needs only config.json, no weights.")
+    pl = sub.add_parser("plan", help="rate where the experts could live for --gpu-memory (decode), or choose a "
+                                     "throughput policy for `moeserve batch`",
+                        description="--for decode (default): rate every placement of the model in the GPU budget at "
+                                    "batch 1 (all experts resident, quantized, some layers' experts on the CPU with "
+                                    "GPU cache slots, HOBBIT offload) with its GPU and host bytes and estimated decode "
+                                    "and prefill tokens/s, and mark the one `generate|eval ppl|serve|bench "
+                                    "--gpu-memory SIZE` runs. --for batch: search batch size, micro-batch, "
+                                    "attention/FFN placement and the share of weights and KV cache kept on the GPU "
+                                    "for the highest predicted tokens/s of `moeserve batch` (MoE-Lightning). Both "
+                                    "need only config.json, no weights.")
     pl.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
+    pl.add_argument("--for", dest="plan_for", choices=("decode", "batch"), default="decode",
+                    help="decode: placements for generate/eval/serve/bench at batch 1 (default); batch: the "
+                         "throughput policy of `moeserve batch`")
     pl.add_argument("--gpu-memory", default=None, metavar="SIZE",
                     help="GPU memory budget, e.g. 16GiB (default: 90%% of the profile's GPU memory)")
     pl.add_argument("--cpu-memory", default=None, metavar="SIZE",
@@ -358,11 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-len", type=int, default=None,
                     help="prompt tokens per sequence (default 512, or what the model's context leaves after --gen-len)")
     pl.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (default 128)")
-    pl.add_argument("--max-batch", type=int, default=4096, help="largest batch size to consider (default 4096)")
+    pl.add_argument("--max-batch", type=int, default=None,
+                    help="with --for batch: largest batch size to consider (default 4096)")
     pl.add_argument("--profile", default=None, metavar="FILE",
                     help="hardware profile JSON (default: this machine's, measured once and cached)")
-    pl.add_argument("--plot", default=None, metavar="PNG", help="write the roofline with the operators to PNG "
-                    "(needs matplotlib)")
+    pl.add_argument("--plot", default=None, metavar="PNG", help="with --for batch: write the roofline with the "
+                    "operators to PNG (needs matplotlib)")
+    pl.add_argument("--experts-bits", type=int, default=None, metavar="B",
+                    help="with --for decode: rate only placements with B-bit experts (16: the checkpoint's float)")
     pl.add_argument("--json", action="store_true",
                     help="print JSON instead of a table (a ratio with nothing to divide by, e.g. the link intensity "
                          "of an operator that moves no bytes over the host link, is null)")
@@ -434,8 +478,9 @@ def _check_offload_args(args) -> None:
     if _hybrid_requested(args):
         return  # --offload names the hybrid's store; _check_hybrid_args checks the rest
     if not args.offload:
+        _size(args.memory, "--gpu-memory")  # without --offload: the placement planner's budget
         for option in _offload_only_options():
-            if getattr(args, option.dest) != option.default:
+            if option.dest != "memory" and getattr(args, option.dest) != option.default:
                 raise MoeserveError(f"{option.option_strings[0]} needs --offload STORE (an expert store from "
                                     f"`moeserve offload-prepare`)")
         return
@@ -451,8 +496,8 @@ def _check_offload_args(args) -> None:
     _check_cache_args(args.high_slots or 0, args.low_slots, args.t1, args.t2)
 
 
-HYBRID_ONLY = {"gpu_cache_experts": ("--gpu-cache-experts", 0), "cache_policy": ("--cache-policy", "hobbit"),
-               "cpu_threads": ("--cpu-threads", None), "experts_bits": ("--experts-bits", 16),
+HYBRID_ONLY = {"gpu_cache_experts": ("--gpu-cache-experts", None), "cache_policy": ("--cache-policy", "hobbit"),
+               "cpu_threads": ("--cpu-threads", None), "experts_bits": ("--experts-bits", None),
                "mixed_precision": ("--mixed-precision", False)}
 
 
@@ -460,31 +505,93 @@ def _hybrid_requested(args) -> bool:
     return getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None) is not None
 
 
+def _planning(args) -> bool:
+    """--gpu-memory without --offload: the placement planner chooses (plan/placement.py)."""
+    return getattr(args, "memory", None) is not None and not getattr(args, "offload", None)
+
+
 def _check_hybrid_args(args, spec) -> None:
-    """The hybrid options: none without --cpu-moe/--n-cpu-moe, none of offload's with them; with them, the
-    placement (args.placement), checked against the model's MoE layers before anything loads."""
+    """The hybrid options: none without --cpu-moe/--n-cpu-moe or --gpu-memory, none of offload's with them; with
+    them, the placement (args.placement), checked against the model's MoE layers before anything loads (with
+    --gpu-memory, _plan_placement chooses it after this)."""
+    args.placement = None
+    planning = _planning(args)
+    if planning and (getattr(args, "tp", 1) > 1 or getattr(args, "ep", 1) > 1):
+        raise MoeserveError("--gpu-memory (the placement planner) and --tp/--ep cannot be combined yet")
     if not _hybrid_requested(args):
-        args.placement = None
         for dest, (flag, default) in HYBRID_ONLY.items():
-            if getattr(args, dest, default) != default:
-                raise MoeserveError(f"{flag} needs --cpu-moe or --n-cpu-moe N (a hybrid placement)")
+            if getattr(args, dest, default) != default and not planning:
+                raise MoeserveError(f"{flag} needs --cpu-moe or --n-cpu-moe N (a hybrid placement) or --gpu-memory "
+                                    f"SIZE (a planned one)")
         if args.command == "eval" and args.offload:
             raise MoeserveError("--offload needs --cpu-moe or --n-cpu-moe N here (eval runs a hybrid placement)")
         return
-    from moeserve.hybrid.placement import HybridPlacement
-    from moeserve.kernels.cpu.machine import physical_cores
-
-    if args.tp > 1 or args.ep > 1:
+    if getattr(args, "tp", 1) > 1 or getattr(args, "ep", 1) > 1:
         raise MoeserveError("--cpu-moe/--n-cpu-moe and --tp/--ep cannot be combined yet")
-    offload_only = [o for o in _offload_only_options() if getattr(args, o.dest, o.default) != o.default]
+    offload_only = [o for o in _offload_only_options() if getattr(args, o.dest, o.default) != o.default
+                    and not (planning and o.dest == "memory")]
     if offload_only:
         raise MoeserveError(f"{offload_only[0].option_strings[0]} is an option of --offload's expert cache; with "
                             f"--cpu-moe/--n-cpu-moe the GPU cache is --gpu-cache-experts S")
+    args.placement = _hybrid_placement(args, spec, args.cpu_moe, args.n_cpu_moe, args.experts_bits,
+                                       args.gpu_cache_experts)
+
+
+def _hybrid_placement(args, spec, cpu_moe: bool, n_cpu_moe: int | None, bits: int | None, cache_slots: int | None):
+    """HybridPlacement.choose with the run's other hybrid options (threads, mixed precision, cache policy)."""
+    from moeserve.hybrid.placement import HybridPlacement
+    from moeserve.kernels.cpu.machine import physical_cores
+
     moe_layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
-    args.placement = HybridPlacement.choose(
-        moe_layers, args.cpu_moe, args.n_cpu_moe, args.gpu_cache_experts,
+    return HybridPlacement.choose(
+        moe_layers, cpu_moe, n_cpu_moe, cache_slots or 0,
         len(physical_cores()) if args.cpu_threads is None else args.cpu_threads,
-        args.mixed_precision, args.experts_bits, args.cache_policy, spec.num_experts)
+        args.mixed_precision, 16 if bits is None else bits, args.cache_policy, spec.num_experts)
+
+
+def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
+    """With --gpu-memory and no --offload: plan where the experts live (plan/placement.py) from this machine's
+    hardware profile, within the budget and the RAM available now, print the plan in one line and set the run's
+    options to it (args.placement, args.device); explicit --cpu-moe/--n-cpu-moe, --experts-bits and
+    --gpu-cache-experts narrow the candidates. Nothing is allocated before the plan fits."""
+    if not _planning(args):
+        return
+    from moeserve.loader import resolve_device, resolve_dtype
+    from moeserve.offload.budget import available_ram, check_budget
+    from moeserve.plan.hardware import load_or_measure
+    from moeserve.plan.placement import PlanRequest, moe_layer_count, plan_placement
+    from moeserve.quant.manifest import refuse_quantized
+
+    budget = _size(args.memory, "--gpu-memory")
+    refuse_quantized(Path(args.model), "--gpu-memory (the placement planner)")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device.type == "cuda":
+        check_budget(budget, device)
+    placement = args.placement  # explicit --cpu-moe/--n-cpu-moe, checked
+    req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
+                      str(dtype).removeprefix("torch."), kv_batch, kv_tokens, bits=args.experts_bits,
+                      cpu_layers=None if placement is None else len(placement.cpu_layers),
+                      cache_slots=args.gpu_cache_experts)
+    plan = plan_placement(spec, load_or_measure(), req)
+    chosen = plan.chosen
+    if chosen.hybrid:
+        every = chosen.cpu_layers == moe_layer_count(spec)
+        args.placement = _hybrid_placement(args, spec, every, None if every else chosen.cpu_layers, chosen.bits,
+                                           chosen.cache_slots)
+    else:
+        args.placement = None
+        given = [flag for dest, (flag, default) in HYBRID_ONLY.items() if getattr(args, dest, default) != default
+                 and dest not in ("experts_bits", "gpu_cache_experts")]  # those two narrowed the plan
+        if given:
+            raise MoeserveError(f"{given[0]} applies to experts on the CPU, and the plan keeps them all on the "
+                                f"{'CPU' if chosen.kind == 'cpu' else 'GPU'} unquantized ({chosen.where()}); give "
+                                f"--n-cpu-moe N or leave {given[0]} out")
+    if chosen.kind == "cpu":
+        args.device = "cpu"
+    args.plan_line = plan.describe()
+    if _is_main_rank():
+        print(args.plan_line, file=sys.stderr, flush=True)
 
 
 def _is_main_rank() -> bool:
@@ -552,6 +659,8 @@ def cmd_generate(args) -> int:
     _check_utf8(texts)
     prompts = [tok.encode(t) for t in texts]
     check_request(spec, prompts, params, tok)
+    _plan_placement(args, spec, len(prompts), min(spec.max_position_embeddings,
+                                                  max(map(len, prompts)) + params.max_new_tokens))
     model = _load_model(args)
     if params.seed is None and args.seed is not None:  # chosen by rank 0 for expert-parallel runs
         params = dataclasses.replace(params, seed=args.seed)
@@ -618,20 +727,16 @@ def _load_parallel(args):
     return model
 
 
-def _load_hybrid(args, placement):
-    """The model with its CPU layers' experts in host RAM (--offload's store, or read from --model), after the RAM
-    they need is checked; prints the placement in one line."""
-    import moeserve
-    from moeserve.hybrid.memory import check_host_ram, host_bytes
-    from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers, store_precision
+def _hybrid_source(args, spec, placement):
+    """(store or None: build one from --model, low bits, group) of a hybrid run: --offload's store checked against
+    the model and the placement, or the precision of the store to build; then the host RAM the experts need is
+    checked, before anything is allocated."""
+    from moeserve.hybrid.memory import check_host_ram, host_bytes, store_precision
     from moeserve.loader import resolve_device, resolve_dtype
     from moeserve.offload.store import ExpertStore
     from moeserve.quant.manifest import refuse_quantized
-    from moeserve.spec import ModelSpec
 
-    spec = ModelSpec.from_dir(args.model)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     store, mapped_bytes = None, None
     if args.offload:
         store = ExpertStore.open(args.offload)
@@ -646,13 +751,29 @@ def _load_hybrid(args, placement):
         refuse_quantized(Path(args.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
         low_bits, group = store_precision(spec, placement)
     check_host_ram(host_bytes(spec, placement, dtype.itemsize, low_bits, group, mapped_bytes))
+    return store, low_bits, group
+
+
+def _load_hybrid(args, placement):
+    """The model with its CPU layers' experts in host RAM (--offload's store, or read from --model), after the RAM
+    they need is checked; prints the placement in one line (unless a plan was printed)."""
+    import moeserve
+    from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
+    from moeserve.loader import resolve_device, resolve_dtype
+    from moeserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    store, low_bits, _ = _hybrid_source(args, spec, placement)
     stored = set(store_layers(placement))
     model = moeserve.load_model(args.model, device=device, dtype=dtype, progress=True,
                                 routed_experts=[i for i in placement.moe_layers if i not in stored])
     if store is None:
         store = build_store(args.model, placement, dtype, device)
     args.hybrid = enable_hybrid(model, store, placement, warm=True)
-    print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits), file=sys.stderr, flush=True)
+    if getattr(args, "plan_line", None) is None:  # a planned run printed its plan
+        print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits), file=sys.stderr, flush=True)
     return model
 
 
@@ -664,17 +785,21 @@ def _check_cache_args(high: int, low: int, t1: float, t2: float) -> None:
 def _open_store(args):
     """(store, memory budget or None): the expert store of --offload checked against --model (layers, shapes,
     source) and --memory against the memory of the device, all before the model loads."""
-    from moeserve.loader import resolve_device
+    from moeserve.loader import resolve_device, resolve_dtype
     from moeserve.offload.budget import check_budget
     from moeserve.offload.store import ExpertStore
+    from moeserve.plan.placement import check_dense_budget
     from moeserve.spec import ModelSpec
 
+    spec = ModelSpec.from_dir(args.model)
     store = ExpertStore.open(args.offload)
-    store.check_model(ModelSpec.from_dir(args.model), args.model)
+    store.check_model(spec, args.model)
     if args.high_slots is not None:
         return store, None
     budget = _size(args.memory, "--gpu-memory")  # given: _check_offload_args asks for it or --high-slots
-    check_budget(budget, resolve_device(args.device))
+    device = resolve_device(args.device)
+    check_budget(budget, device)
+    check_dense_budget(spec, budget, resolve_dtype(args.dtype, device).itemsize, *_kv_shape(args, spec))
     return store, budget
 
 
@@ -704,6 +829,8 @@ def _kv_shape(args, spec) -> tuple[int, int]:
     """(sequences, tokens each) the KV cache of a command will hold, for planning memory around it."""
     if args.command == "serve":
         return args.parallel, args.ctx_size
+    if args.command == "bench":
+        return 1, max(args.prompt_tokens, args.gen_tokens + 2)
     return max(len(args.prompts), 1), spec.max_position_embeddings
 
 
@@ -728,9 +855,58 @@ def cmd_serve(args) -> int:
     elif not 2 <= args.ctx_size <= context:
         raise MoeserveError(f"--ctx-size {args.ctx_size} must be between 2 and the model's context of {context} "
                             f"tokens")
+    _plan_placement(args, spec, args.parallel, args.ctx_size)
+    if args.placement is not None:
+        _hybrid_source(args, spec, args.placement)  # the store and the RAM it needs: checked before listening
     from moeserve.serve.server import run
 
     return run(args, spec, tok, args.ctx_size, load=lambda: _load_model(args))
+
+
+def cmd_bench(args) -> int:
+    from moeserve.engine.bench import check_bench, run_bench, table
+    from moeserve.progress import Progress
+    from moeserve.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(args.model)
+    context = spec.max_position_embeddings
+    if args.prompt_tokens is None:
+        args.prompt_tokens = min(DEFAULT_PLAN_PROMPT, context)
+    if args.gen_tokens is None:
+        args.gen_tokens = min(DEFAULT_BENCH_GEN, context - 2)
+    check_bench(spec, args.prompt_tokens, args.gen_tokens, args.repetitions)
+    _check_offload_args(args)
+    _check_hybrid_args(args, spec)
+    _plan_placement(args, spec, *_kv_shape(args, spec))
+    model = _load_model(args)
+    placement = _placement_name(args, model)
+    with Progress(2 * (args.repetitions + 1), "bench", "runs") as bar:
+        def on_run(test, rep, seconds):
+            tokens = args.prompt_tokens if test.startswith("pp") else args.gen_tokens
+            bar.update(1, note=f"{test} {'warm-up' if rep == 0 else f'{rep}/{args.repetitions}'}: "
+                               f"{tokens / seconds:,.1f} tok/s")
+
+        results = run_bench(model, args.prompt_tokens, args.gen_tokens, args.repetitions, args.seed,
+                            not args.no_cuda_graph, on_run)
+    if args.json:
+        print(json.dumps({"model": args.model, "placement": placement, "device": model.device.type,
+                          "dtype": str(model.dtype).removeprefix("torch."), "results": [r.as_dict() for r in results]},
+                         indent=2))
+    else:
+        print(table(results, Path(args.model).name, placement))
+    return 0
+
+
+def _placement_name(args, model) -> str:
+    """A few words on where the run's experts live, for bench's table."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    if getattr(args, "plan_line", None):
+        return args.plan_line.removeprefix("[plan: ").split(";")[0] + f" ({model.device.type}, {dtype})"
+    if args.placement is not None:
+        return args.placement.describe(model.device.type, dtype).removeprefix("[placement: ").removesuffix("]")
+    if args.offload:
+        return f"offload ({args.memory or f'{args.high_slots}+{args.low_slots} slots'}, {dtype})"
+    return f"resident ({model.device.type}, {dtype})"
 
 
 def cmd_offload_prepare(args) -> int:
@@ -857,6 +1033,7 @@ def cmd_eval_ppl(args) -> int:
     _check_hybrid_args(args, spec)
     text_path, text = _read_text(args.text, args.model, "--text")
     ids = tok.encode(text)
+    _plan_placement(args, spec, args.batch_size, min(args.window, spec.max_position_embeddings))
     model = _load_model(args)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
@@ -1042,6 +1219,61 @@ def _workload_lengths(prompt_len: int | None, gen_len: int, context: int) -> tup
 
 
 def cmd_plan(args) -> int:
+    if args.plan_for == "decode":
+        return _plan_decode(args)
+    if args.experts_bits is not None:
+        raise MoeserveError("--experts-bits rates placements: give it with --for decode")
+    return _plan_batch(args)
+
+
+def _plan_decode(args) -> int:
+    """`moeserve plan --for decode`: every placement in the budget, rated (plan/placement.py), as a table or JSON."""
+    from moeserve.plan.hardware import HardwareProfile, load_or_measure
+    from moeserve.plan.placement import PlanRequest, candidates, check_dense_budget, choose
+    from moeserve.spec import ModelSpec
+
+    for flag, value in (("--max-batch", args.max_batch), ("--plot", args.plot)):
+        if value is not None:
+            raise MoeserveError(f"{flag} belongs to the throughput plan: give it with --for batch")
+    spec = ModelSpec.from_dir(args.model)
+    prompt_len, gen_len = _workload_lengths(args.prompt_len, args.gen_len, spec.max_position_embeddings)
+    hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
+    gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory") if hw.has_gpu else None
+    host = _budget(args.cpu_memory, "--cpu-memory", hw.ram_bytes, "host memory")
+    dtype_bytes = 2 if gpu is not None else 4  # bf16 on a GPU, fp32 on a CPU (the commands' auto dtype)
+    req = PlanRequest(None if gpu is None else int(gpu), int(host), dtype_bytes,
+                      "bfloat16" if dtype_bytes == 2 else "float32", 1, prompt_len + gen_len, prompt_len, gen_len,
+                      bits=args.experts_bits)
+    check_dense_budget(spec, req.budget, dtype_bytes, 1, prompt_len + gen_len)
+    cands = candidates(spec, hw, req)
+    chosen = choose(cands)
+    if args.json:
+        print(json.dumps(_json_ready({
+            "model": args.model, "device": hw.gpu_name or hw.cpu_name, "gpu_budget": req.budget, "host_budget": req.host_ram,
+            "prompt_len": prompt_len, "gen_len": gen_len, "candidates": [c.as_dict() for c in cands],
+            "chosen": None if chosen is None else cands.index(chosen)}), indent=2, allow_nan=False))
+        return 0
+    budgets = (f"GPU budget {format_bytes(req.budget)}, " if req.budget is not None else "no GPU, ") + \
+        f"host {format_bytes(host)}"
+    print(f"{args.model} ({spec.family}, {spec.num_layers} layers, {spec.num_experts} experts top-{spec.top_k}) on "
+          f"{hw.gpu_name or 'no GPU'} + {hw.cpu_name}; {budgets}; batch 1, estimated from the hardware profile")
+    header = ("", "where the experts live", "GPU", "host", f"tg{gen_len} t/s", f"pp{prompt_len} t/s", "fits")
+    rows = [("*" if c is chosen else "", c.where(), format_bytes(c.gpu_bytes), format_bytes(c.host_bytes),
+             f"{c.decode_tok_s:,.1f}", f"{c.prefill_tok_s:,.0f}",
+             ("yes" if c.fits else f"no: {c.problem}") + (" (needs --offload STORE)" if c.kind == "offload" else ""))
+            for c in cands]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(c.rjust(w) if 2 <= i <= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    if chosen is None:
+        print("\nno placement fits; give more --gpu-memory or --cpu-memory")
+    else:
+        print(f"\n*: what generate|eval ppl|serve|bench --gpu-memory SIZE runs; by hand: "
+              f"{' '.join(chosen.flags()) or 'no placement flags'}")
+    return 0
+
+
+def _plan_batch(args) -> int:
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
     from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
     from moeserve.plan.search import search
@@ -1052,10 +1284,11 @@ def cmd_plan(args) -> int:
     hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")
     host = _budget(args.cpu_memory, "--cpu-memory", hw.ram_bytes, "host memory")
-    if args.max_batch < 1:
+    max_batch = 4096 if args.max_batch is None else args.max_batch
+    if max_batch < 1:
         raise MoeserveError("--max-batch must be positive")
     wl = Workload(prompt_len=prompt_len, gen_len=gen_len)
-    plan = search(spec, hw, wl, gpu, host, max_batch=args.max_batch)
+    plan = search(spec, hw, wl, gpu, host, max_batch=max_batch)
     rows = operator_table(spec, wl, hw, plan.policy)
     if args.plot:
         plot_roofline(rows, hw, args.plot, title=f"{Path(args.model).name}: N={plan.policy.batch_size}, "
@@ -1153,7 +1386,7 @@ def _cpu_wait_policy(args) -> None:
     unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
     cores, and spinning threads take them from the others (4x slower decode measured on a busy host). Must be set
     before torch (and its OpenMP runtime) loads, which the commands do after this."""
-    if _hybrid_requested(args):
+    if _hybrid_requested(args) or _planning(args):  # a plan may put experts on the CPU
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -1173,7 +1406,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
-               "plan": cmd_plan, "serve": cmd_serve, "train": cmd_train}[args.command]
+               "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench, "train": cmd_train}[args.command]
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))

@@ -8,6 +8,11 @@ H100 = {"cpu_name": "16-core host", "cpu_cores": 16, "cpu_fp32_flops": 1.4e12, "
         "dram_bandwidth": 79e9, "ram_bytes": 128 * GiB, "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_flops": 774e12,
         "hbm_bandwidth": 2.94e12, "gpu_memory_bytes": 80 * GiB, "h2d_bandwidth": 54.4e9, "d2h_bandwidth": 54.9e9,
         "h2d_pageable_bandwidth": 7.7e9, "h2d_chunk_bandwidth": {"1": 28.9e9, "4": 44.4e9, "16": 50.8e9}}
+# Mixtral-8x7B's config.json (the planners need only the shape)
+MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+                  "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

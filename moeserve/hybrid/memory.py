@@ -1,4 +1,5 @@
-"""Host RAM a hybrid run needs for its experts, from the model's shape, checked before anything is allocated."""
+"""Host RAM a hybrid run needs for its experts (and the precision of the store it builds), from the model's shape,
+checked before anything is allocated."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ from moeserve.hybrid.placement import HybridPlacement
 from moeserve.kernels.pack import padded_length
 from moeserve.offload.budget import available_ram
 from moeserve.units import format_bytes
+
+MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
+GROUPS = (64, 32, 16)  # quantization group of a store built on the fly: the largest dividing D and F
+
+
+def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
+    """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
+    if group is None and placement.needs_low_copies:
+        raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
+                            f"(here {D} and {F})")
+    return (placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0), group or GROUPS[0]
 
 
 def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from moeserve.errors import MoeserveError
 from moeserve.hybrid.experts import HybridExperts
+from moeserve.hybrid.memory import store_precision
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.offload.host_compute import HostExperts
@@ -16,25 +16,12 @@ from moeserve.offload.store import ExpertStore, layer_experts
 from moeserve.quant.qlinear import QuantizedExperts
 from moeserve.spec import ModelSpec
 
-MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
-GROUPS = (64, 32, 16)  # quantization group of a store built on the fly: the largest dividing D and F
-
 
 def store_layers(placement: HybridPlacement) -> list[int]:
     """The MoE layers whose experts the store holds (and the loader leaves unread): the CPU layers; with low-bit
     experts every MoE layer (the resident layers' experts are the store's low-bit copies, moved to the model
     device)."""
     return list(placement.moe_layers if placement.low else placement.cpu_layers)
-
-
-def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
-    """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
-    D, F = spec.hidden_size, spec.expert_ffn
-    group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
-    if group is None and placement.needs_low_copies:
-        raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
-                            f"(here {D} and {F})")
-    return (placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0), group or GROUPS[0]
 
 
 def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,

@@ -55,7 +55,7 @@ CASES = {
     "generate --gpu-memory 12XB": ([*GENERATE, "--offload", OFFLOAD_STORE, "--gpu-memory", "12XB", "x"],
                                    "--gpu-memory '12XB' is not a size"),
     "generate --memory 12XB": ([*GENERATE, "--offload", OFFLOAD_STORE, "--memory", "12XB", "x"], "'12XB'"),
-    "--gpu-memory without --offload": ([*GENERATE, "--gpu-memory", "8GiB", "x"], "--gpu-memory needs --offload"),
+    "planner --gpu-memory 12XB": ([*GENERATE, "--gpu-memory", "12XB", "x"], "--gpu-memory '12XB' is not a size"),
     "--high-slots without --offload": ([*GENERATE, "--high-slots", "4", "x"], "--high-slots needs --offload"),
     "--low-slots without --offload": ([*GENERATE, "--low-slots", "4", "x"], "--low-slots needs --offload"),
     "--policy without --offload": ([*GENERATE, "--policy", "foo", "x"], "--policy needs --offload"),

@@ -75,7 +75,7 @@ def test_plan_json_is_valid_json(capsys, tmp_path):
     from checks import H100
 
     (tmp_path / "h100.json").write_text(json.dumps(H100))
-    code, out, _ = run(capsys, "plan", "--profile", tmp_path / "h100.json", "--gpu-memory", "16GiB",
+    code, out, _ = run(capsys, "plan", "--for", "batch", "--profile", tmp_path / "h100.json", "--gpu-memory", "16GiB",
                        "--cpu-memory", "100GiB", "--json")
 
     def no_constants(name):

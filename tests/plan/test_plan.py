@@ -15,29 +15,11 @@ from moeserve.plan.roofline import (Candidates, Rates, Workload, expected_expert
 from moeserve.plan.search import candidates, evaluate, memory, search
 from moeserve.spec import ModelSpec
 
-MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
-                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
-                  "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None}
 # tiny spec for hand-worked numbers: D=8, 2 heads of 4, 1 KV head, 4 experts of FFN 16, top-2, 2 layers
 TINY = ModelSpec(family="mixtral", vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                  head_dim=4, max_position_embeddings=64, num_experts=4, top_k=2, expert_ffn=16,
                  moe_layers=(True, True), sliding_windows=(None, None))
 WL = Workload(prompt_len=512, gen_len=128)
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mixtral")
-    (path / "config.json").write_text(json.dumps(MIXTRAL_CONFIG))
-    return path
-
-
-@pytest.fixture(scope="module")
-def h100_json(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hw") / "h100.json"
-    path.write_text(json.dumps(H100))
-    return path
 
 
 def test_tiny_layer_by_hand():
@@ -180,18 +162,18 @@ def test_profile_json_round_trip_and_errors(tmp_path):
 
 
 def test_cli_plan_demo_and_mixtral(capsys, tmp_path, mixtral, h100_json):
-    assert main(["plan", "--profile", str(h100_json), "--gpu-memory", "16GiB", "--cpu-memory", "100GiB"]) == 0
+    assert main(["plan", "--for", "batch", "--profile", str(h100_json), "--gpu-memory", "16GiB", "--cpu-memory", "100GiB"]) == 0
     out = capsys.readouterr().out
     assert "policy" in out and "tokens/s" in out and "post_attention" in out
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "24GiB",
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "24GiB",
                  "--cpu-memory", "100GiB", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert ThroughputPolicy(**result["policy"]).batch_size >= 1 and result["bottleneck"] and result["tokens_per_s"] > 0
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "512MiB"]) == 2
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "512MiB"]) == 2
     assert "GPU memory short by" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     png = tmp_path / "roofline.png"
-    assert main(["plan", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "16GiB",
+    assert main(["plan", "--for", "batch", "--model", str(mixtral), "--profile", str(h100_json), "--gpu-memory", "16GiB",
                  "--cpu-memory", "100GiB", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,401 @@
+"""The placement planner for runs at batch 1 (generate, eval ppl, serve, bench) within a GPU memory budget: where
+the routed experts live and run, chosen from the model's shape and the measured hardware profile.
+
+Candidates, each with the GPU and host bytes it needs and its estimated decode (tg) and prefill (pp) tokens/s:
+  resident  every expert on the GPU, at the checkpoint's float precision or as B-bit HQQ copies
+  hybrid    the routed experts of the first N MoE layers in host RAM, computed on the CPU where they lie (hybrid/),
+            the other layers' experts resident; the GPU memory left over becomes S cache slots for the CPU layers'
+            experts (N the fewest layers that leave the rest room on the GPU)
+  offload   HOBBIT (offload/): every expert in a store, missed ones copied into GPU cache slots over the link
+  cpu       no GPU: everything in RAM, computed on the CPU (float, or B-bit experts through the hybrid backend)
+The dense part (attention, embeddings, norms, routers, shared experts, dense FFNs) and the KV cache are on the GPU
+in every GPU candidate; a budget that cannot hold them is refused, naming the minimum.
+
+Estimates, per token at batch 1 (a roofline with fixed host costs, `Costs`):
+  decode   max(GPU bytes / HBM bandwidth, CPU expert bytes / (DRAM bandwidth x cpu_dram_share), copied bytes /
+           host->GPU bandwidth) + per-layer costs: a CUDA-graph replay when every expert is resident, else eager
+           launches, plus the host's work for each layer with CPU or offloaded experts and each (token, expert)
+           pair the CPU computes
+  prefill  a prompt of `prompt_len` tokens, the layers' GPU and CPU parts one after the other: each part at the
+           slower of its compute (FLOP/s x share) and memory roofs, plus copied bytes over the link
+A cache of S slots over N layers of E experts is counted at hit rate S / (N E) (uniform routing: real routing is
+skewed, so real caches do better); offload copies its misses at full precision.
+
+Choice: a resident placement at the checkpoint's precision when it fits (the output is unchanged and nothing is
+much faster); else, going down the precisions, the fastest fitting candidate of each, where a lower precision
+replaces a higher one only when it is at least PRECISION_SPEEDUP times faster (fewer bits cost perplexity: 4-bit
+experts are taken over float ones mostly, 3-bit over 4-bit when they make a resident placement of a hybrid one).
+Offload needs an expert store from `moeserve offload-prepare`, so it is rated but only run when asked for with
+--offload. Explicit flags (--cpu-moe / --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S) narrow the
+candidates to those they describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeserve.errors import MoeserveError
+from moeserve.hybrid.memory import expert_bytes, host_bytes, store_precision
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes, plan_slots
+from moeserve.plan.hardware import HardwareProfile
+from moeserve.plan.roofline import expected_experts
+from moeserve.spec import ModelSpec
+from moeserve.units import format_bytes
+
+PLAN_BITS = (16, 4, 3)  # expert precisions rated, highest first: 16 = the checkpoint's float weights, else HQQ
+PRECISION_SPEEDUP = 2.0  # how much faster a lower precision must be to be chosen over a higher one
+OFFLOAD_LOW_BITS = 4  # the low-bit copies of the offload candidate's store (offload-prepare's default)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the roofline leaves out: the host's fixed costs and the shares of the peaks our kernels reach.
+    Defaults fitted to bench/results/hybrid-nvidia-h200-20261126-115936.json (H200 + 16-core Xeon, Mixtral and
+    Qwen3-30B-A3B shapes at 4-bit: the decode rate of each hybrid and offload column within about 20% of the
+    measured one)."""
+
+    graph_layer_s: float = 30e-6  # a decoder layer replayed in a CUDA graph (every expert resident)
+    eager_layer_s: float = 0.2e-3  # a decoder layer launched eagerly (a step with CPU or offloaded experts)
+    host_layer_s: float = 3.4e-3  # the host's work for a layer whose experts wait on it (routing copy, hand-off)
+    cpu_call_s: float = 0.07e-3  # per expert call of the CPU (decode: a (token, expert) pair; prefill: an expert)
+    cpu_dram_share: float = 0.65  # of the DRAM bandwidth the CPU expert kernels read at one row
+    cpu_flops_share: float = 0.3  # of the CPU's matmul peak reached by the experts of a prompt
+    gpu_flops_share: float = 0.5  # of the GPU's matmul peak reached at prefill
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a run asks of the planner. budget None: no GPU (the model runs on the CPU)."""
+
+    budget: int | None  # GPU bytes for the model: weights, KV cache, cache slots, workspace
+    host_ram: int  # host bytes the experts (and on a CPU, the whole model) may take
+    dtype_bytes: int  # the compute dtype's element size (2: bf16 on a GPU, 4: fp32 on a CPU)
+    dtype_name: str = "bfloat16"
+    kv_batch: int = 1  # sequences the KV cache holds
+    kv_tokens: int = 640  # tokens per sequence it holds
+    prompt_len: int = 512  # the estimates' workload: prefill of prompt_len tokens, decode after it
+    gen_len: int = 128
+    bits: int | None = None  # --experts-bits: only candidates at these bits
+    cpu_layers: int | None = None  # --cpu-moe / --n-cpu-moe N: only candidates with these CPU layers
+    cache_slots: int | None = None  # --gpu-cache-experts S
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str  # resident, hybrid, offload or cpu (the module's docstring)
+    bits: int  # experts' precision (16: the compute dtype's float)
+    cpu_layers: int  # MoE layers whose experts the CPU computes (offload: those whose experts are copied)
+    moe_layers: int
+    cache_slots: int
+    gpu_bytes: int
+    host_bytes: int
+    decode_tok_s: float
+    prefill_tok_s: float
+    dtype_name: str
+    problem: str | None = None  # why it cannot run here; None: it fits
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    @property
+    def hybrid(self) -> bool:
+        """Runs through the hybrid backend: low-bit experts or experts on the CPU (not plain or offloaded)."""
+        return self.kind != "offload" and (self.bits != 16 or self.cpu_layers > 0)
+
+    @property
+    def precision(self) -> str:
+        return self.dtype_name if self.bits == 16 else f"{self.bits}-bit"
+
+    def where(self) -> str:
+        """Where the experts live, in a few words."""
+        if self.kind == "resident":
+            return f"every expert on the GPU ({self.precision})"
+        if self.kind == "cpu":
+            return "everything on the CPU " + (f"({self.precision})" if self.bits == 16 else
+                                               f"(experts {self.precision})")
+        if self.kind == "offload":
+            return f"offload: experts in a store, {self.cache_slots} GPU cache slots"
+        slots = f", {self.cache_slots} GPU cache slots" if self.cache_slots else ""
+        return f"{self.cpu_layers}/{self.moe_layers} MoE layers' experts on the CPU ({self.precision}){slots}"
+
+    def flags(self) -> list[str]:
+        """The command-line options that ask for this placement by hand."""
+        if self.kind == "offload":
+            return ["--offload", "STORE", "--gpu-memory", "SIZE"]
+        out = ["--device", "cpu"] if self.kind == "cpu" else []
+        if self.hybrid:
+            out += (["--cpu-moe"] if self.cpu_layers == self.moe_layers and self.cpu_layers
+                    else ["--n-cpu-moe", str(self.cpu_layers)])
+            out += ["--experts-bits", str(self.bits)] if self.bits != 16 else []
+            out += ["--gpu-cache-experts", str(self.cache_slots)] if self.cache_slots else []
+        return out
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "where": self.where(), "bits": self.bits, "cpu_layers": self.cpu_layers,
+                "cache_slots": self.cache_slots, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
+                "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s, "fits": self.fits,
+                "problem": self.problem, "flags": self.flags()}
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    candidates: list[Candidate]
+    chosen: Candidate
+    request: PlanRequest = field(repr=False)
+
+    def describe(self) -> str:
+        """One line: `[plan: 21/32 MoE layers' experts on the CPU (4-bit), ...; estimated tg 7.1 tok/s, ...]`."""
+        c, r = self.chosen, self.request
+        memory = (f"GPU {format_bytes(c.gpu_bytes)} of {format_bytes(r.budget)}" if r.budget is not None
+                  else "no GPU")
+        return (f"[plan: {c.where()}; {memory}, host {format_bytes(c.host_bytes)}; estimated tg "
+                f"{c.decode_tok_s:,.1f} tok/s, pp{r.prompt_len} {c.prefill_tok_s:,.0f} tok/s; `moeserve plan` "
+                f"lists the others]")
+
+
+# ---- bytes and FLOPs ----------------------------------------------------------------------------------
+
+
+def moe_layer_count(spec: ModelSpec) -> int:
+    return sum(spec.moe_layers) if spec.moe_layers else spec.num_layers
+
+
+def dense_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """Bytes of everything but the routed experts: attention, embeddings, norms, routers, shared experts, dense
+    FFNs."""
+    return spec.parameter_counts()["dense"] * dtype_bytes
+
+
+def dense_minimum(spec: ModelSpec, dtype_bytes: int, kv_batch: int, kv_tokens: int) -> int:
+    """The smallest GPU budget any placement runs in: the dense part and a KV cache of kv_batch x kv_tokens, plus
+    the workspace."""
+    fixed = dense_bytes(spec, dtype_bytes) + kv_cache_bytes(spec, kv_batch, kv_tokens, dtype_bytes)
+    return int(fixed / (1 - WORKSPACE_SHARE)) + 1
+
+
+def check_dense_budget(spec: ModelSpec, budget: int | None, dtype_bytes: int, kv_batch: int, kv_tokens: int) -> None:
+    """A MoeserveError naming the minimum when the budget cannot hold the dense part and the KV cache."""
+    need = dense_minimum(spec, dtype_bytes, kv_batch, kv_tokens)
+    if budget is not None and budget < need:
+        raise MoeserveError(
+            f"--gpu-memory {format_bytes(budget)} cannot hold the dense part of the model: attention, embeddings, "
+            f"norms, routers, shared experts and a KV cache of {kv_batch} x {kv_tokens} tokens need "
+            f"{format_bytes(need)}; give at least that")
+
+
+@dataclass(frozen=True)
+class Work:
+    """One token's decode traffic, or one prompt's prefill work, by where it happens."""
+
+    gpu_bytes: float = 0.0
+    cpu_bytes: float = 0.0
+    link_bytes: float = 0.0  # copied host -> GPU
+    gpu_flops: float = 0.0
+    cpu_flops: float = 0.0
+    cpu_calls: float = 0.0  # expert calls the CPU makes (Costs.cpu_call_s)
+    host_layers: int = 0  # layers whose experts wait on the host (CPU or offloaded)
+
+
+def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float) -> tuple[float, float]:
+    """(bytes read, FLOPs) of the dense part for `tokens` new tokens attending to `context` positions: every dense
+    weight but the embedding table (a row per token), the KV cache, the LM head on the last token only."""
+    D = spec.hidden_size
+    head = spec.vocab_size * D
+    layers = spec.parameter_counts()["dense"] - head * (1 if spec.tie_word_embeddings else 2) - D
+    kv = kv_cache_bytes(spec, 1, int(context), dtype_bytes)
+    attention = 4 * tokens * context * spec.num_heads * spec.head_dim * spec.num_layers
+    return (layers + head) * dtype_bytes + kv, 2 * tokens * layers + 2 * head + attention
+
+
+def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers: float, link_layers: float,
+                expert: float, host_layers: int, cpu_dense: bool = False) -> tuple[Work, Work]:
+    """(decode, prefill) work when `gpu_layers` MoE layers' experts are computed on the GPU, `cpu_layers` on the
+    CPU (fractions: a cache's hits count on the GPU) and `link_layers` are copied to the GPU first; expert: bytes
+    of one expert; host_layers: layers whose experts wait on the host; cpu_dense: the dense part runs on the CPU
+    too (no GPU)."""
+    T, k = req.prompt_len, spec.top_k
+    touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
+    flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
+    dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2)
+    pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2)
+    decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
+                  link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers)
+    prefill = Work(gpu_bytes=gpu_layers * touched * expert, cpu_bytes=cpu_layers * touched * expert,
+                   link_bytes=link_layers * touched * expert, gpu_flops=gpu_layers * flops,
+                   cpu_flops=cpu_layers * flops, cpu_calls=cpu_layers * touched, host_layers=host_layers)
+    if cpu_dense:
+        return (Work(**{**vars(decode), "cpu_bytes": decode.cpu_bytes + dense_b}),
+                Work(**{**vars(prefill), "cpu_bytes": prefill.cpu_bytes + pre_b, "cpu_flops": prefill.cpu_flops + pre_f}))
+    return (Work(**{**vars(decode), "gpu_bytes": decode.gpu_bytes + dense_b}),
+            Work(**{**vars(prefill), "gpu_bytes": prefill.gpu_bytes + pre_b, "gpu_flops": prefill.gpu_flops + pre_f}))
+
+
+def rates(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, decode: Work, prefill: Work, graph: bool,
+          costs: Costs) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of the work on this hardware."""
+    cpu_bw, cpu_flops = hw.dram_bandwidth * costs.cpu_dram_share, hw.cpu_flops * costs.cpu_flops_share
+    link = hw.h2d_bandwidth or float("inf")
+    gpu_decode = gpu_prefill = 0.0
+    if decode.gpu_bytes:
+        gpu_decode = decode.gpu_bytes / hw.hbm_bandwidth
+        gpu_prefill = max(prefill.gpu_flops / (hw.gpu_flops * costs.gpu_flops_share),
+                          prefill.gpu_bytes / hw.hbm_bandwidth)
+    fixed = spec.num_layers * (costs.graph_layer_s if graph else costs.eager_layer_s)
+    fixed += decode.host_layers * costs.host_layer_s
+    decode_s = (max(gpu_decode, decode.cpu_bytes / cpu_bw, decode.link_bytes / link) + fixed
+                + decode.cpu_calls * costs.cpu_call_s)
+    prefill_s = (gpu_prefill + max(prefill.cpu_flops / cpu_flops, prefill.cpu_bytes / cpu_bw)
+                 + prefill.link_bytes / link + fixed + prefill.cpu_calls * costs.cpu_call_s)
+    return 1 / decode_s, req.prompt_len / prefill_s
+
+
+# ---- candidates ---------------------------------------------------------------------------------------
+
+
+def _problem(req: PlanRequest, gpu: float, host: float) -> str | None:
+    """Why a placement needing these bytes does not fit the request's memory (None: it fits)."""
+    if req.budget is not None and gpu > req.budget * (1 - WORKSPACE_SHARE):
+        return f"needs {format_bytes(gpu / (1 - WORKSPACE_SHARE))} of GPU memory"
+    if host > req.host_ram:
+        return f"needs {format_bytes(host)} of host RAM"
+    return None
+
+
+def _group(spec: ModelSpec, bits: int) -> int:
+    """The quantization group of B-bit experts the hybrid backend would build (a MoeserveError for a shape no
+    group divides, or bits it does not run)."""
+    return store_precision(spec, HybridPlacement.choose([0], cpu_moe=True, bits=bits))[1]
+
+
+def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
+    """(bits, group) of the expert precisions to rate: --experts-bits, or those of PLAN_BITS the shape allows."""
+    if req.bits is not None:
+        return [(req.bits, _group(spec, req.bits))]
+    out = []
+    for bits in PLAN_BITS:
+        try:
+            out.append((bits, _group(spec, bits)))
+        except MoeserveError:
+            continue  # no group divides this shape: float experts only
+    return out
+
+
+def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, moe: int, cpu_layers: int, bits: int, group: int) -> int:
+    """Host RAM of the hybrid backend's expert store for this split (hybrid/memory.py)."""
+    placement = HybridPlacement.choose(list(range(moe)), n_cpu_moe=cpu_layers, bits=bits)
+    return host_bytes(spec, placement, req.dtype_bytes, bits if bits != 16 else 0, group)
+
+
+def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, decode, prefill,
+               problem=None) -> Candidate:
+    tg, pp = rates(spec, hw, req, decode, prefill, graph=kind == "resident", costs=costs)
+    return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, int(gpu), int(host), tg, pp,
+                     req.dtype_name, problem or _problem(req, gpu, host))
+
+
+def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
+    M, E = moe_layer_count(spec), spec.num_experts
+    fixed = dense_bytes(spec, req.dtype_bytes) + kv_cache_bytes(spec, req.kv_batch, req.kv_tokens, req.dtype_bytes)
+    room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
+    out = []
+    for bits, group in _bits(spec, req):
+        eb = expert_bytes(spec, bits, req.dtype_bytes, group)
+        if req.cpu_layers is not None:
+            splits = [req.cpu_layers]
+        else:
+            fewest = min(max(M - int(max(room, 0) // (E * eb)), 0), M)  # CPU layers that leave the rest room
+            splits = sorted({0, fewest})
+        for n in splits:
+            slots = req.cache_slots if req.cache_slots is not None else int(max(room - (M - n) * E * eb, 0) // eb)
+            slots = min(slots, n * E)
+            hit = slots / (n * E) if n else 0.0
+            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n)
+            host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group)
+            out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
+                                  fixed + ((M - n) * E + slots) * eb, host, decode, prefill))
+    if req.bits is None and req.cpu_layers is None:
+        out.append(_offload_candidate(spec, hw, req, costs, fixed))
+    return out
+
+
+def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
+    """HOBBIT offload at this budget: float and 4-bit slots as `--offload STORE --gpu-memory` plans them."""
+    M, E, k = moe_layer_count(spec), spec.num_experts, spec.top_k
+    high = expert_bytes(spec, 16, req.dtype_bytes)
+    try:
+        low = expert_bytes(spec, OFFLOAD_LOW_BITS, group=_group(spec, OFFLOAD_LOW_BITS))
+    except MoeserveError:
+        low = 0  # no group divides this shape: float copies only
+    dense, problem = dense_bytes(spec, req.dtype_bytes), None
+    try:
+        high_slots, low_slots = plan_slots(req.budget, dense, fixed - dense, high, low, reserve=k, max_slots=M * E)
+    except MoeserveError:
+        high_slots = low_slots = 0
+        problem = f"needs {format_bytes((fixed + k * (high + low)) / (1 - WORKSPACE_SHARE))} of GPU memory"
+    hit = min((high_slots + low_slots) / (M * E), 1.0)
+    decode, prefill = _layer_work(spec, req, M, 0, M * (1 - hit), high, host_layers=M)
+    gpu = fixed + (high_slots + k) * high + (low_slots + k) * low
+    return _candidate(spec, hw, req, costs, "offload", 16, M, high_slots + low_slots, gpu,
+                      M * E * (high + low), decode, prefill, problem)
+
+
+def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
+    """No GPU: the whole model in RAM, its experts at each precision (low-bit ones through --cpu-moe)."""
+    M, E = moe_layer_count(spec), spec.num_experts
+    dense = dense_bytes(spec, req.dtype_bytes)
+    out = []
+    for bits, group in _bits(spec, req):
+        n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
+        eb = expert_bytes(spec, bits, req.dtype_bytes, group)
+        host = dense + (M * E * eb if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group))
+        decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
+        out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))
+    return out
+
+
+def candidates(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> list[Candidate]:
+    """Every placement the request allows, rated (see the module's docstring)."""
+    if req.budget is None:
+        return _cpu_candidates(spec, hw, req, costs)
+    if not hw.has_gpu:
+        raise MoeserveError("the hardware profile has no GPU figures (gpu_flops, hbm_bandwidth, h2d_bandwidth); "
+                            "plan with --profile FILE from a GPU machine")
+    return _gpu_candidates(spec, hw, req, costs)
+
+
+def choose(cands: list[Candidate]) -> Candidate | None:
+    """The checkpoint's precision all resident when it fits; else down the precisions, the fastest fitting candidate
+    of each, a lower precision only when PRECISION_SPEEDUP times faster than the choice so far; never offload (it
+    needs a store: asked for with --offload)."""
+    runnable = [c for c in cands if c.fits and c.kind != "offload"]
+    exact = [c for c in runnable if c.bits == 16 and c.cpu_layers == 0]
+    if exact:
+        return exact[0]
+    best = None
+    for bits in sorted({c.bits for c in runnable}, reverse=True):
+        fastest = max((c for c in runnable if c.bits == bits), key=lambda c: c.decode_tok_s)
+        if best is None or fastest.decode_tok_s >= PRECISION_SPEEDUP * best.decode_tok_s:
+            best = fastest
+    return best
+
+
+def plan_placement(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> PlacementPlan:
+    """The rated candidates and the one to run; a MoeserveError when the budget cannot hold the dense part or no
+    candidate fits (naming the memory that is short and by how much)."""
+    check_dense_budget(spec, req.budget, req.dtype_bytes, req.kv_batch, req.kv_tokens)
+    cands = candidates(spec, hw, req, costs)
+    chosen = choose(cands)
+    if chosen is None:
+        gpu_ok = [c for c in cands if c.kind != "offload" and (req.budget is None or c.gpu_bytes
+                                                                <= req.budget * (1 - WORKSPACE_SHARE))]
+        if gpu_ok:
+            least = min(gpu_ok, key=lambda c: c.host_bytes)
+            raise MoeserveError(f"not enough host RAM for the experts: the placement needing least ({least.where()}) "
+                                f"needs {format_bytes(least.host_bytes)}, {format_bytes(req.host_ram)} is available; "
+                                f"free memory or give more --gpu-memory")
+        raise MoeserveError(f"no placement fits --gpu-memory {format_bytes(req.budget)}: "
+                            f"{cands[0].where()} {cands[0].problem}; give more or fewer --n-cpu-moe layers' experts "
+                            f"on the GPU")
+    return PlacementPlan(cands, chosen, req)

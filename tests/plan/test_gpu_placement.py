@@ -1,0 +1,62 @@
+"""`--gpu-memory` planning and `moeserve bench` with the model on a GPU (the demo model); skipped without one.
+
+The plan uses this machine's hardware profile (measured quickly into the test cache on first use)."""
+
+import json
+
+import pytest
+import torch
+
+import moeserve
+from moeserve.cli import main
+from moeserve.hybrid.memory import expert_bytes
+from moeserve.plan.placement import dense_minimum
+from moeserve.spec import ModelSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GEN = ["generate", "--device", "cuda", "--greedy", "--max-new-tokens", "16", "--ignore-eos", "KING."]
+
+
+@pytest.fixture(autouse=True)
+def quick_profile(monkeypatch):
+    monkeypatch.setenv("MOESERVE_PROFILE_QUICK", "1")
+
+
+def plan_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith("[plan:")]
+
+
+def test_a_budget_that_holds_the_model_runs_it_resident(capsys):
+    assert main(GEN) == 0
+    resident = capsys.readouterr().out
+    assert main(GEN + ["--gpu-memory", "1GiB"]) == 0
+    captured = capsys.readouterr()
+    lines = plan_lines(captured.err)
+    assert len(lines) == 1 and "every expert on the GPU (bfloat16)" in lines[0]
+    assert captured.out == resident
+
+
+def test_a_small_budget_puts_layers_on_the_cpu_with_the_same_tokens(capsys):
+    """fp32, experts kept float (--experts-bits 16): room for 2.5 of the demo's 6 layers' experts, so 4 layers'
+    experts on the CPU and 4 cache slots; greedy tokens equal the resident model's."""
+    spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
+    fp32 = GEN + ["--dtype", "float32"]
+    budget = dense_minimum(spec, 4, 1, len("KING.") + 16) + int(2.5 * 8 * expert_bytes(spec, 16, 4) / 0.95) + 1024
+    assert main(fp32) == 0
+    resident = capsys.readouterr().out
+    assert main(fp32 + ["--gpu-memory", f"{budget}B", "--experts-bits", "16"]) == 0
+    captured = capsys.readouterr()
+    lines = plan_lines(captured.err)
+    assert len(lines) == 1 and "4/6 MoE layers' experts on the CPU (float32), 4 GPU cache slots" in lines[0]
+    assert captured.out == resident and "[hybrid experts:" in captured.err
+    assert main(GEN + ["--gpu-memory", "1MiB"]) == 2
+    assert "cannot hold the dense part" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("placement", [[], ["--cpu-moe", "--experts-bits", "4"], ["--gpu-memory", "1GiB"]])
+def test_bench_on_the_gpu(capsys, placement):
+    assert main(["bench", "--device", "cuda", "-p", "64", "-n", "8", "-r", "2", "--json", *placement]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cuda"
+    assert all(r["tok_s"] > 0 and r["gpu_peak_bytes"] > 0 for r in report["results"])

@@ -1,0 +1,241 @@
+"""The placement planner (plan/placement.py): bytes and estimates by hand on a tiny shape, the choice rules on the
+Mixtral-8x7B shape with an H100 profile, the checks; `moeserve plan --for decode`, and `--gpu-memory` planning the
+run of generate / eval ppl on a CPU-only machine (everything on the CPU). GPU runs: tests/plan/test_gpu_placement.py."""
+
+import dataclasses
+import json
+
+import pytest
+
+from checks import GiB, H100, MIXTRAL_CONFIG
+from moeserve.cli import main
+from moeserve.errors import MoeserveError
+from moeserve.hybrid.memory import expert_bytes
+from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes
+from moeserve.plan.hardware import HardwareProfile
+from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose,
+                                     dense_bytes, dense_minimum, plan_placement)
+from moeserve.spec import ModelSpec
+
+# D 64, 2 heads of 32, 1 KV head, 4 experts of FFN 128, top-2, 2 MoE layers, vocabulary 100
+TINY = ModelSpec(family="mixtral", vocab_size=100, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                 head_dim=32, max_position_embeddings=256, num_experts=4, top_k=2, expert_ffn=128,
+                 moe_layers=(True, True), sliding_windows=(None, None))
+# round rates for arithmetic by hand
+HW = HardwareProfile(cpu_name="cpu", cpu_cores=4, cpu_fp32_flops=1e10, cpu_bf16_flops=1e10, dram_bandwidth=1e8,
+                     ram_bytes=64 * GiB, gpu_name="gpu", gpu_flops=1e12, hbm_bandwidth=1e9, gpu_memory_bytes=GiB,
+                     h2d_bandwidth=1e8)
+COSTS = Costs(graph_layer_s=1e-4, eager_layer_s=1e-3, host_layer_s=1e-2, cpu_call_s=1e-4, cpu_dram_share=0.5,
+              cpu_flops_share=0.5, gpu_flops_share=0.5)
+
+
+def mixtral_request(budget_gib: float, **options) -> PlanRequest:
+    return PlanRequest(int(budget_gib * GiB), 200 * GiB, 2, kv_tokens=640, **options)
+
+
+def test_tiny_hybrid_candidate_by_hand():
+    """Budget for the dense part, the KV cache, one layer's experts and two slots: 1 CPU layer, 2 slots over its 4
+    experts (hit rate 1/2); bytes and both rates worked out from the roofline and the costs."""
+    eb = 3 * 64 * 128 * 2  # one bf16 expert
+    assert expert_bytes(TINY, 16, 2) == eb
+    dense = TINY.parameter_counts()["dense"] * 2
+    assert dense_bytes(TINY, 2) == dense
+    kv = 2 * 2 * 1 * 40 * 32 * 2  # k and v, 2 layers, 1 sequence of 40 tokens, 1 head of 32, bf16
+    assert kv_cache_bytes(TINY, 1, 40, 2) == kv
+    fixed = dense + kv
+    budget = int((fixed + 6.5 * eb) / (1 - WORKSPACE_SHARE))
+    req = PlanRequest(budget, GiB, 2, kv_tokens=40, prompt_len=32, gen_len=8, bits=16)
+    resident, hybrid = candidates(TINY, HW, req, COSTS)
+    assert resident.kind == "resident" and not resident.fits and "GPU memory" in resident.problem
+    assert (hybrid.kind, hybrid.cpu_layers, hybrid.cache_slots, hybrid.fits) == ("hybrid", 1, 2, True)
+    assert hybrid.gpu_bytes == fixed + 6 * eb
+
+    # decode: dense weights but the embedding table, KV of 36 positions; 1.5 layers' experts on the GPU (a resident
+    # layer and half the CPU layer's picks hit the cache), 0.5 on the CPU
+    D, V = 64, 100
+    dense_read = dense - V * D * 2 + kv_cache_bytes(TINY, 1, 36, 2)  # the LM head is read, the embedding row not
+    gpu_s, cpu_s = (dense_read + 1.5 * 2 * eb) / 1e9, 0.5 * 2 * eb / (0.5 * 1e8)
+    decode_s = max(gpu_s, cpu_s) + 2 * 1e-3 + 1 * 1e-2 + 1 * 1e-4  # 2 eager layers, 1 host layer, 1 CPU call
+    assert hybrid.decode_tok_s == pytest.approx(1 / decode_s, rel=1e-9)
+
+    # prefill of 32 tokens: every expert of a layer touched (4 (1 - (1/2)^32)); dense FLOPs per token 2 x layer
+    # weights, attention 4 x 32 tokens x 16.5 positions x 64 x 2 layers, the head on the last token
+    touched = 4 * (1 - 0.5 ** 32)
+    layers = dense // 2 - 2 * V * D - D
+    expert_flops = 2 * 32 * 2 * 3 * 64 * 128
+    gpu_flops = 2 * 32 * layers + 2 * V * D + 4 * 32 * 16.5 * 64 * 2 + 1.5 * expert_flops
+    gpu_bytes = (layers + V * D) * 2 + kv_cache_bytes(TINY, 1, 16, 2) + 1.5 * touched * eb
+    pre_gpu = max(gpu_flops / (0.5 * 1e12), gpu_bytes / 1e9)
+    pre_cpu = max(0.5 * expert_flops / (0.5 * 1e10), 0.5 * touched * eb / (0.5 * 1e8))
+    prefill_s = pre_gpu + pre_cpu + 2 * 1e-3 + 1e-2 + 0.5 * touched * 1e-4
+    assert hybrid.prefill_tok_s == pytest.approx(32 / prefill_s, rel=1e-9)
+
+
+def test_choice_on_the_mixtral_shape():
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
+    hw = HardwareProfile.from_dict(H100)
+    # everything fits in bf16: the exact resident placement, though 4-bit would be faster
+    plan = plan_placement(spec, hw, mixtral_request(100))
+    assert (plan.chosen.kind, plan.chosen.bits) == ("resident", 16) and plan.chosen.flags() == []
+    # 24 GiB: no float placement comes close; 3-bit resident is more than twice as fast as 4-bit hybrid
+    plan = plan_placement(spec, hw, mixtral_request(24))
+    by = {(c.kind, c.bits): c for c in plan.candidates}
+    assert (plan.chosen.kind, plan.chosen.bits) == ("resident", 3)
+    assert by["hybrid", 4].decode_tok_s > PRECISION_SPEEDUP * by["hybrid", 16].decode_tok_s
+    assert by["resident", 3].decode_tok_s > PRECISION_SPEEDUP * by["hybrid", 4].decode_tok_s
+    assert by["offload", 16].fits and plan.chosen.flags() == ["--n-cpu-moe", "0", "--experts-bits", "3"]
+    # 12 GiB: 4-bit hybrid, the fewest CPU layers whose complement fits, the rest of the budget as cache slots
+    plan = plan_placement(spec, hw, mixtral_request(12))
+    c = plan.chosen
+    assert (c.kind, c.bits) == ("hybrid", 4) and c.gpu_bytes <= 12 * GiB * (1 - WORKSPACE_SHARE)
+    eb = expert_bytes(spec, 4, group=64)
+    assert c.gpu_bytes + eb > 12 * GiB * (1 - WORKSPACE_SHARE)  # not one more slot
+    assert c.cache_slots < spec.num_experts  # else one layer fewer on the CPU
+    assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", "--gpu-cache-experts",
+                         str(c.cache_slots)]
+    line = plan.describe()
+    assert line.startswith("[plan: ") and f"{c.cpu_layers}/32 MoE layers' experts on the CPU (4-bit)" in line
+    assert "estimated tg" in line and "\n" not in line
+    # no store: offload is rated, never chosen
+    only_offload = [dataclasses.replace(c, decode_tok_s=1e6) if c.kind == "offload" else c for c in plan.candidates]
+    assert choose(only_offload) is c
+
+
+def test_explicit_flags_narrow_the_candidates():
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
+    hw = HardwareProfile.from_dict(H100)
+    cands = candidates(spec, hw, mixtral_request(24, bits=4))
+    assert {c.bits for c in cands} == {4} and not any(c.kind == "offload" for c in cands)
+    plan = plan_placement(spec, hw, mixtral_request(24, cpu_layers=32, cache_slots=7))
+    assert all(c.cpu_layers == 32 and c.cache_slots == 7 for c in plan.candidates)
+    assert plan.chosen.flags()[:1] == ["--cpu-moe"]
+    with pytest.raises(MoeserveError, match="--experts-bits 5 is not one of"):
+        candidates(spec, hw, mixtral_request(24, bits=5))
+
+
+def test_budget_and_host_ram_errors_name_what_is_needed():
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
+    hw = HardwareProfile.from_dict(H100)
+    need = dense_minimum(spec, 2, 1, 640)
+    assert need > (dense_bytes(spec, 2) + kv_cache_bytes(spec, 1, 640, 2)) / (1 - WORKSPACE_SHARE)
+    with pytest.raises(MoeserveError, match=r"cannot hold the dense part .* need 3\.\d GiB; give at least that"):
+        plan_placement(spec, hw, mixtral_request(2))
+    plan_placement(spec, hw, dataclasses.replace(mixtral_request(2), budget=need))  # the minimum itself runs
+    with pytest.raises(MoeserveError, match="not enough host RAM for the experts: .* needs .* GiB, 1.0 GiB is avail"):
+        plan_placement(spec, hw, dataclasses.replace(mixtral_request(12), host_ram=GiB))
+
+
+def test_cpu_only_plans_everything_on_the_cpu():
+    spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
+    hw = dataclasses.replace(HardwareProfile.from_dict(H100), gpu_name=None, gpu_flops=None, hbm_bandwidth=None)
+    req = PlanRequest(None, 200 * GiB, 4, "float32")
+    plan = plan_placement(spec, hw, req)
+    assert {c.kind for c in plan.candidates} == {"cpu"} and (plan.chosen.bits, plan.chosen.gpu_bytes) == (16, 0)
+    assert plan.chosen.flags() == ["--device", "cpu"] and "no GPU" in plan.describe()
+    small = plan_placement(spec, hw, dataclasses.replace(req, host_ram=60 * GiB))  # fp32 experts do not fit RAM
+    assert small.chosen.bits in (4, 3) and small.chosen.flags()[:3] == ["--device", "cpu", "--cpu-moe"]
+    with pytest.raises(MoeserveError, match="the hardware profile has no GPU figures"):
+        candidates(spec, hw, mixtral_request(12))  # a GPU budget with a profile of a machine without one
+
+
+def test_cli_plan_for_decode_table_and_json(capsys, mixtral, h100_json):
+    base = ["plan", "--model", mixtral, "--profile", h100_json, "--cpu-memory", "200GiB"]
+    assert main([str(a) for a in base + ["--gpu-memory", "12GiB"]]) == 0
+    out = capsys.readouterr().out
+    chosen = [ln for ln in out.splitlines() if ln.startswith("*  ")]
+    assert len(chosen) == 1 and "MoE layers' experts on the CPU (4-bit)" in chosen[0]
+    assert "tg128 t/s" in out and "pp512 t/s" in out and "needs --offload STORE" in out
+    assert "by hand: --n-cpu-moe" in out
+    assert main([str(a) for a in base + ["--gpu-memory", "12GiB", "--json", "--experts-bits", "16"]]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cands = report["candidates"]
+    assert [(c["kind"], c["bits"], c["fits"]) for c in cands] == [("resident", 16, False), ("hybrid", 16, True)]
+    assert report["chosen"] == 1 and cands[1]["flags"][:1] == ["--n-cpu-moe"] and report["gpu_budget"] == 12 * GiB
+
+
+def test_cli_plan_errors(expect_cli_error, mixtral, h100_json, tmp_path):
+    base = ["plan", "--model", mixtral, "--profile", h100_json]
+    expect_cli_error(base + ["--gpu-memory", "2GiB"], "cannot hold the dense part")
+    expect_cli_error(base + ["--plot", tmp_path / "r.png"], "--plot belongs to the throughput plan")
+    expect_cli_error(base + ["--for", "batch", "--experts-bits", "4"], "give it with --for decode")
+
+
+@pytest.fixture
+def quick_profile(monkeypatch):
+    """This machine's profile, measured quickly into the test's cache (the first call measures)."""
+    monkeypatch.setenv("MOESERVE_PROFILE_QUICK", "1")
+
+
+def test_gpu_memory_on_a_cpu_machine_runs_the_plan(capsys, byte_model_dir, quick_profile):
+    """Without a GPU the plan is everything on the CPU: the same tokens as without --gpu-memory, one plan line;
+    --experts-bits 4 plans 4-bit experts on the CPU (the hybrid backend, inline)."""
+    base = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "6", "--ignore-eos",
+            "--device", "cpu", "HAM"]
+    assert main(base) == 0
+    resident = capsys.readouterr().out
+    assert main(base + ["--gpu-memory", "1GiB"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == resident
+    plans = [ln for ln in captured.err.splitlines() if ln.startswith("[plan:")]
+    assert len(plans) == 1 and "everything on the CPU (float32)" in plans[0] and "no GPU" in plans[0]
+    assert main(base + ["--gpu-memory", "1GiB", "--experts-bits", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "everything on the CPU (experts 4-bit)" in err and "[hybrid experts:" in err and "[placement:" not in err
+    ppl = ["eval", "ppl", "--model", str(byte_model_dir), "--device", "cpu", "--max-tokens", "64"]
+    assert main(ppl) == 0
+    expected = json.loads(capsys.readouterr().out)["perplexity"]
+    assert main(ppl + ["--gpu-memory", "1GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == expected
+
+
+def test_gpu_memory_errors_before_loading(expect_cli_error, byte_model_dir, quick_profile, monkeypatch, tmp_path):
+    gen = ["generate", "--model", byte_model_dir, "--max-new-tokens", "2", "--device", "cpu", "--gpu-memory", "1GiB"]
+    expect_cli_error(gen + ["--n-cpu-moe", "3"], "--n-cpu-moe 3 is outside the model's 2 MoE layers")
+    expect_cli_error(gen + ["--mixed-precision"], "--mixed-precision applies to experts on the CPU")
+    expect_cli_error(gen + ["--experts-bits", "16", "--cpu-threads", "2"], "--cpu-threads applies to experts on")
+    expect_cli_error(gen + ["--experts-bits", "5"], "--experts-bits 5 is not one of")
+    monkeypatch.setattr("moeserve.offload.budget.available_ram", lambda: 1000)
+    line = expect_cli_error(gen, "not enough host RAM for the experts")
+    assert "needs" in line and "1000 B is available" in line
+    monkeypatch.undo()
+    from moeserve.offload.store import ExpertStore
+
+    store = tmp_path / "s"
+    ExpertStore.build(byte_model_dir, store, low_bits=4, group=32, progress=False)
+    offload = ["generate", "--model", byte_model_dir, "--device", "cpu", "--offload", store]
+    expect_cli_error(offload + ["--gpu-memory", "64KiB", "x"], "cannot hold the dense part", watch=store)
+
+
+def test_quantized_checkpoint_is_not_planned(expect_cli_error, byte_model_dir, tmp_path):
+    import shutil
+
+    quantized = tmp_path / "q"
+    shutil.copytree(byte_model_dir, quantized)
+    (quantized / "moeserve_quant.json").write_text("{}")
+    expect_cli_error(["generate", "--model", quantized, "--device", "cpu", "--gpu-memory", "1GiB", "x"],
+                     "is a moeserve quantized checkpoint", watch=quantized)
+
+
+def test_help_explains_planning_and_bench(capsys):
+    for argv, phrases in ((["generate", "--help"], ("placement planner", "--gpu-memory SIZE")),
+                          (["eval", "ppl", "--help"], ("placement planner",)),
+                          (["plan", "--help"], ("--for {decode,batch}", "--experts-bits B")),
+                          (["bench", "--help"], ("-p P", "-n N", "-r R", "peak host RSS"))):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(p in text for p in phrases), (argv, phrases)
+
+
+def test_serve_checks_the_plan_and_host_ram_before_listening(expect_cli_error, byte_model_dir, quick_profile,
+                                                             monkeypatch):
+    pytest.importorskip("fastapi")
+
+    def listen(*_args, **_kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr("moeserve.serve.server.run", listen)
+    serve = ["serve", "--model", byte_model_dir, "--device", "cpu", "--port", "0"]
+    expect_cli_error(serve + ["--gpu-memory", "1GiB", "--n-cpu-moe", "3"], "outside the model's 2 MoE layers")
+    monkeypatch.setattr("moeserve.hybrid.memory.available_ram", lambda: 1000)
+    expect_cli_error(serve + ["--cpu-moe"], "not enough host RAM for the experts on the CPU")
