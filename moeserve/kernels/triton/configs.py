@@ -133,8 +133,6 @@ class ExpertsConfig:
         return {"gate_up": self.gate_up.as_dict(), "down": self.down.as_dict()}
 
 
-DEFAULT = ExpertsConfig.of({"gate_up": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4),
-                            "down": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)}, FusedMoEConfig)
 # prefill-sized batches where nothing is tuned and torch has no grouped GEMM (before sm90): the row-tile schedule
 DEFAULT_TILES = ExpertsConfig.of(
     {"gate_up": dict(schedule="tiles", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),

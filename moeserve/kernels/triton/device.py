@@ -54,3 +54,8 @@ def device_info(index: int) -> DeviceInfo:
                       smem_per_block=getattr(p, "shared_memory_per_block_optin", None) or DEFAULT_SMEM,
                       l2_bytes=getattr(p, "L2_cache_size", None),
                       hbm_bytes_per_s=2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None)
+
+
+def device_of(t: torch.Tensor) -> DeviceInfo:
+    """The DeviceInfo of a CUDA tensor's GPU."""
+    return device_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
