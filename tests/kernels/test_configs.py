@@ -7,7 +7,8 @@ import pytest
 
 from moeserve.kernels.triton import configs
 from moeserve.kernels.triton.configs import (DEFAULT_TILES, ExpertsConfig, FusedMoEConfig, LowbitConfig,
-                                             typed_sections)
+                                             fused_moe_default, typed_sections)
+from moeserve.kernels.triton.device import DeviceInfo
 
 SHIPPED = sorted(configs.CONFIG_DIR.glob("*.json"))
 

@@ -175,6 +175,11 @@ def tune(device: DeviceInfo, problem: Problem, default: ExpertsConfig, candidate
     return outcome
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no search may run then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 _chosen: dict[tuple, ExpertsConfig] = {}  # (GPU, section, shape, tokens) -> the config calls get, this process
 
 
@@ -190,7 +195,7 @@ def choose(device: DeviceInfo, section: str, shape: str, tokens: int, lookup: Ca
     size = bucket(tokens)
     mode = tune_mode()
     if mode != "off" and size <= AUTO_MAX_TOKENS and not stored(device.name, section, shape, size):
-        if torch.cuda.is_current_stream_capturing():
+        if capturing():
             log.info("not tuning %s during a CUDA-graph capture: the default config for now", Problem(section, shape,
                                                                                                        size))
             return lookup(tokens)

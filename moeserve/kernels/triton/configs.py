@@ -182,6 +182,12 @@ def typed_sections(table: dict, where: str) -> dict[str, dict[str, dict[str, Lau
     if unknown:
         raise ValueError(f"{where}: unknown section {unknown[0]!r} (a table holds "
                          f"{', '.join([*LAUNCH_SECTIONS, *DATA_SECTIONS])})")
+    for section in LAUNCH_SECTIONS:
+        by_shape = table.get(section, {})
+        for name, level in [(f"[{section}]", by_shape)] + [(f"[{section}][{s}]", v) for s, v in (
+                by_shape.items() if isinstance(by_shape, dict) else ())]:
+            if not isinstance(level, dict) or not all(isinstance(v, dict) for v in level.values()):
+                raise ValueError(f"{where}: {name} must map names to objects")
     typed = {}
     for section, (kind, pair) in LAUNCH_SECTIONS.items():
         typed[section] = {
@@ -249,12 +255,12 @@ FUSED_TILES = {1: ((16, 128, 128, 4), (16, 32, 512, 4)), 4: ((16, 64, 256, 4), (
 
 def fused_moe_default(device: DeviceInfo, E: int, D: int, F: int, tokens: int, top_k: int = 2) -> ExpertsConfig:
     """The decode schedule with the base tiles of the token range (FUSED_TILES), each projection's output block
-    halved (down to 16) until the experts with rows have FILL programs per SM."""
+    halved (down to 16) until the experts with rows have a program per SM (the H100's winners have 1.7-1.9)."""
     base = FUSED_TILES[max(t for t in FUSED_TILES if t <= max(tokens, 1))]
     active = min(E, top_k * max(tokens, 1))  # experts with rows
     parts = []
     for (bm, bn, bk, warps), N in zip(base, (F, D)):
-        while bn > 16 and active * -(-N // bn) < FILL * device.sms:
+        while bn > 16 and active * -(-N // bn) < device.sms:
             bn //= 2
         parts.append(FusedMoEConfig.of(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)))
     return ExpertsConfig(*parts)
@@ -290,10 +296,10 @@ def split_for(programs: int, steps: int, sms: int = DEFAULT_SMS, fill: int = FIL
     return max(1, min(MAX_SPLIT_K, steps, -(-fill * sms // max(programs, 1))))
 
 
-def pipe_stages(device: DeviceInfo, weight_rows: int, block_k: int, stages: int = 3) -> int:
-    """Steps in flight that fit the shared memory of a block (a step: the dequantized 16-bit weight tile and a
-    16-bit x tile of up to 64 rows); 0 when fewer than two fit (then the plain dot)."""
-    fit = device.smem_per_block // ((weight_rows + 64) * block_k * 2)
+def pipe_stages(device: DeviceInfo, weight_rows: int, block_k: int, stages: int = 3, x_rows: int = 16) -> int:
+    """Steps in flight that fit the shared memory of a block (a step: the dequantized 16-bit weight tile and the
+    16-bit tile of x_rows rows of x); 0 when fewer than two fit (then the plain dot)."""
+    fit = device.smem_per_block // ((weight_rows + x_rows) * block_k * 2)
     return min(stages, fit) if fit >= 2 else 0
 
 
@@ -354,17 +360,19 @@ def lowbit_moe_default(device: DeviceInfo, bits: int, E: int, D: int, F: int, to
         down = LOWBIT_GEMV.replace(BLOCK_M=1)
         down_programs = active * -(-D // down.BLOCK_N)
     else:
-        gate_up, down = (_piped_dot(device, group, 2 * (32 if bits <= 3 else 64), PAIRED=1, BLOCK_N=32 if bits <= 3
-                                    else 64), _piped_dot(device, group, 64))
+        x_rows = min(64, max(16, 1 << (average - 1).bit_length()))  # a tensor-core tile's rows of x
+        gate_up = _piped_dot(device, group, x_rows, ((32 if bits <= 3 else 64, 1), (32, 0), (16, 0)))
+        down = _piped_dot(device, group, x_rows, ((64, 0), (32, 0), (16, 0)))
         down_programs = active * -(-D // down.BLOCK_N)
     split = 1 if tokens == 1 and lowrank else split_for(down_programs, -(-F // down.BLOCK_K), device.sms, fill)
     return ExpertsConfig(gate_up.replace(SPLIT_K=1), down.replace(SPLIT_K=split))
 
 
-def _piped_dot(device: DeviceInfo, group: int, weight_rows: int, **changes) -> LowbitConfig:
-    """LOWBIT_PIPED_DOT with `changes`, its steps in flight fitted to the shared memory; the plain tensor-core tile
-    where a step cannot hold whole groups or fewer than two steps fit."""
-    stages = pipe_stages(device, weight_rows, LOWBIT_PIPED_DOT.BLOCK_K)
-    if stages == 0 or LOWBIT_PIPED_DOT.BLOCK_K % group:
-        return LOWBIT_DOT
-    return LOWBIT_PIPED_DOT.replace(PIPE=stages, **changes)
+def _piped_dot(device: DeviceInfo, group: int, x_rows: int, tiles: tuple[tuple[int, int], ...]) -> LowbitConfig:
+    """LOWBIT_PIPED_DOT with the first (BLOCK_N, PAIRED) of `tiles` of which two steps or more fit the shared memory
+    (as many as fit, up to its 3); the plain tensor-core tile where none does or a step cannot hold whole groups."""
+    for block_n, paired in tiles:
+        stages = pipe_stages(device, block_n * (1 + paired), LOWBIT_PIPED_DOT.BLOCK_K, LOWBIT_PIPED_DOT.PIPE, x_rows)
+        if stages and LOWBIT_PIPED_DOT.BLOCK_K % group == 0:
+            return LOWBIT_PIPED_DOT.replace(BLOCK_N=block_n, PIPE=stages, PAIRED=paired)
+    return LOWBIT_DOT
