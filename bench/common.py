@@ -170,18 +170,10 @@ def time_cuda_graph(fn: Callable, inputs: Sequence, reps: int = 20) -> float:
 
 def capture_graph(fn: Callable, inputs: Sequence) -> "torch.cuda.CUDAGraph":
     """One CUDA graph holding a call of fn per input, after a warm-up on a side stream (compilation, lazy
-    allocations), as capture requires."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x in inputs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in inputs:
-            fn(x)
-    return graph
+    allocations), as capturing requires: the tuner's own (moeserve autotune.capture_graph)."""
+    from moeserve.kernels.triton.autotune import capture_graph as tuner_capture  # Triton: GPU runs only
+
+    return tuner_capture(fn, inputs)
 
 
 def add_run_args(ap) -> None:

@@ -27,6 +27,7 @@ EXPLAIN_TOKENS = "1,8,512"  # info --explain: decode, batch decode, a prefill ch
 DEFAULT_PROMPT = "HAMLET. To be, or not to be"
 DEFAULT_PLAN_PROMPT = 512  # tokens: `moeserve plan`'s prompt length unless the model's context is shorter
 DEFAULT_BENCH_GEN = 128  # tokens: `moeserve bench`'s decode steps (llama-bench's tg128)
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # `moeserve tune`: decode and batch decode
 DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless the model's context is shorter
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # what `pip install moeserve[serve]` brings
 GPU_MEMORY_HELP = ("GPU memory budget, e.g. 24GiB: the placement planner chooses from the measured hardware profile "
@@ -377,6 +378,28 @@ def build_parser() -> argparse.ArgumentParser:
                                     "machine under ~/.cache/moeserve/hardware (MOESERVE_CACHE moves it).")
     pf.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
     pf.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    tu = sub.add_parser("tune", help="search this GPU's kernel launch configs for a model's MoE shapes (cached)",
+                        description="Time the Triton MoE kernels' launch configs at the model's shapes on this GPU "
+                                    "(random experts of the checkpoint's kind) and keep the fastest in the user's "
+                                    "tuning cache (~/.cache/moeserve/tuning; MOESERVE_CACHE moves it), which every "
+                                    "later run reads. Without it a first run tunes each token count it meets by "
+                                    "itself, briefly (MOESERVE_TUNE=off|quick|full, default quick). Prints, per "
+                                    "experts kind and token count, the call's time before and after.")
+    tu.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
+    tu.add_argument("--tokens", default=",".join(map(str, TUNE_TOKENS)), metavar="LIST",
+                    help="comma-separated token counts per call; each is tuned at its power of two at or below "
+                         f"(default {','.join(map(str, TUNE_TOKENS))})")
+    tu.add_argument("--bits", default=None, metavar="LIST",
+                    help="comma-separated expert widths to tune: 16 (bf16), 8, 4, 3, 2 (default: the checkpoint's)")
+    tu.add_argument("--rank", type=int, default=None,
+                    help="compensator rank of the low-bit experts timed (default: the checkpoint's largest, else 0)")
+    tu.add_argument("--quick", action="store_true", help="the short candidate lists a first run uses (default: full)")
+    tu.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="search time per experts kind and token count (default 20 quick, 90 full)")
+    tu.add_argument("--out", default=None, metavar="FILE",
+                    help="also merge the winners into FILE, a table in the shipped format "
+                         "(moeserve/kernels/triton/configs/<gpu>.json)")
 
     pl = sub.add_parser("plan", help="rate where the experts could live for --gpu-memory (decode), or choose a "
                                      "throughput policy for `moeserve batch`",
@@ -1191,6 +1214,40 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    tokens = _token_counts(args.tokens)
+    try:
+        bits = [int(b) for b in args.bits.split(",")] if args.bits is not None else None
+    except ValueError:
+        bits = []
+    if bits is not None and (not bits or set(bits) - {16, 8, 4, 3, 2}):
+        raise MoeserveError(f"--bits takes comma-separated widths among 16, 8, 4, 3 and 2, got {args.bits!r}")
+    if args.rank is not None and args.rank < 0:
+        raise MoeserveError(f"--rank must be 0 or more, got {args.rank}")
+    if args.budget is not None and args.budget <= 0:
+        raise MoeserveError(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.out is not None:
+        _check_output_path(args.out, "--out")
+    from moeserve.spec import ModelSpec
+
+    ModelSpec.from_dir(args.model)  # a bad checkpoint is named before the GPU check
+    import torch
+
+    if not torch.cuda.is_available():
+        raise MoeserveError("moeserve tune needs a CUDA GPU (it times the Triton kernels on it)")
+    from moeserve.tune import checkpoint_kinds, format_rows, tune_model
+
+    kinds = checkpoint_kinds(args.model, bits, args.rank)
+    rows = tune_model(args.model, list(tokens), kinds, "quick" if args.quick else "full", args.budget, args.out)
+    print(f"launch configs on {torch.cuda.get_device_name()} (GPU ms of the experts call; default: the stored or "
+          "default config before this run):")
+    for line in format_rows(rows):
+        print(line)
+    if args.out is not None:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def _budget(text: str | None, flag: str, default: float | None, what: str) -> float:
     if text is None:
         if not default:
@@ -1406,7 +1463,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval_ppl, "quantize": cmd_quantize,
                "trace": cmd_trace, "batch": cmd_batch, "offload-prepare": cmd_offload_prepare, "profile": cmd_profile,
-               "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench, "train": cmd_train}[args.command]
+               "plan": cmd_plan, "serve": cmd_serve, "bench": cmd_bench, "train": cmd_train,
+               "tune": cmd_tune}[args.command]
     status = 1
     try:
         _configure_logging(os.environ.get("MOESERVE_LOG", ""))

@@ -11,6 +11,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU interpreter at tiny sizes
 os.environ["MOESERVE_CACHE"] = tempfile.mkdtemp(prefix="moeserve-test-cache-")  # compiled kernels: built fresh
+os.environ.setdefault("MOESERVE_TUNE", "off")  # GPU tests at many shapes: defaults, no search per shape (own tests)
 
 
 

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from moeserve.kernels.triton import configs
-from moeserve.kernels.triton.configs import (DEFAULT, DEFAULT_TILES, ExpertsConfig, FusedMoEConfig, LowbitConfig,
-                                             typed_sections)
+from moeserve.kernels.triton.configs import (DEFAULT_TILES, ExpertsConfig, FusedMoEConfig, LowbitConfig,
+                                             fused_moe_default, typed_sections)
+from moeserve.kernels.triton.device import DeviceInfo
 
 SHIPPED = sorted(configs.CONFIG_DIR.glob("*.json"))
 
@@ -67,7 +68,8 @@ def test_defaults_live_in_the_config_classes():
     assert cfg == LowbitConfig(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # the keys written do not count
     bf16 = FusedMoEConfig.of({"BLOCK_M": 16, **entry})
     assert (bf16.schedule, bf16.TMA, bf16.num_stages) == ("decode", 0, 3)
-    assert DEFAULT.gate_up.schedule == "decode" and DEFAULT_TILES.down.schedule == "tiles"
+    assert fused_moe_default(DeviceInfo("Test GPU", (9, 0)), 8, 64, 96, 1).gate_up.schedule == "decode"
+    assert DEFAULT_TILES.down.schedule == "tiles"
 
 
 def test_replace_keeps_the_entry_as_written():

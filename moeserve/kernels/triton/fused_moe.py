@@ -24,9 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.routing import RoutingTable
-from moeserve.kernels.triton.configs import ExpertsConfig, FusedMoEConfig, fused_moe_config, gpu_name
+from moeserve.kernels.routing import RoutingTable, build_routing_table
+from moeserve.kernels.triton.autotune import Outcome, Problem, bucket, choose, gpu_ms, tune
+from moeserve.kernels.triton.configs import ExpertsConfig, FusedMoEConfig, fused_moe_config, shape_key
+from moeserve.kernels.triton.device import device_of
 from moeserve.kernels.triton.rows import ROUTE_SORTED, expert_rows, expert_tile
+from moeserve.kernels.triton.spaces import fused_moe_candidates
 from moeserve.kernels.triton.swiglu import silu_mul
 
 
@@ -222,8 +225,7 @@ def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
     E, two_f, D = gate_up_proj.shape
     F = two_f // 2
     if config is None:
-        name = gpu_name(x_sorted.device.index or 0) if x_sorted.is_cuda else "cpu"
-        config = fused_moe_config(name, E, D, F, table.num_tokens)
+        config = experts_config(x_sorted, gate_up_proj, down_proj, table.num_tokens)
     for proj, cfg, K in (("gate_up", config.gate_up, D), ("down", config.down, F)):
         if cfg.schedule == "tiles" and not tiles_fit(cfg, K):
             raise ValueError(f"the {proj} tile config needs a BLOCK_K that divides its {K} inputs: {cfg}")
@@ -234,3 +236,44 @@ def fused_experts(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
                                  ("down", config.down, h, down_proj, y)):
         (launch_tiles if cfg.schedule == "tiles" else launch_decode)(part, a, w, out, table, cfg)
     return y
+
+
+TIMED_ROUTINGS = 4  # rotating routings a tuning run times each candidate over
+
+
+def experts_config(x_sorted: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   tokens: int) -> ExpertsConfig:
+    """The configs for `tokens` tokens (x_sorted [T*k, D]): stored or default (configs.py), on a GPU after tuning
+    the token bucket where nothing is stored for it (autotune.py)."""
+    E, two_f, D = gate_up_proj.shape
+    F, top_k = two_f // 2, max(1, x_sorted.shape[0] // max(tokens, 1))
+    if not x_sorted.is_cuda:
+        return fused_moe_config("cpu", E, D, F, tokens, top_k)
+    device = device_of(x_sorted)
+    return choose(device, "fused_moe", shape_key(E, D, F), tokens,
+                  lambda T: fused_moe_config(device, E, D, F, T, top_k),
+                  lambda mode, T: fused_moe_candidates(mode, T, D, F),
+                  lambda T: experts_timer(gate_up_proj, down_proj, T, top_k))
+
+
+def experts_timer(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tokens: int, top_k: int):
+    """measure(config) -> GPU ms of fused_experts at `tokens` random tokens over TIMED_ROUTINGS random routings."""
+    E, _, D = gate_up_proj.shape
+    dev, dtype = gate_up_proj.device, gate_up_proj.dtype
+    items = []
+    for _ in range(TIMED_ROUTINGS):
+        ids = torch.rand(tokens, E, device=dev).topk(top_k, dim=1).indices  # [T, k] distinct experts
+        items.append((torch.randn(tokens * top_k, D, device=dev, dtype=dtype),
+                      build_routing_table(ids, torch.rand(tokens, top_k, device=dev), E)))
+    return lambda config: gpu_ms(lambda item: fused_experts(item[0], gate_up_proj, down_proj, item[1], config), items)
+
+
+def tune_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tokens: int, top_k: int, mode: str,
+                 budget_s: float | None = None) -> Outcome:
+    """Search this GPU's config for these experts at the bucket of `tokens` now, whatever is stored (`moeserve
+    tune`), starting from what a call gets without it, and store the winner in the user's tuning cache."""
+    device = device_of(gate_up_proj)
+    E, two_f, D = gate_up_proj.shape
+    F, T = two_f // 2, bucket(tokens)
+    return tune(device, Problem("fused_moe", shape_key(E, D, F), T), fused_moe_config(device, E, D, F, T, top_k),
+                fused_moe_candidates(mode, T, D, F), experts_timer(gate_up_proj, down_proj, T, top_k), mode, budget_s)

@@ -8,7 +8,7 @@ Files import only downward:
     tma.py       the one-token GEMV fed by TMA (jit)
     kernels.py   the entry kernels (jit)
 Row scheduling (which rows a program owns) is kernels/triton/rows.py, shared with the bf16 fused MoE; launch configs
-are configs.LowbitConfig, tuned per GPU (bench/kernels.py, bench/tune_lowbit_moe.py).
+are configs.LowbitConfig, per GPU: stored, tuned on first use (autotune.py) or made from the GPU's properties.
 """
 
 from moeserve.kernels.triton.lowbit.launch import Preparation, prepare_x

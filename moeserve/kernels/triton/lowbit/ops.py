@@ -1,17 +1,24 @@
 """The low-bit ops the model calls: lowbit_linear (a dense layer, W{2,3,4,8}A16 for decode's 1..64 rows) and
 lowbit_experts (the fused MoE over stacked packed experts: gate_up with its SwiGLU, then down), with their configs
-looked up per GPU and shape (configs.py) unless one is given."""
+looked up per GPU and shape (configs.py; the experts' tuned on first use, autotune.py) unless one is given."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from moeserve.kernels.triton.configs import ExpertsConfig, LowbitConfig, gpu_name, lowbit_config, lowbit_moe_config
+from moeserve.kernels.routing import build_routing_table, slot_order_pays
+from moeserve.kernels.triton.autotune import Outcome, Problem, bucket, choose, gpu_ms, tune
+from moeserve.kernels.triton.configs import (ExpertsConfig, LowbitConfig, gpu_name, lowbit_config, lowbit_moe_config,
+                                             lowbit_moe_key)
+from moeserve.kernels.triton.device import device_of
 from moeserve.kernels.triton.lowbit.launch import (Preparation, launch, launch_down_tma, launch_gate_up, routed_tokens,
                                                    tile_constexprs, tma_one_token)
 from moeserve.kernels.triton.lowbit.layout import StackedLowbit, check_activation, check_weight
 from moeserve.kernels.triton.skinny import low_rank_input
+from moeserve.kernels.triton.spaces import lowbit_moe_candidates
+
+TIMED_ROUTINGS = 4  # rotating routings a tuning run times each candidate over (the experts hit change, as in decode)
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -43,11 +50,45 @@ def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, z
 
 def experts_config(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, tokens: int,
                    top_k: int) -> ExpertsConfig:
-    """The launch configs for `tokens` tokens on x's device (configs.py)."""
-    name = gpu_name(x.device.index or 0) if x.is_cuda else "cpu"
+    """The launch configs for `tokens` tokens on x's device: stored or default (configs.py), on a GPU after tuning
+    the token bucket where nothing is stored for it (autotune.py)."""
     E, two_f, D = gate_up.qweight.shape[0], gate_up.qweight.shape[1], gate_up.in_features
-    return lowbit_moe_config(name, gate_up.bits, E, D, two_f // 2, tokens, top_k,
-                             gate_up.u is not None or down.u is not None)
+    F, lowrank = two_f // 2, gate_up.u is not None or down.u is not None
+    if not x.is_cuda:
+        return lowbit_moe_config("cpu", gate_up.bits, E, D, F, tokens, top_k, lowrank, gate_up.group)
+    device = device_of(x)
+    return choose(device, "lowbit_moe", lowbit_moe_key(gate_up.bits, E, D, F, lowrank), tokens,
+                  lambda T: lowbit_moe_config(device, gate_up.bits, E, D, F, T, top_k, lowrank, gate_up.group),
+                  lambda mode, T: lowbit_moe_candidates(mode, device, T, E, top_k, D, F, gate_up.group),
+                  lambda T: experts_timer(gate_up, down, T, top_k, x.dtype))
+
+
+def experts_timer(gate_up: StackedLowbit, down: StackedLowbit, tokens: int, top_k: int, dtype: torch.dtype):
+    """measure(config) -> GPU ms of lowbit_experts at `tokens` random tokens of `dtype` over TIMED_ROUTINGS random
+    routings, in the row order QuantizedExperts runs it (slot order where slot_order_pays, else expert-sorted)."""
+    E, D, dev = gate_up.qweight.shape[0], gate_up.in_features, gate_up.qweight.device
+    items = []
+    for _ in range(TIMED_ROUTINGS):
+        ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(tokens)])  # [T, k] distinct experts
+        if slot_order_pays(tokens):
+            items.append((torch.randn(tokens, D, device=dev, dtype=dtype), ids))  # x [T, D], slot order
+        else:
+            table = build_routing_table(ids, torch.rand(tokens, top_k, device=dev), E)
+            items.append((torch.randn(tokens * top_k, D, device=dev, dtype=dtype), table))  # x [T*k, D] sorted
+    return lambda config: gpu_ms(lambda item: lowbit_experts(item[0], gate_up, down, item[1], config), items)
+
+
+def tune_experts(gate_up: StackedLowbit, down: StackedLowbit, tokens: int, top_k: int, mode: str,
+                 dtype: torch.dtype = torch.bfloat16, budget_s: float | None = None) -> Outcome:
+    """Search this GPU's config for these experts at the bucket of `tokens` now, whatever is stored (`moeserve
+    tune`), starting from what a call gets without it, and store the winner in the user's tuning cache."""
+    device = device_of(gate_up.qweight)
+    E, D, F = gate_up.qweight.shape[0], gate_up.in_features, gate_up.qweight.shape[1] // 2
+    lowrank, T = gate_up.u is not None or down.u is not None, bucket(tokens)
+    problem = Problem("lowbit_moe", lowbit_moe_key(gate_up.bits, E, D, F, lowrank), T)
+    return tune(device, problem, lowbit_moe_config(device, gate_up.bits, E, D, F, T, top_k, lowrank, gate_up.group),
+                lowbit_moe_candidates(mode, device, T, E, top_k, D, F, gate_up.group),
+                experts_timer(gate_up, down, T, top_k, dtype), mode, budget_s)
 
 
 def x_preparation(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, top_k: int,
