@@ -9,7 +9,7 @@ from torch import nn
 
 from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.model.layers import MLP
-from moeserve.model.router import TopKRouter
+from moeserve.model.router import GroupedRouter, TopKRouter
 from moeserve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,10 @@ class MoEBlock(nn.Module):
         super().__init__()
         D = spec.hidden_size
         self.layer_idx = layer_idx
-        self.gate = TopKRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
+        if spec.router is not None:
+            self.gate = GroupedRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router)
+        else:
+            self.gate = TopKRouter(D, spec.num_experts, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
         self.experts: ExpertBackend = ResidentExperts(spec.num_experts, D, spec.expert_ffn)
         if spec.shared_expert_ffn:
             self.shared_expert = MLP(D, spec.shared_expert_ffn)
@@ -67,7 +70,8 @@ class MoEBlock(nn.Module):
             log.debug("layer %d, %d tokens on %s: experts %s", self.layer_idx, T, x.device, path)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert (Qwen2-MoE: sigmoid-gated) on x [T, D] -> [T, D]."""
+        """The shared expert (Qwen2-MoE: sigmoid-gated; DeepSeek's n_shared_experts as one wider FFN) on x [T, D]
+        -> [T, D]."""
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
