@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve.errors import MoeserveError
+from moeserve.spec import fp8_block_size
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: stored weight * scale = float weight
@@ -81,7 +82,7 @@ class CheckpointReader:
                     self._file_of[key] = name
                     self.shapes[key] = tuple(meta["shape"])
         self._handles: dict[str, object] = {}
-        self.fp8_block = fp8_block_size(self.path)  # (rows, columns) of a scale's block, or None
+        self.fp8_block = _fp8_block(self.path)  # (rows, columns) of a scale's block, or None
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -127,23 +128,13 @@ class CheckpointReader:
         return self._handles[fname]
 
 
-def fp8_block_size(path: Path) -> tuple[int, int] | None:
-    """(rows, columns) of the FP8 scale blocks config.json's quantization_config names (quant_method "fp8",
-    weight_block_size, 128 x 128 by default); None for a float checkpoint. Another quant_method is refused."""
+def _fp8_block(path: Path) -> tuple[int, int] | None:
+    """The FP8 scale block config.json names, None where it names none (or is unreadable: ModelSpec says why)."""
     try:
-        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None  # no readable config: ModelSpec.from_dir names that problem
-    if not quant:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
         return None
-    method = quant.get("quant_method")
-    if method != "fp8":
-        raise MoeserveError(f"quantization_config.quant_method {method!r} is not supported; moeserve reads float "
-                            f"checkpoints and block-scaled 'fp8' ones")
-    block = quant.get("weight_block_size") or [128, 128]
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise MoeserveError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
-    return block[0], block[1]
+    return fp8_block_size(cfg) if isinstance(cfg, dict) else None
 
 
 # ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------

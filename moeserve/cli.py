@@ -749,13 +749,19 @@ def cmd_info(args) -> int:
     counts = spec.parameter_counts()
     memory = {name: counts["total"] * bits / 8 for name, bits in (("float32", 32), ("bfloat16", 16), ("int8", 8),
                                                                    ("int4", 4), ("int3", 3))}
+    kv_bytes = {name: spec.kv_bytes_per_token(n) for name, n in (("float32", 4), ("bfloat16", 2))}
     if args.json:
-        print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory}, indent=2))
+        print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory,
+                          "kv_bytes_per_token": kv_bytes}, indent=2))
         return 0
+    heads, dim, separate = spec.kv_cache_entry()
     rows = [
         ("family", spec.family),
         ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
         ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
+        ("KV cache per token", f"{format_bytes(kv_bytes['bfloat16'])} at bfloat16 ("
+                               + (f"{heads} x {dim} keys and values" if separate else f"MLA latent of {dim}")
+                               + " a layer)"),
         ("experts", f"{spec.num_experts} x FFN {spec.expert_ffn}, top-{spec.top_k}"
                     + (f", shared expert FFN {spec.shared_expert_ffn}" if spec.shared_expert_ffn else "")),
         ("vocab / context", f"{spec.vocab_size} / {spec.max_position_embeddings}"),

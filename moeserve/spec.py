@@ -192,6 +192,7 @@ class ModelSpec:
                     f"unsupported architecture {archs or model_type!r}; supported: "
                     + ", ".join(SUPPORTED_ARCHITECTURES)
                 )
+        fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8
         if family not in PARTIAL_ROTARY and _partial_rotary(cfg, 1.0) != 1.0:
             raise MoeserveError(f"partial rotary embeddings (partial_rotary_factor != 1) are not supported for "
                                 f"{family}")
@@ -203,6 +204,22 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelSpec":
         return cls.from_hf_config(read_config(path))
+
+
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """(rows, columns) of the FP8 scale blocks config.json's quantization_config names (quant_method "fp8",
+    weight_block_size, 128 x 128 by default); None for a float checkpoint. Another quant_method is refused."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise MoeserveError(f"quantization_config.quant_method {method!r} is not supported; moeserve reads float "
+                            f"checkpoints and block-scaled 'fp8' ones")
+    block = quant.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise MoeserveError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
+    return block[0], block[1]
 
 
 def read_config(path: str | Path) -> dict:

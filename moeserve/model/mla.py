@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         query = torch.cat((q_lat, q_rope), dim=-1).reshape(B, H * S, -1)  # [B, H S, r + rope]
         scores = torch.bmm(query, entry.transpose(1, 2)).view(B, H, S, -1) * self.scale  # [B, H, S, S_total]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        probs = torch.softmax(scores.float(), dim=-1).to(entry.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(entry.dtype)
         o_lat = torch.bmm(probs.view(B, H * S, -1), entry[..., :self.rank])  # [B, H S, r]
         o_lat = o_lat.view(B, H, S, self.rank).transpose(0, 1).reshape(H, B * S, self.rank)  # [H, B S, r]
         out = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, B S, v]
