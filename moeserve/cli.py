@@ -1041,11 +1041,12 @@ def _workload_lengths(prompt_len: int | None, gen_len: int, context: int) -> tup
 
 def cmd_plan(args) -> int:
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
-    from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
+    from moeserve.plan.roofline import Workload, check_modelled, operator_table, plot_roofline, turning_points
     from moeserve.plan.search import search
     from moeserve.spec import ModelSpec
 
     spec = ModelSpec.from_dir(args.model)
+    check_modelled(spec)
     prompt_len, gen_len = _workload_lengths(args.prompt_len, args.gen_len, spec.max_position_embeddings)
     hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")
@@ -1108,6 +1109,7 @@ def cmd_batch(args) -> int:
                                      run_batch, tokenize_requests)
     from moeserve.plan.layer_weights import host_weight_bytes
     from moeserve.plan.pipeline import Pipeline
+    from moeserve.plan.roofline import check_modelled
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             seed=args.seed, ignore_eos=args.ignore_eos)
@@ -1116,6 +1118,7 @@ def cmd_batch(args) -> int:
     finished_ids(args.output)  # an output that is not ours fails now, not after the model loads
     bad = BadLines(args.input, args.on_bad_line == "stop", lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
     spec, tok = _tokenizer(args.model)
+    check_modelled(spec)
     requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

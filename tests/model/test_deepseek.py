@@ -187,3 +187,33 @@ def test_bad_configs_name_the_value_and_what_is_supported(hf_checkpoints, tmp_pa
     cfg = json.loads((src / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, **change}))
     expect_cli_error(["info", "--model", tmp_path / "m"], message)
+
+
+def test_expert_stores_take_fp8_checkpoints(fp8_pair, tmp_path):
+    """offload-prepare's store and the hybrid backend's store read the FP8 experts as float: the offloaded model
+    (all experts in high precision) and the hybrid one (every MoE layer's experts on the CPU) compute what the
+    resident model of the dequantized twin computes."""
+    from moeserve.hybrid.placement import HybridPlacement
+    from moeserve.hybrid.setup import build_store, enable_hybrid
+    from moeserve.offload.experts import enable_offload
+    from moeserve.offload.store import ExpertStore
+
+    fp8, twin = fp8_pair
+    tokens = torch.randint(3, 97, (2, 7))
+    with torch.no_grad():
+        want = moeserve.load_model(twin)(tokens)
+        model = moeserve.load_model(fp8, routed_experts=False)
+        enable_offload(model, ExpertStore.build(fp8, tmp_path / "store", low_bits=4, group=8, progress=False),
+                       high_slots=3, policy="lru", mixed=False)
+        torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
+        layers = [i for i, moe in enumerate(model.spec.moe_layers) if moe]
+        placement = HybridPlacement.choose(layers, n_cpu_moe=len(layers), cache_slots=0, num_experts=16)
+        model = moeserve.load_model(fp8, routed_experts=False)
+        enable_hybrid(model, build_store(fp8, placement, model.dtype, model.device, progress=False), placement)
+        torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_and_batch_refuse_mla_by_name(hf_checkpoints, tmp_path, expect_cli_error):
+    path = hf_checkpoints["deepseek_v2_lite"][1]
+    expect_cli_error(["plan", "--model", path, "--gpu-memory", "1GiB", "--profile", tmp_path / "none.json"],
+                     "multi-head latent attention is not modelled")
