@@ -31,7 +31,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import (add_run_args, measure_hbm_bandwidth, measure_matmul_flops, result_record, run_device,  # noqa: E402
                     time_cuda_graph, time_fn, write_result)
-from decode import decode_figures, hf_generate, matched_prefix, ours_generate, random_prompts  # noqa: E402
+from decode import decode_figures, hf_generate, ours_generate, paired_runs, random_prompts  # noqa: E402
 from lowbit_decode import random_quantized  # noqa: E402
 from moe_block import default_device_dtype, rel_err, set_experts_implementation  # noqa: E402
 
@@ -113,8 +113,9 @@ def decode_part(args, device, dtype, bw: float) -> dict:
     randomise(hf, gen)
     ours = ours_sharing(hf, spec, device)
     S, n = args.prompt, args.new_tokens
-    print(f"\n== DeepSeek-V2-Lite shape{' (quick)' if args.quick else ''}: {spec.parameter_counts()['total'] / 1e9:.2f}B "
-          f"parameters, {str(dtype).removeprefix('torch.')} on {device}; HF experts implementation "
+    quick = " (quick)" if args.quick else ""
+    print(f"\n== DeepSeek-V2-Lite shape{quick}: {spec.parameter_counts()['total'] / 1e9:.2f}B parameters, "
+          f"{str(dtype).removeprefix('torch.')} on {device}; HF experts implementation "
           f"{getattr(hf.config, '_experts_implementation', None)}", flush=True)
     with torch.inference_mode():
         out = hf(random_prompts(spec.vocab_size, 2, S, 7, device), use_cache=True)
@@ -122,10 +123,11 @@ def decode_part(args, device, dtype, bw: float) -> dict:
     m = spec.mla
     kv = {"moeserve_latent": spec.kv_bytes_per_token(2),
           "transformers_cache": cache_bytes(hf_cache) / (2 * S) / torch.finfo(dtype).bits * 16,
-          "expanded_kv": spec.num_layers * spec.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2,
+          "expanded_kv": spec.num_layers * spec.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+          * 2,
           "what": "bytes per token over all layers at bf16; expanded_kv: keys and values of every head (plain MHA)"}
-    print(f"KV bytes per token (bf16): moeserve {kv['moeserve_latent']:,}, transformers {kv['transformers_cache']:,.0f}, "
-          f"expanded heads {kv['expanded_kv']:,}", flush=True)
+    print(f"KV bytes per token (bf16): moeserve {kv['moeserve_latent']:,}, transformers "
+          f"{kv['transformers_cache']:,.0f}, expanded heads {kv['expanded_kv']:,}", flush=True)
     rows = []
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     for B in args.batch:
@@ -135,19 +137,10 @@ def decode_part(args, device, dtype, bw: float) -> dict:
         for graph in modes:
             ours_generate(ours, warm, 4, graph)
         hf_generate(hf, warm, 4, pad)
-        runs, hf_runs, match = {g: [] for g in modes}, [], []
-        for r in range(args.repeats):
-            prompt = random_prompts(spec.vocab_size, B, S, r, device)
-            tokens = {}
-            for graph in modes:
-                tokens[graph], *times = ours_generate(ours, prompt, n, graph)
-                runs[graph].append(times)
-            hf_tokens, total = hf_generate(hf, prompt, n, pad)
-            hf_runs.append(total - hf_generate(hf, prompt, 1, pad)[1])
-            match += matched_prefix(tokens[False], hf_tokens)
+        runs, h_tot, h_pre, match, _ = paired_runs(ours, hf, spec.vocab_size, B, S, n, modes, args.repeats, pad, device)
         row = {"batch": B, "prompt": S, "new_tokens": n, "floor_tok_s": floor,
                "eager": decode_figures(runs[False], B, n),
-               "hf_decode_tok_s": B * (n - 1) / max(statistics.median(hf_runs), 1e-9),
+               "hf_decode_tok_s": B * (n - 1) / max(statistics.median(h_tot) - statistics.median(h_pre), 1e-9),
                "greedy_match_prefix_vs_hf": {"min": min(match), "of": n}}
         if True in runs:
             row["cuda_graph"] = decode_figures(runs[True], B, n)
@@ -255,7 +248,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device, dtype = run_device(args)
     args.batch = [int(b) for b in args.batch.split(",")]
-    args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(QUICK_TOKENS if args.quick else TOKENS)
+    default_tokens = QUICK_TOKENS if args.quick else TOKENS
+    args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(default_tokens)
     if args.quick:
         args.batch, args.prompt, args.new_tokens, args.repeats = [1], 8, 6, 1
     bw = measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)["bytes_per_s"]

@@ -115,8 +115,8 @@ class CheckpointReader:
             return False
         (bm, bn), (N, K) = self.fp8_block, self.shapes[name]
         if self.shapes[name + SCALE_SUFFIX] != (-(-N // bm), -(-K // bn)):
-            raise MoeserveError(f"{name}{SCALE_SUFFIX} has shape {self.shapes[name + SCALE_SUFFIX]}; a {N} x {K} weight "
-                                f"in {bm} x {bn} blocks needs ({-(-N // bm)}, {-(-K // bn)})")
+            raise MoeserveError(f"{name}{SCALE_SUFFIX} has shape {self.shapes[name + SCALE_SUFFIX]}; a {N} x {K} "
+                                f"weight in {bm} x {bn} blocks needs ({-(-N // bm)}, {-(-K // bn)})")
         return True
 
     def _handle(self, name: str):

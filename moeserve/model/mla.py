@@ -24,7 +24,7 @@ from torch import nn
 from moeserve.model.layers import RMSNorm, apply_rotary, linears
 from moeserve.spec import ModelSpec
 
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers gives them the default eps, not rms_norm_eps
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -38,7 +38,8 @@ class MLAttention(nn.Module):
         super().__init__()
         m = spec.mla
         self.layer_idx, self.H = layer_idx, spec.num_heads
-        self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.rank = m.kv_lora_rank
         self.scale, self.interleave, self.q_lora = m.softmax_scale, spec.rope.interleave, m.q_lora_rank is not None
         for name, out_features, in_features, bias in spec.attention_projections():
             setattr(self, name, nn.Linear(in_features, out_features, bias=bias))
@@ -63,7 +64,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(B, S, self.H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c, k_rope = latent.split([self.rank, self.rope], dim=-1)  # [B, S, r], [B, S, rope]
         q_rope = self._rotate(q_rope.transpose(1, 2), cos, sin)  # [B, H, S, rope]
-        entry = torch.cat((self.kv_a_layernorm(c), self._rotate(k_rope[:, None], cos, sin)[:, 0]), dim=-1)  # [B, S, r + rope]
+        k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # [B, S, rope]
+        entry = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)  # [B, S, r + rope]: what the cache keeps
         if kv is not None:
             entry = kv.update(self.layer_idx, entry[:, None], None)[0][:, 0]  # [B, S_total, r + rope]
         attend = self._absorbed if self.absorbs(S) else self._expanded
@@ -98,9 +100,10 @@ class MLAttention(nn.Module):
         B, S, H, _ = q_nope.shape
         S_total = entry.shape[1]
         c, k_rope = entry.split([self.rank, self.rope], dim=-1)  # [B, S_total, r], [B, S_total, rope]
-        kv = self.kv_b_proj(c).view(B, S_total, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, S_total, nope + v]
+        kv = self.kv_b_proj(c).view(B, S_total, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, S_total, nope+v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None].expand(B, H, S_total, self.rope)), dim=-1)  # [B, H, S_total, nope + rope]
+        k_rope = k_rope[:, None].expand(B, H, S_total, self.rope)  # one rotary key for every head
+        k = torch.cat((k_nope, k_rope), dim=-1)  # [B, H, S_total, nope + rope]
         q = torch.cat((q_nope.transpose(1, 2), q_rope), dim=-1)  # [B, H, S, nope + rope]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, S, v]
         return out.transpose(1, 2).reshape(B, S, H * self.v_dim)
