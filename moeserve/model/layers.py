@@ -133,11 +133,15 @@ class Attention(nn.Module):
                 k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
         return linears(self.attend(q, k, v, mask), self.o_proj)[0]
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections that read the layer input, run side by side (linears)."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def qkv(self, x, cos, sin):
         """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated).
         A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
         B, S, _ = x.shape
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
+        q, k, v = linears(x, *self.input_projections())  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -156,7 +160,7 @@ class Attention(nn.Module):
         instead of seven. None where that does not apply: a dynamic pass, several tokens, qk norms or clipping,
         partial rotary, layers skinny does not take, dtypes that differ."""
         cache = kv.static_slot(self.layer_idx)
-        mods = (self.q_proj, self.k_proj, self.v_proj)
+        mods = self.input_projections()
         if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
                 or cos.shape[-1] != self.Dh
                 or linears_path(x, mods) != "skinny"

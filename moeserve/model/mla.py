@@ -47,6 +47,11 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections that read the layer input, run side by side (linears): the query's (or its LoRA's first
+        half) and the latent's."""
+        return (self.q_a_proj if self.q_lora else self.q_proj), self.kv_a_proj_with_mqa
+
     def absorbs(self, S: int) -> bool:
         """Whether a pass of S query tokens attends in the latent space: when that is fewer FLOPs than expanding,
         S H (2 r + rope) < H r (nope + v) + S H (nope + rope + v) per key (both share the rope part)."""
@@ -56,11 +61,9 @@ class MLAttention(nn.Module):
         """x [B, S, D]; cos/sin [B, S, rope]; mask [B, 1, S, S_total] bool (True = attend) or additive (static
         decode); kv: KVCache, SlotKVCache or None. -> [B, S, D]."""
         B, S, _ = x.shape
+        q, latent = linears(x, *self.input_projections())  # [B, S, H (nope + rope)] or [B, S, q_lora]; [B, S, r + rope]
         if self.q_lora:
-            q_a, latent = linears(x, self.q_a_proj, self.kv_a_proj_with_mqa)  # [B, S, q_lora], [B, S, r + rope]
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        else:
-            q, latent = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(B, S, self.H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c, k_rope = latent.split([self.rank, self.rope], dim=-1)  # [B, S, r], [B, S, rope]
         q_rope = self._rotate(q_rope.transpose(1, 2), cos, sin)  # [B, H, S, rope]

@@ -217,3 +217,12 @@ def test_plan_and_batch_refuse_mla_by_name(hf_checkpoints, tmp_path, expect_cli_
     path = hf_checkpoints["deepseek_v2_lite"][1]
     expect_cli_error(["plan", "--model", path, "--gpu-memory", "1GiB", "--profile", tmp_path / "none.json"],
                      "multi-head latent attention is not modelled")
+
+
+def test_explain_names_the_paths_of_mla_layers(hf_checkpoints, capsys):
+    from moeserve.cli import main
+
+    assert main(["info", "--explain", "--json", "--model", str(hf_checkpoints["deepseek_v2"][1]), "--tokens", "1"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert [layer["router"] for layer in layers] == [None, {"1": "torch"}, {"1": "torch"}]  # dense first layer
+    assert all(layer["attention"] == {"1": "torch"} for layer in layers)
