@@ -123,6 +123,29 @@ def hf_generate(model, prompt: torch.Tensor, new_tokens: int, pad_id: int):
     return out[:, S:], time.perf_counter() - t0
 
 
+def paired_runs(ours, hf, vocab: int, B: int, S: int, n: int, modes: list[bool], repeats: int, pad_id: int, device):
+    """A fresh prompt [B, S] each repeat through ours_generate (each graph mode in `modes`, eager first) and
+    transformers, n new tokens. -> (runs {graph: [(prefill s, decode s, first step s)]}, transformers' total and
+    prefill seconds per repeat, tokens matched with transformers, tokens matched graph vs eager)."""
+    runs = {graph: [] for graph in modes}
+    h_tot, h_pre, match, graph_match = [], [], [], []
+    for r in range(repeats):
+        prompt = random_prompts(vocab, B, S, r, device)
+        tokens = {}
+        for graph in modes:
+            tokens[graph], *times = ours_generate(ours, prompt, n, graph)
+            runs[graph].append(times)
+        h_tok, tot = hf_generate(hf, prompt, n, pad_id)
+        _, pre_h = hf_generate(hf, prompt, 1, pad_id)
+        if h_tok.shape[1] != n:
+            raise SystemExit(f"transformers generated {h_tok.shape[1]} tokens, expected {n}")
+        h_tot.append(tot), h_pre.append(pre_h)
+        match += matched_prefix(tokens[False], h_tok)
+        if True in modes:
+            graph_match += matched_prefix(tokens[True], tokens[False])
+    return runs, h_tot, h_pre, match, graph_match
+
+
 def matched_prefix(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     """Per sequence: how many leading tokens two greedy outputs share."""
     same = (a.cpu() == b.cpu()).int()
@@ -170,22 +193,8 @@ def bench_device(path: Path, device: torch.device, args) -> list[dict]:
         for graph in modes:
             ours_generate(ours, warm, min(4, n), graph)
         hf_generate(hf, warm, min(4, n), pad_id)
-        runs = {graph: [] for graph in modes}  # graph? -> [(prefill s, decode s, first step s)]
-        h_tot, h_pre, match, graph_match = [], [], [], []
-        for r in range(args.repeats):  # a fresh prompt each repeat
-            prompt = random_prompts(spec.vocab_size, B, S, r, device)
-            tokens = {}
-            for graph in modes:
-                tokens[graph], *times = ours_generate(ours, prompt, n, graph)
-                runs[graph].append(times)
-            h_tok, tot = hf_generate(hf, prompt, n, pad_id)
-            _, pre_h = hf_generate(hf, prompt, 1, pad_id)
-            if h_tok.shape[1] != n:
-                raise SystemExit(f"transformers generated {h_tok.shape[1]} tokens, expected {n}")
-            h_tot.append(tot), h_pre.append(pre_h)
-            match += matched_prefix(tokens[False], h_tok)
-            if use_graph:
-                graph_match += matched_prefix(tokens[True], tokens[False])
+        runs, h_tot, h_pre, match, graph_match = paired_runs(ours, hf, spec.vocab_size, B, S, n, modes,
+                                                             args.repeats, pad_id, device)
         med = statistics.median
         hf_dec_s = max(med(h_tot) - med(h_pre), 1e-9)
         steps = n - 1

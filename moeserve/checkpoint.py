@@ -5,6 +5,8 @@ tensors streamed to wherever they live. Expert weights come in two spellings and
   per-expert (classic HF):  ...experts.{j}.w1/w3/w2.weight (Mixtral), ...experts.{j}.gate_proj/up_proj/down_proj.weight
   fused (transformers 5.x): ...experts.gate_up_proj [E, 2F, D] and ...experts.down_proj [E, D, F]
 moeserve's own names are the fused transformers-5 names, so a model's state_dict is itself a checkpoint.
+FP8 checkpoints (DeepSeek-V3's: float8_e4m3 weights, each with a `<name>_scale_inv` of one float per 128 x 128 block)
+read as float32: every reader of weights (loading, quantize, expert stores) takes them as it takes float ones.
 Fingerprints (sha256 of tensors as stored, or of a fixed sample of expert rows) let an artifact made from a
 checkpoint (a quantized copy, an expert store) prove which weights it was made from.
 """
@@ -23,8 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve.errors import MoeserveError
+from moeserve.spec import fp8_block_size
 
 INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: stored weight * scale = float weight
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -78,6 +82,7 @@ class CheckpointReader:
                     self._file_of[key] = name
                     self.shapes[key] = tuple(meta["shape"])
         self._handles: dict[str, object] = {}
+        self.fp8_block = _fp8_block(self.path)  # (rows, columns) of a scale's block, or None
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -86,11 +91,33 @@ class CheckpointReader:
         return self._file_of.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored, or as float32 where it is an FP8 weight with block scales."""
+        if self._scaled(name):
+            return self.get_slice(name, (slice(None), slice(None)))
         return self._handle(name).get_tensor(name)
 
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
-        """Only the part `index` (a tuple of slices) of a tensor: the rest is never read (sharded loading)."""
-        return self._handle(name).get_slice(name)[index]
+        """Only the part `index` (a tuple of slices) of a tensor: the rest is never read (sharded loading). An FP8
+        weight reads the blocks that cover the part, and their scales."""
+        if not self._scaled(name):
+            return self._handle(name).get_slice(name)[index]
+        (bm, bn), (N, K) = self.fp8_block, self.shapes[name]
+        (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(tuple(index) + (slice(None),) * 2, (N, K)))
+        rb, cb = slice(r0 // bm, -(-r1 // bm)), slice(c0 // bn, -(-c1 // bn))  # the blocks that cover the part
+        codes = self._handle(name).get_slice(name)[rb.start * bm:rb.stop * bm, cb.start * bn:cb.stop * bn]
+        scale = self._handle(name + SCALE_SUFFIX).get_slice(name + SCALE_SUFFIX)[rb, cb].float()
+        w = codes.float() * scale.repeat_interleave(bm, 0)[:codes.shape[0]].repeat_interleave(bn, 1)[:, :codes.shape[1]]
+        return w[r0 - rb.start * bm:r1 - rb.start * bm, c0 - cb.start * bn:c1 - cb.start * bn]
+
+    def _scaled(self, name: str) -> bool:
+        """Whether `name` is an FP8 weight with block scales (needs the config's weight_block_size)."""
+        if self.fp8_block is None or name + SCALE_SUFFIX not in self._file_of:
+            return False
+        (bm, bn), (N, K) = self.fp8_block, self.shapes[name]
+        if self.shapes[name + SCALE_SUFFIX] != (-(-N // bm), -(-K // bn)):
+            raise MoeserveError(f"{name}{SCALE_SUFFIX} has shape {self.shapes[name + SCALE_SUFFIX]}; a {N} x {K} "
+                                f"weight in {bm} x {bn} blocks needs ({-(-N // bm)}, {-(-K // bn)})")
+        return True
 
     def _handle(self, name: str):
         if name not in self._file_of:
@@ -101,6 +128,15 @@ class CheckpointReader:
         return self._handles[fname]
 
 
+def _fp8_block(path: Path) -> tuple[int, int] | None:
+    """The FP8 scale block config.json names, None where it names none (or is unreadable: ModelSpec says why)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return fp8_block_size(cfg) if isinstance(cfg, dict) else None
+
+
 # ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------
 
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -108,6 +144,9 @@ _PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "default": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+SHARED_EXPERTS_PLURAL = ("deepseek_v2", "deepseek_v3", "glm4_moe")  # store mlp.shared_experts.* for shared_expert
 
 
 def _classic_moe_prefix(name: str, family: str) -> str:
@@ -121,13 +160,21 @@ def tensor_experts(spec, name: str) -> int:
     return spec.experts_at(int(m.group(1))) if m else spec.num_experts
 
 
+def _stored_names(name: str, family: str) -> tuple[str, ...]:
+    """Where a checkpoint may hold the tensor moeserve calls `name`, whole (not assembled from per-expert parts)."""
+    names = (name, _classic_moe_prefix(name, family))  # the latter e.g. Mixtral's block_sparse_moe.gate
+    if family in SHARED_EXPERTS_PLURAL:
+        names += (name.replace(".mlp.shared_expert.", ".mlp.shared_experts.", 1),)
+    return names
+
+
 def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: int,
                 index: tuple | None = None) -> torch.Tensor:
     """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses.
 
     index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
     slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
-    for stored in (name, _classic_moe_prefix(name, family)):  # the latter e.g. Mixtral's block_sparse_moe.gate
+    for stored in _stored_names(name, family):
         if stored in reader:
             return reader.get(stored) if index is None else reader.get_slice(stored, index)
     m = _FUSED.match(name)

@@ -954,13 +954,19 @@ def cmd_info(args) -> int:
     counts = spec.parameter_counts()
     memory = {name: counts["total"] * bits / 8 for name, bits in (("float32", 32), ("bfloat16", 16), ("int8", 8),
                                                                    ("int4", 4), ("int3", 3))}
+    kv_bytes = {name: spec.kv_bytes_per_token(n) for name, n in (("float32", 4), ("bfloat16", 2))}
     if args.json:
-        print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory}, indent=2))
+        print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory,
+                          "kv_bytes_per_token": kv_bytes}, indent=2))
         return 0
+    heads, dim, separate = spec.kv_cache_entry()
     rows = [
         ("family", spec.family),
         ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
         ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
+        ("KV cache per token", f"{format_bytes(kv_bytes['bfloat16'])} at bfloat16 ("
+                               + (f"{heads} x {dim} keys and values" if separate else f"MLA latent of {dim}")
+                               + " a layer)"),
         ("experts", (",".join(map(str, spec.layer_experts)) + " per layer" if spec.layer_experts
                      else str(spec.num_experts)) + f" x FFN {spec.expert_ffn}, top-{spec.top_k}"
                     + (f", {'residual MLP' if spec.residual_mix else 'shared expert'} FFN {spec.shared_expert_ffn}"
@@ -1332,11 +1338,12 @@ def _plan_decode(args) -> int:
 
 def _plan_batch(args) -> int:
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
-    from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
+    from moeserve.plan.roofline import Workload, check_modelled, operator_table, plot_roofline, turning_points
     from moeserve.plan.search import search
     from moeserve.spec import ModelSpec
 
     spec = ModelSpec.from_dir(args.model)
+    check_modelled(spec)
     prompt_len, gen_len = _workload_lengths(args.prompt_len, args.gen_len, spec.max_position_embeddings)
     hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")
@@ -1400,6 +1407,7 @@ def cmd_batch(args) -> int:
                                      run_batch, tokenize_requests)
     from moeserve.plan.layer_weights import host_weight_bytes
     from moeserve.plan.pipeline import Pipeline
+    from moeserve.plan.roofline import check_modelled
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             seed=args.seed, ignore_eos=args.ignore_eos)
@@ -1408,6 +1416,7 @@ def cmd_batch(args) -> int:
     finished_ids(args.output)  # an output that is not ours fails now, not after the model loads
     bad = BadLines(args.input, args.on_bad_line == "stop", lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
     spec, tok = _tokenizer(args.model)
+    check_modelled(spec)
     requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -106,12 +106,18 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
             if is_buffer:
                 t = stored_to_current(manifest, name, t)  # an older format's 3-bit rows, in this moeserve's layout
             # quantized buffers keep their stored dtypes (packed int32, fp16 scales, ...)
-            t = t.to(device=device, dtype=meta.dtype if is_buffer else dtype)
+            t = t.to(device=device, dtype=meta.dtype if is_buffer else _param_dtype(model, name, dtype))
             t = t if is_buffer else nn.Parameter(t, requires_grad=False)
             for alias in names:
                 set_tensor(model, alias, t, is_buffer)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
+
+
+def _param_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """float32 for the tensors their module keeps in float32 (FP32_TENSORS: DeepSeek's router), else dtype."""
+    path, leaf = name.rsplit(".", 1)
+    return torch.float32 if leaf in getattr(model.get_submodule(path), "FP32_TENSORS", ()) else dtype
 
 
 def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,

@@ -21,8 +21,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "PRMoEForCausalLM": "prmoe",  # moeserve's own: PR-MoE (pyramid of expert counts, residual MoE layers)
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+PARTIAL_ROTARY = ("glm4_moe",)  # families whose rope may turn only the start of a head
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,42 @@ class RopeSpec:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    interleave: bool = False  # DeepSeek: rotated pairs are (x0, x1), (x2, x3).. instead of (x_i, x_i+Dh/2)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): queries through an optional low-rank bottleneck, keys and
+    values from one compressed latent of kv_lora_rank per token, plus a rotary key of qk_rope_head_dim shared by
+    every head. A head's query/key is [nope | rope] (qk_nope_head_dim + qk_rope_head_dim), its value v_head_dim."""
+
+    q_lora_rank: int | None  # None: q_proj [H*(nope+rope), D]; else q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # (nope + rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token's cache entry holds per layer: the normed latent and the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a DeepSeek-style router picks experts. scoring: softmax or sigmoid of fp32 logits. topk_method: greedy
+    (top-k of all), group_limited_greedy (top-k inside the topk_group of n_group groups with the highest best score)
+    or noaux_tc (groups ranked by the sum of their two best scores; scores plus the correction bias decide the
+    choice, the unbiased scores are the weights). Weights are renormalised (ModelSpec.norm_topk_prob), then
+    multiplied by routed_scaling_factor."""
+
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # the gate has e_score_correction_bias [E]
 
 
 @dataclass(frozen=True)
@@ -56,7 +98,9 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # None | "head" (Qwen3: per head) | "full" (OLMoE: over all heads)
+    qk_norm: str | None = None  # None | "head" (Qwen3, GLM: per head) | "full" (OLMoE: over all heads)
+    rotary_dim: int = 0  # rotated dims of a head's query/key, from its start (0: all of head_dim; GLM: a part)
+    mla: MLASpec | None = None  # DeepSeek's latent attention instead of GQA (head_dim = nope + rope dims)
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     # sparse part
@@ -65,6 +109,7 @@ class ModelSpec:
     expert_ffn: int = 14336
     norm_topk_prob: bool = True
     router_weights_fp32: bool = True  # Mixtral keeps routing weights in fp32, Qwen/OLMoE cast to the model dtype
+    router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: softmax top-k (TopKRouter)
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
     dense_ffn: int = 0  # FFN width of dense layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
@@ -84,13 +129,44 @@ class ModelSpec:
         """Routed experts of layer `layer` (num_experts unless the layers differ)."""
         return self.layer_experts[layer] if self.layer_experts else self.num_experts
 
+    @property
+    def rotated_dims(self) -> int:
+        """Dims of a head's query/key that the rope turns, from the head's start."""
+        return self.rotary_dim or self.head_dim
+
+    def attention_projections(self) -> tuple[tuple[str, int, int, bool], ...]:
+        """(name, out_features, in_features, bias) of one layer's attention linears, as `self_attn.<name>`."""
+        D, H, m = self.hidden_size, self.num_heads, self.mla
+        if m is None:
+            Hkv, Dh, b = self.num_kv_heads, self.head_dim, self.qkv_bias
+            return (("q_proj", H * Dh, D, b), ("k_proj", Hkv * Dh, D, b), ("v_proj", Hkv * Dh, D, b),
+                    ("o_proj", D, H * Dh, self.o_bias))
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = ((("q_proj", H * qk, D, False),) if m.q_lora_rank is None else
+             (("q_a_proj", m.q_lora_rank, D, self.qkv_bias), ("q_b_proj", H * qk, m.q_lora_rank, False)))
+        return q + (("kv_a_proj_with_mqa", m.latent_dim, D, self.qkv_bias),
+                    ("kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False),
+                    ("o_proj", D, H * m.v_head_dim, self.o_bias))
+
+    def kv_cache_entry(self) -> tuple[int, int, bool]:
+        """(heads, values per head, values kept apart from keys) of one token's KV cache entry in one layer: GQA
+        keeps keys and values of num_kv_heads heads; MLA one latent, from which keys and values are computed."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, False
+        return self.num_kv_heads, self.head_dim, True
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache bytes one token takes over all layers at dtype_bytes per value."""
+        heads, dim, separate = self.kv_cache_entry()
+        return self.num_layers * heads * dim * (2 if separate else 1) * dtype_bytes
+
     def parameter_counts(self) -> dict[str, int]:
         """Parameters split into dense (always active) and sparse (routed experts)."""
         D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = D * H * Dh * 2 + D * Hkv * Dh * 2 + 2 * D  # q, o, k, v, two norms
-        if self.qkv_bias:
-            attn += H * Dh + 2 * Hkv * Dh
-        if self.qk_norm == "head":
+        attn = sum(o * i + (o if bias else 0) for _, o, i, bias in self.attention_projections()) + 2 * D  # + 2 norms
+        if self.mla is not None:
+            attn += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)  # the latent norms
+        elif self.qk_norm == "head":
             attn += 2 * Dh
         elif self.qk_norm == "full":
             attn += H * Dh + Hkv * Dh
@@ -101,7 +177,7 @@ class ModelSpec:
             dense += attn
             if is_moe:
                 E = self.experts_at(i)
-                dense += E * D  # router
+                dense += E * D + (E if self.router and self.router.correction_bias else 0)  # router (+ its bias)
                 dense += 3 * D * self.shared_expert_ffn + (D if self.shared_expert_gate else 0)
                 dense += 2 * D + 2 if self.residual_mix else 0  # the mix's Linear(D, 2) with bias
                 sparse += E * 3 * D * self.expert_ffn
@@ -126,6 +202,10 @@ class ModelSpec:
                     f"unsupported architecture {archs or model_type!r}; supported: "
                     + ", ".join(SUPPORTED_ARCHITECTURES)
                 )
+        fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8
+        if family not in PARTIAL_ROTARY and _partial_rotary(cfg, 1.0) != 1.0:
+            raise MoeserveError(f"partial rotary embeddings (partial_rotary_factor != 1) are not supported for "
+                                f"{family}")
         try:
             return _SPEC_READERS[family](cfg)
         except KeyError as e:
@@ -134,6 +214,22 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelSpec":
         return cls.from_hf_config(read_config(path))
+
+
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """(rows, columns) of the FP8 scale blocks config.json's quantization_config names (quant_method "fp8",
+    weight_block_size, 128 x 128 by default); None for a float checkpoint. Another quant_method is refused."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise MoeserveError(f"quantization_config.quant_method {method!r} is not supported; moeserve reads float "
+                            f"checkpoints and block-scaled 'fp8' ones")
+    block = quant.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise MoeserveError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
+    return block[0], block[1]
 
 
 def read_config(path: str | Path) -> dict:
@@ -157,25 +253,27 @@ def read_config(path: str | Path) -> dict:
 # ---- per-family readers ------------------------------------------------------------------
 
 
-def _rope(cfg: dict) -> RopeSpec:
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
+def _rope_params(cfg: dict) -> dict:
+    """rope_parameters (transformers 5) over rope_scaling (older configs): one dict."""
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def _rope(cfg: dict, interleave: bool = False) -> RopeSpec:
+    """The rope of cfg; partial rotary is the GLM reader's business (_glm4_moe), refused for the others."""
+    params = _rope_params(cfg)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise MoeserveError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise MoeserveError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     kw = {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                                  "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
           if params.get(k) is not None}
     if rope_type == "yarn" and "original_max_position_embeddings" not in kw:
         kw["original_max_position_embeddings"] = cfg["max_position_embeddings"]
-    return RopeSpec(theta=float(theta), type=rope_type, **kw)
+    return RopeSpec(theta=float(theta), type=rope_type, interleave=interleave, **kw)
 
 
-def _common(cfg: dict, family: str) -> dict:
+def _common(cfg: dict, family: str, rope: RopeSpec | None = None) -> dict:
     if cfg.get("hidden_act", "silu") != "silu":
         raise MoeserveError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     H = cfg["num_attention_heads"]
@@ -191,7 +289,7 @@ def _common(cfg: dict, family: str) -> dict:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // H,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope=_rope(cfg),
+        rope=rope or _rope(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
@@ -329,8 +427,95 @@ def _prmoe(cfg: dict) -> ModelSpec:
     )
 
 
+def _partial_rotary(cfg: dict, default: float) -> float:
+    return float(_rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+
+
+def _router(cfg: dict, scoring: str, topk_method: str, correction_bias: bool) -> RouterSpec:
+    """DeepSeek-style routing fields; scoring and topk_method: the family's defaults where cfg names none."""
+    scoring = cfg.get("scoring_func") or scoring
+    if scoring not in SCORING_FUNCS:
+        raise MoeserveError(f"scoring_func {scoring!r} is not supported; supported: {', '.join(SCORING_FUNCS)}")
+    method = cfg.get("topk_method") or topk_method
+    if method not in TOPK_METHODS:
+        raise MoeserveError(f"topk_method {method!r} is not supported; supported: {', '.join(TOPK_METHODS)}")
+    E, k = _deepseek_experts(cfg), cfg.get("num_experts_per_tok")
+    if k is None:
+        raise KeyError("num_experts_per_tok")
+    n_group, topk_group = (cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if method != "greedy" else (1, 1)
+    if E % n_group or not 1 <= topk_group <= n_group or k > topk_group * (E // n_group):
+        raise MoeserveError(f"{method} routing of {E} experts in n_group={n_group} groups, topk_group={topk_group}, "
+                            f"top-{k}: the groups must split the experts evenly and the chosen groups hold k experts")
+    if method == "noaux_tc" and E // n_group < 2:
+        raise MoeserveError(f"noaux_tc routing ranks groups by their two best experts; n_group={n_group} leaves "
+                            f"{E // n_group} per group")
+    return RouterSpec(scoring=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+                      routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                      correction_bias=correction_bias)
+
+
+def _deepseek_experts(cfg: dict) -> int:
+    n = cfg.get("n_routed_experts", cfg.get("num_local_experts", cfg.get("num_experts")))
+    if n is None:
+        raise KeyError("n_routed_experts")
+    return n
+
+
+def _deepseek_sparse(cfg: dict, L: int, norm_topk_default: bool, router: RouterSpec) -> dict:
+    """The sparse part DeepSeek-V2/V3 and GLM-4.5 share: first_k_dense_replace dense layers, then an MoE layer every
+    moe_layer_freq (DeepSeek's own rule; transformers reads 1), n_shared_experts as one shared FFN."""
+    first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+    return dict(
+        num_experts=_deepseek_experts(cfg),
+        top_k=cfg["num_experts_per_tok"],
+        expert_ffn=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_default)),
+        router_weights_fp32=True,
+        moe_layers=tuple(i >= first and i % freq == 0 for i in range(L)),
+        dense_ffn=cfg["intermediate_size"],
+        shared_expert_ffn=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+        router=router,
+        sliding_windows=(None,) * L,
+    )
+
+
+def _mla(cfg: dict, rope: RopeSpec) -> MLASpec:
+    nope, rot = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    scale = (nope + rot) ** -0.5
+    if rope.type != "default" and rope.mscale_all_dim:  # YaRN's attention temperature, on the softmax scale
+        m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scale *= m * m
+    return MLASpec(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=nope,
+                   qk_rope_head_dim=rot, v_head_dim=cfg["v_head_dim"], softmax_scale=scale)
+
+
+def _deepseek(cfg: dict, family: str) -> ModelSpec:
+    """DeepSeek-V2 (softmax routing, greedy or group-limited) and V3 (sigmoid noaux_tc with a correction bias):
+    MLA, whose rotary pairs are interleaved (V2 always; V3 unless rope_interleave is false)."""
+    v3 = family == "deepseek_v3"
+    rope = _rope(cfg, interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+    c = _common(cfg, family, rope)
+    mla = _mla(cfg, rope)
+    c.update(head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, num_kv_heads=c["num_heads"])
+    bias = bool(cfg.get("attention_bias", False))
+    router = _router(cfg, "sigmoid" if v3 else "softmax", "noaux_tc" if v3 else "greedy", correction_bias=v3)
+    return ModelSpec(**c, qkv_bias=bias, o_bias=bias, rotary_dim=mla.qk_rope_head_dim, mla=mla,
+                     **_deepseek_sparse(cfg, c["num_layers"], v3, router))
+
+
+def _glm4_moe(cfg: dict) -> ModelSpec:
+    """GLM-4.5: GQA with partial rotary (default half the head), q/k/v bias, optional per-head qk-norm; V3's router."""
+    c = _common(cfg, "glm4_moe")
+    router = _router(cfg, "sigmoid", "noaux_tc", correction_bias=True)
+    return ModelSpec(**c, qkv_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm="head" if cfg.get("use_qk_norm") else None,
+                     rotary_dim=int(c["head_dim"] * _partial_rotary(cfg, 0.5)),
+                     **_deepseek_sparse(cfg, c["num_layers"], True, router))
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
-                 "prmoe": _prmoe}
+                 "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
+                 "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

@@ -11,7 +11,16 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
               max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe"]  # + sliding window, rope scaling
+FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm"]
+# MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+           intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 0.707}
+GLM = dict(intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
+           n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+           attention_bias=True, partial_rotary_factor=0.5, rope_theta=10000.0)
 
 def family_configs():
     """family -> (config class name, kwargs)."""
@@ -30,6 +39,21 @@ def family_configs():
                                               mlp_only_layers=[], norm_topk_prob=True)),
         "olmoe": ("OlmoeConfig", dict(COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2,
                                       norm_topk_prob=False, clip_qkv=0.6)),
+        # no q LoRA, softmax greedy top-k, unnormalised
+        "deepseek_v2_lite": ("DeepseekV2Config", dict(COMMON, **MLA, q_lora_rank=None, n_routed_experts=8,
+                                                      num_experts_per_tok=2, topk_method="greedy",
+                                                      norm_topk_prob=False)),
+        # q LoRA, group-limited greedy, YaRN (mscale on the softmax scale), attention biases
+        "deepseek_v2": ("DeepseekV2Config", dict(COMMON, **MLA, q_lora_rank=24, n_routed_experts=8,
+                                                 num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                                                 topk_group=2, routed_scaling_factor=2.0, attention_bias=True,
+                                                 rope_parameters=YARN)),
+        # noaux_tc with a correction bias, routed scaling, a dense first layer, interleaved rope
+        "deepseek_v3": ("DeepseekV3Config", dict(COMMON, **MLA, q_lora_rank=24, n_routed_experts=16,
+                                                 num_experts_per_tok=4, n_group=4, topk_group=2,
+                                                 routed_scaling_factor=2.5, norm_topk_prob=True)),
+        "glm4_moe": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=False)),
+        "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=True)),
     }
 
 
@@ -43,6 +67,9 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     with torch.no_grad():  # HF inits some weights (router, norms) to constants: randomise everything
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.08 + (1.0 if p.ndim == 1 else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
+                b.copy_(torch.randn_like(b) * 0.3)
     return model.eval()
 
 

@@ -115,6 +115,8 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
             out["experts"] += size // (min(ep, shape[0]) if ep > 1 else tp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
+        elif re.search(r"_a_proj(_with_mqa)?\.", name):  # MLA's latent projections: whole on every rank
+            out["dense"] += size
         elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name) or (  # attention, dense and shared FFNs
                 full_qk_norm and re.search(r"[qk]_norm\.weight$", name)):  # OLMoE's qk-norm splits with the heads
             out["dense"] += size // tp

@@ -94,7 +94,8 @@ def test_parameter_counts_match_the_model(hf_checkpoints):
     for fam, (hf, path) in hf_checkpoints.items():
         spec = ModelSpec.from_dir(path)
         counts = spec.parameter_counts()
-        assert counts["total"] == sum(p.numel() for p in hf.parameters()), fam
+        stored = [p for p in hf.parameters()] + [b for n, b in hf.named_buffers() if n.endswith("correction_bias")]
+        assert counts["total"] == sum(t.numel() for t in stored), fam
         assert counts["experts"] > 0 and counts["dense"] > 0
 
 

@@ -194,14 +194,19 @@ def test_quantize_and_run_quantized_linear_on_cuda():
 
 @pytest.fixture(scope="module")
 def graph_models(hf_checkpoints):
-    """The demo and a tiny random Mixtral, bf16 on the GPU (16-bit: the sync-free expert kernels)."""
+    """The demo and tiny random Mixtral, DeepSeek-V3 (MLA: the latent cache, absorbed decode; grouped routing) and
+    GLM-4.5 (partial rotary), bf16 on the GPU (16-bit: the sync-free expert kernels)."""
     from moeserve.cli import DEMO_DIR
 
     return {"demo": moeserve.load_model(DEMO_DIR, device="cuda", dtype=torch.bfloat16),
-            "tiny_mixtral": moeserve.load_model(hf_checkpoints["mixtral"][1], device="cuda", dtype=torch.bfloat16)}
+            **{f"tiny_{fam}": moeserve.load_model(hf_checkpoints[fam][1], device="cuda", dtype=torch.bfloat16)
+               for fam in GRAPH_FAMILIES}}
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny_mixtral"])
+GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe")
+
+
+@pytest.mark.parametrize("name", ["demo", *(f"tiny_{fam}" for fam in GRAPH_FAMILIES)])
 def test_cuda_graph_steps_match_eager_static_and_dynamic(name, graph_models):
     """Teacher-forced decode of left-padded prompts (one sequence finishing at step 4) three ways: the dynamic
     forward, the static step eagerly, and the static step replayed as a graph. The graph computes what the
@@ -240,7 +245,7 @@ def test_cuda_graph_steps_match_eager_static_and_dynamic(name, graph_models):
     assert static_vs_dynamic.mean() <= 2.0 ** -6 * scale
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny_mixtral"])
+@pytest.mark.parametrize("name", ["demo", *(f"tiny_{fam}" for fam in GRAPH_FAMILIES)])
 def test_generate_with_cuda_graph_matches_eager_greedy(name, graph_models):
     """Greedy tokens with and without the graph; bf16 rounding may flip a near-tie late, so the first 16 tokens
     must agree and the shared prefix is reported."""

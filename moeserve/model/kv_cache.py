@@ -1,4 +1,5 @@
-"""Static KV cache: one preallocated [L, B, Hkv, S_max, Dh] buffer for keys and one for values.
+"""Static KV cache: one preallocated [L, B, Hkv, S_max, Dh] buffer for keys and one for values; for MLA one
+[L, B, 1, S_max, kv_lora_rank + rope] buffer of latents and no values (ModelSpec.kv_cache_entry).
 
 Batched prompts are left-padded, so every sequence writes the same slot at each step; `valid`
 marks the slots that hold real tokens (pads never get attended to).
@@ -20,10 +21,11 @@ from moeserve.spec import ModelSpec
 class KVCache:
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, device, dtype, pin_memory: bool = False):
         """pin_memory: page-lock a host cache, so copies to and from a GPU are asynchronous DMA."""
-        shape = (spec.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim)
+        heads, dim, separate = spec.kv_cache_entry()
+        shape = (spec.num_layers, batch, heads, max_len, dim)
         # zeros, not empty: the static path multiplies unwritten (masked) slots by 0, and 0 * NaN = NaN
         self.k = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
-        self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory) if separate else None
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # [B, S_max]
         self.index = torch.zeros(1, dtype=torch.long, device=device)  # [1] slot the next static step writes
         self.length = 0  # slots filled by finished forward passes
@@ -63,13 +65,16 @@ class KVCache:
         self._static = True
         return self.valid.index_copy_(1, self.index, valid)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write this pass's k/v [B, Hkv, S, Dh]; return the keys/values to attend over [B, Hkv, S_total, Dh]
-        (static: all S_max slots)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor | None):
+        """Write this pass's k/v [B, Hkv, S, Dh] (MLA: latents [B, 1, S, r + rope], v None); return the keys/values
+        to attend over [B, Hkv, S_total, Dh] (static: all S_max slots; MLA: latents, None)."""
         if self._static:
-            return self.k[layer].index_copy_(2, self.index, k), self.v[layer].index_copy_(2, self.index, v)
+            keys = self.k[layer].index_copy_(2, self.index, k)
+            return keys, None if self.v is None else self.v[layer].index_copy_(2, self.index, v)
         end = self.length + self._pending
         self.k[layer, :, :, self.length:end] = k
+        if self.v is None:
+            return self.k[layer, :, :, :end], None
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
@@ -98,9 +103,10 @@ class SlotKVCache:
     """
 
     def __init__(self, spec: ModelSpec, slots: int, max_len: int, device, dtype):
-        shape = (spec.num_layers, slots + 1, spec.num_kv_heads, max_len, spec.head_dim)
+        heads, dim, separate = spec.kv_cache_entry()
+        shape = (spec.num_layers, slots + 1, heads, max_len, dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # zeros: masked columns are multiplied by 0
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype) if separate else None  # MLA: latents in k only
         self.slots, self.max_len, self.spare = slots, max_len, slots
         self._rows = torch.zeros(1, dtype=torch.long, device=device)  # [B] rows of the pass
         self._first_row: int | None = None  # rows are first_row, first_row + 1, ...: slice instead of gather
@@ -127,22 +133,24 @@ class SlotKVCache:
         self._write = (positions, valid, None)
         return positions, torch.ones(positions.shape[0], self.max_len, dtype=torch.bool, device=positions.device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this pass's k/v [B, Hkv, S, Dh] at (row, position); return the rows' keys/values [B, Hkv, span, Dh]
-        (static: all max_len columns)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor | None):
+        """Write this pass's k/v [B, Hkv, S, Dh] (MLA: latents [B, 1, S, r + rope], v None) at (row, position);
+        return the rows' keys/values [B, Hkv, span, Dh] (static: all max_len columns; MLA: latents, None)."""
         positions, _, written = self._write
         rows = self._rows[:, None].expand_as(positions)  # [B, S]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, Dh]
+        caches = (self.k, self.v) if self.v is not None else (self.k,)
+        new = [t.transpose(1, 2) for t in (k, v)[:len(caches)]]  # [B, S, Hkv, Dh] each
         if written is not None:
-            rows, positions, k, v = rows[written], positions[written], k[written], v[written]
-        self.k[layer][rows, :, positions] = k
-        self.v[layer][rows, :, positions] = v
+            rows, positions, new = rows[written], positions[written], [t[written] for t in new]
+        for cache, t in zip(caches, new):
+            cache[layer][rows, :, positions] = t
         span = self.max_len if self._span is None else self._span
         if self._first_row is not None:
             end = self._first_row + self._rows.shape[0]
-            return self.k[layer, self._first_row:end, :, :span], self.v[layer, self._first_row:end, :, :span]
-        return (self.k[layer, :, :, :span].index_select(0, self._rows),
-                self.v[layer, :, :, :span].index_select(0, self._rows))
+            out = [cache[layer, self._first_row:end, :, :span] for cache in caches]
+        else:
+            out = [cache[layer, :, :, :span].index_select(0, self._rows) for cache in caches]
+        return out[0], out[1] if len(out) > 1 else None
 
     def static_slot(self, layer: int) -> None:
         """No fused write-the-slot kernel for per-row positions: attention writes through update()."""

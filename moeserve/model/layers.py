@@ -50,17 +50,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        inv_freq, self.scale = rope_inv_freq(spec.rope, spec.head_dim, spec.max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2]
+        inv_freq, self.scale = rope_inv_freq(spec.rope, spec.rotated_dims, spec.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2], R = spec.rotated_dims
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dh]
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, R]
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, Dh]; cos/sin [B, S, Dh]; rotate-half convention (HF/Llama)."""
+    """x [B, H, S, Dh]; cos/sin [B, S, R], R <= Dh; rotate-half convention (HF/Llama) on the first R dims of each
+    head, the rest (partial rotary: GLM) as they are."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :R], cos, sin), x[..., R:]), dim=-1)
     if triton_serves(x):
         from moeserve.kernels.triton.norm_rotary import rotary, rotary_fits
 
@@ -136,11 +140,15 @@ class Attention(nn.Module):
                 k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
         return linears(self.attend(q, k, v, mask), self.o_proj)[0]
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections that read the layer input, run side by side (linears)."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def qkv(self, x, cos, sin):
         """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated).
         A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
         B, S, _ = x.shape
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
+        q, k, v = linears(x, *self.input_projections())  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -157,10 +165,11 @@ class Attention(nn.Module):
         """A static decode step's (q, keys, values) as qkv() and kv.update() give them, in two launches: the three
         projections (side_by_side), then the rotary of q and k and the cache writes of k and v (rotary_into_cache)
         instead of seven. None where that does not apply: a dynamic pass, several tokens, qk norms or clipping,
-        layers skinny does not take, dtypes that differ."""
+        partial rotary, layers skinny does not take, dtypes that differ."""
         cache = kv.static_slot(self.layer_idx)
-        mods = (self.q_proj, self.k_proj, self.v_proj)
+        mods = self.input_projections()
         if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
+                or cos.shape[-1] != self.Dh
                 or linears_path(x, mods) != "skinny"
                 or not x.dtype == cos.dtype == sin.dtype == cache[0].dtype):
             return None

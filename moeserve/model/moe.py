@@ -13,7 +13,7 @@ from torch import nn
 
 from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.model.layers import MLP
-from moeserve.model.router import TopKRouter
+from moeserve.model.router import GroupedRouter, TopKRouter
 from moeserve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,10 @@ class MoEBlock(nn.Module):
         D = spec.hidden_size
         self.layer_idx = layer_idx
         E = spec.experts_at(layer_idx)
-        self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
+        if spec.router is not None:
+            self.gate = GroupedRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router)
+        else:
+            self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
         self.experts: ExpertBackend = ResidentExperts(E, D, spec.expert_ffn)
         if spec.shared_expert_ffn:
             self.shared_expert = MLP(D, spec.shared_expert_ffn)
@@ -79,8 +82,8 @@ class MoEBlock(nn.Module):
             log.debug("layer %d, %d tokens on %s: experts %s", self.layer_idx, T, x.device, path)
 
     def _shared(self, x: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
-        """The shared expert on x [T, D] -> [T, D]: sigmoid-gated (Qwen2-MoE), or its share mix[:, 1] of a
-        residual mix (PR-MoE)."""
+        """The shared expert on x [T, D] -> [T, D]: sigmoid-gated (Qwen2-MoE), DeepSeek's n_shared_experts as one
+        wider FFN, or its share mix[:, 1] of a residual mix (PR-MoE)."""
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -50,7 +50,7 @@ class LayerPaths:
     """The paths of one decoder layer for calls of each probed token count."""
 
     layer: int
-    attention: dict[int, str]  # tokens -> LINEAR_PATHS name of the q/k/v projections
+    attention: dict[int, str]  # tokens -> LINEAR_PATHS name of the projections of the layer input (q/k/v)
     router: dict[int, str] | None  # tokens -> ROUTER_PATHS name (None: a dense layer)
     experts: dict[int, str] | None  # tokens -> EXPERT_PATHS name (None: a dense layer)
     ffn: dict[int, str] | None  # tokens -> LINEAR_PATHS name of the dense FFN or shared expert (None: none)
@@ -69,7 +69,7 @@ def explain(model, tokens: tuple[int, ...]) -> list[LayerPaths]:
     out = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        attention = {t: linears_path(x, (attn.q_proj, attn.k_proj, attn.v_proj)) for t, x in probes.items()}
+        attention = {t: linears_path(x, attn.input_projections()) for t, x in probes.items()}
         mlp = layer.mlp
         dense = mlp if isinstance(mlp, MLP) else getattr(mlp, "shared_expert", None)
         ffn = ({t: linears_path(x, (dense.gate_proj, dense.up_proj)) for t, x in probes.items()}

@@ -1,4 +1,4 @@
-"""Routers: hidden states -> (expert_ids [T, k], expert_weights [T, k]), as each family defines them."""
+"""Routers: hidden states -> (expert_ids [T, k], expert_weights [T, k], logits [T, E]), as each family defines them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels import triton_serves
+from moeserve.spec import RouterSpec
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -53,3 +54,54 @@ class TopKRouter(nn.Module):
         from moeserve.kernels.triton.topk_router import MAX_TOKENS
 
         return "triton_topk" if x.shape[0] <= MAX_TOKENS and x.dtype == self.weight.dtype else "torch"
+
+
+def grouped_topk(logits: torch.Tensor, k: int, rs: RouterSpec, normalize: bool,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style selection on fp32 logits [T, E] (RouterSpec says which): scores by softmax or sigmoid; the
+    choice ranks scores + bias (V3's correction bias steers the choice only), inside the topk_group best of n_group
+    groups (a group's rank: its best score, or the sum of its two best for noaux_tc); the weights are the unbiased
+    scores of the chosen, renormalised if asked, times routed_scaling_factor. -> ids [T, k], weights [T, k] fp32."""
+    scores = logits.softmax(dim=-1) if rs.scoring == "softmax" else logits.sigmoid()  # [T, E]
+    choice = scores if bias is None else scores + bias.float()  # [T, E]
+    if rs.topk_method != "greedy":
+        T, E = choice.shape
+        grouped = choice.view(T, rs.n_group, E // rs.n_group)  # [T, G, E/G]
+        if rs.topk_method == "noaux_tc":
+            group_rank = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_rank = grouped.max(dim=-1).values  # [T, G]
+        best = group_rank.topk(rs.topk_group, dim=-1).indices  # [T, topk_group]
+        kept = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+        choice = grouped.masked_fill(~kept[:, :, None], float("-inf")).view(T, E)
+    ids = choice.topk(k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * rs.routed_scaling_factor
+
+
+class GroupedRouter(nn.Module):
+    """DeepSeek-V2/V3 and GLM-4.5 routing (grouped_topk). `weight` [E, D] is HF's `mlp.gate.weight` and
+    `e_score_correction_bias` [E] (RouterSpec.correction_bias) V3's; both stay float32 in a model of any dtype
+    (FP32_TENSORS, as transformers keeps them) and the logits are computed in float32. Weights come back float32."""
+
+    FP32_TENSORS = ("weight", "e_score_correction_bias")  # the loader keeps these in float32
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool, rs: RouterSpec):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if rs.correction_bias else None
+        self.top_k, self.normalize, self.rs = top_k, normalize, rs
+
+    def forward(self, x: torch.Tensor, prepared=None):
+        """x [T, D] -> expert_ids [T, k], expert_weights [T, k] (fp32), logits [T, E] (fp32)."""
+        if prepared is not None:
+            raise ValueError("only the triton_topk router path prepares x for the experts")
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        ids, weights = grouped_topk(logits, self.top_k, self.rs, self.normalize, self.e_score_correction_bias)
+        return ids, weights, logits
+
+    def kernel_path(self, x: torch.Tensor) -> str:
+        """Always "torch" (model/paths.py ROUTER_PATHS): PyTorch ops, no host sync (CUDA-graph safe)."""
+        return "torch"

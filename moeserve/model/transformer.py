@@ -7,6 +7,7 @@ from torch import nn
 
 from moeserve.model.kv_cache import KVCache, SlotKVCache
 from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from moeserve.model.mla import MLAttention
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
 
@@ -15,7 +16,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_idx)
+        self.self_attn = MLAttention(spec, layer_idx) if spec.mla is not None else Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None

@@ -13,7 +13,7 @@ LOW_SHARE = 0.25  # of the expert memory, for low-precision slots
 
 
 def kv_cache_bytes(spec, batch: int, tokens: int, dtype_bytes: int) -> int:
-    return 2 * spec.num_layers * batch * tokens * spec.num_kv_heads * spec.head_dim * dtype_bytes
+    return batch * tokens * spec.kv_bytes_per_token(dtype_bytes)
 
 
 def available_ram() -> int:

@@ -1,4 +1,5 @@
-"""Tensor slicing (Megatron style, as DeepSpeed-MoE uses for the dense part): attention by heads, dense
+"""Tensor slicing (Megatron style, as DeepSpeed-MoE uses for the dense part): attention by heads (MLA: its
+per-head projections q_proj / q_b_proj and kv_b_proj; the latent projections and norms stay whole), dense
 and shared-expert FFNs by columns then rows, routed experts by their FFN dimension (expert slicing);
 each block ends with one all-reduce; embedding and head by vocabulary rows (vocab_parallel.py). Routers and
 norms stay replicated."""
@@ -17,6 +18,7 @@ from torch import nn
 from moeserve.errors import MoeserveError
 from moeserve.model.experts import ExpertBackend
 from moeserve.model.layers import MLP, Attention
+from moeserve.model.mla import MLAttention
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.vocab_parallel import enable_vocab_parallel, split_index, vocab_index
 
@@ -54,7 +56,7 @@ class SlicedExperts(ExpertBackend):
 
 # Outputs split (dim 0): q/k/v (whole heads, as the head counts divide) and gate/up of dense MLPs and shared
 # experts, biases with them. Inputs split (dim 1): o/down; their bias is added once after the all-reduce.
-_OPENING = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)$")
+_OPENING = re.compile(r"\.(self_attn\.([qkv]|q_b|kv_b)_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)$")
 _CLOSING = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
 # A qk-norm over all heads (OLMoE) has one weight per q/k feature: split with the heads.
 _FULL_QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
@@ -106,7 +108,13 @@ def _closing(linear: nn.Linear, name: str, keep, group) -> RowParallelLinear:
                              None if linear.bias is None else keep(linear.bias, f"{name}.bias"), group)
 
 
-def _slice_attention(attn: Attention, name: str, keep, group) -> None:
+def _slice_attention(attn: Attention | MLAttention, name: str, keep, group) -> None:
+    if isinstance(attn, MLAttention):
+        for proj in ("q_b_proj" if attn.q_lora else "q_proj", "kv_b_proj"):
+            _opening(getattr(attn, proj), f"{name}.{proj}", keep)
+        attn.o_proj = _closing(attn.o_proj, f"{name}.o_proj", keep, group)
+        attn.H = attn.kv_b_proj.out_features // (attn.nope + attn.v_dim)
+        return
     full = {"q_norm": attn.H * attn.Dh, "k_norm": attn.Hkv * attn.Dh}  # features a full qk-norm spans
     for proj in ("q_proj", "k_proj", "v_proj"):
         _opening(getattr(attn, proj), f"{name}.{proj}", keep)

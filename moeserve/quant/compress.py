@@ -72,12 +72,12 @@ class QuantConfig:
 
 def linear_tensors(spec: ModelSpec) -> list[TensorInfo]:
     """Every linear weight the quantizer handles, named by the module that will hold it."""
-    D, H, Hkv, Dh = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    D = spec.hidden_size
     out = []
     for i, is_moe in enumerate(spec.moe_layers):
         a = f"model.layers.{i}.self_attn"
-        for proj, shape in (("q", (H * Dh, D)), ("k", (Hkv * Dh, D)), ("v", (Hkv * Dh, D)), ("o", (D, H * Dh))):
-            out.append(TensorInfo(f"{a}.{proj}_proj", "attention", i, None, shape))
+        for proj, out_features, in_features, _ in spec.attention_projections():  # MLA's are dense linears too
+            out.append(TensorInfo(f"{a}.{proj}", "attention", i, None, (out_features, in_features)))
         m = f"model.layers.{i}.mlp"
         if not is_moe:
             out += _mlp(f"{m}", "dense_ffn", i, D, spec.dense_ffn)

@@ -11,10 +11,10 @@ COMMON_FIELDS = ("name", "date", "git", "device", "device_type", "threads", "tor
 
 
 def run_quick(tmp_path):
-    """Both scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
+    """The scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
-    for script in ("moe_block", "decode", "cpu_kernels", "parallel"):
+    for script in ("moe_block", "decode", "cpu_kernels", "parallel", "deepseek"):
         out = tmp_path / script
         cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(out)]
         procs[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
@@ -84,6 +84,18 @@ def test_bench_quick_runs_write_json(tmp_path):
     assert all(r["tokens_per_s_per_rank"] > 0 for r in par["moe_layer"])
     top8 = [r for r in par["bytes_sent"] if r["top_k"] == 8 and r["ep"] <= 4]
     assert top8 and all(r["per_expert_over_per_rank"] >= 2 for r in top8)  # the issue's claim at top-8
+
+    ds = results["deepseek"]
+    for f in COMMON_FIELDS:
+        assert f in ds, f
+    kv = ds["decode"]["kv_bytes_per_token"]
+    assert kv["moeserve_latent"] == kv["transformers_cache"] < kv["expanded_kv"]  # both cache MLA's latent
+    (row,) = ds["decode"]["bf16"]
+    assert row["eager"]["decode_tok_s"] > 0 and row["hf_decode_tok_s"] > 0
+    assert row["greedy_match_prefix_vs_hf"]["min"] == row["new_tokens"]  # fp32: transformers' tokens
+    assert [r["tokens"] for r in ds["moe_block"]["rows"]] == ds["config"]["tokens"]
+    for r in ds["moe_block"]["rows"]:
+        assert r["ours_ms"] > 0 and r["floor_ms"] > 0 and r["ours_vs_hf_rel_err"] < 1e-5
 
 
 def quick_json(script: str, tmp_path) -> dict:

@@ -20,6 +20,8 @@ CASES = {
         ("model", ["prmoe", "pyramid"], 1, 2, 128), ("model", ["prmoe"], 1, 2, 0),  # layers of 2, 4, 8 experts
         ("model", [*MODEL_FAMILIES, "olmoe", "fused_tied"], 2, 1, 128),  # TP: vocab-parallel, heads, expert
         # slicing, OLMoE's qk-norm over all heads (sharded) and clip_qkv
+        ("model", ["deepseek_v3", "deepseek_v2_lite", "glm4_moe"], 2, 1, 128),  # MLA heads, partial rotary
+        ("model", ["deepseek_v3"], 1, 2, 128),  # EP with grouped routing and a shared expert
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),

@@ -74,14 +74,18 @@ def test_joining_and_leaving_requests_get_their_solo_tokens(demo, mixed_requests
     assert sorted(batch.free) == list(range(5)) and not batch.active and not batch.waiting
 
 
-@pytest.mark.parametrize("family", ["mixtral_sliding", "qwen3_moe"])
-def test_per_slot_positions_with_sliding_window_and_qk_norm(hf_checkpoints, family):
-    """Masks from per-row positions: a sliding window of 5 tokens over prompts read in 3-token chunks."""
+@pytest.mark.parametrize("family,static", [("mixtral_sliding", False), ("qwen3_moe", False), ("deepseek_v3", False),
+                                           ("deepseek_v3", True)])
+def test_per_slot_positions_with_sliding_window_and_qk_norm(hf_checkpoints, family, static):
+    """Masks from per-row positions: a sliding window of 5 tokens over prompts read in 3-token chunks; MLA's latent
+    cache in slots, eager and through the padded static step."""
     model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 2, 13, 4)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     batch = ContinuousBatch(model, None, slots=3, context=40, prefill_tokens=6)
+    if static:
+        batch.decoder = SlotDecoder(model, batch.kv, graph=False, static=True)
     requests = [Request(p, params, None) for p in prompts]
     updates = run(batch, requests, {0: requests[:3], 2: requests[3:]})
     assert_alone(model, None, requests, updates)

@@ -1,0 +1,112 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), computed for inference.
+
+Per token the layer makes one latent c = RMSNorm(x W_DKV) of kv_lora_rank values and one rotary key k_r of
+qk_rope_head_dim values shared by all heads; head h's key is [c W_UK_h^T | k_r] and its value c W_UV_h^T
+(W_UK_h [nope, r] and W_UV_h [v, r] are head h's rows of kv_b_proj). The KV cache holds only [c | k_r] per token
+and layer (ModelSpec.kv_cache_entry): kv_lora_rank + qk_rope_head_dim values instead of 2 H head_dim.
+
+Two ways to attend over the cached latents, equal up to rounding:
+  absorbed: W_UK folds into the query (q_nope_h W_UK_h is a query over c), W_UV into the output (softmax(..) c
+            W_UV_h^T): attention runs in the latent space, one key [c | k_r] for every head (MQA-like), and K/V are
+            never expanded. Cost per query token ~ S_total H (2 r + rope).
+  expanded: keys and values of every head from kv_b_proj over all S_total latents, then plain attention. Cost
+            ~ S_total H r (nope + v) for the expansion, shared by all S query tokens.
+`absorbs(S)` picks the cheaper for a pass of S query tokens: decode (and short chunks) absorb; long prefills expand.
+Both have static shapes and no host syncs, so a decode step with either is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.model.layers import RMSNorm, apply_rotary, linears
+from moeserve.spec import ModelSpec
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers gives them the default eps, not rms_norm_eps
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight of an nn.Linear, or of a quantized linear (dequantized, at dtype)."""
+    w = linear.weight
+    return w if isinstance(w, torch.Tensor) else linear.weight(dtype)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        m = spec.mla
+        self.layer_idx, self.H = layer_idx, spec.num_heads
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.rank = m.kv_lora_rank
+        self.scale, self.interleave, self.q_lora = m.softmax_scale, spec.rope.interleave, m.q_lora_rank is not None
+        for name, out_features, in_features, bias in spec.attention_projections():
+            setattr(self, name, nn.Linear(in_features, out_features, bias=bias))
+        if self.q_lora:
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections that read the layer input, run side by side (linears): the query's (or its LoRA's first
+        half) and the latent's."""
+        return (self.q_a_proj if self.q_lora else self.q_proj), self.kv_a_proj_with_mqa
+
+    def absorbs(self, S: int) -> bool:
+        """Whether a pass of S query tokens attends in the latent space: when that is fewer FLOPs than expanding,
+        S H (2 r + rope) < H r (nope + v) + S H (nope + rope + v) per key (both share the rope part)."""
+        return S * (2 * self.rank - self.nope - self.v_dim) < self.rank * (self.nope + self.v_dim)
+
+    def forward(self, x, cos, sin, mask, kv=None):
+        """x [B, S, D]; cos/sin [B, S, rope]; mask [B, 1, S, S_total] bool (True = attend) or additive (static
+        decode); kv: KVCache, SlotKVCache or None. -> [B, S, D]."""
+        B, S, _ = x.shape
+        q, latent = linears(x, *self.input_projections())  # [B, S, H (nope + rope)] or [B, S, q_lora]; [B, S, r + rope]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_rope = q.view(B, S, self.H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_rope = latent.split([self.rank, self.rope], dim=-1)  # [B, S, r], [B, S, rope]
+        q_rope = self._rotate(q_rope.transpose(1, 2), cos, sin)  # [B, H, S, rope]
+        k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # [B, S, rope]
+        entry = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)  # [B, S, r + rope]: what the cache keeps
+        if kv is not None:
+            entry = kv.update(self.layer_idx, entry[:, None], None)[0][:, 0]  # [B, S_total, r + rope]
+        attend = self._absorbed if self.absorbs(S) else self._expanded
+        return linears(attend(q_nope, q_rope, entry, mask), self.o_proj)[0]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, h, S, rope]. DeepSeek's interleaved pairs (x0, x1), (x2, x3).. become the halves rotate-half turns:
+        the even dims then the odd ones (transformers' interleaved rope gives this layout too; any fixed order of
+        the rope dims gives the same q.k, as queries and keys share it)."""
+        if self.interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rotary(x, cos, sin)
+
+    def _absorbed(self, q_nope, q_rope, entry, mask):
+        """q_nope [B, S, H, nope], q_rope [B, H, S, rope], entry [B, S_total, r + rope] -> [B, S, H v]."""
+        B, S, H, _ = q_nope.shape
+        w = dense_weight(self.kv_b_proj, q_nope.dtype).view(H, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, v, r]
+        q_lat = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * S, self.nope), w_uk)  # [H, B S, r]
+        q_lat = q_lat.view(H, B, S, self.rank).transpose(0, 1)  # [B, H, S, r]
+        query = torch.cat((q_lat, q_rope), dim=-1).reshape(B, H * S, -1)  # [B, H S, r + rope]
+        scores = torch.bmm(query, entry.transpose(1, 2)).view(B, H, S, -1) * self.scale  # [B, H, S, S_total]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(entry.dtype)
+        o_lat = torch.bmm(probs.view(B, H * S, -1), entry[..., :self.rank])  # [B, H S, r]
+        o_lat = o_lat.view(B, H, S, self.rank).transpose(0, 1).reshape(H, B * S, self.rank)  # [H, B S, r]
+        out = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, B S, v]
+        return out.view(H, B, S, self.v_dim).permute(1, 2, 0, 3).reshape(B, S, H * self.v_dim)
+
+    def _expanded(self, q_nope, q_rope, entry, mask):
+        """As _absorbed, with keys and values of every head expanded from the latents."""
+        B, S, H, _ = q_nope.shape
+        S_total = entry.shape[1]
+        c, k_rope = entry.split([self.rank, self.rope], dim=-1)  # [B, S_total, r], [B, S_total, rope]
+        kv = self.kv_b_proj(c).view(B, S_total, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, S_total, nope+v]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = k_rope[:, None].expand(B, H, S_total, self.rope)  # one rotary key for every head
+        k = torch.cat((k_nope, k_rope), dim=-1)  # [B, H, S_total, nope + rope]
+        q = torch.cat((q_nope.transpose(1, 2), q_rope), dim=-1)  # [B, H, S, nope + rope]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, S, v]
+        return out.transpose(1, 2).reshape(B, S, H * self.v_dim)
