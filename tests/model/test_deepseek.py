@@ -215,8 +215,8 @@ def test_expert_stores_take_fp8_checkpoints(fp8_pair, tmp_path):
 
 def test_plan_and_batch_refuse_mla_by_name(hf_checkpoints, tmp_path, expect_cli_error):
     path = hf_checkpoints["deepseek_v2_lite"][1]
-    expect_cli_error(["plan", "--model", path, "--gpu-memory", "1GiB", "--profile", tmp_path / "none.json"],
-                     "multi-head latent attention is not modelled")
+    expect_cli_error(["plan", "--for", "batch", "--model", path, "--gpu-memory", "1GiB", "--profile",
+                      tmp_path / "none.json"], "multi-head latent attention is not modelled")
 
 
 def test_explain_names_the_paths_of_mla_layers(hf_checkpoints, capsys):
