@@ -79,14 +79,15 @@ def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) 
                                   mixed=column == "hybrid+mixed")
 
 
-def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_tokens: int | None, device, stats):
+def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_tokens: int | None, device, stats,
+        cuda_graph: bool = True):
     """(prefill seconds, decode seconds per step after warm-up, stats delta of the timed steps)."""
     if routing_tokens:
         replay_routing(model, DemoRouting(routing_tokens))
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     marks, t0 = [], time.perf_counter()
-    for _ in iterate(model, [prompt], params, cuda_graph=False):
+    for _ in iterate(model, [prompt], params, cuda_graph=cuda_graph):
         sync(device)
         marks.append((time.perf_counter(), dict(stats())))
     prefill = marks[0][0] - t0
@@ -105,7 +106,8 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     demo = args.routing == "demo"
     stats = lambda: vars(runtime.stats)  # noqa: E731
     _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
-                             args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats)
+                             args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats,
+                             not args.no_cuda_graph)
     prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats)
     resident_layers = spec.num_layers - len(placement.cpu_layers)
     cpu_bytes = per_token["cpu_pairs"] * expert_bytes
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (pp)")
     ap.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     ap.add_argument("--offload-tokens", type=int, default=32, help="timed decode steps of hobbit-offload")
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="decode eagerly (default: the GPU work between the CPU layers as CUDA graphs)")
     ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()), help="threads for the CPU experts")
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="held-out demo tokens for the mixed-precision cost")
@@ -214,7 +218,8 @@ def main(argv=None) -> int:
                                       "new_tokens": args.new_tokens, "prefill": args.prefill, "warmup": args.warmup,
                                       "offload_tokens": args.offload_tokens, "cpu_threads": args.cpu_threads,
                                       "distinct_layers": args.distinct_layers, "dtype": str(dtype),
-                                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}, device)
+                                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+                                      "cuda_graph": not args.no_cuda_graph}, device)
     record.update({"rates": {"dram_read_bytes_per_s": rates["dram"], "hbm_bytes_per_s": rates["hbm"],
                              "h2d_bytes_per_s": bandwidth}, "shapes": results, "demo_mixed_precision": ppl})
     print(write_result(record, args.out))

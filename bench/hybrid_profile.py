@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         model = dense_model(spec, device, dtype)
         runtime = enable_hybrid(model, store, placement(column, spec, args.cpu_threads, slots), host=host, warm=True)
         row = {}
-        if column == "resident" and device.type == "cuda":
+        if device.type == "cuda":  # one graph (resident) or graphs between the CPU layers (SegmentedDecoder)
             row["graph_step_ms"] = 1e3 * decode_seconds(model, spec, args.steps, args.warmup, True, device, None)
         stages = Stages()
         restore = instrument(stages)

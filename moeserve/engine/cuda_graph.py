@@ -1,6 +1,7 @@
 """Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token
 (StaticDecoder: a fixed batch over a KVCache; SlotDecoder: changing rows of a SlotKVCache, a graph per padded
-batch size).
+batch size; SegmentedDecoder: the GPU work between the layers whose experts read the routing on the host, as one
+graph per segment).
 
 At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
 launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
@@ -18,16 +19,21 @@ import torch
 
 from moeserve.model.kv_cache import KVCache, SlotKVCache
 from moeserve.model.paths import GRAPH_SAFE
+from moeserve.model.transformer import DecodeState
+
+
+def host_layers(model, batch: int) -> list[int]:
+    """The MoE layers of `model` whose experts at `batch` tokens read the device from the host (a path outside
+    model/paths.py GRAPH_SAFE: hybrid CPU experts, offload), in order."""
+    x = torch.empty(batch, model.spec.hidden_size, device=model.device, dtype=model.dtype)  # [B, D] probe
+    return [i for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "experts") and layer.mlp.experts.kernel_path(x, batch) not in GRAPH_SAFE]
 
 
 def graph_safe(model, batch: int) -> bool:
     """Whether the decode step of `model` at `batch` tokens can be captured: CUDA, and every MoE layer's expert
     path at that size one that never reads the device from the host (model/paths.py GRAPH_SAFE)."""
-    if model.device.type != "cuda":
-        return False
-    x = torch.empty(batch, model.spec.hidden_size, device=model.device, dtype=model.dtype)  # [B, D] probe
-    return all(layer.mlp.experts.kernel_path(x, batch) in GRAPH_SAFE
-               for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    return model.device.type == "cuda" and not host_layers(model, batch)
 
 
 class StaticDecoder:
@@ -72,6 +78,102 @@ class StaticDecoder:
         self.inputs = [x.clone() for x in inputs]
         self.graph, self.logits = capture(lambda: self.model.decode_step(*self.inputs, self.kv), self.warmup,
                                           self.kv.index.device)
+
+
+class SegmentedDecoder:
+    """Decode steps over a fixed KV cache when some MoE layers' experts read the routing on the host (the hybrid
+    backend's CPU experts, offloading): `model.decode_step` cut at those layers' experts. Each segment of GPU work
+    between two such layers (the first: embedding to the first layer's router; the last: after the last layer's
+    experts to the logits) is captured as a CUDA graph on the first call and replayed after; between replays the
+    host runs that layer's experts (MoEBlock.finish) eagerly and copies their output where the next segment reads
+    it. The host then pays a replay and the experts' own calls per layer instead of every launch of attention,
+    norms and router. A capture that fails warns once and the step runs as the dynamic forward after that.
+    graph=False runs the same pieces eagerly (the reference, and the CPU tests of the cut)."""
+
+    def __init__(self, model, kv: KVCache, layers: list[int], graph: bool = True, warmup: int = 1):
+        self.model, self.kv, self.layers, self.use_graph, self.warmup = model, kv, layers, graph, warmup
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.outputs: list = []  # per segment, its static output (graphs)
+        self.inputs: list[torch.Tensor] = []  # tokens, positions, valid [B, 1] (static with graphs)
+        self.carried: list[torch.Tensor] = []  # per host layer: the residual stream [B, 1, D] after its attention
+        self.pending: list[torch.Tensor] = []  # per host layer: its experts' output [B, 1, D], read by the next segment
+        self.begun: DecodeState | None = None  # the first segment's state: rotary tables and masks of the step
+        self.failed = False
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with graphs: valid until the next call)."""
+        if self.failed:
+            return self.model(tokens, positions, kv=self.kv, valid=valid, last_only=True)
+        self.kv.reserve_step()  # the slot the captures' warm-up runs write, then the real step
+        if self.use_graph and not self.graphs and not self._captured(tokens, positions, valid):
+            return self.model(tokens, positions, kv=self.kv, valid=valid, last_only=True)  # reserves the slot again
+        if self.use_graph:
+            for buf, x in zip(self.inputs, (tokens, positions, valid)):
+                buf.copy_(x)
+        else:
+            self.inputs, self.carried, self.pending = [tokens, positions, valid], [], []
+        for i in range(len(self.layers) + 1):
+            if self.use_graph:
+                self.graphs[i].replay()
+                out = self.outputs[i]
+            else:
+                out = self._segment(i)()
+            if i == len(self.layers):
+                break
+            x, normed, routed = out
+            y = self.model.model.layers[self.layers[i]].mlp.finish(normed.reshape(-1, normed.shape[-1]), *routed)
+            if self.use_graph:
+                self.pending[i].copy_(y.reshape(normed.shape))  # [B, 1, D]
+            else:
+                self.carried.append(x)
+                self.pending.append(y.reshape(normed.shape))
+        self.kv.commit()
+        return out
+
+    def _segment(self, i: int) -> Callable:
+        """Segment i as a function of what the segments and host layers before it left: -> (residual stream,
+        the host layer's normed MLP input, MoEBlock.route's output), or the logits for the last segment."""
+        model, kv, layers = self.model, self.kv, self.layers
+        start = layers[i - 1] + 1 if i else 0
+        stop = layers[i] if i < len(layers) else len(model.model.layers)
+
+        def run():
+            if i == 0:
+                state = self.begun = model.decode_begin(*self.inputs, kv)
+            else:
+                b = self.begun
+                state = DecodeState(self.carried[i - 1], self.pending[i - 1], b.cos, b.sin, b.masks)
+            state = model.decode_layers(state, start, stop, kv)
+            if i == len(layers):
+                return model.decode_end(state)
+            state, normed = model.decode_to_mlp(state, stop, kv)
+            return state.x, normed, model.model.layers[stop].mlp.route(normed.reshape(-1, normed.shape[-1]))
+
+        return run
+
+    def _captured(self, *inputs: torch.Tensor) -> bool:
+        try:
+            self._capture(*inputs)
+            return True
+        except RuntimeError as e:
+            warnings.warn(f"moeserve: CUDA-graph capture of the decode segments failed ({str(e).splitlines()[0]}); "
+                          "decoding without graphs (--no-cuda-graph silences this)", stacklevel=3)
+            self.failed, self.graphs = True, []
+            return False
+
+    def _capture(self, *inputs: torch.Tensor) -> None:
+        """Each segment after `warmup` eager runs on a side stream (Triton compiles, allocator fills; a segment's
+        inputs are the static tensors of the segments before it, written by the real step that follows: the
+        warm-up runs write only the KV slot that step writes anyway)."""
+        self.inputs = [x.clone() for x in inputs]
+        device, pool = self.kv.index.device, torch.cuda.graph_pool_handle()
+        for i in range(len(self.layers) + 1):
+            graph, out = capture(self._segment(i), self.warmup, device, pool)
+            self.graphs.append(graph)
+            self.outputs.append(out)
+            if i < len(self.layers):
+                self.carried.append(out[0])
+                self.pending.append(torch.zeros_like(out[1]))
 
 
 def capture(step: Callable[[], torch.Tensor], warmup: int, device: torch.device,

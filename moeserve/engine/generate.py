@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
+from moeserve.engine.cuda_graph import SegmentedDecoder, StaticDecoder, host_layers
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.errors import MoeserveError
 from moeserve.model.kv_cache import KVCache
@@ -84,10 +84,14 @@ def check_request(spec, prompts: list[list[int]], params: SamplingParams, tokeni
 
 
 def _decoder(model, kv: KVCache, batch: int, cuda_graph: bool) -> Callable:
-    """The decode step (tokens, positions, valid [B, 1]) -> logits [B, 1, V]: a replayed CUDA graph where the
-    model allows one, else the dynamic forward (attends over the filled slots only: cheaper without a graph)."""
-    if cuda_graph and graph_safe(model, batch):
-        return StaticDecoder(model, kv, graph=True)
+    """The decode step (tokens, positions, valid [B, 1]) -> logits [B, 1, V]: on CUDA a replayed CUDA graph, or,
+    where some layers' experts read the routing on the host, graphs of the segments between them; else the dynamic
+    forward (attends over the filled slots only: cheaper without a graph)."""
+    if cuda_graph and model.device.type == "cuda":
+        layers = host_layers(model, batch)
+        if not layers:
+            return StaticDecoder(model, kv, graph=True)
+        return SegmentedDecoder(model, kv, layers)
     return lambda tokens, positions, valid: model(tokens, positions, kv=kv, valid=valid, last_only=True)
 
 

@@ -43,14 +43,8 @@ class MoEBlock(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, D]
         if log.isEnabledFor(logging.DEBUG):
             self._log_path(x)
-        mix = torch.softmax(self.coefficient(x), dim=-1) if self.coefficient is not None else None  # [T, 2]
         if self.shared_expert is not None and self.experts.overlaps_dense:
-            # an expert-parallel backend computes the shared expert while its tokens are in flight; the routed
-            # share of a mix goes into the gate weights (the combine is linear in them)
-            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
-            if mix is not None:
-                expert_weights = expert_weights * mix[:, :1].to(expert_weights.dtype)
-            return self.experts(x, expert_ids, expert_weights, dense=lambda t: self._shared(t, mix)).reshape(shape)
+            return self.finish(x, *self.route(x)).reshape(shape)
         prepared = self._prepared_input(x)
         if prepared is None:
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
@@ -58,11 +52,37 @@ class MoEBlock(nn.Module):
         else:
             expert_ids, expert_weights, _ = self.gate(x, prepared)
             out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
+        mix = self._mix(x)
         if mix is not None:
             out = out * mix[:, :1]
         if self.shared_expert is not None:
             out = out + self._shared(x, mix)
         return out.reshape(shape)
+
+    # forward in two pieces, for a decoder that captures the router in a CUDA graph and runs the experts after it
+    def route(self, x: torch.Tensor):
+        """x [T, D] -> (expert_ids [T, k], expert_weights [T, k], mix [T, 2] or None): the routed share of a
+        residual mix goes into the gate weights (the combine is linear in them)."""
+        expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
+        mix = self._mix(x)
+        if mix is not None:
+            expert_weights = expert_weights * mix[:, :1].to(expert_weights.dtype)
+        return expert_ids, expert_weights, mix
+
+    def finish(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+               mix: torch.Tensor | None) -> torch.Tensor:
+        """route()'s output -> the block's output [T, D]: the experts, plus the shared expert (computed by a backend
+        that overlaps it with its own work while that is in flight: the hybrid CPU experts, expert parallelism)."""
+        if self.shared_expert is None:
+            return self.experts(x, expert_ids, expert_weights)
+        shared = lambda t: self._shared(t, mix)  # noqa: E731
+        if self.experts.overlaps_dense:
+            return self.experts(x, expert_ids, expert_weights, dense=shared)
+        return self.experts(x, expert_ids, expert_weights) + shared(x)
+
+    def _mix(self, x: torch.Tensor) -> torch.Tensor | None:
+        """PR-MoE's [routed, shared] mix of x [T, D] -> [T, 2], or None."""
+        return torch.softmax(self.coefficient(x), dim=-1) if self.coefficient is not None else None
 
     def _prepared_input(self, x: torch.Tensor):
         """(Preparation, its empty buffer) where the experts read x prepared (ExpertBackend.x_preparation) and the

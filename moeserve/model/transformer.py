@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -29,9 +31,27 @@ class DecoderLayer(nn.Module):
         """The layer on the residual stream x + pending (pending: the previous layer's MLP output, or None) ->
         (its residual stream before the MLP output, the MLP output): each residual add goes into the launch of the
         RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's."""
+        x, normed = self.pre_mlp(x, pending, cos, sin, mask, kv)
+        return x, self.mlp(normed)
+
+    def pre_mlp(self, x, pending, cos, sin, mask, kv):
+        """step() up to the MLP: (the residual stream after attention, the MLP's normed input)."""
         normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
         normed, x = self.post_attention_layernorm.added(x, self.self_attn(normed, cos, sin, mask, kv))
-        return x, self.mlp(normed)
+        return x, normed
+
+
+@dataclass
+class DecodeState:
+    """A static decode step between its pieces (MoETransformer.decode_begin / decode_layers / decode_end): the
+    residual stream [B, 1, D], the last MLP output not yet added to it (or None), the step's rotary tables and
+    additive masks (one per sliding window)."""
+
+    x: torch.Tensor
+    pending: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict
 
 
 class Backbone(nn.Module):
@@ -118,9 +138,38 @@ class MoETransformer(nn.Module):
         The host bookkeeping stays outside: kv.reserve_step() (KVCache) or kv.use() (SlotKVCache) before,
         kv.commit() after.
         """
+        state = self.decode_begin(tokens, positions, valid, kv)
+        return self.decode_end(self.decode_layers(state, 0, len(self.model.layers), kv))
+
+    # decode_step in pieces, for decoders that run the host's part of some layers between captured segments
+    def decode_begin(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                     kv: KVCache | SlotKVCache) -> DecodeState:
+        """Embed tokens [B, 1]; the step's masks and rotary tables."""
         masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
-        return self.lm_head(self.model.norm.added(*self._layers(tokens, positions, masks, kv))[0])
+        x = self.model.embed_tokens(tokens)  # [B, 1, D]
+        cos, sin = self.rotary(positions, x.dtype)
+        return DecodeState(x, None, cos, sin, masks)
+
+    def decode_layers(self, state: DecodeState, start: int, stop: int, kv: KVCache | SlotKVCache) -> DecodeState:
+        """Layers [start, stop) of the step."""
+        x, pending = state.x, state.pending
+        for layer in self.model.layers[start:stop]:
+            x, pending = layer.step(x, pending, state.cos, state.sin, state.masks[layer.sliding_window], kv)
+        return DecodeState(x, pending, state.cos, state.sin, state.masks)
+
+    def decode_to_mlp(self, state: DecodeState, layer: int, kv: KVCache | SlotKVCache):
+        """Layer `layer` up to its MLP -> (the state with its residual stream, the MLP's normed input [B, 1, D]):
+        the MLP's output becomes the next piece's pending."""
+        block = self.model.layers[layer]
+        x, normed = block.pre_mlp(state.x, state.pending, state.cos, state.sin, state.masks[block.sliding_window],
+                                  kv)
+        return DecodeState(x, None, state.cos, state.sin, state.masks), normed
+
+    def decode_end(self, state: DecodeState) -> torch.Tensor:
+        """The final norm and the LM head -> logits [B, 1, V]."""
+        pending = state.pending if state.pending is not None else torch.zeros_like(state.x)
+        return self.lm_head(self.model.norm.added(state.x, pending)[0])
 
     def _windows(self) -> list[int | None]:
         return [layer.sliding_window for layer in self.model.layers]

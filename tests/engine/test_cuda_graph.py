@@ -9,7 +9,7 @@ import moeserve
 from hf_models import FAMILIES
 from moeserve.cli import DEMO_DIR
 from moeserve.engine import generate as generate_mod
-from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
+from moeserve.engine.cuda_graph import SegmentedDecoder, StaticDecoder, graph_safe, host_layers
 from moeserve.model.paths import GRAPH_SAFE
 from moeserve.engine.generate import generate, left_padded
 from moeserve.engine.sampling import SamplingParams
@@ -19,14 +19,19 @@ from moeserve.model.kv_cache import KVCache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_decode_step_matches_dynamic_forward(family, hf_checkpoints):
     """Left-padded prompts of 9, 4 and 1 tokens, 8 decode steps (past mixtral_sliding's window of 5);
-    sequence 1 finishes after step 2 (its later slots are invalid, as generate marks them)."""
+    sequence 1 finishes after step 2 (its later slots are invalid, as generate marks them). The static step whole
+    and cut at every MoE layer's experts (SegmentedDecoder's pieces; on the CPU every MoE layer's expert path is a
+    host one)."""
     model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 4, 1)]
     tokens, valid, positions = left_padded(prompts, model.spec)
     steps = torch.randint(3, 97, (8, 3, 1), generator=g)  # [steps, B, 1] teacher-forced decode tokens
-    caches = [KVCache(model.spec, 3, tokens.shape[1] + 8, "cpu", torch.float32) for _ in range(2)]
+    caches = [KVCache(model.spec, 3, tokens.shape[1] + 8, "cpu", torch.float32) for _ in range(3)]
     static = StaticDecoder(model, caches[1], graph=False)
+    layers = host_layers(model, 3)
+    assert layers == [i for i, moe in enumerate(model.spec.moe_layers) if moe]
+    segmented = SegmentedDecoder(model, caches[2], layers, graph=False)
     alive = torch.ones(3, 1, dtype=torch.bool)
     with torch.inference_mode():
         first = [model(tokens, positions, kv=kv, valid=valid, last_only=True) for kv in caches]
@@ -36,9 +41,10 @@ def test_static_decode_step_matches_dynamic_forward(family, hf_checkpoints):
             alive[1] = i < 3
             dynamic = model(tok, pos, kv=caches[0], valid=alive, last_only=True)  # [B, 1, V]
             torch.testing.assert_close(static(tok, pos, alive), dynamic, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(segmented(tok, pos, alive), dynamic, rtol=1e-5, atol=1e-5)
             pos = pos + 1
-    assert caches[0].length == caches[1].length == tokens.shape[1] + 8
-    assert torch.equal(caches[0].valid, caches[1].valid)
+    assert caches[0].length == caches[1].length == caches[2].length == tokens.shape[1] + 8
+    assert torch.equal(caches[0].valid, caches[1].valid) and torch.equal(caches[0].valid, caches[2].valid)
 
 
 def static_decoding(monkeypatch) -> None:
