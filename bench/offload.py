@@ -38,6 +38,7 @@ from torch import nn
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
 
+from moeserve.engine.cuda_graph import host_layers  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
 from moeserve.loader import is_routed_expert, set_tensor, load_model  # noqa: E402
@@ -144,22 +145,40 @@ class DemoRouting:
         return [(nxt, int(e)) for e in self.predicted[layer % self.num_layers][t]] if nxt < num_layers else []
 
 
-class ReplayRouter(nn.Module):
-    def __init__(self, routing: DemoRouting, layer: int, weight: torch.Tensor):
-        super().__init__()
-        self.routing, self.layer, self.weight = routing, layer, weight
+class ReplayExperts(nn.Module):
+    """An expert backend that runs the demo's routing instead of the router's: the replay happens where the backend
+    reads the routing on the host anyway, so decode steps still run as CUDA-graph segments around it (a replayed
+    router inside a captured segment would replay one token's routing forever)."""
 
-    def forward(self, x):
-        ids, w = self.routing.route(self.layer, x.shape[0], x.device, x.dtype)
-        return ids, w, None
+    def __init__(self, inner: nn.Module, routing: DemoRouting, layer: int):
+        super().__init__()
+        self.inner, self.routing, self.layer = inner, routing, layer
+
+    @property
+    def overlaps_dense(self) -> bool:
+        return self.inner.overlaps_dense
+
+    def kernel_path(self, *args, **kwargs) -> str:
+        return self.inner.kernel_path(*args, **kwargs)
+
+    def x_preparation(self, x, top_k):
+        return None
+
+    def forward(self, x, expert_ids, expert_weights, **kwargs):
+        ids, weights = self.routing.route(self.layer, x.shape[0], x.device, expert_weights.dtype)
+        return self.inner(x, ids, weights, **kwargs)
 
 
 def replay_routing(model, routing: DemoRouting) -> None:
-    """Routers (and the offload backend's next-layer predictions) replay the demo model's routing."""
+    """The layers whose experts read the routing on the host (offload, hybrid CPU layers; their next-layer
+    predictions too) replay the demo model's routing; resident layers keep their random routers (every expert
+    costs the same there)."""
     routing.cursor = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp.gate = ReplayRouter(routing, i, layer.mlp.gate.weight)
-        layer.mlp.experts.predict_next = lambda x, i=i: routing.prediction(i, model.spec.num_layers)
+    for i in host_layers(model, 1):
+        experts = model.model.layers[i].mlp.experts
+        experts = experts.inner if isinstance(experts, ReplayExperts) else experts  # replayed before: a new text
+        experts.predict_next = lambda x, i=i: routing.prediction(i, model.spec.num_layers)
+        model.model.layers[i].mlp.experts = ReplayExperts(experts, routing, i)
 
 
 def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing, resident: int) -> dict:

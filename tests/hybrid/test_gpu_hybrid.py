@@ -58,7 +58,7 @@ def test_gpu_hybrid_bf16_greedy_follows_resident(hf_checkpoints, family, slots):
     prompts = [[5, 17, 33, 8, 61, 12, 40], [71, 9, 22, 3]]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     resident = [r.token_ids for r in generate(moeserve.load_model(path, device="cuda", dtype="bfloat16"), prompts,
-                                              params, cuda_graph=False)]  # eager, as the hybrid model decodes
+                                              params)]  # the static step as one graph; hybrid: its segments
     placement = HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, threads=4)
     model, runtime = hybrid_model(path, placement, "bfloat16")
     hybrid = [r.token_ids for r in generate(model, prompts, params)]
