@@ -142,6 +142,7 @@ def _fp8_block(path: Path) -> tuple[int, int] | None:
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "phimoe": ("block_sparse_moe", "w1", "w3", "w2"),
     "default": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 

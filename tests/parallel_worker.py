@@ -113,7 +113,7 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
         size = 4 * torch.Size(shape).numel()
         if ".experts." in name:  # a layer of fewer experts than ranks: each rank reads one
             out["experts"] += size // (min(ep, shape[0]) if ep > 1 else tp)
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+        elif name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
         elif re.search(r"_a_proj(_with_mqa)?\.", name):  # MLA's latent projections: whole on every rank
             out["dense"] += size

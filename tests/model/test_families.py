@@ -1,0 +1,50 @@
+"""Quirks of Phi-MoE, Granite-MoE, DBRX and Llama-4 that the generic parity tests (tests/model/test_hf_parity.py,
+over their FAMILIES entries) do not reach on their own: LongRoPE past the original context, ..."""
+
+import pytest
+import torch
+
+import moeserve
+from hf_models import PHIMOE, longrope
+from moeserve.model.kv_cache import KVCache
+
+
+def hf_model(config_cls: str, kw: dict, seed: int = 0):
+    """A tiny random transformers model of config_cls(**kw), every weight random (as hf_models.build_hf_model)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.08 + (1.0 if p.ndim == 1 else 0.0))
+    return model.eval()
+
+
+def test_phimoe_longrope_past_the_original_context_uses_the_long_factors(tmp_path):
+    """A pass that reaches past original_max_position_embeddings (16 here) rotates with the long factors and the
+    long scale; cached keys keep theirs. transformers 5.24's Phimoe derives its frequencies from the short factors
+    at every length (only the scale follows the length), so the reference past the original context is its twin
+    whose short factors are the long ones, on the same weights and cache."""
+    hf = hf_model("PhimoeConfig", dict(PHIMOE, rope_parameters=longrope(16)))
+    hf.save_pretrained(tmp_path)
+    long_only = longrope(16)
+    long_only["short_factor"] = long_only["long_factor"]
+    twin = hf_model("PhimoeConfig", dict(PHIMOE, rope_parameters=long_only))
+    twin.load_state_dict(hf.state_dict())
+    ours = moeserve.load_model(tmp_path, dtype=torch.float32)
+    tokens = torch.randint(3, 97, (2, 24))
+    with torch.no_grad():
+        past = ours(tokens)  # one pass of 24 positions: all long
+        assert (past - twin(tokens).logits).abs().max() < 1e-4
+        assert (past - hf(tokens).logits).abs().max() > 1e-2  # the factors matter
+        # prefill 10 (short), then cached decode steps across position 16 (long from there on)
+        from transformers import DynamicCache
+
+        kv, cache = KVCache(ours.spec, 2, 24, "cpu", torch.float32), DynamicCache(config=hf.config)
+        ref = [hf(tokens[:, :10], cache=cache, use_cache=True).logits]
+        got = [ours(tokens[:, :10], kv=kv)]
+        for i in range(10, 24):
+            ref.append((twin if i >= 16 else hf)(tokens[:, i:i + 1], cache=cache, use_cache=True).logits)
+            got.append(ours(tokens[:, i:i + 1], kv=kv))
+    assert (torch.cat(got, 1) - torch.cat(ref, 1)).abs().max() < 1e-4
