@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "PhimoeForCausalLM": "phimoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
@@ -131,6 +133,13 @@ class ModelSpec:
     # the residual mix: the shared expert (PR-MoE's dense MLP) and the routed output weighted by softmax(Linear(D, 2))
     layer_experts: tuple[int, ...] = ()  # () = num_experts in every MoE layer
     residual_mix: bool = False
+    # Granite's scalars (muP): embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before its residual add, logits divided by logits_scaling; attention_scale: the softmax
+    # scale (None: head_dim^-0.5)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_scale: float | None = None
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -563,10 +572,27 @@ def _phimoe(cfg: dict) -> ModelSpec:
                      router_jitter_eps=float(cfg.get("router_jitter_noise", 0.01)), moe_layers=(True,) * L)
 
 
+def _granitemoe(cfg: dict, family: str) -> ModelSpec:
+    """Granite-MoE (and -Shared: a shared MLP beside the experts, added unweighted): softmax over the top-k logits
+    (= softmax top-k renormalised), muP multipliers on embeddings, residual branches, attention scale, logits."""
+    c = _common(cfg, family)
+    L = c["num_layers"]
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(**c, qkv_bias=bias, o_bias=bias, sliding_windows=(None,) * L,
+                     num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                     expert_ffn=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=False,
+                     moe_layers=(True,) * L, shared_expert_ffn=cfg.get("shared_intermediate_size") or 0,
+                     embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                     residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                     logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+                     attention_scale=float(cfg.get("attention_multiplier", 1.0)))
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
                  "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
                  "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe,
-                 "phimoe": _phimoe}
+                 "phimoe": _phimoe, "granitemoe": lambda cfg: _granitemoe(cfg, "granitemoe"),
+                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared")}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

@@ -12,7 +12,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
-            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe"]
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
+            "granitemoe", "granitemoeshared"]
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -33,6 +34,10 @@ def longrope(original: int, head_dim: int = 16) -> dict:
 # the generic tests stay within (tests/model/test_families.py crosses it)
 PHIMOE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
               lm_head_bias=True, router_jitter_noise=0.3, rope_parameters=longrope(64))
+
+# Granite: every muP multiplier away from 1 (the attention one also away from head_dim^-0.5 = 0.25)
+GRANITE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=3.0,
+               attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)
 
 
 def family_configs():
@@ -68,6 +73,8 @@ def family_configs():
         "glm4_moe": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=False)),
         "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=True)),
         "phimoe": ("PhimoeConfig", PHIMOE),
+        "granitemoe": ("GraniteMoeConfig", dict(GRANITE, attention_bias=True)),
+        "granitemoeshared": ("GraniteMoeSharedConfig", dict(GRANITE, shared_intermediate_size=24)),
     }
 
 

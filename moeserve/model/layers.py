@@ -158,6 +158,7 @@ class Attention(nn.Module):
         elif spec.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.rms_norm_eps), RMSNorm(Hkv * Dh, spec.rms_norm_eps)
         self.clip_qkv = spec.clip_qkv
+        self.scale = spec.attention_scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
 
     def forward(self, x, cos, sin, mask, kv=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:
@@ -213,7 +214,8 @@ class Attention(nn.Module):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
         B, _, S, _ = q.shape
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv,
+                                                 scale=self.scale)
         return out.transpose(1, 2).reshape(B, S, self.H * self.Dh)
 
 

@@ -20,6 +20,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size)
         self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+        self.residual_multiplier = spec.residual_multiplier  # Granite: on both branches before their adds
 
     def forward(self, x, cos, sin, mask, kv):
         x, out = self.step(x, None, cos, sin, mask, kv)
@@ -30,8 +31,12 @@ class DecoderLayer(nn.Module):
         (its residual stream before the MLP output, the MLP output): each residual add goes into the launch of the
         RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's."""
         normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
-        normed, x = self.post_attention_layernorm.added(x, self.self_attn(normed, cos, sin, mask, kv))
-        return x, self.mlp(normed)
+        normed, x = self.post_attention_layernorm.added(x, self._branch(self.self_attn(normed, cos, sin, mask, kv)))
+        return x, self._branch(self.mlp(normed))
+
+    def _branch(self, out: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output [B, S, D] as it joins the stream (times residual_multiplier)."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class Backbone(nn.Module):
@@ -107,7 +112,7 @@ class MoETransformer(nn.Module):
             kv.commit()
         if last_only:
             x, pending = x[:, -1:], pending[:, -1:]
-        return self.lm_head(self.model.norm.added(x, pending)[0])
+        return self.logits(self.model.norm.added(x, pending)[0])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                     kv: KVCache | SlotKVCache) -> torch.Tensor:
@@ -120,7 +125,12 @@ class MoETransformer(nn.Module):
         """
         masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
-        return self.lm_head(self.model.norm.added(*self._layers(tokens, positions, masks, kv))[0])
+        return self.logits(self.model.norm.added(*self._layers(tokens, positions, masks, kv))[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [.., D] (normed) -> logits [.., V]: the head, divided by Granite's logits_scaling."""
+        out = self.lm_head(h)
+        return out if self.spec.logits_scaling == 1.0 else out / self.spec.logits_scaling
 
     def _windows(self) -> list[int | None]:
         return [layer.sliding_window for layer in self.model.layers]
@@ -129,6 +139,8 @@ class MoETransformer(nn.Module):
         """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
         (residual stream, last MLP output): the norm adds them in its launch."""
         x = self.model.embed_tokens(tokens)  # [B, S, D]
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
         cos, sin = self.rotary(positions, x.dtype)
         pending = torch.zeros_like(x) if not self.model.layers else None
         for layer in self.model.layers:

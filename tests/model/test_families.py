@@ -1,5 +1,6 @@
 """Quirks of Phi-MoE, Granite-MoE, DBRX and Llama-4 that the generic parity tests (tests/model/test_hf_parity.py,
-over their FAMILIES entries) do not reach on their own: LongRoPE past the original context, ..."""
+over their FAMILIES entries) do not reach on their own: LongRoPE past the original context, checkpoint layouts
+read under moeserve's names, what moeserve refuses for them and why."""
 
 import pytest
 import torch
@@ -48,3 +49,21 @@ def test_phimoe_longrope_past_the_original_context_uses_the_long_factors(tmp_pat
             ref.append((twin if i >= 16 else hf)(tokens[:, i:i + 1], cache=cache, use_cache=True).logits)
             got.append(ours(tokens[:, i:i + 1], kv=kv))
     assert (torch.cat(got, 1) - torch.cat(ref, 1)).abs().max() < 1e-4
+
+
+def test_granite_checkpoint_answers_for_moeserve_names(hf_checkpoints):
+    """Granite's fused shared MLP and renamed experts/router read as moeserve's tensors, whole and in part."""
+    from moeserve.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(hf_checkpoints["granitemoeshared"][1])
+    stored = reader.get("model.layers.1.shared_mlp.input_linear.weight")  # [2F, D]
+    assert torch.equal(reader.get("model.layers.1.mlp.shared_expert.up_proj.weight"), stored[24:])
+    experts = reader.get("model.layers.1.block_sparse_moe.input_linear.weight")  # [E, 2F, D]
+    part = reader.get_slice("model.layers.1.mlp.experts.gate_up_proj", (slice(2, 4), slice(0, 5)))
+    assert torch.equal(part, experts[2:4, :5])
+    assert "model.layers.1.mlp.gate.weight" in reader and "model.layers.1.mlp.shared_expert.gate_proj.weight" in reader
+
+
+def test_batch_pipeline_refuses_granite_multipliers_by_name(hf_checkpoints, tmp_path, expect_cli_error):
+    expect_cli_error(["plan", "--for", "batch", "--model", hf_checkpoints["granitemoe"][1], "--gpu-memory", "1GiB",
+                      "--profile", tmp_path / "none.json"], "granitemoe's embedding, residual, attention and logits")
