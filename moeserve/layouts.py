@@ -62,7 +62,32 @@ def _granite(spec: ModelSpec) -> list[Rule]:
     ]
 
 
-LAYOUTS: dict[str, Callable[[ModelSpec], list[Rule]]] = {"granitemoe": _granite, "granitemoeshared": _granite}
+def _dbrx(spec: ModelSpec) -> list[Rule]:
+    E, F, D = spec.num_experts, spec.expert_ffn, spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    block, layer = r"^transformer\.blocks\.(\d+)\.", r"model.layers.\1."
+    return [
+        (r"^transformer\.wte\.weight$", [("model.embed_tokens.weight", (), same)]),
+        (r"^transformer\.norm_f\.weight$", [("model.norm.weight", (), same)]),
+        (block + r"norm_attn_norm\.norm_1\.weight$", [(layer + "input_layernorm.weight", (), same)]),
+        (block + r"norm_attn_norm\.norm_2\.weight$", [(layer + "post_attention_layernorm.weight", (), same)]),
+        (block + r"norm_attn_norm\.attn\.Wqkv\.weight$",  # [q + 2 kv, D]
+         [(layer + "self_attn.q_proj.weight", (), rows(0, q)),
+          (layer + "self_attn.k_proj.weight", (), rows(q, q + kv)),
+          (layer + "self_attn.v_proj.weight", (), rows(q + kv, q + 2 * kv))]),
+        (block + r"norm_attn_norm\.attn\.out_proj\.weight$", [(layer + "self_attn.o_proj.weight", (), same)]),
+        (block + r"ffn\.router\.layer\.weight$", [(layer + "mlp.gate.weight", (), same)]),
+        # w1 (gate) and v1 (up) [E*F, D] -> [E, 2F, D]; w2 [E*F, D] is each expert's down weight transposed
+        (block + r"ffn\.experts\.mlp\.w1$",
+         [(layer + "mlp.experts.gate_up_proj", (r"transformer.blocks.\1.ffn.experts.mlp.v1",),
+           lambda w1, v1: torch.cat([w1.view(E, F, D), v1.view(E, F, D)], 1))]),
+        (block + r"ffn\.experts\.mlp\.w2$",
+         [(layer + "mlp.experts.down_proj", (), lambda w2: w2.view(E, F, D).transpose(1, 2).contiguous())]),
+    ]
+
+
+LAYOUTS: dict[str, Callable[[ModelSpec], list[Rule]]] = {"granitemoe": _granite, "granitemoeshared": _granite,
+                                                         "dbrx": _dbrx}
 
 
 def stored_views(spec: ModelSpec, stored: Iterable[str]) -> dict[str, View]:

@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "PhimoeForCausalLM": "phimoe",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "DbrxForCausalLM": "dbrx",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
@@ -588,11 +589,30 @@ def _granitemoe(cfg: dict, family: str) -> ModelSpec:
                      attention_scale=float(cfg.get("attention_multiplier", 1.0)))
 
 
+def _dbrx(cfg: dict) -> ModelSpec:
+    """DBRX: its own config names (d_model, attn_config, ffn_config), LayerNorms without bias (eps 1e-5), clip_qkv
+    on the fused qkv, softmax top-k with the top weights divided by their p-norm (p = 1: renormalised; None: as
+    they are). Its fused Wqkv and expert tensors are split on reading (moeserve/layouts.py)."""
+    attn, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+    p = ffn.get("moe_normalize_expert_weights", 1)
+    if p not in (None, 1):
+        raise MoeserveError(f"DBRX ffn_config.moe_normalize_expert_weights {p!r} is not supported (1 or null)")
+    flat = dict(cfg, hidden_size=cfg["d_model"], num_attention_heads=cfg["n_heads"], num_hidden_layers=cfg["n_layers"],
+                num_key_value_heads=attn.get("kv_n_heads", 1), max_position_embeddings=cfg.get("max_seq_len", 2048),
+                hidden_act=(ffn.get("ffn_act_fn") or {}).get("name", "silu"), rms_norm_eps=1e-5,
+                rope_theta=attn.get("rope_theta", 10000.0))
+    c = _common(flat, "dbrx")
+    L = c["num_layers"]
+    return ModelSpec(**c, norm="layer_no_bias", clip_qkv=attn.get("clip_qkv"), sliding_windows=(None,) * L,
+                     num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], expert_ffn=ffn["ffn_hidden_size"],
+                     norm_topk_prob=p is not None, router_weights_fp32=False, moe_layers=(True,) * L)
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
                  "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
                  "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe,
                  "phimoe": _phimoe, "granitemoe": lambda cfg: _granitemoe(cfg, "granitemoe"),
-                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared")}
+                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared"), "dbrx": _dbrx}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

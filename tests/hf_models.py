@@ -13,7 +13,7 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
             "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
-            "granitemoe", "granitemoeshared"]
+            "granitemoe", "granitemoeshared", "dbrx"]
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -38,6 +38,11 @@ PHIMOE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per
 # Granite: every muP multiplier away from 1 (the attention one also away from head_dim^-0.5 = 0.25)
 GRANITE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=3.0,
                attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)
+
+# DBRX: top-4 of 16, GQA, a clip_qkv small enough that q/k/v values are clipped (tests/model/test_families.py)
+DBRX = dict(vocab_size=97, d_model=64, n_heads=4, n_layers=3, max_seq_len=256, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=16, moe_top_k=4, moe_normalize_expert_weights=1.0))
 
 
 def family_configs():
@@ -75,6 +80,7 @@ def family_configs():
         "phimoe": ("PhimoeConfig", PHIMOE),
         "granitemoe": ("GraniteMoeConfig", dict(GRANITE, attention_bias=True)),
         "granitemoeshared": ("GraniteMoeSharedConfig", dict(GRANITE, shared_intermediate_size=24)),
+        "dbrx": ("DbrxConfig", DBRX),
     }
 
 

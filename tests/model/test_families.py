@@ -67,3 +67,36 @@ def test_granite_checkpoint_answers_for_moeserve_names(hf_checkpoints):
 def test_batch_pipeline_refuses_granite_multipliers_by_name(hf_checkpoints, tmp_path, expect_cli_error):
     expect_cli_error(["plan", "--for", "batch", "--model", hf_checkpoints["granitemoe"][1], "--gpu-memory", "1GiB",
                       "--profile", tmp_path / "none.json"], "granitemoe's embedding, residual, attention and logits")
+
+
+def test_dbrx_clip_qkv_clips_as_transformers(hf_checkpoints):
+    """The tiny DBRX's fused qkv values reach well past clip_qkv (0.5); both clip them the same way, and without
+    the clipping moeserve's logits would be others."""
+    hf, path = hf_checkpoints["dbrx"]
+    seen = []
+    hook = hf.transformer.blocks[0].norm_attn_norm.attn.Wqkv.register_forward_hook(
+        lambda module, args, out: seen.append(out.abs().max().item()))
+    tokens = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = moeserve.load_model(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        hook.remove()
+        got = ours(tokens)
+        for layer in ours.model.layers:
+            layer.self_attn.clip_qkv = None
+        unclipped = ours(tokens)
+    assert max(seen) > 1.0
+    assert (got - ref).abs().max() < 1e-4 and (unclipped - ref).abs().max() > 1e-2
+
+
+def test_dbrx_refuses_an_expert_weight_norm_other_than_l1(hf_checkpoints, tmp_path, expect_cli_error):
+    import json
+    import shutil
+
+    src = hf_checkpoints["dbrx"][1]
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["ffn_config"]["moe_normalize_expert_weights"] = 2.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    expect_cli_error(["info", "--model", tmp_path], "moe_normalize_expert_weights 2.0 is not supported")
