@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve.errors import MoeserveError
-from moeserve.spec import fp8_block_size
+from moeserve.layouts import LAYOUTS, same, stored_views
+from moeserve.spec import SUPPORTED_ARCHITECTURES, ModelSpec, fp8_block_size
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: stored weight * scale = float weight
@@ -82,23 +83,36 @@ class CheckpointReader:
                     self._file_of[key] = name
                     self.shapes[key] = tuple(meta["shape"])
         self._handles: dict[str, object] = {}
-        self.fp8_block = _fp8_block(self.path)  # (rows, columns) of a scale's block, or None
+        cfg = _config(self.path)
+        self.fp8_block = fp8_block_size(cfg) if cfg else None  # (rows, columns) of a scale's block, or None
+        # moeserve names of tensors a family stores otherwise (layouts.py): computed from the stored ones
+        self.views = stored_views(ModelSpec.from_hf_config(cfg), self._file_of) if _has_layout(cfg) else {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._file_of or name in self.views
 
     def keys(self):
         return self._file_of.keys()
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor as stored, or as float32 where it is an FP8 weight with block scales."""
+        """The tensor as stored, or as float32 where it is an FP8 weight with block scales; a view (a tensor
+        moeserve names that the checkpoint stores otherwise) computed from the stored tensors."""
+        if name not in self._file_of and name in self.views:
+            view = self.views[name]
+            return view.build(*(CheckpointReader.get(self, source) for source in view.sources))
         if self._scaled(name):
             return self.get_slice(name, (slice(None), slice(None)))
         return self._handle(name).get_tensor(name)
 
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
         """Only the part `index` (a tuple of slices) of a tensor: the rest is never read (sharded loading). An FP8
-        weight reads the blocks that cover the part, and their scales."""
+        weight reads the blocks that cover the part, and their scales; a view reads its stored tensors whole
+        (a renamed one only the part)."""
+        if name not in self._file_of and name in self.views:
+            view = self.views[name]
+            if view.build is same:
+                return CheckpointReader.get_slice(self, view.sources[0], index)
+            return CheckpointReader.get(self, name)[index]
         if not self._scaled(name):
             return self._handle(name).get_slice(name)[index]
         (bm, bn), (N, K) = self.fp8_block, self.shapes[name]
@@ -128,13 +142,19 @@ class CheckpointReader:
         return self._handles[fname]
 
 
-def _fp8_block(path: Path) -> tuple[int, int] | None:
-    """The FP8 scale block config.json names, None where it names none (or is unreadable: ModelSpec says why)."""
+def _config(path: Path) -> dict | None:
+    """config.json beside the weights; None where it is missing or unreadable (ModelSpec says why)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return fp8_block_size(cfg) if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _has_layout(cfg: dict | None) -> bool:
+    """Whether cfg names a family whose checkpoints store tensors otherwise than moeserve names them."""
+    archs = (cfg or {}).get("architectures") or []
+    return any(SUPPORTED_ARCHITECTURES.get(a) in LAYOUTS for a in archs)
 
 
 # ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------
@@ -142,6 +162,7 @@ def _fp8_block(path: Path) -> tuple[int, int] | None:
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "phimoe": ("block_sparse_moe", "w1", "w3", "w2"),
     "default": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 

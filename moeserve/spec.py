@@ -24,8 +24,14 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "PhimoeForCausalLM": "phimoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "DbrxForCausalLM": "dbrx",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
+ROUTINGS = ("softmax", "sparsemixer")  # how the gate picks experts when ModelSpec.router is None
 PARTIAL_ROTARY = ("glm4_moe",)  # families whose rope may turn only the start of a head
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -46,6 +52,12 @@ class RopeSpec:
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
     interleave: bool = False  # DeepSeek: rotated pairs are (x0, x1), (x2, x3).. instead of (x_i, x_i+Dh/2)
+    # longrope (Phi-MoE): per-frequency divisors, short within original_max_position_embeddings, long past it; the
+    # cos/sin scale of each (None: sqrt(1 + ln(max_position_embeddings / original) / ln(original)), LongRoPE's)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None
+    long_mscale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,9 +105,11 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the eps of every norm, RMSNorm or LayerNorm
+    norm: str = "rms"  # one of NORMS: the decoder's norms (qk-norms and MLA's latent norms are RMSNorms)
     rope: RopeSpec = field(default_factory=RopeSpec)
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str | None = None  # None | "head" (Qwen3, GLM: per head) | "full" (OLMoE: over all heads)
@@ -109,7 +123,9 @@ class ModelSpec:
     expert_ffn: int = 14336
     norm_topk_prob: bool = True
     router_weights_fp32: bool = True  # Mixtral keeps routing weights in fp32, Qwen/OLMoE cast to the model dtype
-    router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: softmax top-k (TopKRouter)
+    router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: `routing` says
+    routing: str = "softmax"  # ROUTINGS: softmax top-k (TopKRouter) | Phi-MoE's sparsemixer top-2 (SparseMixerRouter)
+    router_jitter_eps: float = 0.0  # sparsemixer: experts whose logit is within 2 eps (relative) of the best compete
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
     dense_ffn: int = 0  # FFN width of dense layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
@@ -118,6 +134,13 @@ class ModelSpec:
     # the residual mix: the shared expert (PR-MoE's dense MLP) and the routed output weighted by softmax(Linear(D, 2))
     layer_experts: tuple[int, ...] = ()  # () = num_experts in every MoE layer
     residual_mix: bool = False
+    # Granite's scalars (muP): embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before its residual add, logits divided by logits_scaling; attention_scale: the softmax
+    # scale (None: head_dim^-0.5)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_scale: float | None = None
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -163,14 +186,16 @@ class ModelSpec:
     def parameter_counts(self) -> dict[str, int]:
         """Parameters split into dense (always active) and sparse (routed experts)."""
         D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = sum(o * i + (o if bias else 0) for _, o, i, bias in self.attention_projections()) + 2 * D  # + 2 norms
+        norm = D * (2 if self.norm == "layer" else 1)  # one decoder norm's weights (and bias)
+        attn = sum(o * i + (o if bias else 0) for _, o, i, bias in self.attention_projections()) + 2 * norm
         if self.mla is not None:
             attn += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)  # the latent norms
         elif self.qk_norm == "head":
             attn += 2 * Dh
         elif self.qk_norm == "full":
             attn += H * Dh + Hkv * Dh
-        dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + D
+        dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + norm
+        dense += self.vocab_size if self.lm_head_bias else 0
         sparse = 0
         active_sparse = 0
         for i, is_moe in enumerate(self.moe_layers):
@@ -266,11 +291,31 @@ def _rope(cfg: dict, interleave: bool = False) -> RopeSpec:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise MoeserveError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     kw = {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-                                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+                                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
+                                 "short_mscale", "long_mscale")
           if params.get(k) is not None}
     if rope_type == "yarn" and "original_max_position_embeddings" not in kw:
         kw["original_max_position_embeddings"] = cfg["max_position_embeddings"]
+    if rope_type == "longrope":
+        kw.update(_longrope(cfg, params))
     return RopeSpec(theta=float(theta), type=rope_type, interleave=interleave, **kw)
+
+
+def _longrope(cfg: dict, params: dict) -> dict:
+    """LongRoPE's fields: both factor lists (one divisor per rotated frequency) and the original context, which
+    older configs keep at the top level."""
+    orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if orig is None:
+        raise KeyError("original_max_position_embeddings")
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    out = {"original_max_position_embeddings": int(orig)}
+    for name in ("short_factor", "long_factor"):
+        factors = params.get(name)
+        if not (isinstance(factors, list) and len(factors) == dim // 2):
+            raise MoeserveError(f"longrope {name} must list {dim // 2} numbers (one per rotated frequency of a "
+                                f"{dim}-dim head), got {factors!r}")
+        out[name] = tuple(float(f) for f in factors)
+    return out
 
 
 def _common(cfg: dict, family: str, rope: RopeSpec | None = None) -> dict:
@@ -513,9 +558,61 @@ def _glm4_moe(cfg: dict) -> ModelSpec:
                      **_deepseek_sparse(cfg, c["num_layers"], True, router))
 
 
+def _phimoe(cfg: dict) -> ModelSpec:
+    """Phi-3.5-MoE: LayerNorms with bias, attention and lm_head biases, LongRoPE, sparsemixer top-2 routing."""
+    c = _common(cfg, "phimoe")
+    L = c["num_layers"]
+    if cfg.get("num_experts_per_tok", 2) != 2:
+        raise MoeserveError(f"Phi-MoE's sparsemixer routes every token to 2 experts; num_experts_per_tok is "
+                            f"{cfg['num_experts_per_tok']}")
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(**c, norm="layer", lm_head_bias=bool(cfg.get("lm_head_bias", False)), qkv_bias=bias,
+                     o_bias=bias, sliding_windows=(cfg.get("sliding_window"),) * L,
+                     num_experts=cfg["num_local_experts"], top_k=2, expert_ffn=cfg["intermediate_size"],
+                     router_weights_fp32=False, routing="sparsemixer",
+                     router_jitter_eps=float(cfg.get("router_jitter_noise", 0.01)), moe_layers=(True,) * L)
+
+
+def _granitemoe(cfg: dict, family: str) -> ModelSpec:
+    """Granite-MoE (and -Shared: a shared MLP beside the experts, added unweighted): softmax over the top-k logits
+    (= softmax top-k renormalised), muP multipliers on embeddings, residual branches, attention scale, logits."""
+    c = _common(cfg, family)
+    L = c["num_layers"]
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(**c, qkv_bias=bias, o_bias=bias, sliding_windows=(None,) * L,
+                     num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                     expert_ffn=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=False,
+                     moe_layers=(True,) * L, shared_expert_ffn=cfg.get("shared_intermediate_size") or 0,
+                     embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                     residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                     logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+                     attention_scale=float(cfg.get("attention_multiplier", 1.0)))
+
+
+def _dbrx(cfg: dict) -> ModelSpec:
+    """DBRX: its own config names (d_model, attn_config, ffn_config), LayerNorms without bias (eps 1e-5), clip_qkv
+    on the fused qkv, softmax top-k with the top weights divided by their p-norm (p = 1: renormalised; None: as
+    they are). Its fused Wqkv and expert tensors are split on reading (moeserve/layouts.py)."""
+    attn, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+    p = ffn.get("moe_normalize_expert_weights", 1)
+    if p not in (None, 1):
+        raise MoeserveError(f"DBRX ffn_config.moe_normalize_expert_weights {p!r} is not supported (1 or null)")
+    flat = dict(cfg, hidden_size=cfg["d_model"], num_attention_heads=cfg["n_heads"], num_hidden_layers=cfg["n_layers"],
+                num_key_value_heads=attn.get("kv_n_heads", 1), max_position_embeddings=cfg.get("max_seq_len", 2048),
+                hidden_act=(ffn.get("ffn_act_fn") or {}).get("name", "silu"), rms_norm_eps=1e-5,
+                rope_theta=attn.get("rope_theta", 10000.0))
+    c = _common(flat, "dbrx")
+    L = c["num_layers"]
+    return ModelSpec(**c, norm="layer_no_bias", clip_qkv=attn.get("clip_qkv"), sliding_windows=(None,) * L,
+                     num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], expert_ffn=ffn["ffn_hidden_size"],
+                     norm_topk_prob=p is not None, router_weights_fp32=False, moe_layers=(True,) * L)
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
                  "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
-                 "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe}
+                 "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe,
+                 "phimoe": _phimoe, "granitemoe": lambda cfg: _granitemoe(cfg, "granitemoe"),
+                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared"), "dbrx": _dbrx}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):
@@ -537,7 +634,26 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope.type == "yarn":
         return _yarn(rope, head_dim, base)
+    if rope.type == "longrope":
+        return 1.0 / (torch.tensor(rope.short_factor) * base), longrope_mscales(rope, max_position_embeddings)[0]
     return inv_freq, 1.0
+
+
+def longrope_long_inv_freq(rope: RopeSpec, head_dim: int):
+    """LongRoPE's inverse frequencies [head_dim/2] past the original context (the long factors)."""
+    import torch  # on use, as in rope_inv_freq
+
+    base = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [Dh/2]
+    return 1.0 / (torch.tensor(rope.long_factor) * base)
+
+
+def longrope_mscales(rope: RopeSpec, max_position_embeddings: int) -> tuple[float, float]:
+    """The cos/sin scales of LongRoPE's (short, long) factors: the config's, else LongRoPE's default for both."""
+    orig = rope.original_max_position_embeddings
+    factor = rope.factor if rope.factor != 1.0 else max_position_embeddings / orig
+    default = rope.attention_factor or (math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0)
+    return (rope.short_mscale if rope.short_mscale is not None else default,
+            rope.long_mscale if rope.long_mscale is not None else default)
 
 
 def _yarn(rope: RopeSpec, dim: int, pos_freqs):

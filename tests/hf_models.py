@@ -12,7 +12,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
-            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm"]
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
+            "granitemoe", "granitemoeshared", "dbrx"]
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -21,6 +22,28 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max
 GLM = dict(intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
            attention_bias=True, partial_rotary_factor=0.5, rope_theta=10000.0)
+
+def longrope(original: int, head_dim: int = 16) -> dict:
+    """LongRoPE parameters with short and long factors that differ (Phi-3.5-MoE's kind)."""
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.05 * i for i in range(head_dim // 2)],
+            "long_factor": [1.5 + 0.6 * i for i in range(head_dim // 2)], "short_mscale": 1.1, "long_mscale": 1.25}
+
+
+# Phi-MoE: biases everywhere, a loose sparsemixer eps (several experts compete), LongRoPE whose original context
+# the generic tests stay within (tests/model/test_families.py crosses it)
+PHIMOE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
+              lm_head_bias=True, router_jitter_noise=0.3, rope_parameters=longrope(64))
+
+# Granite: every muP multiplier away from 1 (the attention one also away from head_dim^-0.5 = 0.25)
+GRANITE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=3.0,
+               attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)
+
+# DBRX: top-4 of 16, GQA, a clip_qkv small enough that q/k/v values are clipped (tests/model/test_families.py)
+DBRX = dict(vocab_size=97, d_model=64, n_heads=4, n_layers=3, max_seq_len=256, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=16, moe_top_k=4, moe_normalize_expert_weights=1.0))
+
 
 def family_configs():
     """family -> (config class name, kwargs)."""
@@ -54,6 +77,10 @@ def family_configs():
                                                  routed_scaling_factor=2.5, norm_topk_prob=True)),
         "glm4_moe": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=False)),
         "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=True)),
+        "phimoe": ("PhimoeConfig", PHIMOE),
+        "granitemoe": ("GraniteMoeConfig", dict(GRANITE, attention_bias=True)),
+        "granitemoeshared": ("GraniteMoeSharedConfig", dict(GRANITE, shared_intermediate_size=24)),
+        "dbrx": ("DbrxConfig", DBRX),
     }
 
 

@@ -121,7 +121,8 @@ class SegmentedDecoder:
             if i == len(self.layers):
                 break
             x, normed, routed = out
-            y = self.model.model.layers[self.layers[i]].mlp.finish(normed.reshape(-1, normed.shape[-1]), *routed)
+            layer = self.model.model.layers[self.layers[i]]
+            y = layer.residual(layer.mlp.finish(normed.reshape(-1, normed.shape[-1]), *routed))  # [B, D]
             if self.use_graph:
                 self.pending[i].copy_(y.reshape(normed.shape))  # [B, 1, D]
             else:

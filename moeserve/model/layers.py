@@ -1,4 +1,4 @@
-"""Dense building blocks: RMSNorm, rotary embedding, GQA attention with a KV cache, SwiGLU MLP."""
+"""Dense building blocks: RMSNorm, LayerNorm, rotary embedding, GQA attention with a KV cache, SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.kernels import needs_grad, triton_serves
-from moeserve.spec import ModelSpec, rope_inv_freq
+from moeserve.spec import ModelSpec, longrope_long_inv_freq, longrope_mscales, rope_inv_freq
 
 # SDPA's cuDNN backend builds an execution plan per new shape, milliseconds of host time, and an eager decode step
 # has a new key length every step (offload, hybrid): attention on CUDA runs on the other backends.
@@ -45,18 +45,49 @@ class RMSNorm(nn.Module):
         return self(x), x
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with (Phi-MoE) or without (DBRX) a bias, with RMSNorm's `added`: the decoder's norms are either."""
+
+    def added(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + h), x + h)."""
+        x = x + h
+        return self(x), x
+
+
+def decoder_norm(spec: ModelSpec, dim: int) -> RMSNorm | LayerNorm:
+    """A norm of the decoder stack (input, post-attention, final) of the kind spec.norm names."""
+    if spec.norm == "rms":
+        return RMSNorm(dim, spec.rms_norm_eps)
+    return LayerNorm(dim, eps=spec.rms_norm_eps, bias=spec.norm == "layer")
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed on the fly from integer positions (any length, any rope type)."""
+    """cos/sin tables computed on the fly from integer positions (any length, any rope type).
+
+    LongRoPE has two sets of frequencies: a pass whose last position reaches past original_max_position_embeddings
+    rotates all its tokens with the long factors (and their scale), else with the short ones, as Phi-3.5-MoE's own
+    code does (keys already cached keep theirs). Chosen on the device: no host sync, the same in a CUDA graph."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        inv_freq, self.scale = rope_inv_freq(spec.rope, spec.rotated_dims, spec.max_position_embeddings)
+        rope, R = spec.rope, spec.rotated_dims
+        inv_freq, self.scale = rope_inv_freq(rope, R, spec.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2], R = spec.rotated_dims
+        self.long_from = None  # longrope: the first position (counting from 1) that takes the long factors
+        if rope.type == "longrope":
+            self.register_buffer("long_inv_freq", longrope_long_inv_freq(rope, R), persistent=False)  # [R/2]
+            self.long_from = rope.original_max_position_embeddings + 1
+            self.long_scale = longrope_mscales(rope, spec.max_position_embeddings)[1]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, R/2]
+        inv_freq, scale = self.inv_freq.float(), self.scale
+        if self.long_from is not None:
+            long = positions.max() + 1 >= self.long_from  # [] bool, on the device
+            inv_freq = torch.where(long, self.long_inv_freq.float(), inv_freq)  # [R/2]
+            scale = torch.where(long, self.long_scale, self.scale)  # [] float32
+        freqs = positions[..., None].float() * inv_freq  # [B, S, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, R]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -127,6 +158,7 @@ class Attention(nn.Module):
         elif spec.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.rms_norm_eps), RMSNorm(Hkv * Dh, spec.rms_norm_eps)
         self.clip_qkv = spec.clip_qkv
+        self.scale = spec.attention_scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
 
     def forward(self, x, cos, sin, mask, kv=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:
@@ -182,7 +214,8 @@ class Attention(nn.Module):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
         B, _, S, _ = q.shape
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv,
+                                                 scale=self.scale)
         return out.transpose(1, 2).reshape(B, S, self.H * self.Dh)
 
 

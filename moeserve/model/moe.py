@@ -13,7 +13,7 @@ from torch import nn
 
 from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.model.layers import MLP
-from moeserve.model.router import GroupedRouter, TopKRouter
+from moeserve.model.router import GroupedRouter, SparseMixerRouter, TopKRouter
 from moeserve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ class MoEBlock(nn.Module):
         E = spec.experts_at(layer_idx)
         if spec.router is not None:
             self.gate = GroupedRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router)
+        elif spec.routing == "sparsemixer":
+            self.gate = SparseMixerRouter(D, E, spec.router_jitter_eps)
         else:
             self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
         self.experts: ExpertBackend = ResidentExperts(E, D, spec.expert_ffn)

@@ -105,3 +105,40 @@ class GroupedRouter(nn.Module):
     def kernel_path(self, x: torch.Tensor) -> str:
         """Always "torch" (model/paths.py ROUTER_PATHS): PyTorch ops, no host sync (CUDA-graph safe)."""
         return "torch"
+
+
+def sparsemixer_top2(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-MoE's sparsemixer at inference on logits [T, E]: the best expert, then the best of the rest; each one's
+    weight is its softmax among the experts whose logit lies within 2 eps (relative to max(|logit|, that
+    expert's logit)) of its own, the others masked out. -> ids [T, 2], weights [T, 2] in the logits' dtype."""
+    ids, weights = [], []
+    scores = logits
+    for _ in range(2):
+        best, idx = scores.max(dim=-1, keepdim=True)  # [T, 1] x2
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps  # [T, E]
+        weights.append(torch.softmax(scores.masked_fill(far, float("-inf")), dim=-1).gather(-1, idx))
+        ids.append(idx)
+        scores = scores.scatter(-1, idx, float("-inf"))  # the next pick is among the rest
+    return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)
+
+
+class SparseMixerRouter(nn.Module):
+    """Phi-MoE's router: a linear gate in the model dtype, then sparsemixer_top2. `weight` [E, D] is HF's
+    `block_sparse_moe.gate.weight`."""
+
+    def __init__(self, hidden: int, num_experts: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.eps = 2, eps
+
+    def forward(self, x: torch.Tensor, prepared=None):
+        """x [T, D] -> expert_ids [T, 2], expert_weights [T, 2] (x's dtype), logits [T, E]."""
+        if prepared is not None:
+            raise ValueError("only the triton_topk router path prepares x for the experts")
+        logits = F.linear(x, self.weight)  # [T, E]
+        ids, weights = sparsemixer_top2(logits, self.eps)
+        return ids, weights, logits
+
+    def kernel_path(self, x: torch.Tensor) -> str:
+        """Always "torch" (model/paths.py ROUTER_PATHS): PyTorch ops, no host sync (CUDA-graph safe)."""
+        return "torch"

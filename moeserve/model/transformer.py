@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moeserve.model.kv_cache import KVCache, SlotKVCache
-from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from moeserve.model.layers import MLP, Attention, RotaryEmbedding, decoder_norm
 from moeserve.model.mla import MLAttention
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
@@ -17,11 +17,12 @@ from moeserve.spec import ModelSpec
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = decoder_norm(spec, spec.hidden_size)
         self.self_attn = MLAttention(spec, layer_idx) if spec.mla is not None else Attention(spec, layer_idx)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size)
         self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+        self.residual_multiplier = spec.residual_multiplier  # Granite: on both branches before their adds
 
     def forward(self, x, cos, sin, mask, kv):
         x, out = self.step(x, None, cos, sin, mask, kv)
@@ -32,13 +33,17 @@ class DecoderLayer(nn.Module):
         (its residual stream before the MLP output, the MLP output): each residual add goes into the launch of the
         RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's."""
         x, normed = self.pre_mlp(x, pending, cos, sin, mask, kv)
-        return x, self.mlp(normed)
+        return x, self.residual(self.mlp(normed))
 
     def pre_mlp(self, x, pending, cos, sin, mask, kv):
         """step() up to the MLP: (the residual stream after attention, the MLP's normed input)."""
         normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
-        normed, x = self.post_attention_layernorm.added(x, self.self_attn(normed, cos, sin, mask, kv))
+        normed, x = self.post_attention_layernorm.added(x, self.residual(self.self_attn(normed, cos, sin, mask, kv)))
         return x, normed
+
+    def residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output [B, S, D] as it joins the stream (times residual_multiplier)."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = decoder_norm(spec, spec.hidden_size)
 
 
 def attention_masks(q_slots, key_valid, windows):
@@ -92,7 +97,7 @@ class MoETransformer(nn.Module):
         self.spec = spec
         self.model = Backbone(spec)
         self.rotary = RotaryEmbedding(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -127,7 +132,7 @@ class MoETransformer(nn.Module):
             kv.commit()
         if last_only:
             x, pending = x[:, -1:], pending[:, -1:]
-        return self.lm_head(self.model.norm.added(x, pending)[0])
+        return self.logits(self.model.norm.added(x, pending)[0])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                     kv: KVCache | SlotKVCache) -> torch.Tensor:
@@ -147,7 +152,7 @@ class MoETransformer(nn.Module):
         """Embed tokens [B, 1]; the step's masks and rotary tables."""
         masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
-        x = self.model.embed_tokens(tokens)  # [B, 1, D]
+        x = self.embed(tokens)  # [B, 1, D]
         cos, sin = self.rotary(positions, x.dtype)
         return DecodeState(x, None, cos, sin, masks)
 
@@ -169,7 +174,17 @@ class MoETransformer(nn.Module):
     def decode_end(self, state: DecodeState) -> torch.Tensor:
         """The final norm and the LM head -> logits [B, 1, V]."""
         pending = state.pending if state.pending is not None else torch.zeros_like(state.x)
-        return self.lm_head(self.model.norm.added(state.x, pending)[0])
+        return self.logits(self.model.norm.added(state.x, pending)[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [.., D] (normed) -> logits [.., V]: the head, divided by Granite's logits_scaling."""
+        out = self.lm_head(h)
+        return out if self.spec.logits_scaling == 1.0 else out / self.spec.logits_scaling
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> [B, S, D] (times Granite's embedding_multiplier)."""
+        x = self.model.embed_tokens(tokens)
+        return x if self.spec.embedding_multiplier == 1.0 else x * self.spec.embedding_multiplier
 
     def _windows(self) -> list[int | None]:
         return [layer.sliding_window for layer in self.model.layers]
@@ -177,7 +192,7 @@ class MoETransformer(nn.Module):
     def _layers(self, tokens, positions, masks, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
         (residual stream, last MLP output): the norm adds them in its launch."""
-        x = self.model.embed_tokens(tokens)  # [B, S, D]
+        x = self.embed(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
         pending = torch.zeros_like(x) if not self.model.layers else None
         for layer in self.model.layers:

@@ -13,7 +13,7 @@ from torch import nn
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.groups import split_range
 
-VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # [V, D] each: split by vocabulary rows
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")  # [V, D], [V]: split by rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,14 +31,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    def __init__(self, weight: torch.Tensor, vocab: int, group, size: int):
+    def __init__(self, weight: torch.Tensor, vocab: int, group, size: int, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # [V_r] (Phi-MoE's)
         self.vocab, self.group, self.size = vocab, group, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sizes = [len(split_range(self.vocab, r, self.size)) for r in range(self.size)]
-        return all_gather_uneven(F.linear(x, self.weight), sizes, self.group)  # [.., V_r] -> [.., V]
+        return all_gather_uneven(F.linear(x, self.weight, self.bias), sizes, self.group)  # [.., V_r] -> [.., V]
 
 
 def split_index(shape, dim: int, rank: int, size: int) -> tuple[slice, ...]:
@@ -63,4 +64,7 @@ def enable_vocab_parallel(model, group, rank: int, size: int) -> None:
         head = model.model.embed_tokens.weight
     else:
         head = head[vocab_index("lm_head.weight", head.shape, rank, size)].detach().clone()
-    model.lm_head = VocabParallelHead(head, model.spec.vocab_size, group, size)
+    bias = model.lm_head.bias
+    if bias is not None:
+        bias = bias[vocab_index("lm_head.bias", bias.shape, rank, size)].detach().clone()
+    model.lm_head = VocabParallelHead(head, model.spec.vocab_size, group, size, bias)

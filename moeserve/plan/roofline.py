@@ -37,6 +37,11 @@ def check_modelled(spec: ModelSpec) -> None:
     if spec.mla is not None:
         raise MoeserveError(f"moeserve plan and batch model GQA attention; {spec.family}'s multi-head latent "
                             f"attention is not modelled yet (generate, serve, --offload and --cpu-moe run it)")
+    if (spec.embedding_multiplier, spec.residual_multiplier, spec.logits_scaling, spec.attention_scale) != (
+            1.0, 1.0, 1.0, None):
+        raise MoeserveError(f"moeserve plan --for batch and batch run a pipeline that does not apply {spec.family}'s "
+                            f"embedding, residual, attention and logits multipliers yet (generate, serve, --offload "
+                            f"and --cpu-moe do)")
 
 
 OPERATORS = ("pre_attention", "attention", "post_attention")

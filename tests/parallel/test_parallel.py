@@ -22,6 +22,9 @@ CASES = {
         # slicing, OLMoE's qk-norm over all heads (sharded) and clip_qkv
         ("model", ["deepseek_v3", "deepseek_v2_lite", "glm4_moe"], 2, 1, 128),  # MLA heads, partial rotary
         ("model", ["deepseek_v3"], 1, 2, 128),  # EP with grouped routing and a shared expert
+        ("model", ["phimoe"], 2, 1, 128), ("model", ["phimoe"], 1, 2, 128),  # biases (head too), LayerNorm, LongRoPE
+        ("model", ["granitemoeshared", "dbrx"], 2, 1, 128),  # muP, shared MLP; DBRX's fused tensors split on reading
+        ("model", ["granitemoeshared", "dbrx"], 1, 2, 128),
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
