@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moeserve.model.kv_cache import KVCache, SlotKVCache
-from moeserve.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from moeserve.model.layers import MLP, Attention, RotaryEmbedding, rms_norm
 from moeserve.model.mla import MLAttention
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
@@ -15,9 +15,9 @@ from moeserve.spec import ModelSpec
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = rms_norm(spec, spec.hidden_size)
         self.self_attn = MLAttention(spec, layer_idx) if spec.mla is not None else Attention(spec, layer_idx)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(spec, spec.hidden_size)
         self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
 
@@ -41,7 +41,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = rms_norm(spec, spec.hidden_size)
 
 
 def attention_masks(q_slots, key_valid, windows):
