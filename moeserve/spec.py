@@ -234,6 +234,15 @@ class ModelSpec:
         return cls.from_hf_config(read_config(path))
 
 
+def refuse_special_experts(spec: ModelSpec, what: str) -> None:
+    """Expert stores, quantize and the parallel engine compute experts as silu(x Wg) * (x Wu) Wd from float weights;
+    GPT-OSS's (biases, the clamped SwiGLU, MXFP4) they do not take yet: refused by name rather than run wrong."""
+    if spec.expert_bias or spec.expert_act is not None or spec.experts_mxfp4:
+        raise MoeserveError(f"{what} does not take {spec.family}'s experts yet (biases, clamped SwiGLU"
+                            f"{', MXFP4 blocks' if spec.experts_mxfp4 else ''}); generate, serve, eval and bench run "
+                            f"them resident")
+
+
 def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     """(rows, columns) of the FP8 scale blocks config.json's quantization_config names (quant_method "fp8",
     weight_block_size, 128 x 128 by default); None for a float checkpoint. Another quant_method is refused."""

@@ -22,6 +22,15 @@ GLM = dict(intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8, n
            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
            attention_bias=True, partial_rotary_factor=0.5, rope_theta=10000.0)
 
+# GPT-OSS (tests/model/test_gpt_oss.py; not in FAMILIES: expert stores and the parallel engine refuse its experts):
+# sliding window 8 on layers 0 and 2, a swiglu_limit the gates and ups cross, YaRN past a small original context;
+# hidden and FFN sizes multiples of 32 (MXFP4 blocks)
+GPT_OSS = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
+               num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0})
+
+
 def family_configs():
     """family -> (config class name, kwargs)."""
     return {
@@ -54,6 +63,7 @@ def family_configs():
                                                  routed_scaling_factor=2.5, norm_topk_prob=True)),
         "glm4_moe": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=False)),
         "glm4_moe_qk_norm": ("Glm4MoeConfig", dict(COMMON, **GLM, use_qk_norm=True)),
+        "gpt_oss": ("GptOssConfig", GPT_OSS),
     }
 
 
