@@ -83,6 +83,32 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     return model.eval()
 
 
+def write_mxfp4_pair(src: Path, packed: Path, twin: Path) -> None:
+    """From the GPT-OSS checkpoint src: `packed`, its experts in the layout GPT-OSS ships (`*_blocks`
+    [E, out, in/32, 16] + `*_scales` [E, out, in/32], out = gate/up interleaved, config quant_method mxfp4), and `twin`,
+    a float checkpoint holding their dequantized values; the other tensors as in src."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeserve.quant.mxfp4 import dequantize, quantize
+
+    quantized, floats = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [E, in, out]
+            blocks, scales = quantize(t.transpose(1, 2))
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            floats[name] = dequantize(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            quantized[name] = floats[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}
+    for out, tensors, extra in ((packed, quantized, {"quantization_config": quant}), (twin, floats, {})):
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps({**cfg, **extra}))
+
+
 def save_byte_model(path: Path, layers: int = 2, hidden: int = 32, ffn: int = 32, seed: int = 0) -> Path:
     """A tiny random Mixtral (4 experts, top-2) with the demo's byte vocabulary, tokenizer and a held-out text;
     models of one shape and another seed have the same safetensors headers but other weights."""

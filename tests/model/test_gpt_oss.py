@@ -2,14 +2,11 @@
 SwiGLU, YaRN, fp32 RMSNorm), its static decode step over both KV caches, MXFP4 experts as shipped against their
 dequantized twin, and the commands that refuse its experts. GPU: tests/model/test_gpu_gpt_oss.py."""
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import moeserve
-from hf_models import build_hf_model
+from hf_models import build_hf_model, write_mxfp4_pair
 from moeserve.engine.batching import ContinuousBatch, Request
 from moeserve.engine.cuda_graph import StaticDecoder
 from moeserve.engine.generate import generate, left_padded
@@ -30,25 +27,9 @@ def gpt_oss(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mxfp4_pair(gpt_oss, tmp_path_factory):
-    """(MXFP4 checkpoint, its dequantized float twin): the experts' weights in the layout GPT-OSS ships
-    (`*_blocks` [E, out, in/32, 16] + `*_scales` [E, out, in/32], out = gate/up interleaved), the rest as saved."""
-    src = gpt_oss[1]
+    """(MXFP4 checkpoint, its dequantized float twin) of the tiny GPT-OSS (hf_models.write_mxfp4_pair)."""
     packed, twin = tmp_path_factory.mktemp("gpt_oss_mxfp4"), tmp_path_factory.mktemp("gpt_oss_twin")
-    state = load_file(src / "model.safetensors")
-    quantized, floats = {}, {}
-    for name, t in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [E, in, out]
-            blocks, scales = quantize(t.transpose(1, 2))
-            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
-            floats[name] = dequantize(blocks, scales).transpose(1, 2).contiguous()
-        else:
-            quantized[name] = floats[name] = t
-    cfg = json.loads((src / "config.json").read_text())
-    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                 "model.embed_tokens", "lm_head"]}
-    for out, tensors, extra in ((packed, quantized, {"quantization_config": quant}), (twin, floats, {})):
-        save_file(tensors, out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps({**cfg, **extra}))
+    write_mxfp4_pair(gpt_oss[1], packed, twin)
     return packed, twin
 
 
