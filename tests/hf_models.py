@@ -12,7 +12,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
-            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm"]
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "gpt_oss"]
+STORE_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # those whose experts expert stores take (hybrid, offload)
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -22,8 +23,7 @@ GLM = dict(intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8, n
            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
            attention_bias=True, partial_rotary_factor=0.5, rope_theta=10000.0)
 
-# GPT-OSS (tests/model/test_gpt_oss.py; not in FAMILIES: expert stores and the parallel engine refuse its experts):
-# sliding window 8 on layers 0 and 2, a swiglu_limit the gates and ups cross, YaRN past a small original context;
+# GPT-OSS (more in tests/model/test_gpt_oss.py): sliding window 8 on layers 0 and 2, a swiglu_limit the gates and ups cross, YaRN past a small original context;
 # hidden and FFN sizes multiples of 32 (MXFP4 blocks)
 GPT_OSS = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
                num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,

@@ -1,15 +1,15 @@
-"""GPT-OSS against transformers (attention sinks across a sliding window, biased router and experts, the clamped
-SwiGLU, YaRN, fp32 RMSNorm), its static decode step over both KV caches, MXFP4 experts as shipped against their
-dequantized twin, and the commands that refuse its experts. GPU: tests/model/test_gpu_gpt_oss.py."""
+"""GPT-OSS beyond the generic family tests (hf parity, bf16, greedy, static decode iterate over its FAMILIES entry):
+the spec's quirks, a prefill across the sliding window, the server's slot cache, sink attention in query chunks, MXFP4
+experts as shipped against their dequantized twin, and the commands that refuse its experts.
+GPU: tests/model/test_gpu_gpt_oss.py, tests/kernels/test_mxfp4.py."""
 
 import pytest
 import torch
 
 import moeserve
-from hf_models import build_hf_model, write_mxfp4_pair
+from hf_models import write_mxfp4_pair
 from moeserve.engine.batching import ContinuousBatch, Request
-from moeserve.engine.cuda_graph import StaticDecoder
-from moeserve.engine.generate import generate, left_padded
+from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.model import sinks
 from moeserve.model.kv_cache import KVCache
@@ -17,12 +17,10 @@ from moeserve.quant.mxfp4 import Mxfp4Experts, dequantize, quantize
 
 
 @pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    """(HF fp32 model, its save_pretrained directory)."""
-    hf = build_hf_model("gpt_oss", seed=7)
-    path = tmp_path_factory.mktemp("gpt_oss")
-    hf.save_pretrained(path)
-    return hf, path
+def gpt_oss(hf_checkpoints):
+    """(HF fp32 model, its save_pretrained directory): the FAMILIES entry (the generic parity, bf16, greedy and static
+    decode tests take it too)."""
+    return hf_checkpoints["gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +40,8 @@ def test_spec_reads_the_quirks(gpt_oss):
     assert spec.parameter_counts()["total"] == sum(p.numel() for p in hf.parameters())
 
 
-def test_prefill_and_cached_decode_match_hf_fp32(gpt_oss):
-    """A 14-token prefill (past the window of 8) and 10 cached decode steps, two sequences."""
+def test_long_prefill_and_cached_decode_match_hf_fp32(gpt_oss):
+    """A 14-token prefill (past the window of 8: the generic test's prefill of 7 is not) and 10 cached decode steps."""
     hf, path = gpt_oss
     ours = moeserve.load_model(path, dtype=torch.float32)
     tokens = torch.randint(3, 97, (2, 24))
@@ -52,60 +50,6 @@ def test_prefill_and_cached_decode_match_hf_fp32(gpt_oss):
         kv = KVCache(ours.spec, 2, 24, "cpu", torch.float32)
         got = torch.cat([ours(tokens[:, :14], kv=kv)] + [ours(tokens[:, i:i + 1], kv=kv) for i in range(14, 24)], 1)
     assert (got - ref).abs().max() < 1e-4
-
-
-def test_greedy_generation_matches_hf_generate(gpt_oss):
-    """A batch of prompts of 13 and 5 tokens (left-padded), 20 greedy tokens each: past the window."""
-    hf, path = gpt_oss
-    ours = moeserve.load_model(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (13, 5)]
-    got = [r.token_ids for r in generate(ours, prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))]
-    S = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    assert got == out[:, S:].tolist()
-
-
-def test_logits_match_hf_bf16(gpt_oss):
-    """tests/model/test_hf_parity.py's bf16 rule: moeserve's bf16 error at most 1.5x transformers' own."""
-    import copy
-
-    hf32, path = gpt_oss
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    ours = moeserve.load_model(path, dtype=torch.bfloat16)
-    assert ours.model.norm.weight.dtype == torch.float32  # kept as transformers keeps it
-    tokens = torch.randint(3, 97, (32, 16))
-    with torch.no_grad():
-        ref, theirs, out = hf32(tokens).logits, hf16(tokens).logits.float(), ours(tokens).float()
-    scale = ref.abs().max()
-    assert (out - ref).abs().mean() <= 1.5 * (theirs - ref).abs().mean() + 2.0 ** -10 * scale
-    assert (out - theirs).abs().median() <= 2.0 ** -8 * scale
-
-
-def test_static_decode_step_matches_dynamic_forward(gpt_oss):
-    """decode_step (what a CUDA graph captures: every slot attended, an additive mask) over 12 steps after prompts
-    of 9, 4 and 1 tokens crosses the window; one sequence stops early."""
-    model = moeserve.load_model(gpt_oss[1], dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 4, 1)]
-    tokens, valid, positions = left_padded(prompts, model.spec)
-    steps = torch.randint(3, 97, (12, 3, 1), generator=g)
-    caches = [KVCache(model.spec, 3, tokens.shape[1] + 12, "cpu", torch.float32) for _ in range(2)]
-    static = StaticDecoder(model, caches[1], graph=False)
-    alive = torch.ones(3, 1, dtype=torch.bool)
-    with torch.inference_mode():
-        for kv in caches:
-            model(tokens, positions, kv=kv, valid=valid, last_only=True)
-        pos = positions[:, -1:] + 1
-        for i, tok in enumerate(steps):
-            alive[1] = i < 3
-            dynamic = model(tok, pos, kv=caches[0], valid=alive, last_only=True)
-            torch.testing.assert_close(static(tok, pos, alive), dynamic, rtol=1e-5, atol=1e-5)
-            pos = pos + 1
 
 
 def test_continuous_batching_over_slot_cache_equals_generate(gpt_oss):
@@ -182,8 +126,8 @@ def test_mxfp4_checkpoint_computes_its_dequantized_twin(mxfp4_pair, gpt_oss):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["quantize", "--out", "{tmp}/q", "--bits", "4"], "quantize does not take gpt_oss's experts yet"),
-    (["offload-prepare", "--out", "{tmp}/store"], "offload-prepare does not take gpt_oss's experts yet"),
+    (["quantize", "--out", "{tmp}/q", "--bits", "4"], "quantize cannot take gpt_oss's experts yet"),
+    (["offload-prepare", "--out", "{tmp}/store"], "offload-prepare cannot take gpt_oss's experts yet"),
 ])
 def test_commands_that_do_not_take_its_experts_say_so(gpt_oss, tmp_path, expect_cli_error, argv, message):
     argv = [a.format(tmp=tmp_path) for a in argv] + ["--model", gpt_oss[1]]
