@@ -558,7 +558,8 @@ def _gpt_oss(cfg: dict) -> ModelSpec:
         sliding_windows=tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types),
         num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], expert_ffn=cfg["intermediate_size"],
         norm_topk_prob=True, router_weights_fp32=False, moe_layers=(True,) * L, router_bias=True, expert_bias=True,
-        expert_act=ClampedSwiGLU(alpha=float(cfg.get("swiglu_alpha", 1.702)), limit=float(cfg.get("swiglu_limit", 7.0))),
+        expert_act=ClampedSwiGLU(alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                                 limit=float(cfg.get("swiglu_limit", 7.0))),
         experts_mxfp4=quant.get("quant_method") == "mxfp4",
     )
 

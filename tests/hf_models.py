@@ -23,8 +23,8 @@ GLM = dict(intermediate_size=80, moe_intermediate_size=24, n_routed_experts=8, n
            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
            attention_bias=True, partial_rotary_factor=0.5, rope_theta=10000.0)
 
-# GPT-OSS (more in tests/model/test_gpt_oss.py): sliding window 8 on layers 0 and 2, a swiglu_limit the gates and ups cross, YaRN past a small original context;
-# hidden and FFN sizes multiples of 32 (MXFP4 blocks)
+# GPT-OSS (more in tests/model/test_gpt_oss.py): sliding window 8 on layers 0 and 2, a swiglu_limit the gates and
+# ups cross, YaRN past a small original context; hidden and FFN sizes multiples of 32 (MXFP4 blocks)
 GPT_OSS = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
                num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -102,8 +102,9 @@ def write_mxfp4_pair(src: Path, packed: Path, twin: Path) -> None:
         else:
             quantized[name] = floats[name] = t
     cfg = json.loads((src / "config.json").read_text())
-    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                 "model.embed_tokens", "lm_head"]}
+    quant = {"quant_method": "mxfp4",
+             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                        "lm_head"]}
     for out, tensors, extra in ((packed, quantized, {"quantization_config": quant}), (twin, floats, {})):
         save_file(tensors, out / "model.safetensors")
         (out / "config.json").write_text(json.dumps({**cfg, **extra}))

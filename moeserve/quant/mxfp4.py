@@ -72,7 +72,8 @@ class Mxfp4Experts(LoopedExperts):
             raise MoeserveError(f"MXFP4 experts need hidden and FFN sizes divisible by {BLOCK}; got {hidden} and {ffn}")
         self.num_experts, self.hidden, self.ffn, self.act = num_experts, hidden, ffn, act
         for name, (n, k) in (("gate_up_proj", (2 * ffn, hidden)), ("down_proj", (hidden, ffn))):
-            self.register_buffer(f"{name}_blocks", torch.empty(num_experts, n, k // BLOCK, BLOCK // 2, dtype=torch.uint8))
+            blocks = torch.empty(num_experts, n, k // BLOCK, BLOCK // 2, dtype=torch.uint8)
+            self.register_buffer(f"{name}_blocks", blocks)
             self.register_buffer(f"{name}_scales", torch.empty(num_experts, n, k // BLOCK, dtype=torch.uint8))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
