@@ -168,6 +168,23 @@ _PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
 
 
 SHARED_EXPERTS_PLURAL = ("deepseek_v2", "deepseek_v3", "glm4_moe")  # store mlp.shared_experts.* for shared_expert
+ROUTER_NAMED = ("gpt_oss",)  # store mlp.router.* for moeserve's mlp.gate.*
+INTERLEAVED_EXPERTS = ("gpt_oss",)  # store experts as transformers' GPT-OSS holds them (from_interleaved)
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\w+)$")
+
+
+def from_interleaved(leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """A GPT-OSS expert tensor as stored -> moeserve's layout. gate_up_proj [E, D, 2F], its columns gate and up in
+    turn (gate j at 2j, up j at 2j + 1) -> [E, 2F, D], the gate rows then the up rows; down_proj [E, F, D] ->
+    [E, D, F]; gate_up_proj_bias [E, 2F] and MXFP4's gate_up_proj_blocks [E, 2F, D/32, 16] and _scales
+    [E, 2F, D/32] (stored [E, out, ..]) reordered along their out axis alike; the rest as stored."""
+    if leaf == "down_proj":
+        return t.transpose(1, 2).contiguous()
+    if leaf == "gate_up_proj":
+        t = t.transpose(1, 2)
+    if leaf.startswith("gate_up_proj"):
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+    return t
 
 
 def _classic_moe_prefix(name: str, family: str) -> str:
@@ -184,6 +201,8 @@ def tensor_experts(spec, name: str) -> int:
 def _stored_names(name: str, family: str) -> tuple[str, ...]:
     """Where a checkpoint may hold the tensor moeserve calls `name`, whole (not assembled from per-expert parts)."""
     names = (name, _classic_moe_prefix(name, family))  # the latter e.g. Mixtral's block_sparse_moe.gate
+    if family in ROUTER_NAMED:
+        names += (name.replace(".mlp.gate.", ".mlp.router.", 1),)
     if family in SHARED_EXPERTS_PLURAL:
         names += (name.replace(".mlp.shared_expert.", ".mlp.shared_experts.", 1),)
     return names
@@ -195,6 +214,11 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
 
     index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
     slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
+    expert = _EXPERT_TENSOR.match(name) if family in INTERLEAVED_EXPERTS else None
+    if expert is not None:
+        if index is not None:
+            raise MoeserveError(f"{family} experts are read whole, not in slices ({name})")
+        return from_interleaved(expert.group(1), reader.get(name))
     for stored in _stored_names(name, family):
         if stored in reader:
             return reader.get(stored) if index is None else reader.get_slice(stored, index)

@@ -63,14 +63,14 @@ def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, bo
         params[id(p)] = p
     out = [(names[i], p, False) for i, p in params.items()]
     for prefix, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear) or getattr(module, "PACKED_BUFFERS", False):
             out += [([f"{prefix}.{n}"], b, True) for n, b in module.named_buffers()]
     return out
 
 
 def is_routed_expert(name: str) -> bool:
     """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj)."""
-    return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)$", name) is not None
+    return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name) is not None
 
 
 def meta_model(path: str | Path) -> MoETransformer:

@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "DbrxForCausalLM": "dbrx",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
@@ -96,6 +97,15 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation on gate g and up u: (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),
+    g' = clamp(g, max=limit), instead of silu(g) * u."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     vocab_size: int
@@ -117,6 +127,8 @@ class ModelSpec:
     mla: MLASpec | None = None  # DeepSeek's latent attention instead of GQA (head_dim = nope + rope dims)
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax row (dropped after)
+    norm_fp32: bool = False  # GPT-OSS: RMSNorm weights kept and applied in float32, the product cast after
     # sparse part
     num_experts: int = 8
     top_k: int = 2
@@ -126,6 +138,10 @@ class ModelSpec:
     router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: `routing` says
     routing: str = "softmax"  # ROUTINGS: softmax top-k (TopKRouter) | Phi-MoE's sparsemixer top-2 (SparseMixerRouter)
     router_jitter_eps: float = 0.0  # sparsemixer: experts whose logit is within 2 eps (relative) of the best compete
+    router_bias: bool = False  # GPT-OSS: the gate linear has a bias
+    expert_bias: bool = False  # GPT-OSS: gate_up and down projections of the experts have biases
+    expert_act: ClampedSwiGLU | None = None  # None: silu(gate) * up
+    experts_mxfp4: bool = False  # routed experts stored as MXFP4 blocks + scales (quant_method mxfp4), kept packed
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
     dense_ffn: int = 0  # FFN width of dense layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
@@ -194,6 +210,7 @@ class ModelSpec:
             attn += 2 * Dh
         elif self.qk_norm == "full":
             attn += H * Dh + Hkv * Dh
+        attn += H if self.attention_sinks else 0
         dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + norm
         dense += self.vocab_size if self.lm_head_bias else 0
         sparse = 0
@@ -202,11 +219,12 @@ class ModelSpec:
             dense += attn
             if is_moe:
                 E = self.experts_at(i)
-                dense += E * D + (E if self.router and self.router.correction_bias else 0)  # router (+ its bias)
+                dense += E * D + (E if self.router and self.router.correction_bias or self.router_bias else 0)
                 dense += 3 * D * self.shared_expert_ffn + (D if self.shared_expert_gate else 0)
                 dense += 2 * D + 2 if self.residual_mix else 0  # the mix's Linear(D, 2) with bias
-                sparse += E * 3 * D * self.expert_ffn
-                active_sparse += self.top_k * 3 * D * self.expert_ffn
+                per_expert = 3 * D * self.expert_ffn + (2 * self.expert_ffn + D if self.expert_bias else 0)
+                sparse += E * per_expert
+                active_sparse += self.top_k * per_expert
             else:
                 dense += 3 * D * self.dense_ffn
         return {"dense": dense, "experts": sparse, "total": dense + sparse, "active_per_token": dense + active_sparse}
@@ -227,7 +245,7 @@ class ModelSpec:
                     f"unsupported architecture {archs or model_type!r}; supported: "
                     + ", ".join(SUPPORTED_ARCHITECTURES)
                 )
-        fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8
+        fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8 (and GPT-OSS's MXFP4)
         if family not in PARTIAL_ROTARY and _partial_rotary(cfg, 1.0) != 1.0:
             raise MoeserveError(f"partial rotary embeddings (partial_rotary_factor != 1) are not supported for "
                                 f"{family}")
@@ -241,6 +259,15 @@ class ModelSpec:
         return cls.from_hf_config(read_config(path))
 
 
+def refuse_special_experts(spec: ModelSpec, what: str) -> None:
+    """Expert stores, quantize and the parallel engine compute experts as silu(x Wg) * (x Wu) Wd from float weights;
+    GPT-OSS's (biases, the clamped SwiGLU, MXFP4) they do not take yet: refused by name rather than run wrong."""
+    if spec.expert_bias or spec.expert_act is not None or spec.experts_mxfp4:
+        raise MoeserveError(f"{what} cannot take {spec.family}'s experts yet (biases, clamped SwiGLU"
+                            f"{', MXFP4 blocks' if spec.experts_mxfp4 else ''}); generate, serve, eval and bench run "
+                            f"them resident")
+
+
 def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     """(rows, columns) of the FP8 scale blocks config.json's quantization_config names (quant_method "fp8",
     weight_block_size, 128 x 128 by default); None for a float checkpoint. Another quant_method is refused."""
@@ -248,9 +275,11 @@ def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+        return None  # GPT-OSS's MXFP4 experts (ModelSpec.experts_mxfp4), read as they are
     if method != "fp8":
         raise MoeserveError(f"quantization_config.quant_method {method!r} is not supported; moeserve reads float "
-                            f"checkpoints and block-scaled 'fp8' ones")
+                            f"checkpoints, block-scaled 'fp8' ones and GPT-OSS's 'mxfp4' experts")
     block = quant.get("weight_block_size") or [128, 128]
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise MoeserveError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
@@ -608,11 +637,34 @@ def _dbrx(cfg: dict) -> ModelSpec:
                      norm_topk_prob=p is not None, router_weights_fp32=False, moe_layers=(True,) * L)
 
 
+def _gpt_oss(cfg: dict) -> ModelSpec:
+    """GPT-OSS: attention sinks, sliding and full layers by layer_types, q/k/v/o biases, YaRN; a biased router whose
+    weights are the softmax of the top-k logits (= softmax, top-k, renormalised); biased experts with the clamped
+    SwiGLU; float32 RMSNorm; MXFP4 experts where quantization_config says so."""
+    c = _common({**cfg, "hidden_act": "silu"}, "gpt_oss")  # hidden_act is unused: the experts' activation is fixed
+    L = c["num_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise MoeserveError(f"layer_types must list {L} of sliding_attention / full_attention, got {types!r}")
+    bias = bool(cfg.get("attention_bias", True))
+    quant = cfg.get("quantization_config") or {}
+    return ModelSpec(
+        **c, qkv_bias=bias, o_bias=bias, attention_sinks=True, norm_fp32=True,
+        sliding_windows=tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types),
+        num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], expert_ffn=cfg["intermediate_size"],
+        norm_topk_prob=True, router_weights_fp32=False, moe_layers=(True,) * L, router_bias=True, expert_bias=True,
+        expert_act=ClampedSwiGLU(alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                                 limit=float(cfg.get("swiglu_limit", 7.0))),
+        experts_mxfp4=quant.get("quant_method") == "mxfp4",
+    )
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
                  "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
                  "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe,
                  "phimoe": _phimoe, "granitemoe": lambda cfg: _granitemoe(cfg, "granitemoe"),
-                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared"), "dbrx": _dbrx}
+                 "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared"), "dbrx": _dbrx,
+                 "gpt_oss": _gpt_oss}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

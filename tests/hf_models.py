@@ -13,7 +13,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
             "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
-            "granitemoe", "granitemoeshared", "dbrx"]
+            "granitemoe", "granitemoeshared", "dbrx", "gpt_oss"]
+STORE_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # those whose experts expert stores take (hybrid, offload)
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -43,6 +44,13 @@ GRANITE = dict(COMMON, intermediate_size=40, num_local_experts=8, num_experts_pe
 DBRX = dict(vocab_size=97, d_model=64, n_heads=4, n_layers=3, max_seq_len=256, bos_token_id=1, eos_token_id=2,
             pad_token_id=0, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
             ffn_config=dict(ffn_hidden_size=24, moe_num_experts=16, moe_top_k=4, moe_normalize_expert_weights=1.0))
+
+# GPT-OSS (more in tests/model/test_gpt_oss.py): sliding window 8 on layers 0 and 2, a swiglu_limit the gates and
+# ups cross, YaRN past a small original context; hidden and FFN sizes multiples of 32 (MXFP4 blocks)
+GPT_OSS = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
+               num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0})
 
 
 def family_configs():
@@ -81,6 +89,7 @@ def family_configs():
         "granitemoe": ("GraniteMoeConfig", dict(GRANITE, attention_bias=True)),
         "granitemoeshared": ("GraniteMoeSharedConfig", dict(GRANITE, shared_intermediate_size=24)),
         "dbrx": ("DbrxConfig", DBRX),
+        "gpt_oss": ("GptOssConfig", GPT_OSS),
     }
 
 
@@ -98,6 +107,33 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
             if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
                 b.copy_(torch.randn_like(b) * 0.3)
     return model.eval()
+
+
+def write_mxfp4_pair(src: Path, packed: Path, twin: Path) -> None:
+    """From the GPT-OSS checkpoint src: `packed`, its experts in the layout GPT-OSS ships (`*_blocks`
+    [E, out, in/32, 16] + `*_scales` [E, out, in/32], out = gate/up interleaved, config quant_method mxfp4), and `twin`,
+    a float checkpoint holding their dequantized values; the other tensors as in src."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeserve.quant.mxfp4 import dequantize, quantize
+
+    quantized, floats = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [E, in, out]
+            blocks, scales = quantize(t.transpose(1, 2))
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            floats[name] = dequantize(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            quantized[name] = floats[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": "mxfp4",
+             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                        "lm_head"]}
+    for out, tensors, extra in ((packed, quantized, {"quantization_config": quant}), (twin, floats, {})):
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps({**cfg, **extra}))
 
 
 def save_byte_model(path: Path, layers: int = 2, hidden: int = 32, ffn: int = 32, seed: int = 0) -> Path:

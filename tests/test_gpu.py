@@ -203,7 +203,7 @@ def graph_models(hf_checkpoints):
                for fam in GRAPH_FAMILIES}}
 
 
-GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe")
+GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("name", ["demo", *(f"tiny_{fam}" for fam in GRAPH_FAMILIES)])

@@ -15,6 +15,7 @@ from torch import nn
 
 from moeserve.kernels import triton_serves
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
+from moeserve.spec import ClampedSwiGLU
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -106,21 +107,46 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class ResidentExperts(LoopedExperts):
-    """All experts of a layer in device memory, stacked: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
+def glu(gate_up: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
+    """The experts' gated activation of gate_up [n, 2F] (gate half, up half) -> [n, F]: silu(gate) * up, or GPT-OSS's
+    clamped SwiGLU (spec.ClampedSwiGLU)."""
+    if act is None:
+        return swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int):
+
+def sorted_experts(table: RoutingTable, rows: int) -> torch.Tensor:
+    """The expert of each of `rows` expert-sorted rows [rows] (no host sync: the length is given)."""
+    ids = torch.arange(table.counts.shape[0], device=table.counts.device)
+    return torch.repeat_interleave(ids, table.counts, output_size=rows)
+
+
+class ResidentExperts(LoopedExperts):
+    """All experts of a layer in device memory, stacked: gate_up_proj [E, 2F, D], down_proj [E, D, F]; with
+    bias (GPT-OSS) gate_up_proj_bias [E, 2F] and down_proj_bias [E, D]; act: the gated activation (glu)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, bias: bool = False, act: ClampedSwiGLU | None = None):
         super().__init__()
-        self.num_experts, self.ffn = num_experts, ffn
+        self.num_experts, self.ffn, self.act = num_experts, ffn, act
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
+        if self.gate_up_proj_bias is None:
+            return F.linear(glu(F.linear(rows, self.gate_up_proj[e]), self.act), self.down_proj[e])
+        h = glu(F.linear(rows, self.gate_up_proj[e], self.gate_up_proj_bias[e]), self.act)  # [n, F]
+        return F.linear(h, self.down_proj[e], self.down_proj_bias[e])
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         """The path: "fused" (Triton, tuned), "grouped_mm", "tiles" (Triton row tiles with default configs, on GPUs
-        without grouped GEMMs) or "loop"."""
+        without grouped GEMMs) or "loop". Experts with biases or another activation (GPT-OSS) take "grouped_mm"
+        where it runs, else "loop": the Triton kernels add no biases."""
+        if self.gate_up_proj_bias is not None or self.act is not None:
+            return "grouped_mm" if grouped_mm_available(x, x.shape[1], self.ffn) else "loop"
         if fused_moe_available(x, num_tokens, self.gate_up_proj):
             return "fused"
         if grouped_mm_available(x, x.shape[1], self.ffn):
@@ -139,6 +165,12 @@ class ResidentExperts(LoopedExperts):
             return super().run_sorted(x_sorted, table)
         # one grouped GEMM per projection over the expert-sorted rows (no host sync)
         h = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=table.offsets)  # [T*k, 2F]
+        if self.gate_up_proj_bias is not None or self.act is not None:
+            experts = sorted_experts(table, x_sorted.shape[0])  # [T*k]
+            if self.gate_up_proj_bias is not None:
+                h = h + self.gate_up_proj_bias[experts]
+            y = torch._grouped_mm(glu(h, self.act), self.down_proj.transpose(1, 2), offs=table.offsets)  # [T*k, D]
+            return y if self.down_proj_bias is None else y + self.down_proj_bias[experts]
         if triton_serves(h):  # no backward: under autograd torch's silu and product run
             from moeserve.kernels.triton.swiglu import fused_swiglu
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.kernels import needs_grad, triton_serves
+from moeserve.model.sinks import sink_attention
 from moeserve.spec import ModelSpec, longrope_long_inv_freq, longrope_mscales, rope_inv_freq
 
 # SDPA's cuDNN backend builds an execution plan per new shape, milliseconds of host time, and an eager decode step
@@ -45,6 +46,22 @@ class RMSNorm(nn.Module):
         return self(x), x
 
 
+class Fp32RMSNorm(RMSNorm):
+    """GPT-OSS's RMSNorm: the weight stays float32 (FP32_TENSORS, as transformers keeps it) and scales the float32
+    normalised values before the cast to x's dtype (RMSNorm casts first, then scales)."""
+
+    FP32_TENSORS = ("weight",)  # the loader keeps these in float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+    def added(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + h
+        return self(x), x
+
+
 class LayerNorm(nn.LayerNorm):
     """LayerNorm with (Phi-MoE) or without (DBRX) a bias, with RMSNorm's `added`: the decoder's norms are either."""
 
@@ -55,9 +72,10 @@ class LayerNorm(nn.LayerNorm):
 
 
 def decoder_norm(spec: ModelSpec, dim: int) -> RMSNorm | LayerNorm:
-    """A norm of the decoder stack (input, post-attention, final) of the kind spec.norm names."""
+    """A norm of the decoder stack (input, post-attention, final) of the kind spec.norm names (GPT-OSS's RMSNorm
+    keeps its weight in float32: spec.norm_fp32)."""
     if spec.norm == "rms":
-        return RMSNorm(dim, spec.rms_norm_eps)
+        return (Fp32RMSNorm if spec.norm_fp32 else RMSNorm)(dim, spec.rms_norm_eps)
     return LayerNorm(dim, eps=spec.rms_norm_eps, bias=spec.norm == "layer")
 
 
@@ -159,6 +177,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.rms_norm_eps), RMSNorm(Hkv * Dh, spec.rms_norm_eps)
         self.clip_qkv = spec.clip_qkv
         self.scale = spec.attention_scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
+        self.sinks = nn.Parameter(torch.empty(H)) if spec.attention_sinks else None  # GPT-OSS: model/sinks.py
 
     def forward(self, x, cos, sin, mask, kv=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:
@@ -213,6 +232,8 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
         B, _, S, _ = q.shape
+        if self.sinks is not None:
+            return sink_attention(q, k, v, mask, self.sinks).transpose(1, 2).reshape(B, S, self.H * self.Dh)
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv,
                                                  scale=self.scale)

@@ -12,11 +12,18 @@ import torch
 from torch import nn
 
 from moeserve.model.experts import ExpertBackend, ResidentExperts
+from moeserve.quant.mxfp4 import Mxfp4Experts
 from moeserve.model.layers import MLP
 from moeserve.model.router import GroupedRouter, SparseMixerRouter, TopKRouter
 from moeserve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+
+def resident_experts(spec: ModelSpec, num_experts: int) -> ExpertBackend:
+    """The experts of an MoE layer as the checkpoint holds them: float (ResidentExperts) or MXFP4 kept packed."""
+    cls = Mxfp4Experts if spec.experts_mxfp4 else ResidentExperts
+    return cls(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
 
 
 class MoEBlock(nn.Module):
@@ -30,8 +37,8 @@ class MoEBlock(nn.Module):
         elif spec.routing == "sparsemixer":
             self.gate = SparseMixerRouter(D, E, spec.router_jitter_eps)
         else:
-            self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32)
-        self.experts: ExpertBackend = ResidentExperts(E, D, spec.expert_ffn)
+            self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32, spec.router_bias)
+        self.experts: ExpertBackend = resident_experts(spec, E)
         if spec.shared_expert_ffn:
             self.shared_expert = MLP(D, spec.shared_expert_ffn)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_expert_gate else None

@@ -27,6 +27,8 @@ EXPERT_PATHS = {
     "cpu_lowbit": "per-expert loop; an expert's rows run through the generated low-bit CPU kernels when they are "
                   "few (decode), else dequantize + matmul",
     "loop": "per-expert loop in PyTorch (reads the expert counts on the host)",
+    "mxfp4_triton": "Triton MXFP4 fused MoE over expert-sorted rows, E2M1 decoded in registers (GPT-OSS's experts)",
+    "mxfp4_loop": "per-expert loop; each expert's MXFP4 weights dequantized by table lookup, then matmuls",
     "offload": "expert cache: hits run on GPU slots, misses are copied in or run on the CPU",
     "hybrid": "experts computed where they lie: those cached on the model device in one routed pass there, the "
               "rest by the CPU worker from host RAM, meanwhile",
@@ -34,7 +36,7 @@ EXPERT_PATHS = {
     "tensor_parallel": "every rank computes its slice of each expert's FFN, then an all-reduce",
 }
 # paths that never read the device from the host: a decode step made only of these can be a CUDA graph
-GRAPH_SAFE = frozenset({"fused", "grouped_mm", "tiles", "lowbit_slots", "lowbit_sorted"})
+GRAPH_SAFE = frozenset({"fused", "grouped_mm", "tiles", "lowbit_slots", "lowbit_sorted", "mxfp4_triton"})
 ROUTER_PATHS = {
     "triton_topk": "one Triton launch: gate matmul, softmax, top-k (and the experts' x preparation)",
     "torch": "PyTorch ops",

@@ -22,11 +22,14 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
 
 
 class TopKRouter(nn.Module):
-    """Linear gate + softmax top-k. `weight` [E, D] is HF's `mlp.gate.weight`."""
+    """Linear gate + softmax top-k. `weight` [E, D] is HF's `mlp.gate.weight`; `bias` [E] GPT-OSS's router bias
+    (its weights, the softmax of the top-k logits, are these renormalised)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool, weights_fp32: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool, weights_fp32: bool,
+                 bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.top_k, self.normalize, self.weights_fp32 = top_k, normalize, weights_fp32
 
     def forward(self, x: torch.Tensor, prepared=None):
@@ -40,7 +43,7 @@ class TopKRouter(nn.Module):
                                 torch.float32 if self.weights_fp32 else x.dtype, prepared)
         if prepared is not None:
             raise ValueError("only the triton_topk router path prepares x for the experts")
-        logits = F.linear(x, self.weight)  # [T, E]
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
         ids, weights = softmax_topk(logits, self.top_k, self.normalize)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
@@ -48,8 +51,8 @@ class TopKRouter(nn.Module):
 
     def kernel_path(self, x: torch.Tensor) -> str:
         """The path of a call on x [T, D] (names in model/paths.py ROUTER_PATHS): "triton_topk", one launch instead of
-        eight (decode-sized batches on CUDA, no autograd: it has no backward), else "torch"."""
-        if not triton_serves(x, self.weight):
+        eight (decode-sized batches on CUDA, no autograd: it has no backward, no bias: it adds none), else "torch"."""
+        if self.bias is not None or not triton_serves(x, self.weight):
             return "torch"
         from moeserve.kernels.triton.topk_router import MAX_TOKENS
 

@@ -30,7 +30,7 @@ from moeserve.kernels import pack
 from moeserve.quant import hqq
 from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
-from moeserve.spec import ModelSpec
+from moeserve.spec import ModelSpec, refuse_special_experts
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
@@ -227,6 +227,7 @@ class ExpertStore:
         would hold two copies at once)."""
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "building an expert store")
+        refuse_special_experts(spec, "an expert store (--offload, --cpu-moe, --n-cpu-moe)")
         if low_bits:
             for inputs in (spec.hidden_size, spec.expert_ffn):
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
@@ -252,6 +253,7 @@ class ExpertStore:
         out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "offload-prepare")
+        refuse_special_experts(spec, "offload-prepare")
         for inputs in (spec.hidden_size, spec.expert_ffn):  # gate_up and down: fail before writing anything
             hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)

@@ -24,6 +24,7 @@ from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.spec import refuse_special_experts
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -69,6 +70,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
+    refuse_special_experts(spec, "the parallel engine (--ep, --tp)")
     if ep > 1:
         for i in (i for i, moe in enumerate(spec.moe_layers) if moe):
             check_experts(spec.experts_at(i), ep)

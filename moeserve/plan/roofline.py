@@ -28,12 +28,13 @@ import numpy as np
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.spec import ModelSpec
+from moeserve.spec import ModelSpec, refuse_special_experts
 
 
 def check_modelled(spec: ModelSpec) -> None:
     """The planner and the CGOPipe pipeline model GQA attention (q, k and v per head, CPU attention over a host K/V
     cache); MLA's latent attention is not modelled: refused by name rather than planned wrong."""
+    refuse_special_experts(spec, "moeserve plan and batch")
     if spec.mla is not None:
         raise MoeserveError(f"moeserve plan and batch model GQA attention; {spec.family}'s multi-head latent "
                             f"attention is not modelled yet (generate, serve, --offload and --cpu-moe run it)")

@@ -32,7 +32,7 @@ from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import (TensorInfo, assign_ranks, clamp_ranks, expert_frequency, parse_rank_policy,
                                   weight_kurtosis)
-from moeserve.spec import ModelSpec
+from moeserve.spec import ModelSpec, refuse_special_experts
 from moeserve.tokenizer import load_tokenizer
 
 METHODS = ("rtn", "hqq", "milo")
@@ -189,6 +189,7 @@ def check_job(src: str | Path, out: str | Path, cfg: QuantConfig, force: bool) -
     src = Path(src)
     spec = ModelSpec.from_dir(src)
     refuse_quantized(src, "quantize")
+    refuse_special_experts(spec, "quantize")
     if out.resolve() == src.resolve():
         raise MoeserveError("output directory must differ from the model directory")
     if out.exists() and not force:

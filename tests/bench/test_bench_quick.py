@@ -14,7 +14,7 @@ def run_quick(tmp_path):
     """The scripts at once (each on one thread), so the test costs one Python+transformers start-up."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
-    for script in ("moe_block", "decode", "cpu_kernels", "parallel", "deepseek"):
+    for script in ("moe_block", "decode", "cpu_kernels", "parallel", "deepseek", "gptoss"):
         out = tmp_path / script
         cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(out)]
         procs[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
@@ -96,6 +96,12 @@ def test_bench_quick_runs_write_json(tmp_path):
     assert [r["tokens"] for r in ds["moe_block"]["rows"]] == ds["config"]["tokens"]
     for r in ds["moe_block"]["rows"]:
         assert r["ours_ms"] > 0 and r["floor_ms"] > 0 and r["ours_vs_hf_rel_err"] < 1e-5
+
+    oss = results["gptoss"]
+    assert [r["tokens"] for r in oss["moe_block"]["rows"]] == oss["config"]["tokens"]
+    for r in oss["moe_block"]["rows"]:  # MXFP4 experts vs transformers on the same (MXFP4-rounded) weights, fp32
+        assert r["path"] == "mxfp4_loop" and r["ours_vs_hf_rel_err"] < 1e-5 and r["floor_fraction"] > 0
+        assert r["expert_bytes_mxfp4"] < r["expert_bytes_bf16"] / 3
 
 
 def quick_json(script: str, tmp_path) -> dict:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hf_models import FAMILIES
+from hf_models import STORE_FAMILIES
 
 import moeserve
 from moeserve.cli import main
@@ -46,7 +46,7 @@ def references(hf_checkpoints):
     """family -> (prompts, resident greedy tokens, tokens, resident logits)."""
     out = {}
     g = torch.Generator().manual_seed(0)
-    for fam in FAMILIES:
+    for fam in STORE_FAMILIES:
         resident = moeserve.load_model(hf_checkpoints[fam][1])
         prompts = [torch.randint(3, 97, (7,), generator=g).tolist(), torch.randint(3, 97, (4,), generator=g).tolist()]
         tokens = torch.randint(3, 97, (2, 9), generator=g)
@@ -54,7 +54,7 @@ def references(hf_checkpoints):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", STORE_FAMILIES)
 @pytest.mark.parametrize("slots", [0, 3])
 def test_hybrid_equals_resident_for_every_split(hf_checkpoints, references, family, slots):
     """fp32, mixed precision off: greedy tokens equal the resident model's, logits agree to fp32 rounding, with 0,

@@ -1,0 +1,134 @@
+"""GPT-OSS beyond the generic family tests (hf parity, bf16, greedy, static decode iterate over its FAMILIES entry):
+the spec's quirks, a prefill across the sliding window, the server's slot cache, sink attention in query chunks, MXFP4
+experts as shipped against their dequantized twin, and the commands that refuse its experts.
+GPU: tests/model/test_gpu_gpt_oss.py, tests/kernels/test_mxfp4.py."""
+
+import pytest
+import torch
+
+import moeserve
+from hf_models import write_mxfp4_pair
+from moeserve.engine.batching import ContinuousBatch, Request
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.model import sinks
+from moeserve.model.kv_cache import KVCache
+from moeserve.quant.mxfp4 import Mxfp4Experts, dequantize, quantize
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(hf_checkpoints):
+    """(HF fp32 model, its save_pretrained directory): the FAMILIES entry (the generic parity, bf16, greedy and static
+    decode tests take it too)."""
+    return hf_checkpoints["gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(gpt_oss, tmp_path_factory):
+    """(MXFP4 checkpoint, its dequantized float twin) of the tiny GPT-OSS (hf_models.write_mxfp4_pair)."""
+    packed, twin = tmp_path_factory.mktemp("gpt_oss_mxfp4"), tmp_path_factory.mktemp("gpt_oss_twin")
+    write_mxfp4_pair(gpt_oss[1], packed, twin)
+    return packed, twin
+
+
+def test_spec_reads_the_quirks(gpt_oss):
+    spec = moeserve.ModelSpec.from_dir(gpt_oss[1])
+    assert spec.sliding_windows == (8, None, 8, None) and spec.attention_sinks and spec.norm_fp32
+    assert spec.router_bias and spec.expert_bias and spec.expert_act.limit == 1.0 and spec.rope.type == "yarn"
+    assert spec.qkv_bias and spec.o_bias and not spec.experts_mxfp4
+    hf = gpt_oss[0]
+    assert spec.parameter_counts()["total"] == sum(p.numel() for p in hf.parameters())
+
+
+def test_long_prefill_and_cached_decode_match_hf_fp32(gpt_oss):
+    """A 14-token prefill (past the window of 8: the generic test's prefill of 7 is not) and 10 cached decode steps."""
+    hf, path = gpt_oss
+    ours = moeserve.load_model(path, dtype=torch.float32)
+    tokens = torch.randint(3, 97, (2, 24))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        kv = KVCache(ours.spec, 2, 24, "cpu", torch.float32)
+        got = torch.cat([ours(tokens[:, :14], kv=kv)] + [ours(tokens[:, i:i + 1], kv=kv) for i in range(14, 24)], 1)
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_continuous_batching_over_slot_cache_equals_generate(gpt_oss):
+    """SlotKVCache (the server's): three prompts through two rows, prompts read in chunks, 14 greedy tokens each:
+    each prompt's tokens as generate gives them alone."""
+    model = moeserve.load_model(gpt_oss[1], dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (11, 3, 7)]
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    batch = ContinuousBatch(model, None, slots=2, context=32, prefill_tokens=12, cuda_graph=False)
+    got = {}
+    requests = [Request(p, params, lambda r, u: got.setdefault(id(r), []).extend(u.token_ids)) for p in prompts]
+    for r in requests:
+        batch.add(r)
+    while batch.step():
+        pass
+    assert [got[id(r)] for r in requests] == [generate(model, [p], params)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("boolean", [True, False], ids=["bool-mask", "additive-mask"])
+def test_sink_attention_in_query_chunks_equals_float64_softmax(monkeypatch, boolean):
+    """The explicit softmax with a sink column, in chunks of 3 queries (SCORE_ELEMENTS made small), against the
+    definition in float64 with the keys repeated per head."""
+    torch.manual_seed(0)
+    B, H, Hkv, S, S_total, Dh = 2, 4, 2, 7, 11, 8
+    q, k, v = torch.randn(B, H, S, Dh), torch.randn(B, Hkv, S_total, Dh), torch.randn(B, Hkv, S_total, Dh)
+    s = torch.randn(H) * 2
+    allowed = torch.rand(B, 1, S, S_total) < 0.6
+    allowed[..., 0] = True
+    mask = allowed if boolean else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    monkeypatch.setattr(sinks, "SCORE_ELEMENTS", B * H * S_total * 3)
+    got = sinks.sink_attention(q, k, v, mask, s)
+    kk, vv = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    z = (q.double() @ kk.transpose(2, 3) * Dh ** -0.5).masked_fill(~allowed, float("-inf"))
+    e = torch.exp(z)
+    want = (e / (e.sum(-1, keepdim=True) + torch.exp(s.double()).view(1, H, 1, 1))) @ vv
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dequantize_agrees_with_transformers_reading_of_the_blocks():
+    """Our E2M1 table, nibble order and E8M0 bias against transformers' MXFP4 reader on random bytes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(120, 134, (3, 8, 2), dtype=torch.uint8, generator=g)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(dequantize(blocks, scales), theirs.transpose(1, 2))
+    w = torch.randn(2, 5, 64)
+    assert torch.equal(dequantize(*quantize(dequantize(*quantize(w)))), dequantize(*quantize(w)))
+    assert ((dequantize(*quantize(w)) - w).norm() / w.norm()) < 0.15
+
+
+def test_mxfp4_checkpoint_computes_its_dequantized_twin(mxfp4_pair, gpt_oss):
+    """Experts kept packed (uint8 blocks and scales, as stored) compute the logits of the float checkpoint holding
+    their dequantized values: prefill and cached decode, greedy tokens."""
+    packed, twin = mxfp4_pair
+    q, f = moeserve.load_model(packed), moeserve.load_model(twin)
+    experts = q.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4Experts) and q.spec.experts_mxfp4
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and experts.gate_up_proj_blocks.shape == (8, 64, 2, 16)
+    assert experts.kernel_path(torch.empty(1, 64), 1) == "mxfp4_loop"
+    tokens = torch.randint(3, 97, (2, 20))
+    with torch.no_grad():
+        want = f(tokens)
+        kv = KVCache(q.spec, 2, 20, "cpu", torch.float32)
+        got = torch.cat([q(tokens[:, :12], kv=kv)] + [q(tokens[:, i:i + 1], kv=kv) for i in range(12, 20)], 1)
+        original = moeserve.load_model(gpt_oss[1])(tokens)
+    assert (got - want).abs().max() < 1e-5
+    assert not torch.allclose(want, original, atol=1e-3)  # the experts did go through E2M1
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = [tokens[0, :9].tolist(), tokens[1, :4].tolist()]
+    assert [r.token_ids for r in generate(q, prompts, params)] == [r.token_ids for r in generate(f, prompts, params)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["quantize", "--out", "{tmp}/q", "--bits", "4"], "quantize cannot take gpt_oss's experts yet"),
+    (["offload-prepare", "--out", "{tmp}/store"], "offload-prepare cannot take gpt_oss's experts yet"),
+])
+def test_commands_that_do_not_take_its_experts_say_so(gpt_oss, tmp_path, expect_cli_error, argv, message):
+    argv = [a.format(tmp=tmp_path) for a in argv] + ["--model", gpt_oss[1]]
+    expect_cli_error(argv, message)

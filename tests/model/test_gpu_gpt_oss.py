@@ -1,0 +1,66 @@
+"""GPT-OSS on a CUDA GPU in bf16: the float checkpoint (grouped GEMMs with biases) and the MXFP4 one (Triton kernels
+decoding in registers) take graph-safe paths, replay decode steps as CUDA graphs with the eager step's logits, and
+stay within bf16 rounding of transformers / the float32 CPU model. Skipped without a GPU."""
+
+import pytest
+import torch
+
+import moeserve
+from hf_models import build_hf_model, write_mxfp4_pair
+from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
+from moeserve.engine.generate import generate, left_padded
+from moeserve.engine.sampling import SamplingParams
+from moeserve.model.kv_cache import KVCache
+from moeserve.model.paths import explain
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{"float": HF save_pretrained dir, "mxfp4": its MXFP4 copy, "twin": the MXFP4 copy dequantized}, and the HF
+    fp32 model."""
+    hf = build_hf_model("gpt_oss", seed=7)
+    paths = {name: tmp_path_factory.mktemp(f"gpt_oss_{name}") for name in ("float", "mxfp4", "twin")}
+    hf.save_pretrained(paths["float"])
+    write_mxfp4_pair(paths["float"], paths["mxfp4"], paths["twin"])
+    return paths, hf
+
+
+@pytest.mark.parametrize("kind,path", [("float", "grouped_mm"), ("mxfp4", "mxfp4_triton")])
+def test_paths_graph_steps_and_logits(checkpoints, kind, path):
+    """Expert paths at 1 and 16 tokens; 12 teacher-forced decode steps across the window: the graph replay equals
+    the eager static step (up to bf16 rounding); the prefill's logits are within bf16 rounding of the float32 CPU
+    model of the same weights (the twin for MXFP4)."""
+    paths, _ = checkpoints
+    model = moeserve.load_model(paths[kind], device="cuda", dtype=torch.bfloat16)
+    for layer in explain(model, (1, 16)):
+        assert layer.experts == {1: path, 16: path}
+    assert graph_safe(model, 3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (11, 5, 2)]
+    tokens, valid, positions = (t.cuda() for t in left_padded(prompts, model.spec))
+    steps = torch.randint(3, 90, (12, 3, 1), generator=g).cuda()
+    caches = [KVCache(model.spec, 3, tokens.shape[1] + 12, "cuda", torch.bfloat16) for _ in range(2)]
+    eager, graph = StaticDecoder(model, caches[0], graph=False), StaticDecoder(model, caches[1], graph=True)
+    alive = torch.ones(3, 1, dtype=torch.bool, device="cuda")
+    with torch.inference_mode():
+        first = [model(tokens, positions, kv=kv, valid=valid, last_only=True) for kv in caches]
+        pos = positions[:, -1:] + 1
+        for tok in steps:
+            a, b = eager(tok, pos, alive).float(), graph(tok, pos, alive).float()
+            assert (a - b).abs().max() <= 2.0 ** -8 * a.abs().max()
+            pos = pos + 1
+        reference = moeserve.load_model(paths["twin" if kind == "mxfp4" else "float"], dtype=torch.float32)
+        want = reference(tokens.cpu(), positions.cpu(), valid=valid.cpu(), last_only=True)
+    got = first[0].float().cpu()
+    assert ((got - want).norm() / want.norm()) < 2e-2
+
+
+def test_generate_with_cuda_graph_matches_eager_greedy(checkpoints):
+    model = moeserve.load_model(checkpoints[0]["mxfp4"], device="cuda", dtype=torch.bfloat16)
+    prompts = [[72, 65, 77, 76, 69, 84, 46, 32, 84, 79], [75, 73, 78, 71, 46]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    graph = [r.token_ids for r in generate(model, prompts, params)]
+    eager = [r.token_ids for r in generate(model, prompts, params, cuda_graph=False)]
+    assert [g[:12] for g in graph] == [e[:12] for e in eager]
