@@ -64,14 +64,10 @@ class StaticDecoder:
     def _captured(self, *inputs: torch.Tensor) -> bool:
         """Capture the step; if that fails (a backend that claimed to be sync-free is not), say so once and
         decode eagerly from then on rather than stop the generation."""
-        try:
-            self._capture(*inputs)
+        if captured(lambda: self._capture(*inputs), "the decode step"):
             return True
-        except RuntimeError as e:
-            warnings.warn(f"moeserve: CUDA-graph capture of the decode step failed ({str(e).splitlines()[0]}); "
-                          "decoding without a graph (--no-cuda-graph silences this)", stacklevel=3)
-            self.use_graph, self.graph = False, None
-            return False
+        self.use_graph, self.graph = False, None
+        return False
 
     def _capture(self, *inputs: torch.Tensor) -> None:
         """Warm-up runs (Triton compiles, allocator fills) write only the slot this step writes anyway."""
@@ -153,14 +149,10 @@ class SegmentedDecoder:
         return run
 
     def _captured(self, *inputs: torch.Tensor) -> bool:
-        try:
-            self._capture(*inputs)
+        if captured(lambda: self._capture(*inputs), "the decode segments"):
             return True
-        except RuntimeError as e:
-            warnings.warn(f"moeserve: CUDA-graph capture of the decode segments failed ({str(e).splitlines()[0]}); "
-                          "decoding without graphs (--no-cuda-graph silences this)", stacklevel=3)
-            self.failed, self.graphs = True, []
-            return False
+        self.failed, self.graphs = True, []
+        return False
 
     def _capture(self, *inputs: torch.Tensor) -> None:
         """Each segment after `warmup` eager runs on a side stream (Triton compiles, allocator fills; a segment's
@@ -175,6 +167,18 @@ class SegmentedDecoder:
             if i < len(self.layers):
                 self.carried.append(out[0])
                 self.pending.append(torch.zeros_like(out[1]))
+
+
+def captured(capture_fn: Callable[[], None], what: str) -> bool:
+    """Run capture_fn; if capturing fails (a backend that claimed to be sync-free is not), warn once and return
+    False: the caller decodes without graphs from then on rather than stop the generation."""
+    try:
+        capture_fn()
+        return True
+    except RuntimeError as e:
+        warnings.warn(f"moeserve: CUDA-graph capture of {what} failed ({str(e).splitlines()[0]}); decoding without "
+                      "graphs (--no-cuda-graph silences this)", stacklevel=4)
+        return False
 
 
 def capture(step: Callable[[], torch.Tensor], warmup: int, device: torch.device,
@@ -252,14 +256,14 @@ class SlotDecoder:
         """Capture the step at `size` rows (its warm-up runs write what this step writes anyway); on failure, warn
         and decode dynamically from now on."""
         buffers = [x.clone() for x in inputs]
-        try:
+
+        def capture_size():
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph, logits = capture(lambda: self._step(*buffers), self.warmup, self.model.device, self.pool)
-        except RuntimeError as e:
-            warnings.warn(f"moeserve: CUDA-graph capture of the decode step failed ({str(e).splitlines()[0]}); "
-                          "decoding without a graph (--no-cuda-graph silences this)", stacklevel=3)
-            self.use_graph = self.static = False
-            return False
-        self.graphs[size] = (graph, buffers, logits)
-        return True
+            self.graphs[size] = (graph, buffers, logits)
+
+        if captured(capture_size, "the decode step"):
+            return True
+        self.use_graph = self.static = False
+        return False
