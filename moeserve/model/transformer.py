@@ -152,12 +152,10 @@ class MoETransformer(nn.Module):
         """Embed tokens [B, 1]; the step's masks and rotary tables."""
         masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
         masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
-        x = self.embed(tokens)  # [B, 1, D]
-        cos, sin = self.rotary(positions, x.dtype)
-        return DecodeState(x, None, cos, sin, masks)
+        return self._start(tokens, positions, masks)
 
     def decode_layers(self, state: DecodeState, start: int, stop: int, kv: KVCache | SlotKVCache) -> DecodeState:
-        """Layers [start, stop) of the step."""
+        """Layers [start, stop) of the step (forward's pass too)."""
         x, pending = state.x, state.pending
         for layer in self.model.layers[start:stop]:
             x, pending = layer.step(x, pending, state.cos, state.sin, state.masks[layer.sliding_window], kv)
@@ -192,9 +190,11 @@ class MoETransformer(nn.Module):
     def _layers(self, tokens, positions, masks, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
         (residual stream, last MLP output): the norm adds them in its launch."""
+        state = self.decode_layers(self._start(tokens, positions, masks), 0, len(self.model.layers), kv)
+        return state.x, state.pending if state.pending is not None else torch.zeros_like(state.x)
+
+    def _start(self, tokens, positions, masks) -> DecodeState:
+        """tokens [B, S] embedded, with the pass's rotary tables and masks: the state before the first layer."""
         x = self.embed(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
-        pending = torch.zeros_like(x) if not self.model.layers else None
-        for layer in self.model.layers:
-            x, pending = layer.step(x, pending, cos, sin, masks[layer.sliding_window], kv)
-        return x, pending
+        return DecodeState(x, None, cos, sin, masks)

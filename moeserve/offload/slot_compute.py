@@ -24,6 +24,22 @@ from moeserve.quant.qlinear import QuantizedLinear, triton_applies
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
 
+def after_loads(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
+    """Order the work enqueued next (on x's CUDA stream) after the loads of these (pool, slot)s."""
+    if x.is_cuda:
+        for pool, slot in slots:
+            torch.cuda.current_stream().wait_event(pool.loaded[slot])
+
+
+def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
+    """Record that the work enqueued so far read these (pool, slot)s: their next load waits for it."""
+    if x.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+        for pool, slot in slots:
+            pool.used[slot] = done
+
+
 class SlotExperts:
     def __init__(self, pools: list[SlotPool]):
         self.pools = pools
@@ -55,9 +71,7 @@ class SlotExperts:
         order_dev = order.to(x.device, non_blocking=True)
         table = RoutingTable(token_ids=order_dev // k, weights=expert_weights.reshape(-1)[order_dev], counts=counts,
                              offsets=torch.cumsum(counts, 0).to(torch.int32), num_tokens=T)
-        if x.is_cuda:
-            for (pool, slot), _ in used:
-                torch.cuda.current_stream().wait_event(pool.loaded[slot])
+        after_loads(x, [ps for ps, _ in used])
         x_sorted = x[table.token_ids]  # [n, D]
         y = torch.empty_like(x_sorted)  # [n, D]
         start = 0
@@ -65,11 +79,7 @@ class SlotExperts:
             y[start:start + n] = self.expert_ffn(pool.weights[slot], x_sorted[start:start + n])
             start += n
         out = combine(y, table, T, x.dtype)  # [T, D]
-        if x.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-            for (pool, slot), _ in used:
-                pool.used[slot] = done
+        mark_read(x, [ps for ps, _ in used])
         return out
 
     def fused_applies(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
@@ -96,7 +106,7 @@ class SlotExperts:
         from moeserve.kernels.triton.routing_table import gather_combine
 
         k = virtual.shape[1]
-        out = None
+        out, read = None, []
         for i, (pool, start) in enumerate(zip(self.pools, self.starts)):
             local = virtual - start  # [1, k] slot in this pool where 0 <= local < its slots
             in_pool = (local >= 0) & (local < pool.num_slots)  # [1, k]
@@ -105,17 +115,13 @@ class SlotExperts:
             slots = local[in_pool]
             ids = torch.where(in_pool, local, slots[0])  # [1, k]: the others read the first pair's slot again
             dev = torch.stack([ids, in_pool.long()]).to(x.device, non_blocking=True)  # [2, 1, k]
-            if x.is_cuda:
-                for s in slots.tolist():
-                    torch.cuda.current_stream().wait_event(pool.loaded[s])
+            pool_slots = [(pool, s) for s in slots.tolist()]
+            after_loads(x, pool_slots)
             y = lowbit_experts(x, *self.stacks(i), dev[0])  # [k, D] fp32, slot order
             part = gather_combine(y, None, expert_weights * dev[1].to(expert_weights.dtype), k, x.dtype)  # [1, D]
             out = part if out is None else out + part
-            if x.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-                for s in slots.tolist():
-                    pool.used[s] = done
+            read += pool_slots
+        mark_read(x, read)
         return out if out is not None else torch.zeros_like(x)
 
     @staticmethod
