@@ -14,6 +14,11 @@ Columns (experts 4-bit HQQ, group 64; CPU threads = --cpu-threads, default the p
   hobbit-offload  today's offload (bench/offload.py's `hobbit`: bf16 + 4-bit cache, misses copied over PCIe)
 Floor per column: max(CPU expert bytes / DRAM read bandwidth, GPU bytes / HBM bandwidth) per decode token, with
 the bytes each column read in its timed steps (its measured hit rate); offload: its PCIe bytes / host->device.
+Prefill: a prompt of --prefill tokens streams the CPU layers' experts to the GPU (hybrid/stream.py); its floor is
+the bytes it copied / the measured host->device bandwidth. Every column with CPU layers keeps the streaming ring
+(hybrid/memory.py ring_slots) inside its GPU budget.
+Threshold sweep (--sweep): prompts of T tokens through the `cpu` column's model, the experts on the CPU and
+streamed, per T: where streaming starts to pay is the measured threshold (STREAM_FROM, `--stream-from`).
 
 Routing: Mixtral replays the demo model's routing of held-out text (bench/offload.py's DemoRouting: both have 8
 experts, top-2); the Qwen3 shape's 128 experts cannot replay the demo's 8, so its random routers pick (near
@@ -28,6 +33,7 @@ layer i mod that (as bench/offload.py: every expert read still streams its bytes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -48,6 +54,7 @@ import moeserve  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
 from moeserve.evaluate import perplexity  # noqa: E402
+from moeserve.hybrid.memory import ring_slots  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import build_store, enable_hybrid  # noqa: E402
 from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
@@ -69,8 +76,9 @@ BITS, GROUP = 4, 64
 
 
 def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) -> HybridPlacement:
-    """The column's placement for `room` bytes of GPU memory left for experts."""
+    """The column's placement for `room` bytes of GPU memory left for experts (and the streaming ring)."""
     layers = list(range(spec.num_layers))
+    room -= ring_slots(expert_bytes, spec.num_experts) * expert_bytes
     if column == "hybrid+cache":
         return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=max(room // expert_bytes, 0), threads=threads,
                                       bits=BITS, num_experts=spec.num_experts)
@@ -108,7 +116,10 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
                              args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats,
                              not args.no_cuda_graph)
+    before = runtime.summary().get("bytes_streamed", 0)
     prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats)
+    streamed = runtime.summary().get("bytes_streamed", 0) - before
+    sweep = threshold_sweep(model, spec, runtime, device, args) if column == "cpu" and args.sweep else None
     resident_layers = spec.num_layers - len(placement.cpu_layers)
     cpu_bytes = per_token["cpu_pairs"] * expert_bytes
     gpu_bytes = resident_bytes + (per_token["gpu_pairs"] + resident_layers * spec.top_k) * expert_bytes
@@ -118,12 +129,33 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
            "cpu_pairs_per_token": per_token["cpu_pairs"], "gpu_pairs_per_token": per_token["gpu_pairs"],
            "skipped_per_token": per_token["skipped"], "cpu_bytes_per_token": cpu_bytes,
            "gpu_bytes_per_token": gpu_bytes, "floor_tokens_per_s": 1 / floor, "of_floor": floor / step,
-           "admitted": runtime.summary().get("admitted", 0)}
+           "admitted": runtime.summary().get("admitted", 0), "pp_bytes_streamed": streamed,
+           "pp_floor_tokens_per_s": args.prefill / (streamed / rates["h2d"]) if streamed and rates["h2d"] else None}
+    if sweep:
+        row["threshold_sweep"] = sweep
     runtime.close()
     del model, runtime
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return row
+
+
+def threshold_sweep(model, spec, runtime, device, args) -> list[dict]:
+    """Prompts of each --sweep T through the model, its CPU layers' experts on the CPU (stream_from 0) and streamed
+    (stream_from 1): seconds per prompt and per CPU layer of each."""
+    out, placement = [], runtime.placement
+    for T in (int(t) for t in args.sweep.split(",")):
+        row = {"tokens": T}
+        for name, stream_from in (("cpu", 0), ("stream", 1)):
+            runtime.placement = dataclasses.replace(placement, stream_from=stream_from)
+            run(model, spec, T, 1, 0, T if args.routing == "demo" else None, device, lambda: {})  # warm
+            seconds, _, _ = run(model, spec, T, 1, 0, T if args.routing == "demo" else None, device, lambda: {})
+            row[f"{name}_s"], row[f"{name}_ms_per_layer"] = seconds, 1e3 * seconds / len(placement.cpu_layers)
+        print(f"  sweep T={T}: CPU {row['cpu_ms_per_layer']:.2f} ms/layer, streamed {row['stream_ms_per_layer']:.2f}",
+              flush=True)
+        out.append(row)
+    runtime.placement = placement
+    return out
 
 
 def offload_column(spec, store, device, dtype, budget, args, resident, bandwidth) -> dict:
@@ -153,13 +185,13 @@ def demo_ppl_cost(tokens: int) -> dict:
 
 def print_table(shape: str, rows: list[dict], prefill: int) -> None:
     print(f"\n{shape}: batch 1, 4-bit experts")
-    print(f"{'column':15s} {'tg tok/s':>9s} {f'pp{prefill} tok/s':>12s} {'floor tok/s':>12s} {'of floor':>9s} "
-          f"{'CPU layers':>11s} {'slots':>6s}")
+    print(f"{'column':15s} {'tg tok/s':>9s} {'floor tok/s':>12s} {'of floor':>9s} {f'pp{prefill} tok/s':>12s} "
+          f"{'pp floor':>9s} {'CPU layers':>11s} {'slots':>6s}")
     for r in rows:
-        pp = f"{r['pp_tokens_per_s']:12.1f}" if "pp_tokens_per_s" in r else f"{'-':>12s}"
-        fl = f"{r['floor_tokens_per_s']:12.1f}" if r.get("floor_tokens_per_s") else f"{'-':>12s}"
-        of = f"{r['of_floor']:9.0%}" if r.get("of_floor") else f"{'-':>9s}"
-        print(f"{r['column']:15s} {r['tg_tokens_per_s']:9.2f} {pp} {fl} {of} {r.get('cpu_layers', '-'):>11} "
+        cells = [f"{r[key]:{fmt}}" if r.get(key) else f"{'-':>{width}s}" for key, fmt, width in (
+            ("floor_tokens_per_s", "12.1f", 12), ("of_floor", "9.0%", 9), ("pp_tokens_per_s", "12.1f", 12),
+            ("pp_floor_tokens_per_s", "9.1f", 9))]
+        print(f"{r['column']:15s} {r['tg_tokens_per_s']:9.2f} {' '.join(cells)} {r.get('cpu_layers', '-'):>11} "
               f"{r.get('cache_slots', r.get('high_slots', '-')):>6}", flush=True)
 
 
@@ -178,17 +210,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()), help="threads for the CPU experts")
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="held-out demo tokens for the mixed-precision cost")
+    ap.add_argument("--sweep", default="8,16,32,64,128",
+                    help="prompt lengths of the streaming threshold sweep (cpu column; empty: none)")
     add_run_args(ap)
     args = ap.parse_args(argv)
     device, dtype = run_device(args)
     shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes.split(",")}
     if args.quick:
         args.new_tokens, args.warmup, args.prompt, args.prefill, args.offload_tokens = 6, 2, 4, 32, 4
-        args.ppl_tokens, args.cpu_threads = 512, args.threads or 1
+        args.ppl_tokens, args.cpu_threads, args.sweep = 512, args.threads or 1, "4,8"
     torch.set_num_threads(args.cpu_threads)
     rates = {"dram": measure_dram_read_bandwidth(256 << 20 if args.quick else 1 << 30)["bytes_per_s"],
              "hbm": measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)["bytes_per_s"]}
     bandwidth = measure_h2d_bandwidth(device) if device.type == "cuda" else None
+    rates["h2d"] = bandwidth
     results = {}
     for name, (shape, budget, routing) in shapes.items():
         spec = model_spec(shape)

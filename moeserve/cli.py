@@ -14,6 +14,7 @@ from pathlib import Path
 
 from moeserve import DEMO_MODEL
 from moeserve.errors import MoeserveError
+from moeserve.hybrid.placement import STREAM_FROM
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
@@ -131,6 +132,10 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
     h.add_argument("--mixed-precision", action="store_true",
                    help="HOBBIT's per-token rule for the experts: by gate weight each runs at full precision, 4-bit "
                         "(or the store's low bits) or is skipped (T1 0.6, T2 0.9); default off: exact output")
+    h.add_argument("--stream-from", type=int, default=None, metavar="T",
+                   help=f"a prompt (layer call) of T or more tokens copies the CPU layers' experts it needs to the GPU "
+                        f"and computes them there, where many rows are cheap (default {STREAM_FROM}; 0: prompts run "
+                        f"on the CPU too)")
     if store_option:
         h.add_argument("--offload", metavar="STORE", default=None,
                        help="with --cpu-moe/--n-cpu-moe: the expert store to read experts from (default: built in RAM "
@@ -521,7 +526,7 @@ def _check_offload_args(args) -> None:
 
 HYBRID_ONLY = {"gpu_cache_experts": ("--gpu-cache-experts", None), "cache_policy": ("--cache-policy", "hobbit"),
                "cpu_threads": ("--cpu-threads", None), "experts_bits": ("--experts-bits", None),
-               "mixed_precision": ("--mixed-precision", False)}
+               "mixed_precision": ("--mixed-precision", False), "stream_from": ("--stream-from", None)}
 
 
 def _hybrid_requested(args) -> bool:
@@ -569,7 +574,8 @@ def _hybrid_placement(args, spec, cpu_moe: bool, n_cpu_moe: int | None, bits: in
     return HybridPlacement.choose(
         moe_layers, cpu_moe, n_cpu_moe, cache_slots or 0,
         len(physical_cores()) if args.cpu_threads is None else args.cpu_threads,
-        args.mixed_precision, 16 if bits is None else bits, args.cache_policy, spec.num_experts)
+        args.mixed_precision, 16 if bits is None else bits, args.cache_policy, spec.num_experts,
+        STREAM_FROM if args.stream_from is None else args.stream_from)
 
 
 def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
@@ -599,6 +605,8 @@ def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
     plan = plan_placement(spec, load_or_measure(), req)
     chosen = plan.chosen
     if chosen.hybrid:
+        if not chosen.streams and args.stream_from is None:
+            args.stream_from = 0  # the budget has no room for the streaming ring: prompts on the CPU too
         every = chosen.cpu_layers == moe_layer_count(spec)
         args.placement = _hybrid_placement(args, spec, every, None if every else chosen.cpu_layers, chosen.bits,
                                            chosen.cache_slots)

@@ -87,7 +87,7 @@ class SlotCache:
         slot = self.pool.take()
         self.pool.keep(key, slot)
         src = self.store.host_parts(key[0], key[1], self.low)
-        self.copier.load(self.pool.parts(slot), src, self.pool.used[slot], self.pool.loaded[slot])
+        self.copier.load(self.pool.load_parts(slot), src, self.pool.used[slot], self.pool.loaded[slot])
         self.pending[key] = slot
         self.admitted += 1
         self.bytes_copied += sum(t.nbytes for t in src)

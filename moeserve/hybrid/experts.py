@@ -9,7 +9,9 @@ Per call, with the router's output on the model device:
   4. meanwhile the calling thread enqueues the cached experts (one routed pass over the slots) and the shared
      expert on the device, then does the cache's bookkeeping (uses, a background admission);
   5. the CPU's output comes back and is added on the model device.
-With the model on the CPU the same steps run inline (no copies, no hand-off).
+With the model on the CPU the same steps run inline (no copies, no hand-off). A call of many tokens (a prompt, at
+least the placement's stream_from) computes its missed experts on the model device instead, each streamed there
+once (hybrid/stream.py): no CPU job.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from moeserve.offload.host_compute import CpuPairs
 from moeserve.offload.precision import SKIP
 
 
-def routing_to_host(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
-    """(x [T, D], expert_ids [T, k] long, expert_weights [T, k]) on the host: one copy of the routing, one of x,
-    one wait for the device. On the CPU: the tensors themselves."""
+def routing_to_host(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, with_x: bool = True):
+    """(x [T, D] or None without with_x, expert_ids [T, k] long, expert_weights [T, k]) on the host: one copy of the
+    routing, one of x, one wait for the device. On the CPU: the tensors themselves."""
     if x.device.type == "cpu":
         return x, expert_ids, expert_weights
     k = expert_ids.shape[1]
     route = torch.cat([expert_ids.to(torch.float32), expert_weights.float()], 1).to("cpu", non_blocking=True)  # [T, 2k]
-    x_host = x.to("cpu", non_blocking=True)  # [T, D]
+    x_host = x.to("cpu", non_blocking=True) if with_x else None  # [T, D]
     torch.cuda.current_stream(x.device).synchronize()
     return x_host, route[:, :k].long(), route[:, k:].to(expert_weights.dtype)
 
@@ -48,17 +50,21 @@ class HybridExperts(ExpertBackend):
                 dense=None) -> torch.Tensor:
         """x [T, D], expert_ids / expert_weights [T, k] -> [T, D] (+ dense(x), the shared expert, when given)."""
         rt = self.runtime
-        x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights)  # host [T, D], [T, k] x2
+        streamed = rt.streams(x.shape[0])  # a prompt: missed experts streamed to x's device, not run on the CPU
+        x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights, not streamed)  # host [T, D], [T, k] x2
         choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP, or None: every pair at the run's precision
         slot = rt.cache.where(self.layer, ids) if rt.cache is not None else None  # [T, k] slot or -1
         on_gpu, on_cpu = self._split(slot, choice)  # [T, k] bool each; None: no pair / every pair
-        job = None
-        if on_cpu is None or on_cpu.any():
+        job = out = None
+        if streamed:
+            out = rt.streamer.compute(self.layer, x, ids, expert_weights,
+                                      torch.ones_like(ids, dtype=torch.bool) if on_cpu is None else on_cpu)
+        elif on_cpu is None or on_cpu.any():
             pairs = CpuPairs(ids, weights, on_cpu, rt.low_copy(choice))
             job = rt.worker.submit(rt.host.run_layer, self.layer, x_host, pairs)
-        out = None
         if on_gpu is not None and on_gpu.any():
-            out = rt.cache.slots.compute(x, expert_weights, torch.where(on_gpu, slot, rt.cache.slots.none))
+            cached = rt.cache.slots.compute(x, expert_weights, torch.where(on_gpu, slot, rt.cache.slots.none))
+            out = cached if out is None else out + cached
         shared = dense(x) if dense is not None else None
         if rt.cache is not None:
             rt.cache.account(self.layer, ids, choice if choice is not None else torch.zeros_like(ids),
@@ -69,7 +75,7 @@ class HybridExperts(ExpertBackend):
             out = y if out is None else out + y
         if out is None:
             out = torch.zeros_like(x)
-        rt.count(ids.numel(), on_gpu, on_cpu, choice)
+        rt.count(ids.numel(), on_gpu, on_cpu, choice, streamed)
         return out if shared is None else out + shared
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Host RAM a hybrid run needs for its experts (and the precision of the store it builds), from the model's shape,
-checked before anything is allocated."""
+"""Memory a hybrid run needs for its experts, from the model's shape, checked before anything is allocated: host RAM
+(and the precision of the store it builds), and the GPU ring prompts stream experts through."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ from moeserve.units import format_bytes
 
 MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
 GROUPS = (64, 32, 16)  # quantization group of a store built on the fly: the largest dividing D and F
+STREAM_RING_BYTES = 256 << 20  # GPU bytes of the ring prompts stream experts through (at least two experts)
+
+
+def ring_slots(expert_bytes: int, num_experts: int) -> int:
+    """Experts the streaming ring holds (hybrid/stream.py): STREAM_RING_BYTES worth, at least 2 (one copied while
+    one computes), at most a layer's."""
+    return max(2, min(STREAM_RING_BYTES // max(expert_bytes, 1), num_experts))
 
 
 def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from moeserve.errors import MoeserveError
 # settles on a static placement by frequency, HOBBIT mixes recency, frequency, precision and layer distance.
 CACHE_POLICIES = {"lru": "lru", "hobbit": "hobbit", "static": "lfu"}
 EXPERT_BITS = (16, 8, 4, 3, 2)  # 16: the checkpoint's float experts; else the store's low-bit copies
+STREAM_FROM = 32  # tokens of a layer call (a prompt) from which the CPU layers' experts are streamed to the GPU
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,13 @@ class HybridPlacement:
     mixed: bool = False  # HOBBIT's per-token precision rule (high / low / skip) for CPU experts
     bits: int = 16  # the experts' precision: 16 = float, else the store's low-bit copies
     policy: str = "hobbit"  # cache policy (CACHE_POLICIES)
+    stream_from: int = STREAM_FROM  # prompt tokens from which experts are streamed to the GPU (0: never)
 
     @classmethod
     def choose(cls, moe_layers: list[int], cpu_moe: bool = False, n_cpu_moe: int | None = None,
                cache_slots: int = 0, threads: int | None = None, mixed: bool = False, bits: int = 16,
-               policy: str = "hobbit", num_experts: int | None = None) -> "HybridPlacement":
+               policy: str = "hobbit", num_experts: int | None = None,
+               stream_from: int = STREAM_FROM) -> "HybridPlacement":
         """The placement the options ask for; a MoeserveError names the first option that cannot be met."""
         if cpu_moe and n_cpu_moe is not None:
             raise MoeserveError("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe puts every MoE layer's "
@@ -49,12 +52,14 @@ class HybridPlacement:
             raise MoeserveError(f"--cpu-threads must be >= 1, got {threads}")
         if bits not in EXPERT_BITS:
             raise MoeserveError(f"--experts-bits {bits} is not one of {', '.join(map(str, EXPERT_BITS))}")
+        if stream_from < 0:
+            raise MoeserveError(f"--stream-from must be >= 0 tokens (0: never stream), got {stream_from}")
         if policy not in CACHE_POLICIES:
             raise MoeserveError(f"unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}")
         cpu_layers = tuple(moe_layers[:n])
         if num_experts is not None:  # no more slots than experts to hold
             cache_slots = min(cache_slots, len(cpu_layers) * num_experts)
-        return cls(tuple(moe_layers), cpu_layers, cache_slots, threads, mixed, bits, policy)
+        return cls(tuple(moe_layers), cpu_layers, cache_slots, threads, mixed, bits, policy, stream_from)
 
     @property
     def low(self) -> bool:
@@ -82,4 +87,7 @@ class HybridPlacement:
             parts.append("static (no GPU cache)")
         if self.threads:
             parts.append(f"{self.threads} CPU threads")
+        if device_type == "cuda" and self.cpu_layers:
+            parts.append(f"prompts of {self.stream_from}+ tokens stream experts to the GPU" if self.stream_from
+                         else "prompts on the CPU")
         return f"[placement: hybrid, {', '.join(parts)}]"

@@ -1,5 +1,5 @@
 """What the hybrid layers of one model share: the CPU worker, the CPU's view of the expert store, the optional
-dynamic slot cache, the precision rule, and the counts a run reports."""
+dynamic slot cache, the streamer of prompts' experts, the precision rule, and the counts a run reports."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 from moeserve.hybrid.cache import SlotCache
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
+from moeserve.hybrid.memory import ring_slots
+from moeserve.hybrid.stream import ExpertStreamer
 from moeserve.hybrid.worker import CpuWorker
 from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.policies import CachePolicy
@@ -24,16 +26,18 @@ class HybridStats:
     cpu_pairs: int = 0  # on the CPU, from host RAM
     skipped: int = 0  # mixed precision: below the gate-weight threshold
     low_pairs: int = 0  # mixed precision: on the low-bit copy
+    streamed_pairs: int = 0  # a prompt's pairs whose experts were streamed to the model device
 
 
 class HybridRuntime:
     def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, device: torch.device,
                  dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
-                 host: HostExperts | None = None, warm: bool = False):
+                 host: HostExperts | None = None, warm: bool = False, stream: bool | None = None):
         """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
-        .warm) rather than at its first token."""
+        .warm) rather than at its first token; stream: stream prompts' experts to the model device (default: on a
+        GPU, when the placement's stream_from is not 0)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -46,7 +50,16 @@ class HybridRuntime:
             policy = CachePolicy.named(CACHE_POLICIES[placement.policy], num_layers)
             self.cache = SlotCache(store, placement.cache_slots, policy, list(placement.cpu_layers), device, dtype,
                                    placement.low)
+        stream = device.type == "cuda" if stream is None else stream
+        self.streamer = None
+        if stream and placement.stream_from and placement.cpu_layers:
+            slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
+            self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
         self.stats = HybridStats()
+
+    def streams(self, tokens: int) -> bool:
+        """A layer call of `tokens` tokens computes its missed experts on the model device, streamed there."""
+        return self.streamer is not None and tokens >= self.placement.stream_from
 
     def choose(self, expert_weights: torch.Tensor) -> torch.Tensor | None:
         """expert_weights [T, k] (host) -> [T, k] HIGH / LOW / SKIP by HOBBIT's rule with mixed precision; None
@@ -58,12 +71,18 @@ class HybridRuntime:
         return self.placement.low if choice is None or self.placement.low else choice == LOW
 
     def count(self, pairs: int, on_gpu: torch.Tensor | None, on_cpu: torch.Tensor | None,
-              choice: torch.Tensor | None) -> None:
-        """Add one call's pairs to the stats (None masks: every pair on the CPU)."""
+              choice: torch.Tensor | None, streamed: bool = False) -> None:
+        """Add one call's pairs to the stats (None masks: every pair on the CPU; streamed: the on_cpu pairs were
+        streamed to the model device instead)."""
         st = self.stats
         gpu = 0 if on_gpu is None else int(on_gpu.sum())
         cpu = pairs if on_cpu is None else int(on_cpu.sum())
-        st.gpu_pairs, st.cpu_pairs, st.skipped = st.gpu_pairs + gpu, st.cpu_pairs + cpu, st.skipped + pairs - gpu - cpu
+        st.skipped += pairs - gpu - cpu
+        st.gpu_pairs += gpu
+        if streamed:
+            st.streamed_pairs += cpu
+        else:
+            st.cpu_pairs += cpu
         if choice is not None:
             st.low_pairs += int((choice == LOW).sum())
 
@@ -71,6 +90,8 @@ class HybridRuntime:
         out = {**asdict(self.stats), "cache_slots": self.placement.cache_slots}
         if self.cache is not None:
             out.update(admitted=self.cache.admitted, bytes_copied=self.cache.bytes_copied)
+        if self.streamer is not None:
+            out.update(experts_streamed=self.streamer.experts_streamed, bytes_streamed=self.streamer.bytes_copied)
         pairs = self.stats.gpu_pairs + self.stats.cpu_pairs
         out["gpu_share"] = self.stats.gpu_pairs / max(pairs, 1)
         return out

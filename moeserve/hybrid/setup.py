@@ -28,11 +28,11 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
                 progress: bool = True) -> ExpertStore:
     """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
     the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
-    low-bit experts or mixed precision; page-locked when a GPU cache copies from them."""
+    low-bit experts or mixed precision; page-locked when a GPU cache or the prompt streamer copies from them."""
     low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
                                        device=device if device.type == "cuda" and low_bits else None,
-                                       high=not placement.low, pin=device.type == "cuda" and placement.cache_slots > 0,
+                                       high=not placement.low, pin=device.type == "cuda" and bool(placement.cache_slots or placement.stream_from),
                                        progress=progress)
 
 
@@ -45,12 +45,12 @@ def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> Qua
 
 def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
                   t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
-                  warm: bool = False) -> HybridRuntime:
+                  warm: bool = False, stream: bool | None = None) -> HybridRuntime:
     """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned; the options
     are HybridRuntime's); in a low-bit run the other MoE layers' experts become the store's low-bit copies on the
     model device."""
     runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, t1, t2, threaded, host,
-                            warm)
+                            warm, stream)
     layers = model.model.layers
     for i in placement.cpu_layers:
         layers[i].mlp.experts = HybridExperts(i, model.spec.experts_at(i), runtime)

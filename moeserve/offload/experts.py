@@ -108,7 +108,7 @@ class ExpertCache:
         if not pool.free and flush is not None:
             flush()
         slot = pool.take()
-        self.copier.load(pool.parts(slot), self.store.host_parts(key[0], key[1], tier == LOW), pool.used[slot],
+        self.copier.load(pool.load_parts(slot), self.store.host_parts(key[0], key[1], tier == LOW), pool.used[slot],
                          pool.loaded[slot])
         if keep:
             pool.keep(key, slot)

@@ -13,6 +13,8 @@ at one of its slots (read again from L2) with weight zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,30 @@ def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
             pool.used[slot] = done
 
 
+def grouped_pass(x: torch.Tensor, expert_weights: torch.Tensor, keys: torch.Tensor, none: int,
+                 run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The weighted sum of the (token, k) pairs' outputs, [T, D], computed a group of pairs at a time.
+
+    x [T, D] and expert_weights [T, k] on the compute device; keys [T, k] host long: the group of each pair (none:
+    the pair is not in the pass). run(key, rows [n, D]) -> [n, D] is called once per group, in key order, with the
+    group's rows; the counts are host numbers, so the pass never reads the device."""
+    T, k = keys.shape
+    flat = keys.reshape(-1)  # [T*k]
+    pairs = (flat < none).nonzero().squeeze(1)  # [n]
+    order = pairs[torch.argsort(flat[pairs], stable=True)]  # [n] pair index, grouped by key
+    groups, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    order_dev = order.to(x.device, non_blocking=True)
+    table = RoutingTable(token_ids=order_dev // k, weights=expert_weights.reshape(-1)[order_dev], counts=counts,
+                         offsets=torch.cumsum(counts, 0).to(torch.int32), num_tokens=T)
+    x_sorted = x[table.token_ids]  # [n, D]
+    y = torch.empty_like(x_sorted)  # [n, D]
+    start = 0
+    for key, n in zip(groups.tolist(), counts.tolist()):
+        y[start:start + n] = run(key, x_sorted[start:start + n])
+        start += n
+    return combine(y, table, T, x.dtype)
+
+
 class SlotExperts:
     def __init__(self, pools: list[SlotPool]):
         self.pools = pools
@@ -63,23 +89,16 @@ class SlotExperts:
         T, k = virtual.shape
         if all(self.fused_applies(i, x, T) for i in range(len(self.pools))):
             return self.fused(x, expert_weights, virtual)
-        flat = virtual.reshape(-1)  # [T*k]
-        pairs = (flat < self.none).nonzero().squeeze(1)  # [n]
-        order = pairs[torch.argsort(flat[pairs], stable=True)]  # [n] pair index, grouped by slot
-        slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        used = [(self._slot(v), n) for v, n in zip(slots.tolist(), counts.tolist())]
-        order_dev = order.to(x.device, non_blocking=True)
-        table = RoutingTable(token_ids=order_dev // k, weights=expert_weights.reshape(-1)[order_dev], counts=counts,
-                             offsets=torch.cumsum(counts, 0).to(torch.int32), num_tokens=T)
-        after_loads(x, [ps for ps, _ in used])
-        x_sorted = x[table.token_ids]  # [n, D]
-        y = torch.empty_like(x_sorted)  # [n, D]
-        start = 0
-        for (pool, slot), n in used:
-            y[start:start + n] = self.expert_ffn(pool.weights[slot], x_sorted[start:start + n])
-            start += n
-        out = combine(y, table, T, x.dtype)  # [T, D]
-        mark_read(x, [ps for ps, _ in used])
+        read = []
+
+        def run(v: int, rows: torch.Tensor) -> torch.Tensor:
+            pool, slot = self._slot(v)
+            after_loads(x, [(pool, slot)])
+            read.append((pool, slot))
+            return self.expert_ffn(pool.weights[slot], rows)
+
+        out = grouped_pass(x, expert_weights, virtual, self.none, run)
+        mark_read(x, read)
         return out
 
     def fused_applies(self, pool: int, x: torch.Tensor, tokens: int) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.cpu.gemv import forget_packed
 from moeserve.offload.cache_state import Key
 
 
@@ -35,7 +36,12 @@ class SlotPool:
     def num_slots(self) -> int:
         return len(self.weights)
 
-    def parts(self, slot: int) -> list[torch.Tensor]:
+    def load_parts(self, slot: int) -> list[torch.Tensor]:
+        """The slot's buffers, for a load of another expert into them: what the CPU kernels derived from the
+        expert they held (a repacked weight kept on the slot's modules) is dropped."""
+        for m in self.weights[slot]:
+            if not isinstance(m, torch.Tensor):
+                forget_packed(m)
         return [b[slot] for b in self.buffers]
 
     def take(self) -> int | None:

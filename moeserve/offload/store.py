@@ -194,6 +194,19 @@ def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, grou
     return state
 
 
+def _pinned(tensors: dict, layer: int) -> bool:
+    """Page-lock one built layer's tensors in place in `tensors`; False (with a warning, the layer left pageable)
+    when the OS refuses: the rest of the store is then not pinned either (loads stage pageable experts)."""
+    try:
+        tensors[layer] = {k: t.pin_memory() for k, t in tensors[layer].items()}
+        return True
+    except RuntimeError as e:
+        warnings.warn(f"moeserve: could not pin the expert store from layer {layer} on "
+                      f"({str(e).splitlines()[0]}); the rest stays pageable and is staged through a pinned buffer "
+                      "when copied to the GPU (slower loads)", stacklevel=3)
+        return False
+
+
 class ExpertStore:
     def __init__(self, meta: dict, tensors_of_layer, path: Path | None = None):
         self.meta = meta  # layers, num_layers, num_experts, hidden, ffn, low_bits, group, pack_layout, source
@@ -238,7 +251,7 @@ class ExpertStore:
             tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
                                        dtype, high)
             if pin:
-                tensors[i] = {k: t.pin_memory() for k, t in tensors[i].items()}
+                pin = _pinned(tensors, i)
         meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
         return cls(meta, tensors.__getitem__)
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import expert_bytes, host_bytes, store_precision
-from moeserve.hybrid.placement import HybridPlacement
+from moeserve.hybrid.memory import expert_bytes, host_bytes, ring_slots, store_precision
+from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes, plan_slots
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.roofline import expected_experts
@@ -94,6 +94,7 @@ class Candidate:
     prefill_tok_s: float
     dtype_name: str
     problem: str | None = None  # why it cannot run here; None: it fits
+    streams: bool = False  # prompts stream the CPU layers' experts to the GPU (the budget holds the ring)
 
     @property
     def fits(self) -> bool:
@@ -130,13 +131,14 @@ class Candidate:
                     else ["--n-cpu-moe", str(self.cpu_layers)])
             out += ["--experts-bits", str(self.bits)] if self.bits != 16 else []
             out += ["--gpu-cache-experts", str(self.cache_slots)] if self.cache_slots else []
+            out += ["--stream-from", "0"] if self.kind == "hybrid" and self.cpu_layers and not self.streams else []
         return out
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "where": self.where(), "bits": self.bits, "cpu_layers": self.cpu_layers,
                 "cache_slots": self.cache_slots, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
                 "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s, "fits": self.fits,
-                "problem": self.problem, "flags": self.flags()}
+                "problem": self.problem, "streams": self.streams, "flags": self.flags()}
 
 
 @dataclass(frozen=True)
@@ -210,11 +212,12 @@ def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float) 
 
 
 def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers: float, link_layers: float,
-                expert: float, host_layers: int, cpu_dense: bool = False) -> tuple[Work, Work]:
+                expert: float, host_layers: int, cpu_dense: bool = False, stream: bool = False) -> tuple[Work, Work]:
     """(decode, prefill) work when `gpu_layers` MoE layers' experts are computed on the GPU, `cpu_layers` on the
     CPU (fractions: a cache's hits count on the GPU) and `link_layers` are copied to the GPU first; expert: bytes
     of one expert; host_layers: layers whose experts wait on the host; cpu_dense: the dense part runs on the CPU
-    too (no GPU)."""
+    too (no GPU); stream: a prompt of the hybrid backend's STREAM_FROM tokens or more streams the CPU layers'
+    experts to the GPU (hybrid/stream.py): at prefill they count as copied over the link and computed there."""
     T, k = req.prompt_len, spec.top_k
     touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
     flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
@@ -222,6 +225,8 @@ def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers
     pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2)
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
                   link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers)
+    streamed = cpu_layers if stream and T >= STREAM_FROM else 0.0  # CPU layers' prefill on the GPU
+    gpu_layers, cpu_layers, link_layers = gpu_layers + streamed, cpu_layers - streamed, link_layers + streamed
     prefill = Work(gpu_bytes=gpu_layers * touched * expert, cpu_bytes=cpu_layers * touched * expert,
                    link_bytes=link_layers * touched * expert, gpu_flops=gpu_layers * flops,
                    cpu_flops=cpu_layers * flops, cpu_calls=cpu_layers * touched, host_layers=host_layers)
@@ -289,10 +294,10 @@ def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, moe: int, cpu_layers: 
 
 
 def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, decode, prefill,
-               problem=None) -> Candidate:
+               problem=None, streams=False) -> Candidate:
     tg, pp = rates(spec, hw, req, decode, prefill, graph=kind == "resident", costs=costs)
     return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, int(gpu), int(host), tg, pp,
-                     req.dtype_name, problem or _problem(req, gpu, host))
+                     req.dtype_name, problem or _problem(req, gpu, host), streams)
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
@@ -302,19 +307,24 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     out = []
     for bits, group in _bits(spec, req):
         eb = expert_bytes(spec, bits, req.dtype_bytes, group)
+        ring = ring_slots(eb, E) * eb  # the GPU ring prompts stream the CPU layers' experts through
         if req.cpu_layers is not None:
             splits = [req.cpu_layers]
-        else:
-            fewest = min(max(M - int(max(room, 0) // (E * eb)), 0), M)  # CPU layers that leave the rest room
+        else:  # the fewest CPU layers that leave the rest (and the ring) room
+            fewest = 0 if room >= M * E * eb else min(max(M - int(max(room - ring, 0) // (E * eb)), 0), M)
             splits = sorted({0, fewest})
         for n in splits:
-            slots = req.cache_slots if req.cache_slots is not None else int(max(room - (M - n) * E * eb, 0) // eb)
+            streams = n > 0 and room - (M - n) * E * eb >= ring  # else prompts run on the CPU too
+            left = room - (M - n) * E * eb - (ring if streams else 0)
+            slots = req.cache_slots if req.cache_slots is not None else int(max(left, 0) // eb)
             slots = min(slots, n * E)
             hit = slots / (n * E) if n else 0.0
-            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n)
+            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n,
+                                          stream=streams)
             host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
-                                  fixed + ((M - n) * E + slots) * eb, host, decode, prefill))
+                                  fixed + ((M - n) * E + slots) * eb + (ring if streams else 0), host, decode,
+                                  prefill, streams=streams))
     if req.bits is None and req.cpu_layers is None:
         out.append(_offload_candidate(spec, hw, req, costs, fixed))
     return out

