@@ -26,7 +26,7 @@ from moeserve.quant.hqq import QuantizedWeight, dequantize
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
 LOWBIT_PATHS = ("lowbit_slots", "lowbit_sorted")
-TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: dequantize + cuBLAS
+TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: weight() + cuBLAS
 
 
 def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int) -> bool:
@@ -71,7 +71,14 @@ class QuantizedLinear(nn.Module):
 
     # ---- compute -----------------------------------------------------------------------------
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized weight [out, in] (without the compensator)."""
+        """Dequantized weight [out, in] (without the compensator): on a GPU in one Triton pass where it reads the
+        width (2/4/8 bits), else through pack.unpack (the same values)."""
+        if triton_serves(self.qweight):
+            from moeserve.kernels.triton.lowbit import DEQUANT_BITS, lowbit_dequantize, supported
+
+            if self.bits in DEQUANT_BITS and supported(self.bits, self.group):
+                return lowbit_dequantize(self.qweight, self.scale, self.zero, self.bits, self.group, self.in_features,
+                                         dtype)
         codes = unpack(self.qweight, self.bits, padded_length(self.in_features))[:, :self.in_features]  # [out, in] uint8
         qw = QuantizedWeight(codes=codes, scale=self.scale, zero=self.zero, bits=self.bits, group=self.group,
                              shape=(self.out_features, self.in_features))

@@ -143,3 +143,26 @@ def test_pipelined_tensor_core_config_needs_whole_groups():
 
     with pytest.raises(ValueError, match="multiple of the group"):
         tile_constexprs(LowbitConfig.of({**SPLIT, "BLOCK_K": 96, "PIPE": 3}), 4, 64, 16, torch.bfloat16, False)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("N,K,group", [(70, 48, 16), (33, 320, 64), (130, 256, 32)])  # K=48: padded rows
+def test_lowbit_dequantize_matches_unpack(bits, N, K, group):
+    """The one-pass dequantized weight (for calls of many rows) equals pack.unpack + hqq.dequantize exactly."""
+    from moeserve.kernels.pack import padded_length, unpack
+    from moeserve.kernels.triton.lowbit import lowbit_dequantize
+    from moeserve.quant.hqq import QuantizedWeight, dequantize
+
+    layer = quantized(N, K, bits, group)
+    codes = unpack(layer.qweight, bits, padded_length(K))[:, :K]
+    want = dequantize(QuantizedWeight(codes=codes, scale=layer.scale, zero=layer.zero, bits=bits, group=group,
+                                      shape=(N, K)), torch.float32)
+    got = lowbit_dequantize(layer.qweight, layer.scale, layer.zero, bits, group, K, torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), want.cpu())
+    got = lowbit_dequantize(layer.qweight, layer.scale, layer.zero, bits, group, K, torch.bfloat16).cpu().float()
+    if DEVICE == "cuda":  # rounded to nearest as torch does; the interpreter truncates to bf16 (one unit off)
+        assert torch.equal(got, want.cpu().to(torch.bfloat16).float())
+    else:
+        torch.testing.assert_close(got, want.cpu(), rtol=2 ** -7, atol=0)
+    with pytest.raises(ValueError, match="reads"):
+        lowbit_dequantize(layer.qweight, layer.scale, layer.zero, 3, group, K, torch.float32)

@@ -1,6 +1,7 @@
-"""The low-bit ops the model calls: lowbit_linear (a dense layer, W{2,3,4,8}A16 for decode's 1..64 rows) and
+"""The low-bit ops the model calls: lowbit_linear (a dense layer, W{2,3,4,8}A16 for decode's 1..64 rows),
 lowbit_experts (the fused MoE over stacked packed experts: gate_up with its SwiGLU, then down), with their configs
-looked up per GPU and shape (configs.py; the experts' tuned on first use, autotune.py) unless one is given."""
+looked up per GPU and shape (configs.py; the experts' tuned on first use, autotune.py) unless one is given, and
+lowbit_dequantize (the float weight, for calls of more rows: a prompt)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from moeserve.kernels.triton.autotune import Outcome, Problem, bucket, choose, g
 from moeserve.kernels.triton.configs import (ExpertsConfig, LowbitConfig, gpu_name, lowbit_config, lowbit_moe_config,
                                              lowbit_moe_key)
 from moeserve.kernels.triton.device import device_of
+from moeserve.kernels.triton.lowbit.dequant import dequant_kernel
 from moeserve.kernels.triton.lowbit.launch import (Preparation, launch, launch_down_tma, launch_gate_up, routed_tokens,
                                                    tile_constexprs, tma_one_token)
 from moeserve.kernels.triton.lowbit.layout import StackedLowbit, check_activation, check_weight
@@ -19,6 +21,8 @@ from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.spaces import lowbit_moe_candidates
 
 TIMED_ROUTINGS = 4  # rotating routings a tuning run times each candidate over (the experts hit change, as in decode)
+DEQUANT_BITS = (2, 4, 8)  # the widths lowbit_dequantize reads (3-bit rows are unit-planar: dequantized by pack.py)
+DEQUANT_BLOCK = (64, 128)  # (rows, columns) of the weight per program
 
 
 def lowbit_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -131,3 +135,19 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config.down, T, E,
                lowrank=down.low_rank_inputs(h), routing=routing)
     return y
+
+
+def lowbit_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                      in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """dequant(W) [N, in_features] in `dtype` ((q - z) * s in float32, as hqq.dequantize), 2/4/8 bits (DEQUANT_BITS):
+    qweight [N, padded K * bits / 32] int32, scale/zero [N, K / group] fp16."""
+    if bits not in DEQUANT_BITS:
+        raise ValueError(f"lowbit_dequantize reads {DEQUANT_BITS}-bit rows, not {bits}-bit")
+    check_weight(qweight, scale, zero, bits, group, in_features)
+    N = qweight.shape[0]
+    out = torch.empty(N, in_features, dtype=dtype, device=qweight.device)
+    bn, bk = DEQUANT_BLOCK
+    dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(in_features, bk))](
+        qweight, scale, zero, out, N, in_features, qweight.shape[1], scale.shape[1], BITS=bits, GROUP=group,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out
