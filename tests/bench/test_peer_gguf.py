@@ -1,0 +1,153 @@
+"""bench/peer/make_gguf.py writes GGUFs llama.cpp's loaders accept: read back with a reader of our own (GGUF v3, a
+few lines), a tiny `qwen3moe` and `llama` (Mixtral) file carry the architecture, the hyperparameters llama.cpp reads,
+and the tensor names, ggml shapes and types of its loaders; the benchmark shapes agree with bench/hybrid.py's."""
+
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path[:0] = [str(BENCH / "peer"), str(BENCH)]
+import make_gguf  # noqa: E402
+
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+TYPE_NAMES = {0: "f32", 2: "q4_0", 8: "q8_0"}
+BLOCK = {0: (1, 4), 2: (32, 18), 8: (32, 34)}  # ggml type -> (elements, bytes) per block
+
+
+class Reader:
+    """Sequential little-endian reads from a file's bytes."""
+
+    def __init__(self, data: bytes):
+        self.data, self.at = data, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from(fmt, self.data, self.at)[0]
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        self.at += n
+        return self.data[self.at - n:self.at].decode()
+
+    def value(self, vtype: int):
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, n = self.take("<I"), self.take("<Q")
+            return [self.value(etype) for _ in range(n)]
+        return self.take(SCALARS[vtype])
+
+
+def read_gguf(path: Path) -> tuple[dict, dict, bytes, int]:
+    """(metadata, {name: (shape, type name, offset)}, file bytes, data section start)."""
+    r = Reader(path.read_bytes())
+    assert r.data[:4] == b"GGUF"
+    r.at = 4
+    assert r.take("<I") == 3
+    n_tensors, n_kv = r.take("<Q"), r.take("<Q")
+    kv = {}
+    for _ in range(n_kv):
+        key = r.string()
+        kv[key] = r.value(r.take("<I"))
+    tensors = {}
+    for _ in range(n_tensors):
+        name = r.string()
+        shape = tuple(r.take("<Q") for _ in range(r.take("<I")))
+        tensors[name] = (shape, TYPE_NAMES[r.take("<I")], r.take("<Q"))
+    align = kv.get("general.alignment", 32)
+    return kv, tensors, r.data, -(-r.at // align) * align
+
+
+def expected_tensors(d, layers: int) -> dict:
+    """name -> (ggml shape, type) as llama.cpp's loaders create them (src/models/llama.cpp, qwen3moe.cpp)."""
+    D, F, X, hd = d.hidden, d.expert_ffn, d.experts, d.head_dim
+    out = {"token_embd.weight": ((D, d.vocab), "q8_0"), "output_norm.weight": ((D,), "f32"),
+           "output.weight": ((D, d.vocab), "q8_0")}
+    for i in range(layers):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": ((D,), "f32"), p + "attn_q.weight": ((D, d.heads * hd), "q8_0"),
+                    p + "attn_k.weight": ((D, d.kv_heads * hd), "q8_0"),
+                    p + "attn_v.weight": ((D, d.kv_heads * hd), "q8_0"),
+                    p + "attn_output.weight": ((d.heads * hd, D), "q8_0"), p + "ffn_norm.weight": ((D,), "f32"),
+                    p + "ffn_gate_inp.weight": ((D, X), "f32"), p + "ffn_gate_exps.weight": ((D, F, X), "q4_0"),
+                    p + "ffn_up_exps.weight": ((D, F, X), "q4_0"), p + "ffn_down_exps.weight": ((F, D, X), "q4_0")})
+        if d.arch == "qwen3moe":
+            out.update({p + "attn_q_norm.weight": ((hd,), "f32"), p + "attn_k_norm.weight": ((hd,), "f32")})
+    return out
+
+
+def dequantize_q4_0(raw: bytes) -> np.ndarray:
+    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 18)
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)
+    q = blocks[:, 2:]
+    codes = np.concatenate([q & 0x0F, q >> 4], axis=1).astype(np.float32) - 8  # ggml: low nibbles first
+    return (d * codes).ravel()
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-mixtral"])
+def test_tiny_gguf_reads_back_as_llama_cpp_expects(tmp_path, shape):
+    d, layers = make_gguf.SHAPES[shape], 2
+    path = tmp_path / f"{shape}.gguf"
+    assert make_gguf.main(["--dims", shape, "--layers", str(layers), "-o", str(path)]) == 0
+    kv, tensors, data, start = read_gguf(path)
+
+    a = d.arch
+    assert kv["general.architecture"] == a == {"tiny-qwen3": "qwen3moe", "tiny-mixtral": "llama"}[shape]
+    assert kv["general.file_type"] == 2  # MOSTLY_Q4_0
+    want = {"block_count": layers, "embedding_length": d.hidden, "attention.head_count": d.heads,
+            "attention.head_count_kv": d.kv_heads, "attention.key_length": d.head_dim,
+            "attention.value_length": d.head_dim, "rope.dimension_count": d.head_dim, "expert_count": d.experts,
+            "expert_used_count": d.top_k, "vocab_size": d.vocab, "context_length": d.context}
+    if a == "qwen3moe":
+        want["expert_feed_forward_length"] = d.expert_ffn
+    else:  # llama arch: the experts' FFN is feed_forward_length
+        want["feed_forward_length"] = d.expert_ffn
+    assert {k: kv[f"{a}.{k}"] for k in want} == want
+    assert kv[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(d.rms_eps)
+    assert kv["tokenizer.ggml.model"] == "llama" and len(kv["tokenizer.ggml.tokens"]) == d.vocab
+    assert len(kv["tokenizer.ggml.scores"]) == len(kv["tokenizer.ggml.token_type"]) == d.vocab
+    assert kv["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"]
+
+    assert {n: t[:2] for n, t in tensors.items()} == expected_tensors(d, layers)
+    end = start
+    for name, (shape_, kind, offset) in tensors.items():
+        assert offset % 32 == 0
+        elems, nbytes = BLOCK[{"f32": 0, "q4_0": 2, "q8_0": 8}[kind]]
+        end = max(end, start + offset + math.prod(shape_) // elems * nbytes)
+    assert len(data) == -(-end // 32) * 32 == make_gguf.file_size(*make_gguf.plan(shape, layers))
+
+    _, _, offset = tensors["blk.0.ffn_down_exps.weight"]
+    shape_ = tensors["blk.0.ffn_down_exps.weight"][0]
+    w = dequantize_q4_0(data[start + offset:start + offset + math.prod(shape_) // 32 * 18])
+    assert np.isfinite(w).all() and abs(w.mean()) < 0.1 * w.std()
+    assert w.std() == pytest.approx(1 / math.sqrt(d.expert_ffn), rel=0.2)  # unit-RMS rows in, unit-RMS out
+    _, _, offset = tensors["blk.0.ffn_norm.weight"]
+    assert (np.frombuffer(data, "<f4", d.hidden, start + offset) == 1).all()
+
+
+def test_benchmark_shapes_are_bench_hybrid_shapes():
+    import hybrid
+
+    for name, (shape, _, _) in hybrid.SHAPES.items():
+        d = make_gguf.SHAPES[name]
+        assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.expert_ffn, d.experts, d.top_k, d.vocab) == (
+            shape["num_layers"], shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"], shape["head_dim"],
+            shape["expert_ffn"], shape["num_experts"], shape["top_k"], shape["vocab_size"])
+
+
+def test_llama_cpp_budget_rule_matches_recorded_placements():
+    """llama.cpp's N with its own bytes (Q8_0 dense: fewer CPU layers) and moeserve's N as bench/hybrid.py's hybrid
+    column placed them on the H200 (21 of 32 and 34 of 48 layers on the CPU)."""
+    import run
+
+    cfg = run.Config.from_env(16)
+    cfg.n_cpu_moe, cfg.pp, cfg.tg = {}, 512, 128
+    hybrid = run.import_hybrid()
+    got = {s: {c: n for c, (n, _) in run.placements(cfg, hybrid, s).items()} for s in ("mixtral", "qwen3")}
+    assert got == {"mixtral": {"hybrid": 19, "hybrid-moeserve": 21}, "qwen3": {"hybrid": 30, "hybrid-moeserve": 34}}
