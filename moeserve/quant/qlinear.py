@@ -26,7 +26,9 @@ from moeserve.quant.hqq import QuantizedWeight, dequantize
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
 LOWBIT_PATHS = ("lowbit_slots", "lowbit_sorted")
-TRITON_MAX_ROWS = 64  # GPU: up to this many rows dequantize in registers (Triton); more: weight() + cuBLAS
+# GPU: up to this many rows dequantize in registers (Triton lowbit_linear, a weight pass per 64 rows); more: weight()
+# + cuBLAS. bench/lowbit_rows.py on an H200: equal near 700-1000 rows for Mixtral's experts, 5x apart at 128.
+TRITON_MAX_ROWS = 512
 
 
 def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int) -> bool:

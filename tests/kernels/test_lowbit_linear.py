@@ -166,3 +166,14 @@ def test_lowbit_dequantize_matches_unpack(bits, N, K, group):
         torch.testing.assert_close(got, want.cpu(), rtol=2 ** -7, atol=0)
     with pytest.raises(ValueError, match="reads"):
         lowbit_dequantize(layer.qweight, layer.scale, layer.zero, 3, group, K, torch.float32)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lowbit_linear_past_64_rows(bits):
+    """A prompt's rows (up to TRITON_MAX_ROWS) in blocks of 64 with the stored/default config, against float64."""
+    from moeserve.kernels.triton.lowbit import lowbit_linear
+
+    layer = quantized(40, 128, bits, 32)
+    x = torch.randn(150, 128, device=DEVICE)
+    y = lowbit_linear(x, layer.qweight, layer.scale, layer.zero, bits, 32, 128)
+    torch.testing.assert_close(y.double(), reference(layer, x), atol=1e-3, rtol=1e-3)
