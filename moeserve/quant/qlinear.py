@@ -29,12 +29,14 @@ LOWBIT_PATHS = ("lowbit_slots", "lowbit_sorted")
 # GPU: up to this many rows dequantize in registers (Triton lowbit_linear, a weight pass per 64 rows); more: weight()
 # + cuBLAS. bench/lowbit_rows.py on an H200: equal near 700-1000 rows for Mixtral's experts, 5x apart at 128.
 TRITON_MAX_ROWS = 512
+FUSED_MOE_MAX_TOKENS = 64  # tokens the fused low-bit MoE (lowbit_experts) takes; more: the per-expert loop
 
 
-def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int) -> bool:
-    """CUDA activations of a float dtype, few rows, no autograd through x (the kernels have no backward), and a
-    layout the Triton low-bit kernels read."""
-    if not (rows <= TRITON_MAX_ROWS and triton_serves(x)):
+def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int,
+                   max_rows: int = TRITON_MAX_ROWS) -> bool:
+    """CUDA activations of a float dtype, at most max_rows rows, no autograd through x (the kernels have no
+    backward), and a layout the Triton low-bit kernels read."""
+    if not (rows <= max_rows and triton_serves(x)):
         return False
     from moeserve.kernels.triton.lowbit import DTYPES, supported
 
@@ -152,7 +154,8 @@ class QuantizedExperts(LoopedExperts):
         layout on this machine ("cpu_lowbit"), else "loop"."""
         layouts = {(m.bits, m.group, m.in_features): m for m in (*self.gate_up, *self.down)}.values()  # one each
         uniform = len({(m.bits, m.group) for m in layouts}) == 1
-        if uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features) for m in layouts):
+        if uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features, FUSED_MOE_MAX_TOKENS)
+                           for m in layouts):
             slots = slot_order_pays(num_tokens) and (expert_weights is None or not needs_grad(expert_weights))
             return "lowbit_slots" if slots else "lowbit_sorted"
         return "cpu_lowbit" if all(cpu_gemv.applies(m, x, 1) for m in layouts) else "loop"
