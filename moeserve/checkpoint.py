@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve.errors import MoeserveError
-from moeserve.layouts import LAYOUTS, same, stored_views
+from moeserve.layouts import LAYOUTS, stored_views
 from moeserve.spec import SUPPORTED_ARCHITECTURES, ModelSpec, fp8_block_size
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,11 +107,11 @@ class CheckpointReader:
     def get_slice(self, name: str, index: tuple) -> torch.Tensor:
         """Only the part `index` (a tuple of slices) of a tensor: the rest is never read (sharded loading). An FP8
         weight reads the blocks that cover the part, and their scales; a view reads its stored tensors whole
-        (a renamed one only the part)."""
+        (a renamed or transposed one only the part: View.part)."""
         if name not in self._file_of and name in self.views:
             view = self.views[name]
-            if view.build is same:
-                return CheckpointReader.get_slice(self, view.sources[0], index)
+            if view.part is not None:
+                return view.build(CheckpointReader.get_slice(self, view.sources[0], view.part(index)))
             return CheckpointReader.get(self, name)[index]
         if not self._scaled(name):
             return self._handle(name).get_slice(name)[index]

@@ -5,8 +5,9 @@ moeserve's names are transformers-5 Mixtral/Qwen-style (`model.layers.{i}.self_a
 checkpoints hold the same weights under their own names, some fused or transposed. A family's layout maps each
 stored tensor it recognises to the moeserve tensors it holds (a View: the stored tensors it is computed from and
 how), so that CheckpointReader answers for moeserve's names and every reader of weights (loading, parallel
-loading, quantize, expert stores) works unchanged. A view is computed from whole stored tensors: reading a part
-of it (a tensor-parallel slice) reads the stored tensors it comes from whole.
+loading, quantize, expert stores) works unchanged. A view is computed from whole stored tensors, except a renamed
+or transposed one: reading a part of it (an expert, a row, a tensor-parallel slice) reads only the stored part it
+comes from.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from moeserve.spec import ModelSpec
 
 @dataclass(frozen=True)
 class View:
-    """A tensor moeserve names, as build(*stored tensors named by sources)."""
+    """A tensor moeserve names, as build(*stored tensors named by sources). part: for a view of one source, the
+    part of the source (a tuple of slices) that a part of the view comes from, build turning one into the other;
+    None: a part is cut from the whole view."""
 
     sources: tuple[str, ...]
     build: Callable[..., torch.Tensor]
+    part: Callable[[tuple], tuple] | None = None
 
 
 def same(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +44,15 @@ def rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
 def swap_last(t: torch.Tensor) -> torch.Tensor:
     """[E, K, N] -> [E, N, K] (expert stacks stored as x @ W rather than x @ W^T)."""
     return t.transpose(1, 2).contiguous()
+
+
+def swapped_index(index: tuple) -> tuple:
+    """The slices of a stored [E, K, N] tensor that a part (slices) of its swap_last view [E, N, K] comes from."""
+    e, n, k = tuple(index) + (slice(None),) * (3 - len(index))
+    return e, k, n
+
+
+PARTS = {same: lambda index: index, swap_last: swapped_index}  # build -> View.part for views of one source
 
 
 # A rule: (regex on a stored name, [(moeserve name template using the regex's groups, other sources' templates,
@@ -86,8 +99,21 @@ def _dbrx(spec: ModelSpec) -> list[Rule]:
     ]
 
 
+def _llama4(spec: ModelSpec) -> list[Rule]:
+    """Llama-4's feed_forward (experts [E, D, 2F] gate then up columns and [E, F, D], router, shared expert, dense
+    MLP), with or without Llama4ForConditionalGeneration's `language_model.` prefix; its vision tensors match no
+    rule and are never read."""
+    ffn, layer = r"^(?:language_model\.)?model\.layers\.(\d+)\.feed_forward\.", r"model.layers.\1.mlp."
+    return [
+        (ffn + r"experts\.(gate_up_proj|down_proj)$", [(layer + r"experts.\2", (), swap_last)]),
+        (ffn + r"router\.weight$", [(layer + "gate.weight", (), same)]),
+        (ffn + r"((?:shared_expert\.)?(?:gate|up|down)_proj\.weight)$", [(layer + r"\2", (), same)]),
+        (r"^language_model\.((?:model\.|lm_head\.).+)$", [(r"\1", (), same)]),
+    ]
+
+
 LAYOUTS: dict[str, Callable[[ModelSpec], list[Rule]]] = {"granitemoe": _granite, "granitemoeshared": _granite,
-                                                         "dbrx": _dbrx}
+                                                         "dbrx": _dbrx, "llama4": _llama4}
 
 
 def stored_views(spec: ModelSpec, stored: Iterable[str]) -> dict[str, View]:
@@ -104,6 +130,7 @@ def stored_views(spec: ModelSpec, stored: Iterable[str]) -> dict[str, View]:
             if m is None:
                 continue
             for target, others, build in targets:
-                views[m.expand(target)] = View((name, *(m.expand(o) for o in others)), build)
+                views[m.expand(target)] = View((name, *(m.expand(o) for o in others)), build,
+                                               None if others else PARTS.get(build))
             break
     return views

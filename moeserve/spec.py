@@ -29,10 +29,12 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "DbrxForCausalLM": "dbrx",
     "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",  # its text model (text_config, `language_model.` tensors) only
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
-ROUTINGS = ("softmax", "sparsemixer")  # how the gate picks experts when ModelSpec.router is None
+ROUTINGS = ("softmax", "sparsemixer", "sigmoid")  # how the gate picks experts when ModelSpec.router is None
 PARTIAL_ROTARY = ("glm4_moe",)  # families whose rope may turn only the start of a head
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -106,6 +108,15 @@ class ClampedSwiGLU:
 
 
 @dataclass(frozen=True)
+class AttentionTemperature:
+    """Llama-4's attention temperature on its NoPE layers: the query at position p is multiplied by
+    1 + scale * log(1 + floor((p + 1) / floor_scale)), so attention stays sharp far into a long context."""
+
+    floor_scale: float = 8192.0
+    scale: float = 0.1
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     vocab_size: int
@@ -122,11 +133,18 @@ class ModelSpec:
     lm_head_bias: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # None | "head" (Qwen3, GLM: per head) | "full" (OLMoE: over all heads)
+    # None | "head" (Qwen3, GLM: per head) | "full" (OLMoE: over all heads) | "l2" (Llama-4: per head, no weight,
+    # after the rotary, on rotary layers only)
+    qk_norm: str | None = None
     rotary_dim: int = 0  # rotated dims of a head's query/key, from its start (0: all of head_dim; GLM: a part)
     mla: MLASpec | None = None  # DeepSeek's latent attention instead of GQA (head_dim = nope + rope dims)
     clip_qkv: float | None = None
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    # Llama-4, per layer: chunked attention (a query sees the keys of its own chunk of positions [c C, (c + 1) C)
+    # only; None = not chunked), and NoPE layers (True: no rotary; the attention temperature instead, if any)
+    attention_chunks: tuple[int | None, ...] = ()
+    nope_layers: tuple[bool, ...] = ()
+    attention_temperature: AttentionTemperature | None = None
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax row (dropped after)
     norm_fp32: bool = False  # GPT-OSS: RMSNorm weights kept and applied in float32, the product cast after
     # sparse part
@@ -136,11 +154,14 @@ class ModelSpec:
     norm_topk_prob: bool = True
     router_weights_fp32: bool = True  # Mixtral keeps routing weights in fp32, Qwen/OLMoE cast to the model dtype
     router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: `routing` says
-    routing: str = "softmax"  # ROUTINGS: softmax top-k (TopKRouter) | Phi-MoE's sparsemixer top-2 (SparseMixerRouter)
+    # ROUTINGS: softmax top-k (TopKRouter) | Phi-MoE's sparsemixer top-2 (SparseMixerRouter) | sigmoid of the top-k
+    # logits (SigmoidTopKRouter, Llama-4)
+    routing: str = "softmax"
     router_jitter_eps: float = 0.0  # sparsemixer: experts whose logit is within 2 eps (relative) of the best compete
     router_bias: bool = False  # GPT-OSS: the gate linear has a bias
     expert_bias: bool = False  # GPT-OSS: gate_up and down projections of the experts have biases
     expert_act: ClampedSwiGLU | None = None  # None: silu(gate) * up
+    router_scales_input: bool = False  # Llama-4 (top-1): the gate weight scales the expert's input, not its output
     experts_mxfp4: bool = False  # routed experts stored as MXFP4 blocks + scales (quant_method mxfp4), kept packed
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
     dense_ffn: int = 0  # FFN width of dense layers
@@ -659,12 +680,65 @@ def _gpt_oss(cfg: dict) -> ModelSpec:
     )
 
 
+def _llama4(cfg: dict) -> ModelSpec:
+    """Llama-4's text model (Llama4ForConditionalGeneration's: its text_config over the top level): MoE layers every
+    interleave_moe_layer_step (or as moe_layers lists them) with a shared expert, dense layers between them; a
+    sigmoid top-1 router whose weight scales the expert's input; attention as _llama4_attention reads it."""
+    text = {**cfg, **(cfg.get("text_config") or {}), "architectures": cfg.get("architectures")}
+    text.setdefault("rms_norm_eps", 1e-5)
+    c = _common(text, "llama4", _rope(text, interleave=True))
+    L, k = c["num_layers"], text.get("num_experts_per_tok", 1)
+    if k != 1:
+        raise MoeserveError(f"Llama-4's router scales the expert's input by its weight; moeserve runs that for one "
+                            f"expert per token (num_experts_per_tok 1, as every Llama-4 checkpoint), not {k}")
+    step = text.get("interleave_moe_layer_step") or 1
+    moe = text.get("moe_layers")
+    moe = set(range(step - 1, L, step) if moe is None else moe)
+    bias = bool(text.get("attention_bias", False))
+    ffn = text["intermediate_size"]
+    return ModelSpec(
+        **c, qkv_bias=bias, o_bias=bias, **_llama4_attention(text, L), num_experts=text["num_local_experts"],
+        top_k=1, expert_ffn=ffn, norm_topk_prob=False, router_weights_fp32=False, routing="sigmoid",
+        router_scales_input=True, moe_layers=tuple(i in moe for i in range(L)),
+        dense_ffn=text.get("intermediate_size_mlp", 16384), shared_expert_ffn=ffn,
+    )
+
+
+def _llama4_attention(text: dict, L: int) -> dict:
+    """Llama-4's attention fields: rotary layers (no_rope_layers 1; by default all but every
+    no_rope_layer_interval-th) attend in chunks of attention_chunk_size (as layer_types says, where it does) and
+    L2-norm q and k (use_qk_norm); the others are NoPE layers with the attention temperature
+    (attn_temperature_tuning, floor_scale, attn_scale)."""
+    rope_layers = _llama4_list(text, "no_rope_layers", L) or [
+        int((i + 1) % (text.get("no_rope_layer_interval") or 4) != 0) for i in range(L)]
+    chunk = text.get("attention_chunk_size")
+    types = _llama4_list(text, "layer_types", L) or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in rope_layers]
+    if not set(types) <= {"chunked_attention", "full_attention"}:
+        raise MoeserveError(f"layer_types must list chunked_attention / full_attention, got {types!r}")
+    temperature = (AttentionTemperature(float(text.get("floor_scale", 8192)), float(text.get("attn_scale", 0.1)))
+                   if text.get("attn_temperature_tuning", True) else None)
+    return dict(qk_norm="l2" if text.get("use_qk_norm", True) else None, sliding_windows=(None,) * L,
+                attention_chunks=tuple(chunk if t == "chunked_attention" else None for t in types),
+                nope_layers=tuple(not r for r in rope_layers), attention_temperature=temperature)
+
+
+def _llama4_list(cfg: dict, name: str, L: int) -> list | None:
+    """A per-layer list of Llama-4's config (no_rope_layers, layer_types), None where it names none."""
+    values = cfg.get(name)
+    if not values:
+        return None
+    if len(values) < L:
+        raise MoeserveError(f"{name} must name each of the {L} layers, got {values!r}")
+    return list(values[:L])
+
+
 _SPEC_READERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
                  "prmoe": _prmoe, "deepseek_v2": lambda cfg: _deepseek(cfg, "deepseek_v2"),
                  "deepseek_v3": lambda cfg: _deepseek(cfg, "deepseek_v3"), "glm4_moe": _glm4_moe,
                  "phimoe": _phimoe, "granitemoe": lambda cfg: _granitemoe(cfg, "granitemoe"),
                  "granitemoeshared": lambda cfg: _granitemoe(cfg, "granitemoeshared"), "dbrx": _dbrx,
-                 "gpt_oss": _gpt_oss}
+                 "gpt_oss": _gpt_oss, "llama4": _llama4}
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, max_position_embeddings: int):

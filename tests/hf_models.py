@@ -13,8 +13,11 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
             "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
-            "granitemoe", "granitemoeshared", "dbrx", "gpt_oss"]
+            "granitemoe", "granitemoeshared", "dbrx", "gpt_oss", "llama4"]
 STORE_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # those whose experts expert stores take (hybrid, offload)
+# families whose transformers generation of a left-padded batch differs from that of each prompt alone, and why:
+# the greedy reference for them is each prompt alone (moeserve's batches give what each prompt gives alone)
+UNPADDED_REFERENCE = {"llama4": "transformers' attention temperature of the NoPE layers counts left pads as positions"}
 # MLA shapes (heads = KV heads: transformers repeats MLA's keys by num_attention_heads / num_key_value_heads)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            intermediate_size=80, moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1)
@@ -51,6 +54,16 @@ GPT_OSS = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, n
                num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0})
+
+
+# Llama-4: MoE layers 1 and 3 (dense 0 and 2), NoPE layer 3 (no_rope_layer_interval 4), chunks of 6 positions on
+# the rope layers (the tests run 17 and more), qk-norm, a temperature floor_scale of 3 (it changes every 3
+# positions) and attn_scale 0.5, llama3 rope scaling whose original context (32) turns the low frequencies
+LLAMA4 = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=48,
+              num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=6,
+              use_qk_norm=True, attn_temperature_tuning=True, floor_scale=3, attn_scale=0.5,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
 
 
 def family_configs():
@@ -90,6 +103,7 @@ def family_configs():
         "granitemoeshared": ("GraniteMoeSharedConfig", dict(GRANITE, shared_intermediate_size=24)),
         "dbrx": ("DbrxConfig", DBRX),
         "gpt_oss": ("GptOssConfig", GPT_OSS),
+        "llama4": ("Llama4TextConfig", LLAMA4),
     }
 
 

@@ -194,8 +194,9 @@ def test_quantize_and_run_quantized_linear_on_cuda():
 
 @pytest.fixture(scope="module")
 def graph_models(hf_checkpoints):
-    """The demo and tiny random Mixtral, DeepSeek-V3 (MLA: the latent cache, absorbed decode; grouped routing) and
-    GLM-4.5 (partial rotary), bf16 on the GPU (16-bit: the sync-free expert kernels)."""
+    """The demo and tiny random Mixtral, DeepSeek-V3 (MLA: the latent cache, absorbed decode; grouped routing),
+    GLM-4.5 (partial rotary), GPT-OSS and Llama-4 (chunked masks, NoPE temperature, deinterleaved rotary, the scaled
+    expert input), bf16 on the GPU (16-bit: the sync-free expert kernels)."""
     from moeserve.cli import DEMO_DIR
 
     return {"demo": moeserve.load_model(DEMO_DIR, device="cuda", dtype=torch.bfloat16),
@@ -203,7 +204,7 @@ def graph_models(hf_checkpoints):
                for fam in GRAPH_FAMILIES}}
 
 
-GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4")
 
 
 @pytest.mark.parametrize("name", ["demo", *(f"tiny_{fam}" for fam in GRAPH_FAMILIES)])

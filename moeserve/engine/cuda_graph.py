@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -93,7 +94,7 @@ class SegmentedDecoder:
         self.inputs: list[torch.Tensor] = []  # tokens, positions, valid [B, 1] (static with graphs)
         self.carried: list[torch.Tensor] = []  # per host layer: the residual stream [B, 1, D] after its attention
         self.pending: list[torch.Tensor] = []  # per host layer: its experts' output [B, 1, D], read by the next segment
-        self.begun: DecodeState | None = None  # the first segment's state: rotary tables and masks of the step
+        self.begun: DecodeState | None = None  # the first segment's state: the step's rotary tables and masks
         self.failed = False
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -138,8 +139,7 @@ class SegmentedDecoder:
             if i == 0:
                 state = self.begun = model.decode_begin(*self.inputs, kv)
             else:
-                b = self.begun
-                state = DecodeState(self.carried[i - 1], self.pending[i - 1], b.cos, b.sin, b.masks)
+                state = replace(self.begun, x=self.carried[i - 1], pending=self.pending[i - 1])
             state = model.decode_layers(state, start, stop, kv)
             if i == len(layers):
                 return model.decode_end(state)

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.kernels import needs_grad, triton_serves
 from moeserve.model.sinks import sink_attention
-from moeserve.spec import ModelSpec, longrope_long_inv_freq, longrope_mscales, rope_inv_freq
+from moeserve.spec import AttentionTemperature, ModelSpec, longrope_long_inv_freq, longrope_mscales, rope_inv_freq
 
 # SDPA's cuDNN backend builds an execution plan per new shape, milliseconds of host time, and an eager decode step
 # has a new key length every step (offload, hybrid): attention on CUDA runs on the other backends.
@@ -124,6 +124,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def deinterleaved(x: torch.Tensor) -> torch.Tensor:
+    """x [.., R] with rotary pairs interleaved, (x0, x1), (x2, x3).. (DeepSeek's, Llama-4's) -> the even dims then
+    the odd ones, the halves apply_rotary turns as pairs. Queries and keys take the same order, so q.k is as it was."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-4's qk-norm: x [.., Dh] over its root mean square, no weight (float32, cast back)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature_scale(t: AttentionTemperature, positions: torch.Tensor) -> torch.Tensor:
+    """Llama-4's query scale at positions [B, S] -> [B, S] float32 (AttentionTemperature's formula)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
+
+
 def linears_path(x: torch.Tensor, mods) -> str:
     """How linears() runs x through mods: "skinny" (CUDA, decode rows: one launch for all of them, where cuBLAS runs
     each as a split-K GEMV plus a reduce) or "torch" (each module). Names in model/paths.py LINEAR_PATHS."""
@@ -170,7 +187,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(H * Dh, D, bias=spec.o_bias)
-        self.qk_norm = spec.qk_norm
+        nope = bool(spec.nope_layers) and spec.nope_layers[layer_idx]
+        self.rotary, self.interleaved = not nope, spec.rope.interleave  # Llama-4's NoPE layers turn nothing
+        self.tempered = nope and spec.attention_temperature is not None  # q times temperature_scale (q_scale)
+        self.qk_norm = None if spec.qk_norm == "l2" and nope else spec.qk_norm  # Llama-4's: on rotary layers
+        self.eps = spec.rms_norm_eps
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(Dh, spec.rms_norm_eps), RMSNorm(Dh, spec.rms_norm_eps)
         elif spec.qk_norm == "full":
@@ -179,14 +200,15 @@ class Attention(nn.Module):
         self.scale = spec.attention_scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
         self.sinks = nn.Parameter(torch.empty(H)) if spec.attention_sinks else None  # GPT-OSS: model/sinks.py
 
-    def forward(self, x, cos, sin, mask, kv=None):
+    def forward(self, x, cos, sin, mask, kv=None, q_scale=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:
-        KVCache or None (static decode: S_total = all of kv.max_len)."""
+        KVCache or None (static decode: S_total = all of kv.max_len); q_scale [B, S]: the attention temperature of
+        each query (temperature_scale), applied on NoPE layers, or None."""
         qkv = self.qkv_into_cache(x, cos, sin, kv) if kv is not None else None
         if qkv is not None:
             q, k, v = qkv
         else:
-            q, k, v = self.qkv(x, cos, sin)
+            q, k, v = self.qkv(x, cos, sin, q_scale)
             if kv is not None:
                 k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
         return linears(self.attend(q, k, v, mask), self.o_proj)[0]
@@ -195,9 +217,9 @@ class Attention(nn.Module):
         """The projections that read the layer input, run side by side (linears)."""
         return self.q_proj, self.k_proj, self.v_proj
 
-    def qkv(self, x, cos, sin):
-        """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated).
-        A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
+    def qkv(self, x, cos, sin, q_scale=None):
+        """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated, q
+        tempered). A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
         B, S, _ = x.shape
         q, k, v = linears(x, *self.input_projections())  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
@@ -208,18 +230,29 @@ class Attention(nn.Module):
         k = k.view(B, S, self.Hkv, self.Dh)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, Dh]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Dh], [B, Hkv, S, Dh]
+        if self.rotary:
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if self.qk_norm == "l2":
+            q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+        if self.tempered:
+            q = (q * q_scale[:, None, :, None]).to(q.dtype)
         return q, k, v.view(B, S, self.Hkv, self.Dh).transpose(1, 2)  # v [B, Hkv, S, Dh]
+
+    def rotate(self, x, cos, sin):
+        """x [B, h, S, Dh] rotated (its pairs deinterleaved first where the family interleaves them: Llama-4)."""
+        return apply_rotary(deinterleaved(x) if self.interleaved else x, cos, sin)
 
     def qkv_into_cache(self, x, cos, sin, kv):
         """A static decode step's (q, keys, values) as qkv() and kv.update() give them, in two launches: the three
         projections (side_by_side), then the rotary of q and k and the cache writes of k and v (rotary_into_cache)
         instead of seven. None where that does not apply: a dynamic pass, several tokens, qk norms or clipping,
-        partial rotary, layers skinny does not take, dtypes that differ."""
+        partial, interleaved or no rotary, the attention temperature, layers skinny does not take, dtypes that
+        differ."""
         cache = kv.static_slot(self.layer_idx)
         mods = self.input_projections()
         if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
+                or not self.rotary or self.interleaved or self.tempered
                 or cos.shape[-1] != self.Dh
                 or linears_path(x, mods) != "skinny"
                 or not x.dtype == cos.dtype == sin.dtype == cache[0].dtype):

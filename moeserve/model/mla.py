@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.model.layers import RMSNorm, apply_rotary, linears
+from moeserve.model.layers import RMSNorm, apply_rotary, deinterleaved, linears
 from moeserve.spec import ModelSpec
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers gives them the default eps, not rms_norm_eps
@@ -57,9 +57,10 @@ class MLAttention(nn.Module):
         S H (2 r + rope) < H r (nope + v) + S H (nope + rope + v) per key (both share the rope part)."""
         return S * (2 * self.rank - self.nope - self.v_dim) < self.rank * (self.nope + self.v_dim)
 
-    def forward(self, x, cos, sin, mask, kv=None):
+    def forward(self, x, cos, sin, mask, kv=None, q_scale=None):
         """x [B, S, D]; cos/sin [B, S, rope]; mask [B, 1, S, S_total] bool (True = attend) or additive (static
-        decode); kv: KVCache, SlotKVCache or None. -> [B, S, D]."""
+        decode); kv: KVCache, SlotKVCache or None; q_scale: None (no MLA family has an attention temperature).
+        -> [B, S, D]."""
         B, S, _ = x.shape
         q, latent = linears(x, *self.input_projections())  # [B, S, H (nope + rope)] or [B, S, q_lora]; [B, S, r + rope]
         if self.q_lora:
@@ -75,12 +76,9 @@ class MLAttention(nn.Module):
         return linears(attend(q_nope, q_rope, entry, mask), self.o_proj)[0]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, h, S, rope]. DeepSeek's interleaved pairs (x0, x1), (x2, x3).. become the halves rotate-half turns:
-        the even dims then the odd ones (transformers' interleaved rope gives this layout too; any fixed order of
-        the rope dims gives the same q.k, as queries and keys share it)."""
-        if self.interleave:
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return apply_rotary(x, cos, sin)
+        """x [B, h, S, rope], DeepSeek's interleaved pairs deinterleaved first (transformers' interleaved rope gives
+        this layout too)."""
+        return apply_rotary(deinterleaved(x) if self.interleave else x, cos, sin)
 
     def _absorbed(self, q_nope, q_rope, entry, mask):
         """q_nope [B, S, H, nope], q_rope [B, H, S, rope], entry [B, S_total, r + rope] -> [B, S, H v]."""

@@ -2,7 +2,8 @@
 
 The shared expert is added (Mixtral has none), sigmoid-gated (Qwen2-MoE), or mixed with the routed output by a
 learned 2-way softmax (PR-MoE's residual MoE, DeepSpeed-MoE's use_residual: out = c0 * routed + c1 * mlp,
-c = softmax(Linear(D, 2)(x)))."""
+c = softmax(Linear(D, 2)(x))). Llama-4's gate weight scales its one expert's input instead of its output: the
+experts get x * w with weight 1 (ModelSpec.router_scales_input), the shared expert x."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from moeserve.model.experts import ExpertBackend, ResidentExperts
 from moeserve.quant.mxfp4 import Mxfp4Experts
 from moeserve.model.layers import MLP
-from moeserve.model.router import GroupedRouter, SparseMixerRouter, TopKRouter
+from moeserve.model.router import GroupedRouter, SigmoidTopKRouter, SparseMixerRouter, TopKRouter
 from moeserve.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class MoEBlock(nn.Module):
             self.gate = GroupedRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router)
         elif spec.routing == "sparsemixer":
             self.gate = SparseMixerRouter(D, E, spec.router_jitter_eps)
+        elif spec.routing == "sigmoid":
+            self.gate = SigmoidTopKRouter(D, E, spec.top_k)
         else:
             self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32, spec.router_bias)
         self.experts: ExpertBackend = resident_experts(spec, E)
@@ -45,6 +48,7 @@ class MoEBlock(nn.Module):
         else:
             self.shared_expert = None
         self.coefficient = nn.Linear(D, 2) if spec.residual_mix else None  # [routed, shared] mix logits
+        self.scales_input = spec.router_scales_input
         self._logged: set[tuple[int, str]] = set()  # (tokens, path) pairs already logged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,8 @@ class MoEBlock(nn.Module):
         prepared = self._prepared_input(x)
         if prepared is None:
             expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
-            out = self.experts(x, expert_ids, expert_weights)  # [T, D]
+            routed_x, expert_weights = self._routed_input(x, expert_weights)
+            out = self.experts(routed_x, expert_ids, expert_weights)  # [T, D]
         else:
             expert_ids, expert_weights, _ = self.gate(x, prepared)
             out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
@@ -82,12 +87,20 @@ class MoEBlock(nn.Module):
                mix: torch.Tensor | None) -> torch.Tensor:
         """route()'s output -> the block's output [T, D]: the experts, plus the shared expert (computed by a backend
         that overlaps it with its own work while that is in flight: the hybrid CPU experts, expert parallelism)."""
+        routed_x, expert_weights = self._routed_input(x, expert_weights)
         if self.shared_expert is None:
-            return self.experts(x, expert_ids, expert_weights)
-        shared = lambda t: self._shared(t, mix)  # noqa: E731
+            return self.experts(routed_x, expert_ids, expert_weights)
+        # the shared expert reads the block's input x, also where the experts read it scaled (Llama-4)
         if self.experts.overlaps_dense:
-            return self.experts(x, expert_ids, expert_weights, dense=shared)
-        return self.experts(x, expert_ids, expert_weights) + shared(x)
+            return self.experts(routed_x, expert_ids, expert_weights, dense=lambda _: self._shared(x, mix))
+        return self.experts(routed_x, expert_ids, expert_weights) + self._shared(x, mix)
+
+    def _routed_input(self, x: torch.Tensor, expert_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the experts' input [T, D], their gate weights [T, k]): x and the weights as they are, or Llama-4's
+        x * w [T, D] (top-1) with weight 1."""
+        if not self.scales_input:
+            return x, expert_weights
+        return x * expert_weights.to(x.dtype), torch.ones_like(expert_weights)
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor | None:
         """PR-MoE's [routed, shared] mix of x [T, D] -> [T, 2], or None."""

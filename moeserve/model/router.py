@@ -145,3 +145,25 @@ class SparseMixerRouter(nn.Module):
     def kernel_path(self, x: torch.Tensor) -> str:
         """Always "torch" (model/paths.py ROUTER_PATHS): PyTorch ops, no host sync (CUDA-graph safe)."""
         return "torch"
+
+
+class SigmoidTopKRouter(nn.Module):
+    """Llama-4's router: a linear gate in the model dtype, then the top-k logits, each through a sigmoid (float32,
+    cast back to x's dtype); no renormalisation. `weight` [E, D] is HF's `feed_forward.router.weight`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor, prepared=None):
+        """x [T, D] -> expert_ids [T, k], expert_weights [T, k] (x's dtype), logits [T, E]."""
+        if prepared is not None:
+            raise ValueError("only the triton_topk router path prepares x for the experts")
+        logits = F.linear(x, self.weight)  # [T, E]
+        top, ids = logits.topk(self.top_k, dim=-1)  # [T, k] x2
+        return ids, torch.sigmoid(top.float()).to(x.dtype), logits
+
+    def kernel_path(self, x: torch.Tensor) -> str:
+        """Always "torch" (model/paths.py ROUTER_PATHS): PyTorch ops, no host sync (CUDA-graph safe)."""
+        return "torch"

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from moeserve.model.kv_cache import KVCache, SlotKVCache
-from moeserve.model.layers import MLP, Attention, RotaryEmbedding, decoder_norm
+from moeserve.model.layers import MLP, Attention, RotaryEmbedding, decoder_norm, temperature_scale
 from moeserve.model.mla import MLAttention
 from moeserve.model.moe import MoEBlock
 from moeserve.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Span:
+    """Which keys a layer's queries see besides the causal rule: the last `window` positions (a sliding window), or
+    those of the query's own chunk of `chunk` positions (Llama-4's chunked attention); None: no such limit."""
+
+    window: int | None = None
+    chunk: int | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -21,24 +30,28 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(spec, layer_idx) if spec.mla is not None else Attention(spec, layer_idx)
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size)
         self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
-        self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+        window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
+        chunk = spec.attention_chunks[layer_idx] if spec.attention_chunks else None
+        self.span = Span(window, chunk)  # which keys its queries see: the key of its mask (attention_masks)
         self.residual_multiplier = spec.residual_multiplier  # Granite: on both branches before their adds
 
-    def forward(self, x, cos, sin, mask, kv):
-        x, out = self.step(x, None, cos, sin, mask, kv)
+    def forward(self, x, cos, sin, mask, kv, q_scale=None):
+        x, out = self.step(x, None, cos, sin, mask, kv, q_scale)
         return x + out
 
-    def step(self, x, pending, cos, sin, mask, kv):
+    def step(self, x, pending, cos, sin, mask, kv, q_scale=None):
         """The layer on the residual stream x + pending (pending: the previous layer's MLP output, or None) ->
         (its residual stream before the MLP output, the MLP output): each residual add goes into the launch of the
-        RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's."""
-        x, normed = self.pre_mlp(x, pending, cos, sin, mask, kv)
+        RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's. q_scale [B, S]: the queries'
+        attention temperature (Llama-4's NoPE layers) or None."""
+        x, normed = self.pre_mlp(x, pending, cos, sin, mask, kv, q_scale)
         return x, self.residual(self.mlp(normed))
 
-    def pre_mlp(self, x, pending, cos, sin, mask, kv):
+    def pre_mlp(self, x, pending, cos, sin, mask, kv, q_scale=None):
         """step() up to the MLP: (the residual stream after attention, the MLP's normed input)."""
         normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
-        normed, x = self.post_attention_layernorm.added(x, self.residual(self.self_attn(normed, cos, sin, mask, kv)))
+        attn = self.self_attn(normed, cos, sin, mask, kv, q_scale)
+        normed, x = self.post_attention_layernorm.added(x, self.residual(attn))
         return x, normed
 
     def residual(self, out: torch.Tensor) -> torch.Tensor:
@@ -49,14 +62,15 @@ class DecoderLayer(nn.Module):
 @dataclass
 class DecodeState:
     """A static decode step between its pieces (MoETransformer.decode_begin / decode_layers / decode_end): the
-    residual stream [B, 1, D], the last MLP output not yet added to it (or None), the step's rotary tables and
-    additive masks (one per sliding window)."""
+    residual stream [B, 1, D], the last MLP output not yet added to it (or None), the step's rotary tables,
+    additive masks (one per Span) and the queries' attention temperature [B, S] (None: the family has none)."""
 
     x: torch.Tensor
     pending: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
     masks: dict
+    q_scale: torch.Tensor | None = None
 
 
 class Backbone(nn.Module):
@@ -69,19 +83,25 @@ class Backbone(nn.Module):
         self.norm = decoder_norm(spec, spec.hidden_size)
 
 
-def attention_masks(q_slots, key_valid, windows):
-    """Boolean masks [B, 1, S, S_total] per distinct sliding window (None = full causal).
+def attention_masks(q_slots, q_positions, key_valid, spans):
+    """Boolean masks [B, 1, S, S_total] per distinct Span.
 
-    q_slots [S] (or [B, S], per sequence) are the cache slots of the new tokens, key_valid [B, S_total] marks
-    real tokens. A query always sees itself, so a pad row never has an empty (NaN) softmax.
+    q_slots [S] (or [B, S], per sequence) are the cache slots of the new tokens, q_positions [B, S] their
+    positions, key_valid [B, S_total] marks real tokens. A sequence's tokens fill consecutive slots, so a key
+    diff = slot distance before a query at position p is at position p - diff: in p's chunk of C positions when
+    diff <= p mod C. A query always sees itself, so a pad row never has an empty (NaN) softmax.
     """
     k_slots = torch.arange(key_valid.shape[1], device=key_valid.device)  # [S_total]
     diff = q_slots[..., :, None] - k_slots  # [S, S_total] or [B, S, S_total]
     diff = diff if diff.dim() == 3 else diff[None]
     masks = {}
-    for w in set(windows):
-        allowed = diff >= 0 if w is None else (diff >= 0) & (diff < w)
-        masks[w] = ((allowed & key_valid[:, None, :]) | (diff == 0))[:, None]
+    for span in set(spans):
+        allowed = diff >= 0
+        if span.window is not None:
+            allowed = allowed & (diff < span.window)
+        if span.chunk is not None:
+            allowed = allowed & (diff <= (q_positions % span.chunk)[..., None])  # [B, S, S_total]
+        masks[span] = ((allowed & key_valid[:, None, :]) | (diff == 0))[:, None]
     return masks
 
 
@@ -127,7 +147,8 @@ class MoETransformer(nn.Module):
             q_slots, key_valid = torch.arange(S, device=tokens.device), valid  # [S], [B, S]
         else:
             q_slots, key_valid = kv.pass_slots(positions, valid)  # [S] or [B, S], [B, S_total]
-        x, pending = self._layers(tokens, positions, attention_masks(q_slots, key_valid, self._windows()), kv)
+        masks = attention_masks(q_slots, positions, key_valid, self.spans())
+        x, pending = self._layers(tokens, positions, masks, kv)
         if kv is not None:
             kv.commit()
         if last_only:
@@ -150,24 +171,25 @@ class MoETransformer(nn.Module):
     def decode_begin(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                      kv: KVCache | SlotKVCache) -> DecodeState:
         """Embed tokens [B, 1]; the step's masks and rotary tables."""
-        masks = attention_masks(*kv.static_pass_slots(positions, valid), self._windows())
-        masks = {w: additive_mask(m, self.dtype) for w, m in masks.items()}
+        q_slots, key_valid = kv.static_pass_slots(positions, valid)
+        masks = attention_masks(q_slots, positions, key_valid, self.spans())
+        masks = {span: additive_mask(m, self.dtype) for span, m in masks.items()}
         return self._start(tokens, positions, masks)
 
     def decode_layers(self, state: DecodeState, start: int, stop: int, kv: KVCache | SlotKVCache) -> DecodeState:
         """Layers [start, stop) of the step (forward's pass too)."""
         x, pending = state.x, state.pending
         for layer in self.model.layers[start:stop]:
-            x, pending = layer.step(x, pending, state.cos, state.sin, state.masks[layer.sliding_window], kv)
-        return DecodeState(x, pending, state.cos, state.sin, state.masks)
+            x, pending = layer.step(x, pending, state.cos, state.sin, state.masks[layer.span], kv, state.q_scale)
+        return replace(state, x=x, pending=pending)
 
     def decode_to_mlp(self, state: DecodeState, layer: int, kv: KVCache | SlotKVCache):
         """Layer `layer` up to its MLP -> (the state with its residual stream, the MLP's normed input [B, 1, D]):
         the MLP's output becomes the next piece's pending."""
         block = self.model.layers[layer]
-        x, normed = block.pre_mlp(state.x, state.pending, state.cos, state.sin, state.masks[block.sliding_window],
-                                  kv)
-        return DecodeState(x, None, state.cos, state.sin, state.masks), normed
+        x, normed = block.pre_mlp(state.x, state.pending, state.cos, state.sin, state.masks[block.span], kv,
+                                  state.q_scale)
+        return replace(state, x=x, pending=None), normed
 
     def decode_end(self, state: DecodeState) -> torch.Tensor:
         """The final norm and the LM head -> logits [B, 1, V]."""
@@ -184,8 +206,9 @@ class MoETransformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         return x if self.spec.embedding_multiplier == 1.0 else x * self.spec.embedding_multiplier
 
-    def _windows(self) -> list[int | None]:
-        return [layer.sliding_window for layer in self.model.layers]
+    def spans(self) -> list[Span]:
+        """Each layer's Span: the keys of its masks."""
+        return [layer.span for layer in self.model.layers]
 
     def _layers(self, tokens, positions, masks, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
@@ -194,7 +217,9 @@ class MoETransformer(nn.Module):
         return state.x, state.pending if state.pending is not None else torch.zeros_like(state.x)
 
     def _start(self, tokens, positions, masks) -> DecodeState:
-        """tokens [B, S] embedded, with the pass's rotary tables and masks: the state before the first layer."""
+        """tokens [B, S] embedded, with the pass's rotary tables, masks and attention temperature: the state
+        before the first layer."""
         x = self.embed(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
-        return DecodeState(x, None, cos, sin, masks)
+        t = self.spec.attention_temperature
+        return DecodeState(x, None, cos, sin, masks, temperature_scale(t, positions) if t is not None else None)

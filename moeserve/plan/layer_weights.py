@@ -80,7 +80,7 @@ class LayerWeights:
         self.copier = Copier(self.device)
         self.resident = {i: self._copy_now(i) for i in range(resident)}
         self.streamed = list(range(resident, len(layers)))
-        self.buffers: dict[tuple[int, str], list] = {}  # (slot, kind) -> [module, layer held, loaded, freed]
+        self.buffers: dict[tuple, list] = {}  # (slot, kind) -> [module, layer held, loaded, freed]
         self.bytes_streamed = 0
 
     def _copy_now(self, i: int) -> DecoderLayer:
@@ -91,11 +91,17 @@ class LayerWeights:
 
     def _buffer(self, i: int) -> list:
         slot = self.streamed.index(i) % 2
-        kind = type(self.host[i].mlp).__name__
+        kind = self._kind(i)
         if (slot, kind) not in self.buffers:
             module = device_layer(self.host[i], self.spec, self.device, self.with_ffn)
             self.buffers[slot, kind] = [module, None, self._event(), self._event()]
         return self.buffers[slot, kind]
+
+    def _kind(self, i: int) -> tuple[str, bool]:
+        """What the layers streamed through one buffer share besides their weights' shapes: the FFN's kind (dense or
+        MoE) and whether attention rotates q and k (Llama-4's NoPE layers do not, and temper q instead)."""
+        host = self.host[i]
+        return type(host.mlp).__name__, getattr(host.self_attn, "rotary", True)
 
     def _event(self):
         if not self.cuda:

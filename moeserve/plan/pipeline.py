@@ -43,6 +43,7 @@ from moeserve.engine.generate import Generation, TextStream, check_request, left
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.model.kv_cache import KVCache
+from moeserve.model.layers import temperature_scale
 from moeserve.model.transformer import attention_masks
 from moeserve.plan.cpu_attention import gqa_attention
 from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size
@@ -121,7 +122,7 @@ class Pipeline:
         L = self.spec.num_layers
         self.weights = LayerWeights(model.model.layers, self.spec, round(policy.weights_gpu_fraction * L),
                                     self.device, policy.ffn_on_gpu)
-        self.windows = [layer.sliding_window for layer in model.model.layers]
+        self.spans = model.spans()
         self.d2h = torch.cuda.Stream(self.device) if self.cuda else None  # q/k/v and prefill KV to the host
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None  # attention outputs, FlexGen KV to the GPU
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cpu-attention")
@@ -183,15 +184,15 @@ class Pipeline:
         attention one is (the activations and FlexGen KV of two micro-batches live at a time, as the planner's
         memory model counts them)."""
         x = [self.embed(mb.tokens) for mb in mbs]  # [n, S, D] each
-        rope = [self.rotary(mb.positions, self.dtype) for mb in mbs]
-        masks = [self._masks(mb) for mb in mbs]  # window -> [n, 1, S, S_total]
+        rope = [self._position_tables(mb) for mb in mbs]  # (cos, sin, q_scale) each
+        masks = [self._masks(mb) for mb in mbs]  # Span -> [n, 1, S, S_total]
         ahead = len(mbs) if any(self._cpu_attends(mb) for mb in mbs) else 1
         writes: list[Future] = []  # worker jobs appending FlexGen's decode KV to host caches
         for i in range(self.spec.num_layers):
             layer = self.weights.get(i)
             queued: deque = deque()  # (micro-batch index, attention output or its Future)
             for m, mb in enumerate(mbs):
-                queued.append((m, self._attention(layer, i, mb, x[m], rope[m], masks[m][self.windows[i]], writes)))
+                queued.append((m, self._attention(layer, i, mb, x[m], rope[m], masks[m][self.spans[i]], writes)))
                 if len(queued) > ahead:
                     self._post_attention(layer, i, x, *queued.popleft())
             while queued:
@@ -212,14 +213,21 @@ class Pipeline:
         return not (mb.kv_on_gpu or self.policy.attention_on_gpu or mb.kv.length == 0)
 
     def _masks(self, mb: MicroBatch) -> dict:
-        """Reserve this pass's cache slots; attention masks {window: [n, 1, S, S_total]} built on the device
+        """Reserve this pass's cache slots; attention masks {Span: [n, 1, S, S_total]} built on the device
         the attention of mb runs on, once per pass."""
         start, S = mb.kv.length, mb.tokens.shape[1]
         key_valid = mb.kv.begin(mb.valid.to(mb.kv.valid.device))  # [n, S_total]
         if not self._cpu_attends(mb):
             key_valid = key_valid.to(self.device)
         q_slots = torch.arange(start, start + S, device=key_valid.device)
-        return attention_masks(q_slots, key_valid, self.windows)
+        return attention_masks(q_slots, mb.positions.to(key_valid.device), key_valid, self.spans)
+
+    def _position_tables(self, mb: MicroBatch) -> tuple:
+        """qkv()'s position arguments for mb's tokens: the rotary tables and the queries' attention temperature
+        [n, S] (None: the family has none)."""
+        t = self.spec.attention_temperature
+        cos, sin = self.rotary(mb.positions, self.dtype)
+        return cos, sin, temperature_scale(t, mb.positions) if t is not None else None
 
     def _attention(self, layer, i: int, mb: MicroBatch, x, rope, mask, writes: list[Future]):
         """Pre-attention and attention of micro-batch mb at layer i -> its output [n, S, H*Dh] on the GPU, or a

@@ -31,7 +31,7 @@ def moe_layers(path) -> list[int]:
     return [i for i, moe in enumerate(spec.moe_layers) if moe]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4"])  # llama4: scaled expert input
 @pytest.mark.parametrize("split,slots", [("all", 0), ("some", 0), ("all", 3), ("some", 5)])
 def test_gpu_hybrid_fp32_equals_resident(hf_checkpoints, family, split, slots):
     path = hf_checkpoints[family][1]

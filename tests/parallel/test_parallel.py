@@ -25,6 +25,7 @@ CASES = {
         ("model", ["phimoe"], 2, 1, 128), ("model", ["phimoe"], 1, 2, 128),  # biases (head too), LayerNorm, LongRoPE
         ("model", ["granitemoeshared", "dbrx"], 2, 1, 128),  # muP, shared MLP; DBRX's fused tensors split on reading
         ("model", ["granitemoeshared", "dbrx"], 1, 2, 128),
+        ("model", ["llama4"], 2, 1, 128), ("model", ["llama4"], 1, 2, 128),  # NoPE, chunks, experts' scaled input
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),

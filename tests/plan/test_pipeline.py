@@ -41,7 +41,7 @@ def piped(model, policy, prompts, params):
     return [g.token_ids for g in gens], logits
 
 
-@pytest.mark.parametrize("family", ["mixtral", "mixtral_sliding", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "mixtral_sliding", "qwen2_moe", "llama4"])  # llama4: chunks, NoPE
 def test_pipeline_matches_plain_engine(hf_checkpoints, family):
     model = moeserve.load_model(hf_checkpoints[family][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)

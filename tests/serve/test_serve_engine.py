@@ -75,10 +75,10 @@ def test_joining_and_leaving_requests_get_their_solo_tokens(demo, mixed_requests
 
 
 @pytest.mark.parametrize("family,static", [("mixtral_sliding", False), ("qwen3_moe", False), ("deepseek_v3", False),
-                                           ("deepseek_v3", True)])
+                                           ("deepseek_v3", True), ("llama4", False), ("llama4", True)])
 def test_per_slot_positions_with_sliding_window_and_qk_norm(hf_checkpoints, family, static):
     """Masks from per-row positions: a sliding window of 5 tokens over prompts read in 3-token chunks; MLA's latent
-    cache in slots, eager and through the padded static step."""
+    cache in slots, eager and through the padded static step; Llama-4's attention chunks and temperature."""
     model = moeserve.load_model(hf_checkpoints[family][1], dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (9, 2, 13, 4)]
