@@ -25,7 +25,8 @@ def newest_runs(results_dir: Path) -> list[dict]:
         # a run over fewer token counts does not hide a full one, nor a 3-bit run a 4-bit one
         merge = {"kernels": _with_newest_rows,  # runs may time a subset of the rows (--rows)
                  "moe_block": _with_newest_block_rows,  # runs may time a subset of the token counts
-                 "lowbit_decode": _with_baseline}.get(rec["name"])  # runs may skip transformers (--hf-layers 0)
+                 "lowbit_decode": _with_baseline,  # runs may skip transformers (--hf-layers 0)
+                 "hybrid": _with_newest_shapes}.get(rec["name"])  # runs may measure a subset of the shapes
         if merge is not None:  # the merge keeps the newer run's fields whatever the file order
             runs[key] = merge(runs.get(key), rec)
         elif key not in runs or rec["date"] > runs[key]["date"]:
@@ -45,6 +46,18 @@ def _with_newest_rows(old: dict | None, new: dict) -> dict:
     have = {(r["N"], r["K"], r["bits"], r["rows"]) for r in newer["rows"]}
     rows = newer["rows"] + [r for r in older["rows"] if (r["N"], r["K"], r["bits"], r["rows"]) not in have]
     return {**newer, "rows": sorted(rows, key=lambda r: (-r["N"], r["K"], -r["bits"], r["rows"]))}
+
+
+def _with_newest_shapes(old: dict | None, new: dict) -> dict:
+    """The newer of two hybrid runs, its shapes completed by the other's it lacks; each shape keeps the date and
+    commit it was measured at."""
+    for rec in (old, new):
+        for shape in (rec["shapes"] if rec else {}).values():
+            shape.setdefault("measured", _measured(rec))
+    if old is None:
+        return new
+    newer, older = (new, old) if new["date"] > old["date"] else (old, new)
+    return {**newer, "shapes": {**older["shapes"], **newer["shapes"]}}
 
 
 _EXPERTS = ("bf16", "4-bit", "3-bit")  # the order of a block's low-bit rows
@@ -345,20 +358,23 @@ def serve_soak_table(rec: dict) -> list[str]:
 
 def hybrid_tables(rec: dict) -> list[str]:
     r, mp = rec["rates"], rec["demo_mixed_precision"]
-    lines = [f"**Hybrid CPU/GPU experts** (batch 1, 4-bit experts; tg: decode tok/s, pp512: prefill tok/s; floor = "
-             f"max(CPU expert bytes / DRAM read {r['dram_read_bytes_per_s'] / 1e9:.0f} GB/s, GPU bytes / HBM "
-             f"{r['hbm_bytes_per_s'] / 1e12:.1f} TB/s) at the run's hit rate; mixed precision costs "
+    link = f"{r['h2d_bytes_per_s'] / 1e9:.0f} GB/s" if r.get("h2d_bytes_per_s") else "the link"
+    lines = [f"**Hybrid CPU/GPU experts** (batch 1, 4-bit experts; tg: decode tok/s, pp512: prefill tok/s, the CPU "
+             f"layers' experts streamed to the GPU; floor = max(CPU expert bytes / DRAM read "
+             f"{r['dram_read_bytes_per_s'] / 1e9:.0f} GB/s, GPU bytes / HBM {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s) at "
+             f"the run's hit rate, pp floor = streamed bytes / host->GPU {link}; mixed precision costs "
              f"{mp['mixed_ppl_cost']:+.2%} perplexity on the demo; {_source(rec)})", ""]
     for name, shape in rec["shapes"].items():
         lines += [f"{name} ({shape['shape']['num_layers']} layers, {shape['shape']['num_experts']} experts, top-"
-                  f"{shape['shape']['top_k']}), GPU budget {shape['budget_bytes'] / 2 ** 30:.0f} GiB:", "",
-                  "| column | CPU layers | GPU cache slots | tg tok/s | pp512 tok/s | floor tok/s | share of floor |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  f"{shape['shape']['top_k']}), GPU budget {shape['budget_bytes'] / 2 ** 30:.0f} GiB (measured "
+                  f"{shape['measured']}):", "",
+                  "| column | CPU layers | GPU cache slots | tg tok/s | floor tok/s | share of floor | pp512 tok/s | "
+                  "pp floor (link) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in shape["rows"]:
-            pp = row.get("pp_tokens_per_s")
+            pp, ppf = row.get("pp_tokens_per_s"), row.get("pp_floor_tokens_per_s")
             lines.append(f"| {row['column']} | {row.get('cpu_layers', '')} | {row.get('cache_slots', '')} | "
-                         f"{row['tg_tokens_per_s']:.2f} | {'-' if pp is None else f'{pp:.1f}'} | "
-                         f"{row['floor_tokens_per_s']:.1f} | {row['of_floor']:.0%} |")
+                         f"{row['tg_tokens_per_s']:.2f} | {row['floor_tokens_per_s']:.1f} | {row['of_floor']:.0%} | "
+                         f"{'-' if pp is None else f'{pp:.1f}'} | {'-' if ppf is None else f'{ppf:.0f}'} |")
         lines.append("")
     return lines
 
