@@ -27,7 +27,7 @@ layer i mod that (as bench/offload.py: every expert read still streams its bytes
 
     python bench/hybrid.py            # GPU: both shapes, JSON to bench/results/, a table on stdout
     python bench/hybrid.py --quick    # tiny model on the CPU (RAM as the model device), seconds
-    OMP_WAIT_POLICY=ACTIVE python bench/hybrid.py   # OpenMP threads spin between regions (default here: PASSIVE)
+    OMP_WAIT_POLICY=PASSIVE python bench/hybrid.py  # OpenMP threads sleep between regions (default: as moeserve)
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+from moeserve.hybrid.placement import openmp_wait_env  # noqa: E402 (no torch)
+
+if "OMP_WAIT_POLICY" not in os.environ:  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+    os.environ.update(openmp_wait_env(len(os.sched_getaffinity(0))))
 import torch  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo

@@ -16,7 +16,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+from moeserve.hybrid.placement import openmp_wait_env  # noqa: E402 (no torch)
+
+if "OMP_WAIT_POLICY" not in os.environ:  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
+    os.environ.update(openmp_wait_env(len(os.sched_getaffinity(0))))
 import torch  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo

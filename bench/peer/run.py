@@ -21,7 +21,7 @@ the build and skips finished runs when the same command runs again on the same m
 
 Knobs (environment): PEER_SHAPES (mixtral,qwen3), PEER_REPS (3), PEER_TG (128), PEER_PP (512), PEER_THREADS
 (physical cores), PEER_WORK (/tmp/peer), PEER_JOBS (CPUs), PEER_BUDGET_S (570: the whole call), PEER_BUILD_MAX_S
-(420: this call's build slice), PEER_N_CPU_MOE (override, e.g. mixtral=21,qwen3=34), PEER_CUDA_FA (ON),
+(420: this call's build slice), PEER_N_CPU_MOE (override, e.g. mixtral=21,qwen3=35), PEER_CUDA_FA (ON),
 PEER_CPU_ONLY (0), PEER_LLAMA_SRC (.peer/llama.cpp), OUT (<work dir>/out).
 """
 
