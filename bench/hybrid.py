@@ -27,7 +27,7 @@ layer i mod that (as bench/offload.py: every expert read still streams its bytes
 
     python bench/hybrid.py            # GPU: both shapes, JSON to bench/results/, a table on stdout
     python bench/hybrid.py --quick    # tiny model on the CPU (RAM as the model device), seconds
-    OMP_WAIT_POLICY=PASSIVE python bench/hybrid.py  # OpenMP threads sleep between regions (default: as moeserve)
+    OMP_WAIT_POLICY=ACTIVE python bench/hybrid.py   # OpenMP threads spin between regions (default here: PASSIVE)
 """
 
 from __future__ import annotations
@@ -41,13 +41,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from moeserve.hybrid.placement import openmp_wait_env  # noqa: E402 (no torch)
-
-if "OMP_WAIT_POLICY" not in os.environ:  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
-    os.environ.update(openmp_wait_env(len(os.sched_getaffinity(0))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
 import torch  # noqa: E402
 
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import (add_run_args, measure_dram_read_bandwidth, measure_hbm_bandwidth, result_record,  # noqa: E402
                     run_device, sync, write_result)
 from offload import (DEMO_DIR, DemoRouting, dense_bytes, dense_model, model_spec, random_store,  # noqa: E402

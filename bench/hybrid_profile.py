@@ -16,13 +16,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from moeserve.hybrid.placement import openmp_wait_env  # noqa: E402 (no torch)
-
-if "OMP_WAIT_POLICY" not in os.environ:  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
-    os.environ.update(openmp_wait_env(len(os.sched_getaffinity(0))))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moeserve --cpu-moe` runs; before torch loads OpenMP
 import torch  # noqa: E402
 
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
 from hybrid import BITS, GROUP, QUICK, SHAPES  # noqa: E402
 from offload import dense_model, model_spec, random_store  # noqa: E402

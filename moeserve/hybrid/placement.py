@@ -20,21 +20,6 @@ EXPERT_BITS = (16, 8, 4, 3, 2)  # 16: the checkpoint's float experts; else the s
 STREAM_FROM = 32  # tokens of a layer call (a prompt) from which the CPU layers' experts are streamed to the GPU
 
 
-SPIN_MIN_CPUS = 8  # CPUs from which OpenMP threads spin a while between a token's layers (openmp_wait_env)
-SPIN_COUNT = 3_000_000  # GOMP_SPINCOUNT: spins before a thread sleeps (about a few ms; measured by bench/hybrid.py)
-
-
-def openmp_wait_env(cpus: int) -> dict[str, str]:
-    """How OpenMP threads wait between the CPU experts' parallel regions in a hybrid run, as environment variables
-    (to set before torch loads OpenMP, unless the user set OMP_WAIT_POLICY). With SPIN_MIN_CPUS or more CPUs they spin
-    for SPIN_COUNT rounds, then sleep: a layer's experts start without waking 16 threads (H200 host, Qwen3-30B-A3B
-    shape: +20% decode). With fewer they sleep at once: spinning threads would take the cores of the thread that
-    drives the GPU (an unbounded spin measured 4x slower decode on a busy host)."""
-    if cpus >= SPIN_MIN_CPUS:
-        return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 @dataclass(frozen=True)
 class HybridPlacement:
     moe_layers: tuple[int, ...]  # every MoE layer of the model

@@ -372,10 +372,3 @@ def test_segmented_decode_runs_the_hybrid_layers_between_the_pieces(hf_checkpoin
             pos = pos + 1
     assert runtime.stats.cpu_pairs > 0
     runtime.close()
-
-
-def test_openmp_waits_spin_only_on_machines_of_several_cpus():
-    from moeserve.hybrid.placement import SPIN_COUNT, openmp_wait_env
-
-    assert openmp_wait_env(16) == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
-    assert openmp_wait_env(2) == {"OMP_WAIT_POLICY": "PASSIVE"}
