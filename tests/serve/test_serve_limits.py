@@ -86,7 +86,8 @@ def test_disconnect_frees_the_slot_and_spares_the_others(server):
                     assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
                     await a.aclose()  # A's client goes away mid-stream
                     for _ in range(200):  # its slot is free within a step or two
-                        d = await cb.post("/v1/completions", json={"prompt": "Exit.", "max_tokens": 3}, headers=AUTH)
+                        d = await cb.post("/v1/completions", json={"prompt": "Exit.", "max_tokens": 3, "temperature": 0,
+                                                                   "ignore_eos": True}, headers=AUTH)
                         if d.status_code != 503:
                             break
                         await asyncio.sleep(0.1)
