@@ -10,8 +10,9 @@ bench/hybrid.py:
   hybrid-moeserve  --n-cpu-moe N with N of bench/hybrid.py's hybrid column (moeserve's bf16 dense part and KV, 4-bit
                    experts: the same layers on the CPU as moeserve); run when it differs from the one above
   cpu              -ot exps=CPU: every layer's experts on the CPU
-Each run's llama-bench JSON, the logs, env.txt and summary.md/summary.json (with the GPU's peak memory per run, the GPU,
-the CPU, both commits and the newest moeserve hybrid result beside) go to $OUT.
+summary.md/summary.json (with the GPU's peak memory per run, the GPU, the CPU, both commits and the newest moeserve
+hybrid result beside) and env.txt go to $OUT; each run's llama-bench JSON, log and memory samples and the build logs
+are packed into $OUT/details.tar.gz.
 
 State lives in the work dir (source copy, build, GGUFs, finished runs): a call cut off by its time budget resumes
 the build and skips finished runs when the same command runs again on the same machine (exit status 3 says so).
@@ -34,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,6 +472,22 @@ def summarize(cfg: Config, info: dict, columns: dict, results: list[dict]) -> st
     return text
 
 
+KEPT = ("summary.md", "summary.json", "env.txt", "details.tar.gz")  # what stays loose in $OUT
+
+
+def pack_details(cfg: Config) -> None:
+    """Every other file in $OUT (each run's llama-bench JSON, log and memory samples, the build and writer logs) into
+    details.tar.gz: the GPU machine hands back only a few files per call, so the summary must not be crowded out."""
+    loose = sorted(f for f in cfg.out.iterdir() if f.is_file() and f.name not in KEPT)
+    if not loose:
+        return
+    with tarfile.open(cfg.out / "details.tar.gz", "w:gz") as tar:
+        for f in loose:
+            tar.add(f, arcname=f.name)
+    for f in loose:
+        f.unlink()
+
+
 def main() -> int:
     hybrid = import_hybrid()
     cfg = Config.from_env(len(hybrid.physical_cores()))
@@ -496,6 +514,7 @@ def main() -> int:
     shapes = wait_ggufs(cfg, procs)
     results, statuses = run_all(cfg, lb, shapes, columns)
     print("\n" + summarize(cfg, info, columns, results), flush=True)
+    pack_details(cfg)
     unwritten = len(cfg.shapes) - len(shapes)
     log(f"runs {statuses}, GGUFs not written {unwritten}; results in {cfg.out}")
     if statuses.get("failed"):

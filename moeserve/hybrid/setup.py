@@ -32,7 +32,8 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
     low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
                                        device=device if device.type == "cuda" and low_bits else None,
-                                       high=not placement.low, pin=device.type == "cuda" and bool(placement.cache_slots or placement.stream_from),
+                                       high=not placement.low,
+                                       pin=device.type == "cuda" and bool(placement.cache_slots or placement.stream_from),
                                        progress=progress)
 
 

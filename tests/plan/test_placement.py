@@ -58,7 +58,7 @@ def test_tiny_hybrid_candidate_by_hand(monkeypatch, prompt):
     # decode: dense weights but the embedding table, KV of prompt + 4 positions; 1.25 layers' experts on the GPU (a
     # resident layer and a quarter of the CPU layer's picks hit the cache), 0.75 on the CPU
     D, V = 64, 100
-    dense_read = dense - V * D * 2 + kv_cache_bytes(TINY, 1, prompt + 4, 2)  # the LM head is read, the embedding row not
+    dense_read = dense - V * D * 2 + kv_cache_bytes(TINY, 1, prompt + 4, 2)  # the LM head is read, no embedding row
     gpu_s, cpu_s = (dense_read + 1.25 * 2 * eb) / 1e9, 0.75 * 2 * eb / (0.5 * 1e8)
     decode_s = max(gpu_s, cpu_s) + 2 * 1e-3 + 1 * 1e-2 + 0.75 * 2 * 1e-4  # 2 eager layers, 1 host layer, CPU calls
     assert hybrid.decode_tok_s == pytest.approx(1 / decode_s, rel=1e-9)

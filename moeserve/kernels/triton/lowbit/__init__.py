@@ -15,7 +15,8 @@ are configs.LowbitConfig, per GPU: stored, tuned on first use (autotune.py) or m
 
 from moeserve.kernels.triton.lowbit.launch import Preparation, prepare_x
 from moeserve.kernels.triton.lowbit.layout import BITS, DTYPES, StackedLowbit, supported
-from moeserve.kernels.triton.lowbit.ops import DEQUANT_BITS, lowbit_dequantize, lowbit_experts, lowbit_linear, x_preparation
+from moeserve.kernels.triton.lowbit.ops import (DEQUANT_BITS, lowbit_dequantize, lowbit_experts, lowbit_linear,
+                                                x_preparation)
 from moeserve.kernels.triton.lowbit.prepare import prepare_step
 
 __all__ = ["BITS", "DEQUANT_BITS", "DTYPES", "Preparation", "StackedLowbit", "lowbit_dequantize", "lowbit_experts",
