@@ -731,7 +731,9 @@ def cmd_generate(args) -> int:
         st = hybrid.summary()
         print(f"[hybrid experts: {st['cpu_pairs']} computed on the CPU, {st['gpu_pairs']} in cache slots "
               f"({st['gpu_share']:.1%}), {st['skipped']} skipped, {st['low_pairs']} low-bit by mixed precision"
-              + (f", {st['admitted']} copied into the cache" if 'admitted' in st else "") + "]", file=sys.stderr)
+              + (f", {st['admitted']} copied into the cache" if 'admitted' in st else "")
+              + (f", {st['streamed_pairs']} of the prompt's on the GPU ({st['experts_streamed']} experts streamed, "
+                 f"{format_bytes(st['bytes_streamed'])})" if st.get("experts_streamed") else "") + "]", file=sys.stderr)
     n_tokens = sum(len(r.token_ids) for r in results)
     print(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s, "
           f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
