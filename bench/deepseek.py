@@ -33,7 +33,8 @@ from common import (add_run_args, measure_hbm_bandwidth, measure_matmul_flops, r
                     time_cuda_graph, time_fn, write_result)
 from decode import decode_figures, hf_generate, ours_generate, paired_runs, random_prompts  # noqa: E402
 from lowbit_decode import random_quantized  # noqa: E402
-from moe_block import default_device_dtype, rel_err, set_experts_implementation  # noqa: E402
+from moe_block import (default_device_dtype, hf_and_ours_blocks, rel_err,  # noqa: E402
+                       set_experts_implementation)
 
 from moeserve.engine.cuda_graph import graph_safe  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
@@ -196,10 +197,7 @@ def block_part(args, device, dtype, bw: float, flops: float) -> dict:
     spec = ModelSpec.from_hf_config({**cfg.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
     D, F, E, k = spec.hidden_size, spec.expert_ffn, spec.num_experts, spec.top_k
     gen = torch.Generator(device=device).manual_seed(1)
-    with default_device_dtype(device, dtype):
-        hf = DeepseekV3MoE(cfg).eval()
-        with torch.device("meta"):
-            ours = MoEBlock(spec, 0).eval()
+    hf, ours = hf_and_ours_blocks(lambda: DeepseekV3MoE(cfg), spec, device, dtype)
     randomise(hf, gen)
     state = {name.replace("shared_experts.", "shared_expert."): t for name, t in hf.state_dict().items()}
     ours.load_state_dict(state, strict=True, assign=True)

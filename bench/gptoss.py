@@ -25,10 +25,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import (add_run_args, measure_hbm_bandwidth, result_record, run_device, time_cuda_graph,  # noqa: E402
                     time_fn, write_result)
-from moe_block import default_device_dtype, rel_err, set_experts_implementation  # noqa: E402
+from moe_block import hf_and_ours_blocks, rel_err, set_experts_implementation  # noqa: E402
 
 from moeserve.checkpoint import from_interleaved  # noqa: E402
-from moeserve.model.moe import MoEBlock  # noqa: E402
 from moeserve.model.paths import GRAPH_SAFE  # noqa: E402
 from moeserve.quant.mxfp4 import BLOCK, dequantize, quantize  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
@@ -77,10 +76,7 @@ def block_part(args, device, dtype, bw: float) -> dict:
     spec = ModelSpec.from_hf_config(hf_cfg)
     D, F, E, k = spec.hidden_size, spec.expert_ffn, spec.num_experts, spec.top_k
     gen = torch.Generator(device=device).manual_seed(1)
-    with default_device_dtype(device, dtype):
-        hf = GptOssMLP(cfg).eval()
-        with torch.device("meta"):
-            ours = MoEBlock(spec, 0).eval()
+    hf, ours = hf_and_ours_blocks(lambda: GptOssMLP(cfg), spec, device, dtype)
     for p in hf.parameters():
         p.data.normal_(0.0, STD, generator=gen)
     state = {"gate.weight": hf.router.weight.detach(), "gate.bias": hf.router.bias.detach()}

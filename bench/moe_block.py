@@ -69,6 +69,16 @@ def default_device_dtype(device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def hf_and_ours_blocks(make_hf, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
+    """(transformers' MoE block from make_hf(), built on `device` in `dtype`; moeserve's MoEBlock of `spec` on the meta
+    device, for load_state_dict(assign=True) of tensors made from the first), both in eval mode."""
+    with default_device_dtype(device, dtype):
+        hf = make_hf().eval()
+        with torch.device("meta"):
+            ours = MoEBlock(spec, 0).eval()
+    return hf, ours
+
+
 def our_spec(family: str, E: int, k: int, D: int, F: int) -> ModelSpec:
     return ModelSpec(family=family, vocab_size=8, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
                      head_dim=D, max_position_embeddings=8, num_experts=E, top_k=k, expert_ffn=F,

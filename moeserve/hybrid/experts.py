@@ -57,8 +57,7 @@ class HybridExperts(ExpertBackend):
         on_gpu, on_cpu = self._split(slot, choice)  # [T, k] bool each; None: no pair / every pair
         job = out = None
         if streamed:
-            out = rt.streamer.compute(self.layer, x, ids, expert_weights,
-                                      torch.ones_like(ids, dtype=torch.bool) if on_cpu is None else on_cpu)
+            out = rt.streamer.compute(self.layer, x, ids, expert_weights, on_cpu)
         elif on_cpu is None or on_cpu.any():
             pairs = CpuPairs(ids, weights, on_cpu, rt.low_copy(choice))
             job = rt.worker.submit(rt.host.run_layer, self.layer, x_host, pairs)

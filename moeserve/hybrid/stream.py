@@ -23,7 +23,6 @@ from moeserve.offload.store import ExpertStore
 from moeserve.offload.transfer import Copier
 
 
-
 class ExpertStreamer:
     def __init__(self, store: ExpertStore, slots: int, device, dtype: torch.dtype, low: bool):
         """slots: the ring's size (ring_slots); low: stream the store's low-bit copies (else the float ones, in
@@ -37,16 +36,12 @@ class ExpertStreamer:
         self.experts_streamed = 0
         self.bytes_copied = 0
 
-    @property
-    def ring_bytes(self) -> int:
-        return sum(b.nbytes for b in self.pool.buffers)
-
     def compute(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor | None) -> torch.Tensor:
         """x [T, D] and expert_weights [T, k] on the GPU; expert_ids [T, k] and mask [T, k] bool on the host: the
-        pairs to compute here -> their weighted sum [T, D], every needed expert copied once."""
+        pairs to compute here (None: every pair) -> their weighted sum [T, D], every needed expert copied once."""
         E = self.store.meta["num_experts"]
-        keys = torch.where(mask, expert_ids, E)  # [T, k]: E = not in this pass
+        keys = expert_ids if mask is None else torch.where(mask, expert_ids, E)  # [T, k]: E = not in this pass
         return grouped_pass(x, expert_weights, keys, E, lambda e, rows: self._run(layer, e, x, rows))
 
     def _run(self, layer: int, expert: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -55,7 +50,7 @@ class ExpertStreamer:
         src = self.store.host_parts(layer, expert, self.low)
         self.copier.load(self.pool.load_parts(slot), src, self.pool.used[slot], self.pool.loaded[slot])
         self.experts_streamed += 1
-        self.bytes_copied += sum(t.nbytes for t in src)
+        self.bytes_copied += self.store.expert_bytes(self.low)
         after_loads(x, [(self.pool, slot)])
         y = SlotExperts.expert_ffn(self.pool.weights[slot], rows)  # [n, D]
         mark_read(x, [(self.pool, slot)])

@@ -194,17 +194,16 @@ def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, grou
     return state
 
 
-def _pinned(tensors: dict, layer: int) -> bool:
-    """Page-lock one built layer's tensors in place in `tensors`; False (with a warning, the layer left pageable)
-    when the OS refuses: the rest of the store is then not pinned either (loads stage pageable experts)."""
+def _pin_layer(tensors, where: str) -> dict | None:
+    """A page-locked copy of one layer's tensors (a mapping: RAM dict or mapped file); None, with a warning saying
+    `where` the store stops being pinned, when the OS refuses: the rest stays pageable or mapped, and loads stage it
+    through a small pinned buffer."""
     try:
-        tensors[layer] = {k: t.pin_memory() for k, t in tensors[layer].items()}
-        return True
+        return {k: tensors[k].pin_memory() for k in tensors}
     except RuntimeError as e:
-        warnings.warn(f"moeserve: could not pin the expert store from layer {layer} on "
-                      f"({str(e).splitlines()[0]}); the rest stays pageable and is staged through a pinned buffer "
-                      "when copied to the GPU (slower loads)", stacklevel=3)
-        return False
+        warnings.warn(f"moeserve: could not pin the expert store {where} ({str(e).splitlines()[0]}); the rest stays "
+                      "in pageable/mapped memory and is staged through a pinned buffer (slower loads)", stacklevel=3)
+        return None
 
 
 class ExpertStore:
@@ -251,7 +250,9 @@ class ExpertStore:
             tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
                                        dtype, high)
             if pin:
-                pin = _pinned(tensors, i)
+                pinned = _pin_layer(tensors[i], f"from layer {i} on")
+                pin = pinned is not None  # once refused, the rest stays pageable
+                tensors[i] = pinned if pin else tensors[i]
         meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
         return cls(meta, tensors.__getitem__)
 
@@ -385,15 +386,10 @@ class ExpertStore:
         pinned = {}
         for n, layer in enumerate(tqdm(self.meta["layers"], desc="pinning expert store", unit="layer",
                                        disable=not progress)):
-            t = self._tensors_of_layer(layer)
-            try:
-                pinned[layer] = {k: t[k].pin_memory() for k in t}
-            except RuntimeError as e:
-                warnings.warn(f"moeserve: could not pin the expert store past layer {n} of "
-                              f"{len(self.meta['layers'])} ({str(e).splitlines()[0]}); the other layers stay in "
-                              "pageable/mapped memory and are staged through a pinned buffer (slower loads)",
-                              stacklevel=2)
+            layer_pinned = _pin_layer(self._tensors_of_layer(layer), f"past layer {n} of {len(self.meta['layers'])}")
+            if layer_pinned is None:
                 break
+            pinned[layer] = layer_pinned
         unpinned = self._tensors_of_layer
         self._tensors_of_layer = lambda layer: pinned[layer] if layer in pinned else unpinned(layer)
         return len(pinned)
