@@ -1458,10 +1458,10 @@ def cmd_train(args) -> int:
 
 
 def _cpu_wait_policy(args) -> None:
-    """Hybrid runs: OpenMP threads that finish a parallel region sleep rather than spin (OMP_WAIT_POLICY=PASSIVE
-    unless the user set it). The CPU worker's threads, torch's own ops and the thread that drives the GPU share the
-    cores, and spinning threads take them from the others (4x slower decode measured on a busy host). Must be set
-    before torch (and its OpenMP runtime) loads, which the commands do after this."""
+    """Hybrid runs: torch's OpenMP threads that finish a parallel region sleep rather than spin
+    (OMP_WAIT_POLICY=PASSIVE unless the user set it). The experts' native helper threads (kernels/cpu/pool.py), torch's
+    own ops and the thread that drives the GPU share the cores, and OpenMP threads spinning process-wide take them from
+    the others. Must be set before torch (and its OpenMP runtime) loads, which the commands do after this."""
     if _hybrid_requested(args) or _planning(args):  # a plan may put experts on the CPU
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

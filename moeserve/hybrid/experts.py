@@ -4,8 +4,9 @@ Per call, with the router's output on the model device:
   1. the routing (ids and gate weights, one small tensor) and x come to the host: the one wait on the device;
   2. the host decides each (token, k) pair: its expert's slot when the cache holds it loaded, else the CPU (and
      with mixed precision, the high or low copy, or a skip);
-  3. all of the layer's CPU pairs go to the CPU worker as one job (HostExperts.run_layer: rows grouped per expert,
-     each expert's matmuls back to back on the worker's threads);
+  3. all of the layer's CPU pairs start as one job: one native call on the kernels' helper threads where every
+     pair reads a low-bit copy (HostExperts.start_layer), else on the CPU worker (HostExperts.run_layer: rows
+     grouped per expert, each expert's matmuls back to back on the worker's threads);
   4. meanwhile the calling thread enqueues the cached experts (one routed pass over the slots) and the shared
      expert on the device, then does the cache's bookkeeping (uses, a background admission);
   5. the CPU's output comes back and is added on the model device.
@@ -60,7 +61,7 @@ class HybridExperts(ExpertBackend):
             out = rt.streamer.compute(self.layer, x, ids, expert_weights, on_cpu)
         elif on_cpu is None or on_cpu.any():
             pairs = CpuPairs(ids, weights, on_cpu, rt.low_copy(choice))
-            job = rt.worker.submit(rt.host.run_layer, self.layer, x_host, pairs)
+            job = rt.start_cpu(self.layer, x_host, pairs)
         if on_gpu is not None and on_gpu.any():
             cached = rt.cache.slots.compute(x, expert_weights, torch.where(on_gpu, slot, rt.cache.slots.none))
             out = cached if out is None else out + cached
@@ -69,8 +70,7 @@ class HybridExperts(ExpertBackend):
             rt.cache.account(self.layer, ids, choice if choice is not None else torch.zeros_like(ids),
                              on_cpu if on_cpu is not None else torch.ones_like(ids, dtype=torch.bool))
         if job is not None:
-            y = job.result()  # [T, D]
-            y = y if y.device == x.device else y.to(x.device)
+            y = job.result().to(x.device, x.dtype)  # [T, D]
             out = y if out is None else out + y
         if out is None:
             out = torch.zeros_like(x)

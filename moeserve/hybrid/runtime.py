@@ -3,6 +3,7 @@ dynamic slot cache, the streamer of prompts' experts, the precision rule, and th
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -12,11 +13,22 @@ from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.memory import ring_slots
 from moeserve.hybrid.stream import ExpertStreamer
 from moeserve.hybrid.worker import CpuWorker
-from moeserve.offload.host_compute import HostExperts
+from moeserve.kernels.cpu import pool
+from moeserve.kernels.cpu.machine import physical_cores
+from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, choose_precision
 from moeserve.offload.store import ExpertStore
 
+# microseconds an idle native helper thread spins before it sleeps: with a GPU, longer than the GPU's part of a layer
+# between two CPU layers (the next layer's experts then start at once); on the CPU alone, short (torch's own threads
+# compute the attention in between, on the same cores). MOESERVE_SPIN_US overrides both.
+SPIN_US = {"cuda": 2000, "cpu": 50}
+
+
+def spin_us(device_type: str) -> int:
+    value = os.environ.get("MOESERVE_SPIN_US")
+    return int(value) if value else SPIN_US.get(device_type, SPIN_US["cpu"])
 
 @dataclass
 class HybridStats:
@@ -41,6 +53,11 @@ class HybridRuntime:
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
+        threads = placement.threads or len(physical_cores())
+        # a layer that is one native call runs on the pool's helpers while this thread enqueues the GPU's work; they
+        # leave one core to this thread
+        self.helpers = max(threads - 1, 1) if threaded else 0
+        pool.configure(physical_cores(), spin_us(device.type))
         self.host = host or HostExperts(store, dtype)
         if warm:
             for low in {placement.low, placement.mixed or placement.low}:
@@ -56,6 +73,13 @@ class HybridRuntime:
             slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
             self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
         self.stats = HybridStats()
+
+    def start_cpu(self, layer: int, x: torch.Tensor, pairs: CpuPairs):
+        """A layer's CPU pairs, started: something whose result() waits for their output [T, D] (float32, or x's
+        dtype): the native pool's helpers where the layer is one native call and a GPU's work overlaps it, else the
+        worker (inline without a GPU)."""
+        pending = self.host.start_layer(layer, x, pairs, self.helpers) if self.helpers else None
+        return pending or self.worker.submit(self.host.run_layer, layer, x, pairs)
 
     def streams(self, tokens: int) -> bool:
         """A layer call of `tokens` tokens computes its missed experts on the model device, streamed there."""

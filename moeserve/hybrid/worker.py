@@ -1,5 +1,7 @@
 """The CPU worker: one long-lived thread that computes a layer's CPU experts while the calling thread enqueues
-the GPU's work (cached experts, shared expert) and waits only for the result.
+the GPU's work (cached experts, shared expert) and waits only for the result. A layer that is one native call
+(every pair on a low-bit copy the generated kernels read) skips it: it starts on the kernels' own helper threads
+(HybridRuntime.start_cpu); the worker takes the rest (float experts, mixed precision, compensators).
 
 The worker's Python does little: each job is a few torch calls per expert group, and torch's CPU ops and the
 generated kernels release the GIL and spread over the worker's intra-op threads (`threads`, set on the worker

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu.gemv import (LayerExperts, applies, default_kernel, moe_layer, packed_weight,
+from moeserve.kernels.cpu.gemv import (LayerExperts, PendingLayer, applies, default_kernel, moe_layer, packed_weight,
                                        quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import swiglu
@@ -96,6 +96,15 @@ class HostExperts:
             self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
                                                   [packed_weight(d, kernel) for _, d in mods]) if ok else None
         return self._layers[layer]
+
+    def start_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs, threads: int) -> PendingLayer | None:
+        """run_layer on `threads` of the native pool's helpers, returning at once (the result, float32, from
+        PendingLayer.result()), where the layer is one native call; else None."""
+        experts = self.native_layer(layer, x) if pairs.low is True else None
+        if experts is None:
+            return None
+        kernel = default_kernel(experts.gate_up[0].bits)
+        return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask, threads, start=True)
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""

@@ -208,7 +208,7 @@ def test_low_bit_experts_agree_on_the_cpu_in_slots_and_resident(hf_checkpoints):
 def test_low_bit_layer_runs_in_one_native_call(byte_model_dir, monkeypatch):
     """4-bit experts on the CPU: each hybrid layer call is one native call (moe_layer: both projections of every
     routed expert), with the same tokens as the experts resident (QuantizedExperts: one kernel call per expert and
-    projection)."""
+    projection); threaded (as with a GPU model) the call starts on the native helpers and the caller waits later."""
     from moeserve.kernels.cpu import gemv
     from moeserve.offload import host_compute
 
@@ -216,19 +216,23 @@ def test_low_bit_layer_runs_in_one_native_call(byte_model_dir, monkeypatch):
         pytest.skip("no C compiler for the generated CPU kernels here")
     calls = []
 
-    def counted(kernel, experts, x, *args):
-        calls.append(x.shape[0])
-        return gemv.moe_layer(kernel, experts, x, *args)
+    def counted(kernel, experts, x, *args, start=False):
+        calls.append((x.shape[0], start))
+        return gemv.moe_layer(kernel, experts, x, *args, start=start)
 
     monkeypatch.setattr(host_compute, "moe_layer", counted)
     store = ExpertStore.from_checkpoint(byte_model_dir, low_bits=4, group=32, high=False, progress=False)
     prompts = [[72, 65, 77], [75, 73]]
     runs = []
-    for n in (2, 0):
-        model, runtime = hybrid_model(byte_model_dir, HybridPlacement.choose([0, 1], n_cpu_moe=n, bits=4), store)
+    for n, threaded in ((2, False), (0, False), (2, True)):
+        placement = HybridPlacement.choose([0, 1], n_cpu_moe=n, bits=4, threads=3)
+        model, runtime = hybrid_model(byte_model_dir, placement, store, threaded=threaded)
         runs.append(greedy(model, prompts))
-    assert runs[0] == runs[1]
-    assert len(calls) >= 2 * 8 and max(calls) > 1  # both layers at every step, prefill rows included
+        runtime.close()
+    assert runs[0] == runs[1] == runs[2]
+    inline, started = [t for t, s in calls if not s], [t for t, s in calls if s]
+    assert len(inline) >= 2 * 8 and max(inline) > 1  # both layers at every step, prefill rows included
+    assert len(started) == len(inline)
 
 
 def test_placement_checks_and_line():

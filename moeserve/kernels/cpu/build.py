@@ -19,11 +19,11 @@ from pathlib import Path
 
 from moeserve.kernels.cpu.machine import ISAS
 
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11")
 
 
 class CompilerUnavailable(RuntimeError):
-    """No working C compiler (or OpenMP): callers fall back to the PyTorch path."""
+    """No working C compiler: callers fall back to the PyTorch path."""
 
 
 def cache_dir() -> Path:
@@ -84,6 +84,13 @@ def load(lib: Path) -> ctypes.CDLL:
     dll.qgemm.restype = i
     dll.qgemm_batch.argtypes = [i, p, p, i, i, p, p, p, i, p, i, i, i, i]
     dll.qgemm_batch.restype = i
-    dll.moe_layer.argtypes = [i, i, p, p, p, i, p, i, i, p, p, p, i, i, p, p, p, i, i, i, p, i]
+    moe = [i, i, p, p, p, i, p, i, i, p, p, p, i, i, p, p, p, i, i, i, p, i]
+    dll.moe_layer.argtypes = moe
     dll.moe_layer.restype = i
+    dll.moe_layer_start.argtypes = moe + [ctypes.POINTER(p)]
+    dll.moe_layer_start.restype = i
+    dll.moe_layer_finish.argtypes = [p]
+    dll.moe_layer_finish.restype = None
+    dll.moeserve_set_pool.argtypes = [p, p, p]
+    dll.moeserve_set_pool.restype = None
     return dll

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu import build, codegen, tuning
+from moeserve.kernels.cpu import build, codegen, pool, tuning
 from moeserve.kernels.cpu.machine import ISAS, cpu_info
 from moeserve.kernels.pack import pack, units_from_planar
 
@@ -49,6 +49,7 @@ class CpuKernel:
         self.isa, self.bits, self.rows, self.vectors = isa, bits, rows, vectors
         self.lanes = ISAS[isa][0]
         self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors), isa))
+        self.dll.moeserve_set_pool(*pool.entry_points())
 
     @property
     def tile_outputs(self) -> int:
@@ -112,11 +113,27 @@ class LayerExperts:
         return cls(gate_up, down, arrays)
 
 
+class PendingLayer:
+    """A layer's CPU experts running on the native pool's helpers (moe_layer_start); result() waits for them. Holds
+    the call's tensors until then (the native job reads and writes them)."""
+
+    def __init__(self, kernel: "CpuKernel", handle: ctypes.c_void_p, out: torch.Tensor, keep: tuple):
+        self.kernel, self.handle, self.out, self.keep = kernel, handle, out, keep
+
+    def result(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.kernel.dll.moe_layer_finish(self.handle)
+            self.handle = self.keep = None
+        return self.out
+
+
 def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_ids: torch.Tensor,
-              weights: torch.Tensor, mask: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+              weights: torch.Tensor, mask: torch.Tensor | None = None, threads: int | None = None,
+              start: bool = False) -> torch.Tensor | PendingLayer:
     """x [T, D] -> [T, D] float32: the sum over the pairs (t, j) (where mask [T, k] says so) of weights[t, j] times
     expert expert_ids[t, j] on x[t], every expert a SwiGLU FFN of the layer's repacked low-bit projections; one
-    native call (kernel.moe_layer)."""
+    native call (kernel.moe_layer) on the calling thread and threads - 1 pool helpers. start: on `threads` helpers
+    alone, returning at once a PendingLayer whose result() waits."""
     gu, dn = experts.gate_up[0], experts.down[0]
     T, k = expert_ids.shape
     x = x.float().contiguous()
@@ -126,13 +143,14 @@ def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_
     out = torch.empty(T, gu.in_features)
     kb_gu = tuning.k_block(kernel.bits, kernel.tile_outputs, gu.group)
     kb_dn = tuning.k_block(kernel.bits, kernel.tile_outputs, dn.group)
-    rc = kernel.dll.moe_layer(T, k, ids.data_ptr(), w.data_ptr(), keep.data_ptr() if keep is not None else None,
-                              len(experts.gate_up), x.data_ptr(), gu.in_features, dn.in_features, *experts.arrays[:3],
-                              gu.words.shape[0], kb_gu, *experts.arrays[3:], dn.words.shape[0], kb_dn, gu.group,
-                              out.data_ptr(), threads or torch.get_num_threads())
+    args = (T, k, ids.data_ptr(), w.data_ptr(), keep.data_ptr() if keep is not None else None, len(experts.gate_up),
+            x.data_ptr(), gu.in_features, dn.in_features, *experts.arrays[:3], gu.words.shape[0], kb_gu,
+            *experts.arrays[3:], dn.words.shape[0], kb_dn, gu.group, out.data_ptr(), threads or torch.get_num_threads())
+    handle = ctypes.c_void_p()
+    rc = kernel.dll.moe_layer_start(*args, ctypes.byref(handle)) if start else kernel.dll.moe_layer(*args)
     if rc:
         raise RuntimeError(f"CPU MoE kernel rejected its arguments (code {rc})")
-    return out
+    return PendingLayer(kernel, handle, out, (x, ids, w, keep, experts)) if start else out
 
 
 def supports(in_features: int, group: int, bits: int) -> bool:
