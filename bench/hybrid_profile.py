@@ -92,6 +92,27 @@ def decode_seconds(model, spec, steps: int, warmup: int, cuda_graph: bool, devic
     return (marks[-1] - marks[warmup]) / (len(marks) - 1 - warmup)
 
 
+def cprofile_table(model, spec, device, steps: int, warmup: int) -> str:
+    """cProfile of the host's Python over `steps` decode steps as CUDA graphs (after `warmup`): where the time
+    between the GPU's segments and the CPU experts goes, by function (own time, then cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    prompt = torch.randint(0, spec.vocab_size, (8,)).tolist()
+    params = SamplingParams(max_new_tokens=steps + warmup, temperature=0.0, ignore_eos=True)
+    prof = cProfile.Profile()
+    for i, _ in enumerate(iterate(model, [prompt], params, cuda_graph=True)):
+        sync(device)
+        if i == warmup:
+            prof.enable()
+    prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+    return "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
 def profile_table(model, spec, device, steps: int) -> str:
     """torch.profiler's top host ops of a few eager decode steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -151,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()))
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top host ops per column")
     ap.add_argument("--cpu-micro", action="store_true", help="also time one layer's CPU experts alone")
+    ap.add_argument("--cprofile", action="store_true", help="also print a cProfile of graph decode steps per column")
     ap.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without its cuDNN backend")
     add_run_args(ap)
     args = ap.parse_args(argv)
@@ -195,6 +217,8 @@ def main(argv=None) -> int:
             print(f"  {k:28s} {v:8.3f} ms/step {v / spec.num_layers:7.3f} ms/layer")
         if args.profile:
             print(profile_table(model, spec, device, 6))
+        if args.cprofile:
+            print(cprofile_table(model, spec, device, args.steps, args.warmup))
         rows[column] = row
         runtime.close()
         del model, runtime

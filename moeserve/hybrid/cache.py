@@ -14,6 +14,8 @@ offload's SlotExperts in one routed pass.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from moeserve.offload.cache_state import CacheState
@@ -62,19 +64,21 @@ class SlotCache:
 
     def account(self, layer: int, expert_ids: torch.Tensor, choice: torch.Tensor, on_cpu: torch.Tensor) -> None:
         """Count this call's uses with the policy, then maybe admit one of the experts the CPU ran.
-        expert_ids, choice (HIGH / LOW / SKIP) and on_cpu [T, k], host."""
-        E = self.store.meta["num_experts"]
+        expert_ids, choice (HIGH / LOW / SKIP) and on_cpu [T, k], host. Plain Python over the few pairs of a decode
+        step: cheaper than a chain of small torch ops on the host."""
+        ids, choices, cpu = (t.reshape(-1).tolist() for t in (expert_ids, choice, on_cpu))
         self.state.start_event(0)
-        precision = torch.full((E,), SKIP, dtype=torch.long).scatter_reduce_(
-            0, expert_ids.reshape(-1), choice.reshape(-1), "amin")  # [E]: the highest precision asked of each
-        used = torch.nonzero(precision != SKIP).squeeze(1).tolist()
-        needed = {(layer, e) for e in used}
-        for e in used:
-            self.state.request((layer, e), int(precision[e]), needed, admit=False)
-        if self.pending or not on_cpu.any():
+        precision: dict[int, int] = {}  # expert -> the highest precision asked of it (HIGH < LOW < SKIP)
+        for e, c in zip(ids, choices):
+            if c != SKIP:
+                precision[e] = min(precision.get(e, c), c)
+        needed = {(layer, e) for e in precision}
+        for e in sorted(precision):
+            self.state.request((layer, e), precision[e], needed, admit=False)
+        if self.pending or not any(cpu):
             return  # the link is busy (or nothing missed)
-        rows = torch.zeros(E, dtype=torch.long).index_add_(0, expert_ids[on_cpu], torch.ones_like(expert_ids[on_cpu]))
-        e = int(rows.argmax())  # the CPU expert with the most rows this call: the one candidate
+        rows = Counter(e for e, on in zip(ids, cpu) if on)
+        e = max(sorted(rows), key=rows.__getitem__)  # the CPU expert with the most rows (lowest id on ties)
         decision = self.state.admit((layer, e), HIGH, needed)
         if decision.keep:
             self._load((layer, e), decision.evicted)

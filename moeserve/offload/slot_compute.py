@@ -8,7 +8,8 @@ the pass.
 
 One token through a pool of low-bit slots on a GPU is one fused pass instead (the Triton low-bit MoE kernels in slot
 order over the pool's buffers, which are stacked already): the pool's pairs keep their gate weights, the others point
-at one of its slots (read again from L2) with weight zero.
+at one of its slots (read again from L2) with weight zero. From its second call that pass is a CUDA graph (OneTokenPass:
+its inputs copied into static buffers, one replay), since its launches cost the host more than the GPU's work.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from moeserve.quant.qlinear import QuantizedLinear, triton_applies
 
 def after_loads(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
     """Order the work enqueued next (on x's CUDA stream) after the loads of these (pool, slot)s."""
-    if x.is_cuda:
+    if x.is_cuda and slots:
+        stream = torch.cuda.current_stream(x.device)
         for pool, slot in slots:
-            torch.cuda.current_stream().wait_event(pool.loaded[slot])
+            stream.wait_event(pool.loaded[slot])
 
 
 def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
@@ -66,6 +68,44 @@ def grouped_pass(x: torch.Tensor, expert_weights: torch.Tensor, keys: torch.Tens
     return combine(y, table, T, x.dtype)
 
 
+class OneTokenPass:
+    """One pool's fused one-token pass as a CUDA graph over static inputs: x [1, D], gate weights [1, k] and the
+    slots with their in-pool mask [2, 1, k]. The first call runs eagerly (kernels compile and tune), the second captures,
+    later ones replay. A capture that fails leaves the pass eager."""
+
+    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.run, self.calls, self.graph, self.failed = run, 0, None, False
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.out: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [1, D], weights [1, k] on the device, slots [2, 1, k] long on the host -> [1, D]."""
+        self.calls += 1
+        if self.graph is None and (self.failed or self.calls == 1 or not self._capture(x, weights, slots)):
+            return self.run(x, weights, slots.to(x.device, non_blocking=True))
+        for buf, value in zip(self.inputs, (x, weights, slots)):
+            buf.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.out.clone()
+
+    def _capture(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> bool:
+        self.inputs = (x.clone(), weights.clone(), slots.to(x.device))
+        try:
+            side = torch.cuda.Stream(device=x.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.run(*self.inputs)  # allocations and launch paths of the captured shapes
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.out = self.run(*self.inputs)
+        except RuntimeError:
+            self.failed = True
+            return False
+        self.graph = graph
+        return True
+
+
 class SlotExperts:
     def __init__(self, pools: list[SlotPool]):
         self.pools = pools
@@ -73,6 +113,7 @@ class SlotExperts:
         self.num_slots = sum(p.num_slots for p in pools)
         self.none = self.num_slots  # the virtual id of a pair that is not in the pass
         self._stacks: dict[int, tuple] = {}  # pool index -> (gate_up, down) StackedLowbit over its buffers
+        self._passes: dict[tuple, OneTokenPass] = {}  # (pool index, k, x's dtype) -> its one-token pass
 
     def virtual(self, pool: int, slot: int) -> int:
         return self.starts[pool] + slot
@@ -121,9 +162,6 @@ class SlotExperts:
 
     def fused(self, x: torch.Tensor, expert_weights: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:
         """compute() for one token over low-bit pools: one fused pass per pool with pairs in it."""
-        from moeserve.kernels.triton.lowbit import lowbit_experts
-        from moeserve.kernels.triton.routing_table import gather_combine
-
         k = virtual.shape[1]
         out, read = None, []
         for i, (pool, start) in enumerate(zip(self.pools, self.starts)):
@@ -133,15 +171,26 @@ class SlotExperts:
                 continue
             slots = local[in_pool]
             ids = torch.where(in_pool, local, slots[0])  # [1, k]: the others read the first pair's slot again
-            dev = torch.stack([ids, in_pool.long()]).to(x.device, non_blocking=True)  # [2, 1, k]
             pool_slots = [(pool, s) for s in slots.tolist()]
             after_loads(x, pool_slots)
-            y = lowbit_experts(x, *self.stacks(i), dev[0])  # [k, D] fp32, slot order
-            part = gather_combine(y, None, expert_weights * dev[1].to(expert_weights.dtype), k, x.dtype)  # [1, D]
+            key = (i, k, x.dtype)
+            if key not in self._passes:
+                self._passes[key] = OneTokenPass(lambda x, w, dev, i=i: self._pool_pass(i, x, w, dev))
+            part = self._passes[key](x, expert_weights, torch.stack([ids, in_pool.long()]))  # [1, D]
             out = part if out is None else out + part
             read += pool_slots
         mark_read(x, read)
         return out if out is not None else torch.zeros_like(x)
+
+    def _pool_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
+        """x [1, D], expert_weights [1, k], dev [2, 1, k] (slots, in-pool mask) on the device -> [1, D]: the pool's
+        weighted pairs."""
+        from moeserve.kernels.triton.lowbit import lowbit_experts
+        from moeserve.kernels.triton.routing_table import gather_combine
+
+        k = dev.shape[2]
+        y = lowbit_experts(x, *self.stacks(pool), dev[0])  # [k, D] fp32, slot order
+        return gather_combine(y, None, expert_weights * dev[1].to(expert_weights.dtype), k, x.dtype)
 
     @staticmethod
     def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:
