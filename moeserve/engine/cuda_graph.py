@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from moeserve.kernels.cuda_graph import capture
 from moeserve.model.kv_cache import KVCache, SlotKVCache
 from moeserve.model.paths import GRAPH_SAFE
 from moeserve.model.transformer import DecodeState
@@ -179,22 +180,6 @@ def captured(capture_fn: Callable[[], None], what: str) -> bool:
         warnings.warn(f"moeserve: CUDA-graph capture of {what} failed ({str(e).splitlines()[0]}); decoding without "
                       "graphs (--no-cuda-graph silences this)", stacklevel=4)
         return False
-
-
-def capture(step: Callable[[], torch.Tensor], warmup: int, device: torch.device,
-            pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """(graph, its static output) of `step`, after `warmup` eager runs on a side stream (Triton compiles,
-    allocator fills) as capturing requires; pool: a memory pool shared with other graphs."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    return graph, out
 
 
 def padded_batch(batch: int, slots: int) -> int:

@@ -53,11 +53,12 @@ class HybridRuntime:
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
-        threads = placement.threads or len(physical_cores())
+        cores = physical_cores()
+        threads = placement.threads or len(cores)
         # a layer that is one native call runs on the pool's helpers while this thread enqueues the GPU's work; they
         # leave one core to this thread
         self.helpers = max(threads - 1, 1) if threaded else 0
-        pool.configure(physical_cores(), spin_us(device.type))
+        pool.configure(cores, spin_us(device.type))
         self.host = host or HostExperts(store, dtype)
         if warm:
             for low in {placement.low, placement.mixed or placement.low}:

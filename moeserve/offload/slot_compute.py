@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.cuda_graph import capture
 from moeserve.kernels.routing import RoutingTable, combine, slot_order_pays
 from moeserve.model.experts import swiglu
 from moeserve.offload.slots import SlotPool
@@ -91,18 +92,10 @@ class OneTokenPass:
     def _capture(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> bool:
         self.inputs = (x.clone(), weights.clone(), slots.to(x.device))
         try:
-            side = torch.cuda.Stream(device=x.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.run(*self.inputs)  # allocations and launch paths of the captured shapes
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.out = self.run(*self.inputs)
+            self.graph, self.out = capture(lambda: self.run(*self.inputs), 1, x.device)
         except RuntimeError:
             self.failed = True
             return False
-        self.graph = graph
         return True
 
 

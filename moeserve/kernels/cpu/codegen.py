@@ -358,6 +358,19 @@ typedef struct {{
   atomic_long next_gu, next_dn; barrier_t bar;
 }} moe_job;
 
+/* one projection (gate_up or down) of every used expert: output tiles taken from `next`, each over the expert's rows
+   of `in` [R, ld_in] (their group sums in `sums`) into `out` [R, ld_out] */
+static void projection(moe_job* j, atomic_long* next, int tiles, const float* in, int ld_in, const float* sums, int ng,
+                       const uint32_t* const* w, const uint16_t* const* s, const uint16_t* const* z, int W, float* out,
+                       int ld_out, int gb) {{
+  long lo, hi;
+  while (next_chunk(next, (long)j->nb * tiles, 1, &lo, &hi)) {{
+    const int e = j->used[lo / tiles], tile = (int)(lo % tiles), r0 = j->first[e];
+    output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * ng, ng, w[e], s[e], z[e], W,
+                j->group, out + (size_t)r0 * ld_out, ld_out, tile * TILE_VECTORS, gb);
+  }}
+}}
+
 static void moe_part(void* p, int tid, int nth) {{
   moe_job* j = (moe_job*)p;
   long lo, hi;
@@ -369,12 +382,8 @@ static void moe_part(void* p, int tid, int nth) {{
     row_sums(dst, 1, j->D, j->ng_gu, j->group, j->xsum + (size_t)r * j->ng_gu);
   }}
   barrier(&j->bar, nth);
-  while (next_chunk(&j->next_gu, (long)j->nb * j->tiles_gu, 1, &lo, &hi)) {{
-    const int e = j->used[lo / j->tiles_gu], tile = (int)(lo % j->tiles_gu), r0 = j->first[e];
-    output_tile(j->xs + (size_t)r0 * j->D, j->first[e + 1] - r0, j->D, j->xsum + (size_t)r0 * j->ng_gu, j->ng_gu,
-                j->gw[e], j->gs[e], j->gz[e], j->Wgu, j->group, j->h + (size_t)r0 * j->ldh, j->ldh,
-                tile * TILE_VECTORS, j->gb_gu);
-  }}
+  projection(j, &j->next_gu, j->tiles_gu, j->xs, j->D, j->xsum, j->ng_gu, j->gw, j->gs, j->gz, j->Wgu, j->h, j->ldh,
+             j->gb_gu);
   barrier(&j->bar, nth);
   share(j->R, tid, nth, &lo, &hi);
   for (long r = lo; r < hi; r++) {{
@@ -384,12 +393,8 @@ static void moe_part(void* p, int tid, int nth) {{
     row_sums(ar, 1, j->F, j->ng_dn, j->group, j->asum + (size_t)r * j->ng_dn);
   }}
   barrier(&j->bar, nth);
-  while (next_chunk(&j->next_dn, (long)j->nb * j->tiles_dn, 1, &lo, &hi)) {{
-    const int e = j->used[lo / j->tiles_dn], tile = (int)(lo % j->tiles_dn), r0 = j->first[e];
-    output_tile(j->a + (size_t)r0 * j->F, j->first[e + 1] - r0, j->F, j->asum + (size_t)r0 * j->ng_dn, j->ng_dn,
-                j->dw[e], j->ds[e], j->dz[e], j->Wdn, j->group, j->y + (size_t)r0 * j->ldy, j->ldy,
-                tile * TILE_VECTORS, j->gb_dn);
-  }}
+  projection(j, &j->next_dn, j->tiles_dn, j->a, j->F, j->asum, j->ng_dn, j->dw, j->ds, j->dz, j->Wdn, j->y, j->ldy,
+             j->gb_dn);
   barrier(&j->bar, nth);
   share((j->D + 63) / 64, tid, nth, &lo, &hi);
   for (long c0 = lo * 64; c0 < hi * 64 && c0 < j->D; c0 += 64) {{
