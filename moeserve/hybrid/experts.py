@@ -12,7 +12,8 @@ Per call, with the router's output on the model device:
   5. the CPU's output comes back and is added on the model device.
 With the model on the CPU the same steps run inline (no copies, no hand-off). A call of many tokens (a prompt, at
 least the placement's stream_from) computes its missed experts on the model device instead, each streamed there
-once (hybrid/stream.py): no CPU job.
+once (hybrid/stream.py): no CPU job. Where the runtime holds a device link (a GPU, every pair on the CPU's low-bit
+copy in one native call), steps 1-5 are enqueued on the device instead and the host never waits (hybrid/link.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,23 @@ class HybridExperts(ExpertBackend):
         self.layer, self.num_experts, self.runtime = layer, num_experts, runtime
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
-        return "hybrid"
+        return "hybrid_linked" if self._linked(x) else "hybrid"
+
+    def _linked(self, x: torch.Tensor) -> bool:
+        """Whether a call of x [T, D] goes over the device link (hybrid/link.py): the runtime has one, the call is
+        not a streamed prompt and the link takes its layer and size."""
+        link = self.runtime.link
+        return link is not None and not self.runtime.streams(x.shape[0]) and link.serves(self.layer, x)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 dense=None) -> torch.Tensor:
         """x [T, D], expert_ids / expert_weights [T, k] -> [T, D] (+ dense(x), the shared expert, when given)."""
         rt = self.runtime
+        if self._linked(x):  # asked and waited for on the device: no host wait, capturable
+            rt.link.ask(self.layer, x, expert_ids, expert_weights)
+            shared = dense(x) if dense is not None else None  # [T, D], while the CPU computes
+            out = rt.link.answer(x.shape[0]).to(x.dtype, copy=True)  # [T, D], its own: the link's buffer is reused
+            return out if shared is None else out + shared
         streamed = rt.streams(x.shape[0])  # a prompt: missed experts streamed to x's device, not run on the CPU
         x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights, not streamed)  # host [T, D], [T, k] x2
         choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP, or None: every pair at the run's precision

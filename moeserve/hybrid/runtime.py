@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moeserve.hybrid.cache import SlotCache
+from moeserve.hybrid.link import DeviceLink, link_wanted, start_link
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.memory import ring_slots
 from moeserve.hybrid.stream import ExpertStreamer
@@ -42,14 +43,15 @@ class HybridStats:
 
 
 class HybridRuntime:
-    def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, device: torch.device,
-                 dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
+    def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, top_k: int,
+                 device: torch.device, dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
                  host: HostExperts | None = None, warm: bool = False, stream: bool | None = None):
         """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
         .warm) rather than at its first token; stream: stream prompts' experts to the model device (default: on a
-        GPU, when the placement's stream_from is not 0)."""
+        GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on the low-bit copy (no cache
+        slots, no mixed precision) the CPU experts are driven from the device (hybrid/link.py)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -73,6 +75,13 @@ class HybridRuntime:
         if stream and placement.stream_from and placement.cpu_layers:
             slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
             self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
+        self.link: DeviceLink | None = None
+        if threaded and device.type == "cuda" and placement.low and not placement.cache_slots \
+                and not placement.mixed and placement.cpu_layers and link_wanted():
+            # the CPU thread on the caller's core, computing with helpers on all but the last core (left to the
+            # Python thread, which waits for the device meanwhile)
+            self.link = start_link(self.host, num_layers, top_k, device, max(threads - 1, 1),
+                                   cores[0] if cores else -1, spin_us(device.type))
         self.stats = HybridStats()
 
     def start_cpu(self, layer: int, x: torch.Tensor, pairs: CpuPairs):
@@ -117,9 +126,17 @@ class HybridRuntime:
             out.update(admitted=self.cache.admitted, bytes_copied=self.cache.bytes_copied)
         if self.streamer is not None:
             out.update(experts_streamed=self.streamer.experts_streamed, bytes_streamed=self.streamer.bytes_copied)
-        pairs = self.stats.gpu_pairs + self.stats.cpu_pairs
-        out["gpu_share"] = self.stats.gpu_pairs / max(pairs, 1)
+        if self.link is not None:
+            linked, errors = self.link.pairs()
+            out["cpu_pairs"] += linked
+            out.update(linked_pairs=linked)
+            if errors or self.link.failed():
+                raise RuntimeError("the device link's CPU end did not answer every call: outputs are wrong")
+        out["gpu_share"] = self.stats.gpu_pairs / max(out["gpu_pairs"] + out["cpu_pairs"], 1)
         return out
 
     def close(self) -> None:
         self.worker.close()
+        if self.link is not None:
+            self.link.close()
+            self.link = None

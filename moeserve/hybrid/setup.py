@@ -50,7 +50,7 @@ def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: 
     """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned; the options
     are HybridRuntime's); in a low-bit run the other MoE layers' experts become the store's low-bit copies on the
     model device."""
-    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.device, model.dtype, t1, t2, threaded, host,
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.top_k, model.device, model.dtype, t1, t2, threaded, host,
                             warm, stream)
     layers = model.model.layers
     for i in placement.cpu_layers:

@@ -32,11 +32,14 @@ EXPERT_PATHS = {
     "offload": "expert cache: hits run on GPU slots, misses are copied in or run on the CPU",
     "hybrid": "experts computed where they lie: those cached on the model device in one routed pass there, the "
               "rest by the CPU worker from host RAM, meanwhile",
+    "hybrid_linked": "experts computed on the CPU from host RAM, asked for and waited on by the device through "
+                     "page-locked memory (no host wait: capturable)",
     "expert_parallel": "tokens sent to the ranks that hold their experts (all-to-all)",
     "tensor_parallel": "every rank computes its slice of each expert's FFN, then an all-reduce",
 }
 # paths that never read the device from the host: a decode step made only of these can be a CUDA graph
-GRAPH_SAFE = frozenset({"fused", "grouped_mm", "tiles", "lowbit_slots", "lowbit_sorted", "mxfp4_triton"})
+GRAPH_SAFE = frozenset({"fused", "grouped_mm", "tiles", "lowbit_slots", "lowbit_sorted", "mxfp4_triton",
+                        "hybrid_linked"})
 ROUTER_PATHS = {
     "triton_topk": "one Triton launch: gate matmul, softmax, top-k (and the experts' x preparation)",
     "torch": "PyTorch ops",

@@ -102,13 +102,14 @@ def test_gpu_streamed_prompt_equals_the_cpu_path(hf_checkpoints, family, bits, s
     assert runs[1][2] == runs[0][2]
 
 
-def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])  # qwen3_moe: its CPU layers over the device link
+def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints, family):
     """--experts-bits 4: CPU kernels, GPU slots (Triton low-bit) and resident QuantizedExperts read the same copies."""
-    path = hf_checkpoints["mixtral"][1]
+    path = hf_checkpoints[family][1]
     tokens = torch.randint(3, 97, (2, 7), device="cuda")
-    outs = []
-    for n, slots in ((3, 0), (3, 24), (1, 0)):
-        model, runtime = hybrid_model(path, HybridPlacement.choose([0, 1, 2], n_cpu_moe=n, cache_slots=slots, bits=4),
+    layers, outs = moe_layers(path), []
+    for n, slots in ((len(layers), 0), (len(layers), 24), (1, 0)):
+        model, runtime = hybrid_model(path, HybridPlacement.choose(layers, n_cpu_moe=n, cache_slots=slots, bits=4),
                                       "float32")
         for _ in range(3):
             out = model(tokens)
@@ -117,3 +118,43 @@ def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints):
         runtime.close()
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=2e-3, rtol=2e-3)
+
+
+def test_gpu_wait_for_host_holds_the_stream_and_gives_up():
+    """The device end's wait: a word already written passes at once; one never written is read `reads` times,
+    then the kernel gives up and says so."""
+    from moeserve.kernels.triton.host_wait import wait_for_host
+    word, status = torch.zeros(8, dtype=torch.int64).pin_memory(), torch.zeros(8, dtype=torch.int32).pin_memory()
+    want = torch.tensor([5], dtype=torch.int64, device="cuda")
+    word[0] = 5
+    wait_for_host(word, want, status, reads=1000)
+    torch.cuda.synchronize()
+    assert status[0] == 0
+    want.fill_(6)
+    wait_for_host(word, want, status, reads=1000)
+    torch.cuda.synchronize()
+    assert status[0] == 1
+
+
+# families whose tiny experts the generated kernels read (sizes multiples of 32); qwen2_moe: a shared expert
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_gpu_linked_decode_is_one_graph_and_equals_the_host_path(hf_checkpoints, family, monkeypatch):
+    """Low-bit CPU experts over the device link: the decode step has no host layer (one CUDA graph), and greedy
+    generation (batch 1 and 3) gives the tokens of the host path (MOESERVE_DEVICE_LINK=0, segmented graphs); the
+    runtime counts the linked pairs."""
+    from moeserve.engine.cuda_graph import host_layers
+    path = hf_checkpoints[family][1]
+    prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 9, 3)]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = []
+    for link in ("1", "0"):
+        monkeypatch.setenv("MOESERVE_DEVICE_LINK", link)
+        layers = moe_layers(path)
+        model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, bits=4), "float32")
+        assert (runtime.link is not None) == (link == "1")
+        assert (host_layers(model, 1) == []) == (link == "1")
+        runs.append([[g.token_ids for g in generate(model, p, params)] for p in (prompts[:1], prompts)])
+        summary = runtime.summary()
+        assert summary.get("linked_pairs", 0) > 0 if link == "1" else "linked_pairs" not in summary
+        runtime.close()
+    assert runs[0] == runs[1]

@@ -91,6 +91,10 @@ def load(lib: Path) -> ctypes.CDLL:
     dll.moe_layer_start.restype = i
     dll.moe_layer_finish.argtypes = [p]
     dll.moe_layer_finish.restype = None
+    dll.link_start.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, ctypes.c_long]
+    dll.link_start.restype = p
+    dll.link_stop.argtypes = [p]
+    dll.link_stop.restype = None
     dll.moeserve_set_pool.argtypes = [p, p, p]
     dll.moeserve_set_pool.restype = None
     return dll
