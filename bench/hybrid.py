@@ -1,9 +1,12 @@
 """Hybrid CPU/GPU experts at batch 1: decode (tg128) and 512-token prefill (pp512) tokens/s of a model whose 4-bit
 experts do not fit the GPU budget, per placement, beside today's HOBBIT offload and the physical floor.
 
-Shapes (random weights, family Mixtral's layers):
+Shapes (random weights; Mixtral's layers unless said otherwise):
   mixtral  Mixtral-8x7B: 32 layers, D 4096, expert FFN 14336, 8 experts top-2, 12 GiB GPU budget
   qwen3    Qwen3-30B-A3B: 48 layers, D 2048, expert FFN 768, 128 experts top-8, 8 GiB GPU budget
+  deepseek DeepSeek-V2-Lite: 27 layers (the first dense, FFN 10944), MLA (16 heads, latent 512 + rope 64, no q
+           LoRA), D 2048, expert FFN 1408, 64 experts top-6 beside 2 shared ones (on the GPU), 5.5 GiB GPU budget
+The llama.cpp side-by-side (bench/peer/) covers mixtral and qwen3 only.
 Columns (experts 4-bit HQQ, group 64; CPU threads = --cpu-threads, default the physical cores):
   cpu             every MoE layer's experts on the CPU (--cpu-moe)
   hybrid          static: the first N MoE layers' experts on the CPU, the rest resident on the GPU, N the fewest
@@ -21,12 +24,15 @@ Threshold sweep (--sweep): prompts of T tokens through the `cpu` column's model,
 streamed, per T: where streaming starts to pay is the measured threshold (STREAM_FROM, `--stream-from`).
 
 Routing: Mixtral replays the demo model's routing of held-out text (bench/offload.py's DemoRouting: both have 8
-experts, top-2); the Qwen3 shape's 128 experts cannot replay the demo's 8, so its random routers pick (near
-uniform: the cache's worst case). The store holds --distinct-layers layers of random experts and layer i reads
-layer i mod that (as bench/offload.py: every expert read still streams its bytes from DRAM or over PCIe).
+experts, top-2); the Qwen3 and DeepSeek shapes' 128 and 64 experts cannot replay the demo's 8, so their random
+routers pick (near uniform: the cache's worst case; DeepSeek's is its greedy softmax gate). The store holds
+--distinct-layers layers of random experts and MoE layer i reads layer i mod that (as bench/offload.py: every
+expert read still streams its bytes from DRAM or over PCIe).
 
-    python bench/hybrid.py            # GPU: both shapes, JSON to bench/results/, a table on stdout
-    python bench/hybrid.py --quick    # tiny model on the CPU (RAM as the model device), seconds
+    python bench/hybrid.py                    # GPU: every shape, JSON to bench/results/, a table on stdout
+    python bench/hybrid.py --shapes deepseek  # GPU: one shape
+    python bench/hybrid.py --quick            # tiny models on the CPU (RAM as the model device; a Mixtral-like
+                                              # one and a DeepSeek-like one with MLA), seconds
     OMP_WAIT_POLICY=ACTIVE python bench/hybrid.py   # OpenMP threads spin between regions (default here: PASSIVE)
 """
 
@@ -68,22 +74,47 @@ SHAPES = {
                      expert_ffn=14336, num_experts=8, top_k=2), 12 * GiB, "demo"),
     "qwen3": (dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
                    expert_ffn=768, num_experts=128, top_k=8), 8 * GiB, "model"),
+    # GPU budget: a third of the 26 MoE layers' 4-bit experts resident. bf16 dense part 2.44 GiB (embeddings and
+    # head 0.78, MLA, the dense layer, the shared experts) + KV 0.02 GiB (MLA's latent: 576 values per token and
+    # layer) + the streaming ring 0.25 GiB (55 experts of 4.6 MiB) + 8.7 layers x 0.29 GiB (64 experts) = 5.2 GiB,
+    # over 1 - WORKSPACE_SHARE: 5.5 GiB, which leaves 8 MoE layers resident and 18 on the CPU
+    "deepseek": (dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
+                      num_kv_heads=16, head_dim=192, rotary_dim=64, expert_ffn=1408, num_experts=64, top_k=6,
+                      norm_topk_prob=False, dense_layers=1, dense_ffn=10944, shared_expert_ffn=2 * 1408,
+                      rope=dict(interleave=True), router=dict(scoring="softmax", topk_method="greedy"),
+                      mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                               v_head_dim=128, softmax_scale=192 ** -0.5)), int(5.5 * GiB), "model"),
 }
-QUICK = (dict(vocab_size=258, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-              expert_ffn=256, num_experts=8, top_k=2), None, "demo")
+QUICK = {  # --quick: tiny shapes on the CPU, at quick_budget
+    "quick": (dict(vocab_size=258, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                   expert_ffn=256, num_experts=8, top_k=2), None, "demo"),
+    "quick-mla": (dict(family="deepseek_v2", vocab_size=258, hidden_size=128, num_layers=4, num_heads=4,
+                       num_kv_heads=4, head_dim=24, rotary_dim=8, expert_ffn=64, num_experts=8, top_k=2,
+                       norm_topk_prob=False, dense_layers=1, dense_ffn=256, shared_expert_ffn=128,
+                       rope=dict(interleave=True), router=dict(scoring="softmax", topk_method="greedy"),
+                       mla=dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                v_head_dim=16, softmax_scale=24 ** -0.5)), None, "model"),
+}
 COLUMNS = ("cpu", "hybrid", "hybrid+cache", "hybrid+mixed", "hobbit-offload")
 BITS, GROUP = 4, 64
 
 
+def quick_budget(resident: int, kv: int, expert_bytes: int) -> int:
+    """A tiny shape's GPU budget: the dense part and the KV cache with their workspace share, then 20 4-bit experts
+    (2.5 layers of 8): about a layer's experts resident beside the streaming ring, and room for the experts
+    hobbit-offload keeps in flight."""
+    return int((resident + kv) / (1 - WORKSPACE_SHARE) + 20 * expert_bytes)
+
+
 def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) -> HybridPlacement:
     """The column's placement for `room` bytes of GPU memory left for experts (and the streaming ring)."""
-    layers = list(range(spec.num_layers))
+    layers = spec.moe_layer_indices()
     room -= ring_slots(expert_bytes, spec.num_experts) * expert_bytes
     if column == "hybrid+cache":
         return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=max(room // expert_bytes, 0), threads=threads,
                                       bits=BITS, num_experts=spec.num_experts)
-    resident = 0 if column == "cpu" else min(max(room // (spec.num_experts * expert_bytes), 0), spec.num_layers)
-    return HybridPlacement.choose(layers, n_cpu_moe=spec.num_layers - resident, threads=threads, bits=BITS,
+    resident = 0 if column == "cpu" else min(max(room // (spec.num_experts * expert_bytes), 0), len(layers))
+    return HybridPlacement.choose(layers, n_cpu_moe=len(layers) - resident, threads=threads, bits=BITS,
                                   mixed=column == "hybrid+mixed")
 
 
@@ -122,7 +153,7 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats)
     streamed = runtime.summary().get("bytes_streamed", 0) - before
     sweep = threshold_sweep(model, spec, runtime, device, args) if column == "cpu" and args.sweep else None
-    resident_layers = spec.num_layers - len(placement.cpu_layers)
+    resident_layers = len(placement.moe_layers) - len(placement.cpu_layers)
     cpu_bytes = per_token["cpu_pairs"] * expert_bytes
     gpu_bytes = resident_bytes + (per_token["gpu_pairs"] + resident_layers * spec.top_k) * expert_bytes
     floor = max(cpu_bytes / rates["dram"], gpu_bytes / rates["hbm"])
@@ -176,7 +207,7 @@ def demo_ppl_cost(tokens: int) -> dict:
     out = {}
     for name, mixed in (("4bit", False), ("4bit+mixed", True)):
         model = moeserve.load_model(DEMO_DIR, device="cpu", dtype="float32", routed_experts=False)
-        placement = HybridPlacement.choose(list(range(model.spec.num_layers)), cpu_moe=True, bits=BITS, mixed=mixed)
+        placement = HybridPlacement.choose(model.spec.moe_layer_indices(), cpu_moe=True, bits=BITS, mixed=mixed)
         runtime = enable_hybrid(model, build_store(DEMO_DIR, placement, model.dtype, model.device, progress=False),
                                 placement)
         out[name] = perplexity(model, ids, 256, progress=False)["perplexity"]
@@ -199,8 +230,9 @@ def print_table(shape: str, rows: list[dict], prefill: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of mixtral,qwen3")
+    ap.add_argument("--quick", action="store_true", help="tiny models on the CPU, seconds")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)} (default: all; "
+                                                  f"with --quick, of {','.join(QUICK)})")
     ap.add_argument("--columns", default=",".join(COLUMNS), help="comma-separated subset of the columns")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the timed decode")
     ap.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (tg)")
@@ -216,8 +248,12 @@ def main(argv=None) -> int:
                     help="prompt lengths of the streaming threshold sweep (cpu column; empty: none)")
     add_run_args(ap)
     args = ap.parse_args(argv)
+    table = QUICK if args.quick else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(table)
+    if not set(names) <= set(table):
+        ap.error(f"--shapes {args.shapes}: choose from {','.join(table)}")
+    shapes = {s: table[s] for s in names}
     device, dtype = run_device(args)
-    shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes.split(",")}
     if args.quick:
         args.new_tokens, args.warmup, args.prompt, args.prefill, args.offload_tokens = 6, 2, 4, 32, 4
         args.ppl_tokens, args.cpu_threads, args.sweep = 512, args.threads or 1, "4,8"
@@ -230,11 +266,11 @@ def main(argv=None) -> int:
     for name, (shape, budget, routing) in shapes.items():
         spec = model_spec(shape)
         args.routing = routing
-        store = random_store(spec, min(args.distinct_layers, spec.num_layers), device, dtype, BITS,
+        store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype, BITS,
                              32 if args.quick else GROUP)
         resident = dense_bytes(spec, dtype)
         kv = kv_cache_bytes(spec, 1, args.prefill + args.new_tokens + args.warmup + args.prompt, dtype.itemsize)
-        budget = budget or int(resident + kv + 20 * store.expert_bytes(True))  # quick: ~2.5 layers' experts
+        budget = budget or quick_budget(resident, kv, store.expert_bytes(True))
         room = int(budget * (1 - WORKSPACE_SHARE)) - resident - kv
         rows, host = [], HostExperts(store, dtype)  # the CPU's view of the store, shared by the columns
         for column in args.columns.split(","):
@@ -244,7 +280,7 @@ def main(argv=None) -> int:
                 rows.append(hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident))
             print(f"{name} {column}: {rows[-1]['tg_tokens_per_s']:.2f} tok/s", flush=True)
         print_table(name, rows, args.prefill)
-        results[name] = {"shape": shape, "budget_bytes": budget, "dense_bytes": resident,
+        results[name] = {"shape": shape, "budget_bytes": budget, "dense_bytes": resident, "kv_bytes": kv,
                          "expert_bytes_4bit": store.expert_bytes(True), "rows": rows}
         del store, host
         gc.collect()

@@ -32,6 +32,7 @@ from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
 from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
 from moeserve.model.layers import Attention  # noqa: E402
+from moeserve.model.mla import MLAttention  # noqa: E402
 from moeserve.offload.host_compute import HostExperts  # noqa: E402
 from moeserve.offload.slot_compute import SlotExperts  # noqa: E402
 
@@ -63,7 +64,8 @@ class Stages:
 
 def instrument(stages: Stages) -> list:
     """Patch the stage functions (returns what to restore)."""
-    targets = [(Attention, "forward", "attention"), (hybrid_experts, "routing_to_host", "routing_to_host"),
+    targets = [(Attention, "forward", "attention"), (MLAttention, "forward", "attention"),
+               (hybrid_experts, "routing_to_host", "routing_to_host"),
                (hybrid_experts.HybridExperts, "forward", "hybrid_experts(all)"),
                (SlotExperts, "compute", "cached_pass"), (SlotCache, "account", "cache_account"),
                (SlotCache, "where", "cache_where"), (HostExperts, "run_layer", "cpu_run_layer(worker)")]
@@ -71,7 +73,7 @@ def instrument(stages: Stages) -> list:
 
 
 def placement(column: str, spec, threads: int, slots: int) -> HybridPlacement:
-    layers = list(range(spec.num_layers))
+    layers = spec.moe_layer_indices()
     if column == "resident":
         return HybridPlacement.choose(layers, n_cpu_moe=0, threads=threads, bits=BITS)
     if column == "cpu":
@@ -129,9 +131,9 @@ def profile_table(model, spec, device, steps: int) -> str:
     return table
 
 
-def cpu_micro(spec, host: HostExperts, reps: int = 30) -> dict:
-    """One token's CPU experts of a layer (top-k distinct random experts): run_layer whole, and its two batched
-    native calls alone, medians in ms, beside the DRAM time of the bytes they read at --dram-gbs."""
+def cpu_micro(spec, host: HostExperts, layer: int, reps: int = 30) -> dict:
+    """One token's CPU experts of MoE layer `layer` (top-k distinct random experts): run_layer whole, and its two
+    batched native calls alone, medians in ms, beside the DRAM time of the bytes they read at --dram-gbs."""
     from moeserve.kernels.cpu.gemv import quantized_linear_batch
     from moeserve.offload.host_compute import CpuPairs
 
@@ -142,9 +144,9 @@ def cpu_micro(spec, host: HostExperts, reps: int = 30) -> dict:
         ids = torch.randperm(spec.num_experts)[:k].reshape(1, k)
         pairs = CpuPairs(ids, torch.rand(1, k), None, True)
         t = time.perf_counter()
-        host.run_layer(0, x, pairs)
+        host.run_layer(layer, x, pairs)
         t1 = time.perf_counter()
-        mods = [host.low(0, int(e)) for e in ids[0]]
+        mods = [host.low(layer, int(e)) for e in ids[0]]
         xs = x.float().expand(k, D).contiguous()
         t2 = time.perf_counter()
         h = quantized_linear_batch([g for g, _ in mods], xs, [1] * k)
@@ -179,19 +181,21 @@ def main(argv=None) -> int:
     device, dtype = run_device(args)
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    shape = dict(QUICK[0] if args.quick else SHAPES[args.shape][0])
+    shape = dict(QUICK["quick"][0] if args.quick else SHAPES[args.shape][0])
     shape["num_layers"] = args.layers if not args.quick else shape["num_layers"]
     if args.quick:
         args.steps, args.warmup, args.cpu_threads = 4, 1, args.threads or 1
     torch.set_num_threads(args.cpu_threads)
     spec = model_spec(shape)
-    store = random_store(spec, min(4, spec.num_layers), device, dtype, BITS, 32 if args.quick else GROUP)
+    store = random_store(spec, min(4, len(spec.moe_layer_indices())), device, dtype, BITS,
+                         32 if args.quick else GROUP)
     host = HostExperts(store, dtype)
-    slots = int(args.slots_share * spec.num_layers * spec.num_experts)
+    slots = int(args.slots_share * len(spec.moe_layer_indices()) * spec.num_experts)
     rows = {}
     if args.cpu_micro:
-        host.warm([0], True)
-        rows["cpu_micro"] = micro = cpu_micro(spec, host)
+        first = spec.moe_layer_indices()[0]
+        host.warm([first], True)
+        rows["cpu_micro"] = micro = cpu_micro(spec, host, first)
         print("cpu micro (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in micro.items() if k != "bytes")
               + f"; {micro['bytes'] / 1e6:.1f} MB read")
     for column in [c for c in args.columns.split(",") if c]:

@@ -48,7 +48,7 @@ from moeserve.offload.budget import kv_cache_bytes, plan_slots  # noqa: E402
 from moeserve.offload.experts import enable_offload  # noqa: E402
 from moeserve.offload.store import ExpertStore, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
-from moeserve.spec import ModelSpec  # noqa: E402
+from moeserve.spec import MLASpec, ModelSpec, RopeSpec, RouterSpec  # noqa: E402
 GiB = 1 << 30
 
 DEMO_DIR = Path(__import__("moeserve").__file__).resolve().parent / "demo"
@@ -64,11 +64,18 @@ METHODS = {  # name -> enable_offload options (slots come from the budget)
     "hobbit+cpu": dict(policy="hobbit", mixed=True, prefetch_layers=1, cooperative=True),
 }
 STD = 0.02
+NESTED = {"mla": MLASpec, "router": RouterSpec, "rope": RopeSpec}  # shape fields given as dicts of their fields
 
 
 def model_spec(shape: dict) -> ModelSpec:
-    return ModelSpec(family="mixtral", max_position_embeddings=4096, norm_topk_prob=True, router_weights_fp32=True,
-                     moe_layers=(True,) * shape["num_layers"], **shape)
+    """The ModelSpec of a bench shape. A shape is plain data, as the results record it: ModelSpec's fields over
+    Mixtral's defaults, the nested dataclasses (NESTED) as dicts of their fields, and `dense_layers`: that many
+    first layers have a dense FFN of dense_ffn instead of experts (DeepSeek's first_k_dense_replace; default 0)."""
+    fields = {k: NESTED[k](**v) if k in NESTED else v for k, v in shape.items() if k != "dense_layers"}
+    dense = shape.get("dense_layers", 0)
+    moe_layers = tuple(i >= dense for i in range(shape["num_layers"]))
+    return ModelSpec(**{"family": "mixtral", "max_position_embeddings": 4096, "norm_topk_prob": True,
+                        "router_weights_fp32": True, "moe_layers": moe_layers, **fields})
 
 
 def dense_model(spec: ModelSpec, device, dtype) -> MoETransformer:
@@ -94,7 +101,8 @@ def dense_bytes(spec: ModelSpec, dtype) -> int:
 
 
 def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64) -> ExpertStore:
-    """Random experts (quantized on `device`), `distinct` layers of them pinned, layer i reads i mod distinct."""
+    """Random experts of every MoE layer (quantized on `device`), `distinct` layers of them pinned, layer i reads
+    i mod distinct."""
     E, D, F = spec.num_experts, spec.hidden_size, spec.expert_ffn
     layers = []
     for i in range(distinct):
@@ -103,7 +111,7 @@ def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 
         down = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD
         t = layer_tensors(gate_up, down, low_bits, group)
         layers.append({k: v.pin_memory() if torch.cuda.is_available() else v for k, v in t.items()})
-    return ExpertStore(store_meta(spec, list(range(spec.num_layers)), low_bits, group), lambda i: layers[i % distinct])
+    return ExpertStore(store_meta(spec, spec.moe_layer_indices(), low_bits, group), lambda i: layers[i % distinct])
 
 
 class DemoRouting:
@@ -299,7 +307,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.new_tokens, args.warmup, args.prompt, args.hf_layers = 6, 2, 4, 0
     spec = model_spec(shape)
-    store = random_store(spec, min(args.distinct_layers, spec.num_layers), device, dtype,
+    store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype,
                          group=32 if args.quick else 64)
     bandwidth = measure_h2d_bandwidth(device) if cuda else None
     routing = DemoRouting(args.prompt + args.new_tokens) if args.routing == "demo" else None

@@ -297,7 +297,7 @@ def expert_sample_rows(spec) -> list[tuple[int, int, str, int]]:
     layer, spread over the experts and the rows. A few KiB per layer, read in milliseconds, yet two different
     trainings (or a fine-tune of the experts) differ in every one of them."""
     rows = []
-    for layer in (i for i, moe in enumerate(spec.moe_layers) if moe):
+    for layer in spec.moe_layer_indices():
         E = spec.experts_at(layer)
         for e in range(0, E, max(1, E // SAMPLED_EXPERTS))[:SAMPLED_EXPERTS]:
             k = 7919 * layer + 104729 * e + 13

@@ -570,7 +570,7 @@ def _hybrid_placement(args, spec, cpu_moe: bool, n_cpu_moe: int | None, bits: in
     from moeserve.hybrid.placement import HybridPlacement
     from moeserve.kernels.cpu.machine import physical_cores
 
-    moe_layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+    moe_layers = spec.moe_layer_indices()
     return HybridPlacement.choose(
         moe_layers, cpu_moe, n_cpu_moe, cache_slots or 0,
         len(physical_cores()) if args.cpu_threads is None else args.cpu_threads,

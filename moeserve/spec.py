@@ -189,6 +189,10 @@ class ModelSpec:
         """Routed experts of layer `layer` (num_experts unless the layers differ)."""
         return self.layer_experts[layer] if self.layer_experts else self.num_experts
 
+    def moe_layer_indices(self) -> list[int]:
+        """The layers with routed experts, in order (the others have a dense FFN)."""
+        return [i for i, moe in enumerate(self.moe_layers) if moe]
+
     @property
     def rotated_dims(self) -> int:
         """Dims of a head's query/key that the rope turns, from the head's start."""

@@ -48,7 +48,8 @@ class Dims:
     dense_ffn: int  # feed_forward_length (the expert FFN for `llama` arch, the dense FFN of the family otherwise)
 
 
-SHAPES = {  # the shapes of bench/hybrid.py (tests/bench/test_peer_gguf.py checks they agree) and tiny local ones
+SHAPES = {  # bench/hybrid.py's mixtral and qwen3 shapes (tests/bench/test_peer_gguf.py checks they agree; its
+    # deepseek shape has no GGUF here) and tiny local ones
     "mixtral": Dims("llama", 32, 4096, 32, 8, 128, 14336, 8, 2, 32000, 32768, 1e6, 1e-5, 14336),
     "qwen3": Dims("qwen3moe", 48, 2048, 32, 4, 128, 768, 128, 8, 151936, 40960, 1e6, 1e-6, 6144),
     "tiny-mixtral": Dims("llama", 2, 256, 4, 2, 64, 512, 8, 2, 1000, 4096, 1e6, 1e-5, 512),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.errors import MoeserveError
 from moeserve.hybrid.experts import HybridExperts
 from moeserve.hybrid.memory import store_precision
 from moeserve.hybrid.placement import HybridPlacement
@@ -37,6 +38,14 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
                                        progress=progress)
 
 
+def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
+    """A MoeserveError naming the placement's layers that have no routed experts (a dense FFN instead)."""
+    dense = sorted(set(placement.moe_layers) - set(spec.moe_layer_indices()))
+    if dense:
+        raise MoeserveError(f"the hybrid placement names layers {dense}, which have a dense FFN and no routed experts; "
+                            f"its layers must be the model's MoE layers {spec.moe_layer_indices()}")
+
+
 def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
     """A resident layer of a low-bit run: the store's low-bit copies of its experts on the model device."""
     pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
@@ -49,9 +58,11 @@ def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: 
                   warm: bool = False, stream: bool | None = None) -> HybridRuntime:
     """Replace the experts of the placement's CPU layers by HybridExperts sharing one runtime (returned; the options
     are HybridRuntime's); in a low-bit run the other MoE layers' experts become the store's low-bit copies on the
-    model device."""
-    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.top_k, model.device, model.dtype, t1, t2, threaded, host,
-                            warm, stream)
+    model device. A placement naming a layer without routed experts is refused: that layer would stay dense and the
+    runtime would count experts it never runs."""
+    check_moe_layers(model.spec, placement)
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.top_k, model.device, model.dtype, t1,
+                            t2, threaded, host, warm, stream)
     layers = model.model.layers
     for i in placement.cpu_layers:
         layers[i].mlp.experts = HybridExperts(i, model.spec.experts_at(i), runtime)

@@ -131,16 +131,12 @@ def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: 
             yield i, stacks, tensors_digest(stacks)
 
 
-def _moe_layers(spec) -> list[int]:
-    return [i for i, moe in enumerate(spec.moe_layers) if moe]
-
-
 def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
                   progress: bool) -> dict[int, str]:
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    for i, stacks, digests[i] in _source_layers(reader, spec, _moe_layers(spec), progress):
+    for i, stacks, digests[i] in _source_layers(reader, spec, spec.moe_layer_indices(), progress):
         provenance = _provenance(digests[i], low_bits, group)
         f = _layer_file(out, i)
         if read_provenance(f) == provenance:
@@ -245,7 +241,7 @@ class ExpertStore:
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
         tensors, digests = {}, {}
-        chosen = _moe_layers(spec) if layers is None else sorted(layers)
+        chosen = spec.moe_layer_indices() if layers is None else sorted(layers)
         for i, stacks, digests[i] in _source_layers(reader, spec, chosen, progress):
             tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
                                        dtype, high)
@@ -338,8 +334,8 @@ class ExpertStore:
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
                 ",".join(str(layer_experts(m, i)) for i in m["layers"]))
-        theirs = (spec.num_layers, _moe_layers(spec), spec.hidden_size,
-                  spec.expert_ffn, ",".join(str(spec.experts_at(i)) for i in _moe_layers(spec)))
+        theirs = (spec.num_layers, spec.moe_layer_indices(), spec.hidden_size,
+                  spec.expert_ffn, ",".join(str(spec.experts_at(i)) for i in spec.moe_layer_indices()))
         if "source" not in m:
             raise MoeserveError(f"expert store {where} records no source fingerprint (an older moeserve built "
                                 f"it); build it again with `moeserve offload-prepare --model {path} --out "

@@ -72,7 +72,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     spec = moeserve.ModelSpec.from_dir(path)
     refuse_special_experts(spec, "the parallel engine (--ep, --tp)")
     if ep > 1:
-        for i in (i for i, moe in enumerate(spec.moe_layers) if moe):
+        for i in spec.moe_layer_indices():
             check_experts(spec.experts_at(i), ep)
     if tp > 1:
         check_tensor_parallel(spec, tp)

@@ -287,9 +287,9 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
     return out
 
 
-def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, moe: int, cpu_layers: int, bits: int, group: int) -> int:
+def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, cpu_layers: int, bits: int, group: int) -> int:
     """Host RAM of the hybrid backend's expert store for this split (hybrid/memory.py)."""
-    placement = HybridPlacement.choose(list(range(moe)), n_cpu_moe=cpu_layers, bits=bits)
+    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=cpu_layers, bits=bits)
     return host_bytes(spec, placement, req.dtype_bytes, bits if bits != 16 else 0, group)
 
 
@@ -321,7 +321,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
             hit = slots / (n * E) if n else 0.0
             decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n,
                                           stream=streams)
-            host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group)
+            host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
                                   fixed + ((M - n) * E + slots) * eb + (ring if streams else 0), host, decode,
                                   prefill, streams=streams))
@@ -359,7 +359,7 @@ def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     for bits, group in _bits(spec, req):
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
         eb = expert_bytes(spec, bits, req.dtype_bytes, group)
-        host = dense + (M * E * eb if bits == 16 and n == 0 else _expert_host_bytes(spec, req, M, n, bits, group))
+        host = dense + (M * E * eb if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group))
         decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
         out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))
     return out

@@ -32,12 +32,15 @@ from moeserve.spec import ModelSpec, refuse_special_experts
 
 
 def check_modelled(spec: ModelSpec) -> None:
-    """The planner and the CGOPipe pipeline model GQA attention (q, k and v per head, CPU attention over a host K/V
-    cache); MLA's latent attention is not modelled: refused by name rather than planned wrong."""
-    refuse_special_experts(spec, "moeserve plan and batch")
+    """The throughput planner (plan --for batch) and the CGOPipe pipeline it plans for (batch) model GQA attention:
+    q, k and v projections per head, CPU attention over a host cache of keys and values. MLA differs in more than
+    its cache's size (latent projections, attention absorbed into the latent space, no keys or values to stage),
+    and the pipeline has no CPU attention over latents: refused by name rather than planned or run wrong."""
+    refuse_special_experts(spec, "moeserve plan --for batch and batch")
     if spec.mla is not None:
-        raise MoeserveError(f"moeserve plan and batch model GQA attention; {spec.family}'s multi-head latent "
-                            f"attention is not modelled yet (generate, serve, --offload and --cpu-moe run it)")
+        raise MoeserveError(f"moeserve plan --for batch and batch model GQA attention; {spec.family}'s multi-head "
+                            f"latent attention is not modelled yet (generate, serve, --offload, --cpu-moe and plan "
+                            f"--for decode run it)")
     if (spec.embedding_multiplier, spec.residual_multiplier, spec.logits_scaling, spec.attention_scale) != (
             1.0, 1.0, 1.0, None):
         raise MoeserveError(f"moeserve plan --for batch and batch run a pipeline that does not apply {spec.family}'s "

@@ -144,12 +144,20 @@ def test_lowbit_decode_bench_quick(tmp_path):
 
 
 def test_hybrid_bench_quick(tmp_path):
+    """Every column on both tiny shapes: the Mixtral-like one (4 MoE layers) and the DeepSeek-like one (MLA, a dense
+    first layer and shared experts: 3 MoE layers, whose KV cache is the latent)."""
     result = quick_json("hybrid", tmp_path)
-    rows = result["shapes"]["quick"]["rows"]
-    assert [r["column"] for r in rows] == ["cpu", "hybrid", "hybrid+cache", "hybrid+mixed", "hobbit-offload"]
-    assert all(r["tg_tokens_per_s"] > 0 for r in rows)
-    for r in rows[:4]:
-        assert r["pp_tokens_per_s"] > 0 and r["floor_tokens_per_s"] > 0 and r["cpu_pairs_per_token"] > 0
-    assert rows[0]["cpu_layers"] == 4 and 0 < rows[1]["cpu_layers"] < 4 and rows[2]["cache_slots"] > 0
-    assert rows[3]["skipped_per_token"] >= 0 and result["demo_mixed_precision"]["4bit"] > 1
-    assert result["rates"]["dram_read_bytes_per_s"] > 0
+    assert list(result["shapes"]) == ["quick", "quick-mla"]
+    for name, moe_layers in (("quick", 4), ("quick-mla", 3)):
+        rows = result["shapes"][name]["rows"]
+        assert [r["column"] for r in rows] == ["cpu", "hybrid", "hybrid+cache", "hybrid+mixed", "hobbit-offload"]
+        assert all(r["tg_tokens_per_s"] > 0 for r in rows)
+        for r in rows[:4]:
+            assert r["pp_tokens_per_s"] > 0 and r["floor_tokens_per_s"] > 0 and r["cpu_pairs_per_token"] > 0
+        assert rows[0]["cpu_layers"] == moe_layers and 0 < rows[1]["cpu_layers"] < moe_layers
+        assert rows[2]["cache_slots"] > 0 and rows[3]["skipped_per_token"] >= 0
+    mla, c = result["shapes"]["quick-mla"], result["config"]
+    tokens = c["prefill"] + c["new_tokens"] + c["warmup"] + c["prompt"]
+    latent = mla["shape"]["mla"]["kv_lora_rank"] + mla["shape"]["mla"]["qk_rope_head_dim"]
+    assert mla["kv_bytes"] == tokens * mla["shape"]["num_layers"] * latent * 4  # fp32 on the CPU
+    assert result["demo_mixed_precision"]["4bit"] > 1 and result["rates"]["dram_read_bytes_per_s"] > 0

@@ -132,10 +132,13 @@ def test_tiny_gguf_reads_back_as_llama_cpp_expects(tmp_path, shape):
 
 
 def test_benchmark_shapes_are_bench_hybrid_shapes():
+    """The side-by-side covers bench/hybrid.py's mixtral and qwen3 shapes (not its deepseek one), with their dims."""
     import hybrid
 
-    for name, (shape, _, _) in hybrid.SHAPES.items():
-        d = make_gguf.SHAPES[name]
+    peer = [name for name in make_gguf.SHAPES if name in hybrid.SHAPES]
+    assert peer == ["mixtral", "qwen3"]
+    for name in peer:
+        shape, d = hybrid.SHAPES[name][0], make_gguf.SHAPES[name]
         assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.expert_ffn, d.experts, d.top_k, d.vocab) == (
             shape["num_layers"], shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"], shape["head_dim"],
             shape["expert_ffn"], shape["num_experts"], shape["top_k"], shape["vocab_size"])

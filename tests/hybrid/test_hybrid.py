@@ -257,6 +257,20 @@ def test_placement_checks_and_line():
     assert HybridPlacement.choose([0, 1], cpu_moe=True, cache_slots=100, num_experts=8).cache_slots == 16
 
 
+def test_a_placement_naming_a_dense_layer_is_refused(hf_checkpoints):
+    """DeepSeek-V2-Lite's first layer is dense: a placement over every layer instead of the MoE layers is refused by
+    name before any layer changes (it would leave that layer dense and count experts it never runs)."""
+    path = hf_checkpoints["deepseek_v2_lite"][1]
+    model = moeserve.load_model(path, routed_experts=False)
+    store = ExpertStore.from_checkpoint(path, low_bits=0, progress=False)
+    placement = HybridPlacement.choose(list(range(model.spec.num_layers)), cpu_moe=True)
+    before = [layer.mlp.experts for layer in model.model.layers[1:]]
+    with pytest.raises(MoeserveError, match=r"names layers \[0\], which have a dense FFN .* MoE layers \[1, 2\]"):
+        enable_hybrid(model, store, placement)
+    assert [layer.mlp.experts for layer in model.model.layers[1:]] == before
+    assert not hasattr(model.model.layers[0].mlp, "experts")
+
+
 def test_host_bytes_match_the_store(hf_checkpoints):
     path = hf_checkpoints["mixtral"][1]
     spec = moeserve.load_model(path, routed_experts=False).spec

@@ -148,6 +148,43 @@ def test_cpu_only_plans_everything_on_the_cpu():
         candidates(spec, hw, mixtral_request(12))  # a GPU budget with a profile of a machine without one
 
 
+def test_host_bytes_are_those_of_the_moe_layers_on_the_cpu():
+    """A first dense layer (PR-MoE's pyramid of 0, 4 and 8 experts): the CPU layers are the first MoE layers, so the
+    store of one CPU layer holds 4 experts and of two 4 + 8."""
+    from prmoe_models import tiny_arch
+
+    spec = ModelSpec.from_hf_config(tiny_arch(experts=(0, 4, 8)).hf_config(64))
+    for n, experts in ((1, 4), (2, 12)):
+        (c,) = candidates(spec, HW, PlanRequest(GiB, 64 * GiB, 2, bits=16, cpu_layers=n), COSTS)
+        assert (c.kind, c.cpu_layers, c.moe_layers) == ("hybrid", n, 2)
+        assert c.host_bytes == experts * expert_bytes(spec, 16, 2)
+
+
+def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
+    """DeepSeek-V2-Lite (MLA, a dense first layer, two shared experts): the plan's GPU bytes are the dense part
+    (every tensor of the checkpoint but the routed experts), MLA's latent KV cache (kv_lora_rank + qk_rope_head_dim
+    values per token and layer, not keys and values per head) and the two MoE layers' experts; a budget with room
+    for 1.5 layers' experts puts both MoE layers on the CPU, the streaming ring and cache slots in the rest."""
+    hf, path = hf_checkpoints["deepseek_v2_lite"]
+    spec = ModelSpec.from_dir(path)
+    m, tokens = spec.mla, spec.max_position_embeddings  # prompt 128 + 128 generated
+    dense = 2 * sum(p.numel() for name, p in hf.named_parameters() if ".mlp.experts." not in name)
+    kv = tokens * spec.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+    expert = 3 * spec.hidden_size * spec.expert_ffn * 2
+    layer = spec.num_experts * expert
+    budget = int((dense + kv + 1.5 * layer) / (1 - WORKSPACE_SHARE)) + 1
+    base = ["plan", "--model", path, "--profile", h100_json, "--cpu-memory", "1GiB", "--json"]
+    assert main([str(a) for a in base + ["--gpu-memory", f"{budget}B"]]) == 0
+    report = json.loads(capsys.readouterr().out)
+    resident, hybrid, offload = report["candidates"]  # float experts only: no group divides expert FFN 24
+    assert (resident["kind"], resident["fits"], resident["gpu_bytes"]) == ("resident", False, dense + kv + 2 * layer)
+    slots = int(0.5 * layer) // expert  # 1.5 layers' room less the ring of a layer's experts
+    assert hybrid["where"] == f"2/2 MoE layers' experts on the CPU (bfloat16), {slots} GPU cache slots"
+    assert hybrid["gpu_bytes"] == dense + kv + (spec.num_experts + slots) * expert and hybrid["streams"]
+    assert hybrid["host_bytes"] == 2 * layer and report["chosen"] == 1
+    assert hybrid["flags"] == ["--cpu-moe", "--gpu-cache-experts", str(slots)] and offload["kind"] == "offload"
+
+
 def test_cli_plan_for_decode_table_and_json(capsys, mixtral, h100_json):
     base = ["plan", "--model", mixtral, "--profile", h100_json, "--cpu-memory", "200GiB"]
     assert main([str(a) for a in base + ["--gpu-memory", "12GiB"]]) == 0
