@@ -143,7 +143,7 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     model = dense_model(spec, device, dtype)
     runtime = enable_hybrid(model, store, placement, host=host, warm=True)  # repacked once per shape, not timed
     demo = args.routing == "demo"
-    stats = lambda: vars(runtime.stats)  # noqa: E731
+    stats = lambda: vars(runtime.totals())  # noqa: E731
     _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
                              args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats,
                              not args.no_cuda_graph)
@@ -211,7 +211,8 @@ def demo_ppl_cost(tokens: int) -> dict:
         runtime = enable_hybrid(model, build_store(DEMO_DIR, placement, model.dtype, model.device, progress=False),
                                 placement)
         out[name] = perplexity(model, ids, 256, progress=False)["perplexity"]
-        out[f"{name}_skipped_share"] = runtime.stats.skipped / max(runtime.stats.cpu_pairs + runtime.stats.skipped, 1)
+        totals = runtime.totals()
+        out[f"{name}_skipped_share"] = totals.skipped / max(totals.cpu_pairs + totals.skipped, 1)
     out["mixed_ppl_cost"] = out["4bit+mixed"] / out["4bit"] - 1
     return out
 

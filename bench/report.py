@@ -49,15 +49,24 @@ def _with_newest_rows(old: dict | None, new: dict) -> dict:
 
 
 def _with_newest_shapes(old: dict | None, new: dict) -> dict:
-    """The newer of two hybrid runs, its shapes completed by the other's it lacks; each shape keeps the date and
-    commit it was measured at."""
+    """The newer of two hybrid runs, its shapes completed by the other's it lacks and each shape's columns by the
+    other's rows of columns it lacks; each shape keeps the date and commit it was measured at, and a row from the
+    other run names its commit."""
     for rec in (old, new):
         for shape in (rec["shapes"] if rec else {}).values():
             shape.setdefault("measured", _measured(rec))
+            for row in shape["rows"]:
+                row.setdefault("commit", rec["git"]["commit"][:8])
     if old is None:
         return new
     newer, older = (new, old) if new["date"] > old["date"] else (old, new)
-    return {**newer, "shapes": {**older["shapes"], **newer["shapes"]}}
+    shapes = {**older["shapes"], **newer["shapes"]}
+    for name, shape in newer["shapes"].items():
+        if name in older["shapes"]:
+            have = {row["column"] for row in shape["rows"]}
+            extra = [row for row in older["shapes"][name]["rows"] if row["column"] not in have]
+            shapes[name] = {**shape, "rows": shape["rows"] + extra}
+    return {**newer, "shapes": shapes}
 
 
 _EXPERTS = ("bf16", "4-bit", "3-bit")  # the order of a block's low-bit rows
@@ -226,6 +235,8 @@ def fused_moe_tables(config_dir: Path, results_dir: Path) -> list[str]:
     lines = []
     for path in sorted(config_dir.glob("*.json")):
         table = json.loads(path.read_text())
+        if not table.get("timings"):  # a table written by `moeserve tune` records configs, not kernel timings
+            continue
         lines += [f"**Triton fused MoE kernels alone** (the two launches, bf16, routing excluded; the grouped_mm "
                   "path: two torch._grouped_mm calls with the SwiGLU between, fused from 256 tokens on, torch's "
                   "two elementwise kernels below; "
@@ -366,13 +377,15 @@ def hybrid_tables(rec: dict) -> list[str]:
              f"{mp['mixed_ppl_cost']:+.2%} perplexity on the demo; {_source(rec)})", ""]
     for name, shape in rec["shapes"].items():
         lines += [f"{name} ({shape['shape']['num_layers']} layers, {shape['shape']['num_experts']} experts, top-"
-                  f"{shape['shape']['top_k']}), GPU budget {shape['budget_bytes'] / 2 ** 30:.0f} GiB (measured "
+                  f"{shape['shape']['top_k']}), GPU budget {shape['budget_bytes'] / 2 ** 30:.3g} GiB (measured "
                   f"{shape['measured']}):", "",
                   "| column | CPU layers | GPU cache slots | tg tok/s | floor tok/s | share of floor | pp512 tok/s | "
                   "pp floor (link) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in shape["rows"]:
             pp, ppf = row.get("pp_tokens_per_s"), row.get("pp_floor_tokens_per_s")
-            lines.append(f"| {row['column']} | {row.get('cpu_layers', '')} | {row.get('cache_slots', '')} | "
+            earlier = row.get("commit") and row["commit"] not in shape["measured"]
+            column = f"{row['column']} (at {row['commit']})" if earlier else row["column"]
+            lines.append(f"| {column} | {row.get('cpu_layers', '')} | {row.get('cache_slots', '')} | "
                          f"{row['tg_tokens_per_s']:.2f} | {row['floor_tokens_per_s']:.1f} | {row['of_floor']:.0%} | "
                          f"{'-' if pp is None else f'{pp:.1f}'} | {'-' if ppf is None else f'{ppf:.0f}'} |")
         lines.append("")

@@ -4,7 +4,7 @@ dynamic slot cache, the streamer of prompts' experts, the precision rule, and th
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -120,19 +120,26 @@ class HybridRuntime:
         if choice is not None:
             st.low_pairs += int((choice == LOW).sum())
 
+    def totals(self) -> HybridStats:
+        """The counts so far, the device link's pairs (counted by its CPU end: graph replays run no Python) in
+        cpu_pairs; raises if the link's CPU end failed a call (its outputs were wrong)."""
+        if self.link is None:
+            return replace(self.stats)
+        linked, errors = self.link.pairs()
+        if errors or self.link.failed():
+            raise RuntimeError("the device link's CPU end did not answer every call: outputs are wrong")
+        return replace(self.stats, cpu_pairs=self.stats.cpu_pairs + linked)
+
     def summary(self) -> dict:
-        out = {**asdict(self.stats), "cache_slots": self.placement.cache_slots}
+        totals = self.totals()
+        out = {**asdict(totals), "cache_slots": self.placement.cache_slots}
         if self.cache is not None:
             out.update(admitted=self.cache.admitted, bytes_copied=self.cache.bytes_copied)
         if self.streamer is not None:
             out.update(experts_streamed=self.streamer.experts_streamed, bytes_streamed=self.streamer.bytes_copied)
         if self.link is not None:
-            linked, errors = self.link.pairs()
-            out["cpu_pairs"] += linked
-            out.update(linked_pairs=linked)
-            if errors or self.link.failed():
-                raise RuntimeError("the device link's CPU end did not answer every call: outputs are wrong")
-        out["gpu_share"] = self.stats.gpu_pairs / max(out["gpu_pairs"] + out["cpu_pairs"], 1)
+            out.update(linked_pairs=totals.cpu_pairs - self.stats.cpu_pairs)
+        out["gpu_share"] = totals.gpu_pairs / max(totals.gpu_pairs + totals.cpu_pairs, 1)
         return out
 
     def close(self) -> None:
