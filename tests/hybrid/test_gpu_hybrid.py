@@ -158,3 +158,30 @@ def test_gpu_linked_decode_is_one_graph_and_equals_the_host_path(hf_checkpoints,
         assert summary.get("linked_pairs", 0) > 0 if link == "1" else "linked_pairs" not in summary
         runtime.close()
     assert runs[0] == runs[1]
+
+
+def test_gpu_linked_serving_graphs_give_solo_tokens(hf_checkpoints):
+    """The server's continuous batch over CPU experts on the device link: each padded batch size is one captured
+    graph, and each request (joining mid-run, 4 requests over 3 slots) gets the greedy tokens it gets alone."""
+    from moeserve.engine.batching import ContinuousBatch, Request
+    path = hf_checkpoints["qwen3_moe"][1]
+    model, runtime = hybrid_model(path, HybridPlacement.choose(moe_layers(path), cpu_moe=True, bits=4), "float32")
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (6, 11, 3, 8)]
+    alone = [generate(model, [p], params)[0].token_ids for p in prompts]
+    batch = ContinuousBatch(model, None, slots=3, context=40, prefill_tokens=16)
+    requests = [Request(p, params, None) for p in prompts]
+    got = {id(r): [] for r in requests}
+    for r in requests:
+        r.on_update = lambda req, u: got[id(req)].extend(u.token_ids)
+    for r in requests[:3]:
+        batch.add(r)
+    for n in range(200):
+        if n == 2:
+            batch.add(requests[3])
+        if not batch.step() and n > 2:
+            break
+    assert batch.decoder.graphs, "no decode step was captured"
+    assert [got[id(r)] for r in requests] == alone
+    runtime.close()
