@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import add_run_args, result_record, write_result  # noqa: E402
+from common import add_run_args, capture_graph, result_record, write_result  # noqa: E402
 from hybrid import BITS, GROUP, SHAPES  # noqa: E402
 from offload import model_spec, random_store  # noqa: E402
 
@@ -94,16 +94,7 @@ def main(argv=None) -> int:
 
     rows["link_eager"] = per_call(linked, L, args.repeats)
     rows["link_ping_eager"] = per_call(lambda i: link.ping(), 16, args.repeats)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(L):
-            linked(i)
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(L):
-                linked(i)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(linked, range(L))
     rows["link_graph"] = per_call(lambda i: graph.replay(), 1, args.repeats) / L
     assert not link.failed() and link.pairs()[1] == 0
     link.close()

@@ -44,8 +44,9 @@ class HybridStats:
 
 class HybridRuntime:
     def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, top_k: int,
-                 device: torch.device, dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2, threaded: bool | None = None,
-                 host: HostExperts | None = None, warm: bool = False, stream: bool | None = None):
+                 device: torch.device, dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2,
+                 threaded: bool | None = None, host: HostExperts | None = None, warm: bool = False,
+                 stream: bool | None = None):
         """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts

@@ -89,6 +89,10 @@ static inline VF LOADH(const uint16_t* p) {
 }
 
 
+# the device link's ask word (device_link.py): seq << LINK_SEQ_SHIFT | layer << LINK_LAYER_SHIFT | rows
+LINK_SEQ_SHIFT, LINK_LAYER_SHIFT = 20, 12
+LINK_MAX_LAYERS, LINK_MAX_ROWS = 1 << (LINK_SEQ_SHIFT - LINK_LAYER_SHIFT), (1 << LINK_LAYER_SHIFT) - 1
+
 LUT_LANES = {"avx512": 16, "avx2": 8}  # table entries a permute instruction indexes with the low bits
 
 
@@ -199,6 +203,10 @@ def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
 #define LANES {lanes}
 #define TILE_ROWS {rows}
 #define TILE_VECTORS {vectors}
+#define LINK_SEQ_SHIFT {LINK_SEQ_SHIFT}
+#define LINK_LAYER_SHIFT {LINK_LAYER_SHIFT}
+#define LINK_MAX_LAYERS {LINK_MAX_LAYERS}
+#define LINK_MAX_ROWS {LINK_MAX_ROWS}
 
 {tiles}
 
@@ -531,7 +539,7 @@ static long link_now_ns(void) {{
 
 /* one asked layer call: out [T, D] of the layer's table entry (zeros and an error count on a bad entry) */
 static void link_answer(link_t* L, int64_t ask) {{
-  const int layer = (int)((ask >> 12) & 255), T = (int)(ask & 4095);
+  const int layer = (int)((ask >> LINK_LAYER_SHIFT) & (LINK_MAX_LAYERS - 1)), T = (int)(ask & LINK_MAX_ROWS);
   link_layer* l = T && layer < L->n_layers ? &L->layers[layer] : 0;  /* T = 0: a ping, answered at once */
   int rc = 1;
   moe_job* j = l && l->gw && T <= L->max_rows
@@ -548,7 +556,7 @@ static void link_answer(link_t* L, int64_t ask) {{
   }}
   if (l) {{ l->calls++; l->rows += T; }}
   atomic_thread_fence(memory_order_release);
-  *L->answer = ask & ~((int64_t)(1 << 20) - 1);
+  *L->answer = ask >> LINK_SEQ_SHIFT << LINK_SEQ_SHIFT;
 }}
 
 static void* link_main(void* p) {{
@@ -564,9 +572,9 @@ static void* link_main(void* p) {{
   unsigned spins = 0;
   while (!atomic_load(&L->stop)) {{
     const int64_t ask = *L->ask;
-    if ((ask >> 20) != seen) {{
+    if ((ask >> LINK_SEQ_SHIFT) != seen) {{
       atomic_thread_fence(memory_order_acquire);
-      seen = ask >> 20;
+      seen = ask >> LINK_SEQ_SHIFT;
       link_answer(L, ask);
       idle = link_now_ns();
       continue;
@@ -584,12 +592,14 @@ static void* link_main(void* p) {{
 void* link_start(volatile int64_t* ask, volatile int64_t* answer, const int64_t* ids, const float* wts, const float* x,
                  float* out, link_layer* layers, int n_layers, int max_rows, int hidden, int threads, int cpu,
                  long spin_us) {{
-  if (max_rows < 1 || max_rows > 4095 || n_layers < 1 || n_layers > 256 || hidden < 1) return 0;
+  if (max_rows < 1 || max_rows > LINK_MAX_ROWS || n_layers < 1 || n_layers > LINK_MAX_LAYERS || hidden < 1)
+    return 0;
   link_t* L = (link_t*)calloc(1, sizeof(link_t));
   if (!L) return 0;
   L->ask = ask; L->answer = answer; L->ids = ids; L->wts = wts; L->x = x; L->out = out; L->layers = layers;
-  L->n_layers = n_layers; L->max_rows = max_rows; L->hidden = hidden; L->threads = threads; L->cpu = cpu; L->spin_ns = spin_us * 1000L;
-  L->seen = *ask >> 20;  /* read here: an ask written before the thread runs is still new to it */
+  L->n_layers = n_layers; L->max_rows = max_rows; L->hidden = hidden; L->threads = threads; L->cpu = cpu;
+  L->spin_ns = spin_us * 1000L;
+  L->seen = *ask >> LINK_SEQ_SHIFT;  /* read here: an ask written before the thread runs is still new to it */
   if (pthread_create(&L->thread, 0, link_main, L)) {{ free(L); return 0; }}
   return L;
 }}

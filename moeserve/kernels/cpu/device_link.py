@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.kernels.cpu import tuning
+from moeserve.kernels.cpu.codegen import (LINK_LAYER_SHIFT as LAYER_SHIFT, LINK_MAX_LAYERS as MAX_LAYERS,  # the
+                                          LINK_MAX_ROWS as MAX_ROWS, LINK_SEQ_SHIFT as SEQ_SHIFT)  # ask word's fields
 from moeserve.kernels.cpu.gemv import CpuKernel, LayerExperts
-
-SEQ_SHIFT, LAYER_SHIFT = 20, 12
-MAX_LAYERS, MAX_ROWS = 256, 4095  # what the ask word has room for
 
 
 class LinkLayer(ctypes.Structure):
