@@ -82,6 +82,33 @@ def decode_rate(model, spec, args, cuda_graph: bool, device) -> dict:
     return {"tokens_per_s": steps / (marks[-1] - marks[1]), "first_step_ms": 1e3 * (marks[1] - marks[0])}
 
 
+def kernel_profile(model, spec, args, steps: int = 16, top: int = 25) -> dict:
+    """The GPU kernels of eager decode steps (torch.profiler, after the prefill): per kernel name, microseconds and
+    launches per step, largest first, and their sum per step (a graph replays the same kernels without the host
+    in between: sum vs the graph's step time says whether the kernels or the gaps between them cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(0, spec.vocab_size, (args.prompt,)).tolist()
+    params = SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    for n, _ in enumerate(iterate(model, [prompt], params, cuda_graph=False)):
+        if n == 0:
+            torch.cuda.synchronize()
+            prof.start()
+    torch.cuda.synchronize()
+    prof.stop()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / steps
+    rows = [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps, "launches_per_step": e.count / steps}
+            for e in kernels[:top]]
+    for r in rows:
+        print(f"  {r['us_per_step']:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel']}")
+    print(f"  kernels in all: {total:.0f} us per step, {sum(e.count for e in kernels) / steps:.0f} launches", flush=True)
+    return {"steps": steps, "kernel_us_per_step": total, "launches_per_step": sum(e.count for e in kernels) / steps,
+            "top": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
@@ -90,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="decode steps")
     ap.add_argument("--hf-layers", type=int, default=2, help="layers of the transformers baseline (0 = skip it)")
+    ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of an eager decode step")
     add_run_args(ap)
     args = ap.parse_args(argv)
     device, dtype = run_device(args)
@@ -108,6 +136,9 @@ def main(argv=None) -> int:
         r["of_floor"] = r["tokens_per_s"] / floor
         print(f"{name:10s} {r['tokens_per_s']:8.1f} tok/s  ({100 * r['of_floor']:.0f}% of the {floor:.0f} tok/s floor; "
               f"first step {r['first_step_ms']:.0f} ms)", flush=True)
+    if device.type == "cuda" and args.profile:
+        rows["kernels"] = kernel_profile(model, spec, args)
+        rows["kernels"]["graph_step_us"] = 1e6 / rows["cuda_graph"]["tokens_per_s"]
     if device.type == "cuda" and args.hf_layers:
         del model
         torch.cuda.empty_cache()

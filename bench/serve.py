@@ -13,7 +13,11 @@ No physical floor is computed: the peer is the same server running one request a
     python bench/serve.py                        # starts `moeserve serve` (the demo, --device cpu) itself
     python bench/serve.py --device cuda --model DIR --clients 1,4,16,64
     python bench/serve.py --url http://127.0.0.1:8000 --device-label "H200 demo"   # a server you started
+    python bench/serve.py --device cuda --random-shape mixtral --random-layers 8   # Mixtral-8x7B-shaped, 4-bit
     python bench/serve.py --quick                # 1 and 4 clients, short requests (smoke run)
+
+A warm-up round at the highest level (untimed) runs first. Clients are spread over processes (one per 16 clients)
+so that the measuring side's event loop is not what limits the numbers.
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, write_result  # noqa: E402
+from random_checkpoint import SHAPES, random_quantized  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.serve.process import ServerProcess  # noqa: E402
@@ -81,8 +89,9 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, headers: dict
     return result
 
 
-async def run_level(url: str, requests: list[dict], clients: int, headers: dict | None) -> dict:
-    """`clients` tasks drain the request list; -> tok/s, TTFT and ITL percentiles, wall time."""
+async def client_results(url: str, requests: list[dict], clients: int, headers: dict | None) -> dict:
+    """`clients` tasks of one process drain the request list: each request's result, and the start and end
+    times (time.perf_counter: the system's monotonic clock, comparable between processes)."""
     queue = list(reversed(requests))
     results = []
 
@@ -94,14 +103,36 @@ async def run_level(url: str, requests: list[dict], clients: int, headers: dict 
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as c:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(c) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+        t1 = time.perf_counter()
+    return {"results": results, "start": t0, "end": t1}
+
+
+def client_process(url: str, requests: list[dict], clients: int, headers: dict | None) -> dict:
+    return asyncio.run(client_results(url, requests, clients, headers))
+
+
+def run_level(url: str, requests: list[dict], clients: int, headers: dict | None, procs: int = 1) -> dict:
+    """`clients` concurrent streaming clients over `procs` client processes (the requests and clients dealt
+    round-robin), so that one client process's event loop does not limit what is measured -> tok/s, TTFT and
+    ITL percentiles, wall time."""
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        parts = [client_process(url, requests, clients, headers)]
+    else:
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
+            list(pool.map(abs, range(procs)))  # start the processes before the clock does
+            parts = list(pool.map(client_process, [url] * procs, [requests[i::procs] for i in range(procs)],
+                                  [clients // procs + (i < clients % procs) for i in range(procs)],
+                                  [headers] * procs))
+    results = [r for part in parts for r in part["results"]]
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     bad = [r for r in results if r["status"] != 200 or not r.get("done")]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     ttft = [r["times"][0] * 1e3 for r in results if r["times"]]
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
-    return {"requests": len(results), "generated_tokens": tokens, "wall_s": round(wall, 3),
+    return {"requests": len(results), "generated_tokens": tokens, "wall_s": round(wall, 3), "client_procs": procs,
             "tok_per_s": tokens / wall, **percentiles("ttft", ttft), **percentiles("itl", itl)}
 
 
@@ -120,15 +151,27 @@ def server_args(args, parallel: int) -> list[str]:
     return out + (["--threads", str(args.threads)] if args.threads else [])
 
 
+def client_procs(args, clients: int) -> int:
+    """Client processes of a level: --client-procs, or one per 16 clients."""
+    return args.client_procs or -(-clients // 16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="a running server (default: start one for the run)")
     ap.add_argument("--model", default=moeserve.DEMO_MODEL, help="checkpoint for the server started here (the demo)")
+    ap.add_argument("--random-shape", default=None, choices=list(SHAPES),
+                    help="serve a random checkpoint of this shape instead (bench/random_checkpoint.py writes it)")
+    ap.add_argument("--random-layers", type=int, default=8, help="layers of the random checkpoint (default 8)")
+    ap.add_argument("--random-bits", type=int, default=4, help="HQQ bits of the random checkpoint (default 4)")
+    ap.add_argument("--work", default=None, help="where the random checkpoint goes (default: a temporary folder)")
     ap.add_argument("--device", default="cpu", help="device of the server started here (default cpu)")
     ap.add_argument("--dtype", default=None, help="dtype of the server started here (default: auto)")
     ap.add_argument("--device-label", default=None, help="device name for the result with --url")
     ap.add_argument("--api-key", default=None, help="the running server's --api-key")
     ap.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels (default 1,4,16,64)")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="client processes per level (default: one per 16 clients)")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     ap.add_argument("--sequential-max", type=int, default=16, help="requests of the sequential baseline (default 16)")
     ap.add_argument("--prompt-min", type=int, default=16, help="shortest prompt in bytes (default 16)")
@@ -142,8 +185,25 @@ def main() -> None:
         args.clients, args.gen, args.min_requests, args.sequential_max, args.prompt_max = "1,4", 16, 4, 4, 48
     levels = [int(c) for c in args.clients.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    with tempfile.TemporaryDirectory(dir=args.work) as work:
+        checkpoint = None
+        if args.random_shape and not args.url:
+            print(f"writing a random {args.random_layers}-layer {args.random_shape} checkpoint, HQQ "
+                  f"{args.random_bits}-bit ...", flush=True)
+            checkpoint = random_quantized(args.random_shape, args.random_layers, args.random_bits,
+                                          Path(work) / "model", args.seed)
+            args.model = str(Path(work) / "model")
+            print(json.dumps(checkpoint), flush=True)
+        record = measure(args, levels, headers)
+        record["config"]["random_checkpoint"] = checkpoint
+    print(f"wrote {write_result(record, args.out)}")
+
+
+def measure(args, levels: list[int], headers: dict | None) -> dict:
+    """Start the server (unless --url), warm it up with one untimed round at the highest level, then time each
+    level: concurrent, then the same requests one after another."""
     config = {k: getattr(args, k) for k in ("clients", "min_requests", "sequential_max", "prompt_min", "prompt_max",
-                                            "gen", "seed", "quick", "model", "dtype", "threads")}
+                                            "gen", "seed", "quick", "model", "dtype", "threads", "client_procs")}
     config["clients"] = levels
     server = None if args.url else ServerProcess(*server_args(args, max(levels)))
     url = args.url or server.url
@@ -153,13 +213,15 @@ def main() -> None:
                                device=None if args.url else args.device)
         if args.device_label:
             record["device"] = args.device_label
-        asyncio.run(run_level(url, make_requests(2, 8, 16, 4, args.seed + 99), 2, headers))  # warm-up
+        top = max(levels)
+        run_level(url, make_requests(top, args.prompt_min, args.prompt_max, min(args.gen, 8), args.seed + 99), top,
+                  headers, client_procs(args, top))  # warm-up: prompt shapes, connections, client processes
         rows = []
         for clients in levels:
             requests = make_requests(max(clients, args.min_requests), args.prompt_min, args.prompt_max, args.gen,
                                      args.seed + clients)
-            concurrent = asyncio.run(run_level(url, requests, clients, headers))
-            sequential = asyncio.run(run_level(url, requests[:args.sequential_max], 1, headers))
+            concurrent = run_level(url, requests, clients, headers, client_procs(args, clients))
+            sequential = run_level(url, requests[:args.sequential_max], 1, headers)
             row = {"clients": clients, "concurrent": concurrent, "sequential": sequential,
                    "speedup": concurrent["tok_per_s"] / sequential["tok_per_s"]}
             rows.append(row)
@@ -174,7 +236,7 @@ def main() -> None:
     finally:
         if server:
             server.stop()
-    print(f"wrote {write_result(record, args.out)}")
+    return record
 
 
 if __name__ == "__main__":

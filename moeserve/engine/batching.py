@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
+from moeserve.engine.cuda_graph import SlotDecoder, graph_safe, padded_sizes
 from moeserve.engine.generate import (Generation, TextStream, append_token, check_request, limit_reason,
                                       token_limits)
 from moeserve.engine.sampling import SamplingParams, sample_next
@@ -44,6 +44,19 @@ class Update:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+
+
+@dataclass
+class WarmUp:
+    """What ContinuousBatch.warm_up ran: the decode batch sizes, those that replay CUDA graphs, prefill passes."""
+    decode_sizes: list[int]
+    graphed_sizes: list[int]
+    prefill_passes: int
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to limit."""
+    return [1 << i for i in range(max(limit, 1).bit_length())]
 
 
 @dataclass(eq=False)
@@ -85,6 +98,32 @@ class ContinuousBatch:
     @property
     def slots(self) -> int:
         return self.kv.slots
+
+    def warm_up(self, on_cpu: bool = False) -> WarmUp:
+        """Run, before any request, the shapes serving will meet, so that no request waits for them: a decode step
+        at every padded batch size (captured as a CUDA graph where the decoder uses graphs) and a prefill pass of
+        one row at every power-of-two token count up to prefill_tokens, and one less (Triton compiles a kernel per
+        divisibility of its sizes; tuned launch configs are found per power-of-two token bucket). Only on a GPU:
+        a CPU has nothing to compile or capture (on_cpu: run it anyway, for tests). The rows written hold no
+        request; a request's prefill overwrites its row from position 0."""
+        if (self.model.device.type != "cuda" and not on_cpu) or self.active:
+            return WarmUp([], [], 0)
+        rows = list(range(self.slots))
+        with torch.inference_mode():
+            sizes = padded_sizes(self.slots)
+            for size in sizes:
+                self.decoder([0] * size, [0] * size, rows[:size])
+            widths = sorted({w for p in powers_of_two(min(self.prefill_tokens, self.context - 1))
+                             for w in (p, p - 1) if w >= 1})
+            for width in widths:
+                self.kv.use([0], width)
+                tokens = torch.zeros(1, width, dtype=torch.long, device=self.model.device)  # [1, W]
+                positions = torch.arange(width, device=self.model.device)[None]  # [1, W]
+                self.model(tokens, positions, kv=self.kv, valid=torch.ones_like(tokens, dtype=torch.bool),
+                           last_only=True)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return WarmUp(sizes, self.decoder.graphed_sizes(), len(widths))
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise MoeserveError for a request this batch cannot run (empty, too long, ids outside the vocabulary)."""

@@ -187,6 +187,11 @@ def padded_batch(batch: int, slots: int) -> int:
     return min(1 << (batch - 1).bit_length(), slots)
 
 
+def padded_sizes(slots: int) -> list[int]:
+    """Every size padded_batch gives for 1..slots rows, smallest first."""
+    return sorted({padded_batch(b, slots) for b in range(1, slots + 1)})
+
+
 class SlotDecoder:
     """Decode steps over a SlotKVCache whose rows change from step to step (continuous batching).
 
@@ -226,6 +231,10 @@ class SlotDecoder:
         self.kv.use(rows, max(positions) + 1)
         tokens_t, positions_t = (torch.tensor(x, device=device)[:, None] for x in (tokens, positions))  # [B, 1]
         return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
+
+    def graphed_sizes(self) -> list[int]:
+        """The padded sizes whose step is a captured graph."""
+        return sorted(self.graphs)
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self.kv.use(rows, None)

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from moeserve.engine.batching import Update
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
-from moeserve.serve.batcher import Engine, EngineFailed, Job, QueueFull
+from moeserve.serve.batcher import Engine, EngineFailed, Job, LoopSink, QueueFull
 from moeserve.serve.chat_template import ChatTemplate, TemplateError
 from moeserve.serve.metrics import CONTENT_TYPE, Metrics
 from moeserve.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -170,8 +170,7 @@ async def _answer(state: ServerState, request: Request, fmt: Format, ids: list[i
     """Submit the request and answer: whole (JSON) or streamed (server-sent events)."""
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
     try:
-        job = state.engine.submit(ids, params, top_logprobs,
-                                  lambda item: loop.call_soon_threadsafe(updates.put_nowait, item))
+        job = state.engine.submit(ids, params, top_logprobs, LoopSink(loop, updates))
     except QueueFull:
         raise APIError(503, f"the server is full ({state.engine.capacity} requests running or queued); try again "
                             f"later", "queue_full") from None

@@ -3,12 +3,15 @@
 Handlers (on the event loop) submit jobs and cancel them; both only put a message in the thread's inbox. The
 thread takes the messages between steps, so a request joins the running batch, or leaves it (a client that went
 away frees its KV slot), at the next step. Each job's updates go back through its `sink`, a function the handler
-gave that is safe to call from this thread (it hands the update to the handler's asyncio queue). The thread
-also keeps the metrics: time to first token, inter-token latency, tokens, running and waiting requests.
+gave that is safe to call from this thread. A handler's sink is a LoopSink (an asyncio queue on its event loop):
+the updates of one step for every LoopSink of a loop go over in one call, so the event loop wakes once a step, not
+once a token. The thread also keeps the metrics: time to first token, inter-token latency, tokens, running and
+waiting requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import sys
 import threading
@@ -22,6 +25,22 @@ import torch
 from moeserve.engine.batching import ContinuousBatch, Request, Update
 from moeserve.engine.sampling import SamplingParams
 from moeserve.serve.metrics import Metrics
+
+
+@dataclass(frozen=True, eq=False)
+class LoopSink:
+    """A job's updates into an asyncio queue that a handler on `loop` reads."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: hand each item to its queue."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class QueueFull(Exception):
@@ -52,6 +71,7 @@ class Engine:
         self._open = 0  # jobs submitted and not closed
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="moeserve-engine", daemon=True)
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}  # a step's updates
 
     def start(self) -> None:
         self._thread.start()
@@ -105,8 +125,9 @@ class Engine:
                 traceback.print_exc(file=sys.stderr)
                 for r in self.batch.drop_active():
                     self._close(r.tag, "error")
-                    r.tag.sink(EngineFailed(f"the engine failed on this request: {type(e).__name__}: {e}"))
+                    self._send(r.tag, EngineFailed(f"the engine failed on this request: {type(e).__name__}: {e}"))
                 busy = True
+            self._flush()
             self._update_load()
             if not busy:
                 self._wake.wait(timeout=1.0)
@@ -122,6 +143,18 @@ class Engine:
             elif not job.closed:
                 self.batch.cancel(job.request)
                 self._close(job, "abort")
+
+    def _send(self, job: Job, item: Update | Exception) -> None:
+        """Give an item to the job's sink: at once, or with the step's other items for the same loop."""
+        if isinstance(job.sink, LoopSink):
+            self._pending.setdefault(job.sink.loop, []).append((job.sink.queue, item))
+        else:
+            job.sink(item)
+
+    def _flush(self) -> None:
+        for loop, items in self._pending.items():
+            loop.call_soon_threadsafe(deliver, items)
+        self._pending = {}
 
     def _update_load(self) -> None:
         b = self.batch
@@ -142,4 +175,4 @@ class Engine:
         if update.finish_reason is not None:
             m.e2e.observe(now - job.arrival)
             self._close(job, "stop" if update.finish_reason in ("eos", "stop") else "length")
-        job.sink(update)
+        self._send(job, update)

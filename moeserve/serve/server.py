@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from moeserve.engine.batching import ContinuousBatch
+from moeserve.engine.batching import ContinuousBatch, WarmUp
 from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
 from moeserve.serve.batcher import Engine
@@ -30,6 +30,15 @@ def listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family)
     except OSError as e:
         raise MoeserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def describe_decode(batch: ContinuousBatch, warm: WarmUp) -> str:
+    """How decode steps run, for the ready line: graphs (and which batch sizes), or eager."""
+    if not batch.decoder.use_graph:
+        return "eager decode"
+    eager = sorted(set(warm.decode_sizes) - set(warm.graphed_sizes))
+    return (f"CUDA graphs for batch sizes {','.join(map(str, warm.graphed_sizes))}"
+            + (f", eager at {','.join(map(str, eager))}" if eager else ""))
 
 
 def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
@@ -49,10 +58,14 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
             model = load()
             batch = ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
                                     cuda_graph=not args.no_cuda_graph)
+            if model.device.type == "cuda":
+                print("[warming up: a decode step at every batch size, prefill passes]", file=sys.stderr,
+                      flush=True)
+            warm = batch.warm_up()
             engine = Engine(batch, metrics, args.max_queue, args.threads)
             engine.start()
             state.engine = engine
-            graphs = "CUDA graphs" if batch.decoder.use_graph else "eager decode"
+            graphs = describe_decode(batch, warm)
             print(f"[ready: {name} on {model.device.type} {str(model.dtype).removeprefix('torch.')}, "
                   f"{args.parallel} slots x {context} tokens, {graphs}]", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it

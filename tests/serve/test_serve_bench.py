@@ -9,19 +9,23 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def run_quick(script: str, out: Path) -> dict:
+def run_quick(script: str, out: Path, *extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--threads", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--threads", "1", "--out", str(out),
+                           *extra], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = out.glob("*.json")
     return json.loads(result.read_text())
 
 
 def test_serve_bench_quick(tmp_path):
-    r = run_quick("serve.py", tmp_path)
+    """On a random 4-bit checkpoint of a tiny Mixtral shape written for the run, clients over two processes."""
+    r = run_quick("serve.py", tmp_path, "--random-shape", "tiny", "--random-layers", "2", "--client-procs", "2")
     assert r["name"] == "serve" and r["config"]["quick"] and "commit" in r["git"]
+    made = r["config"]["random_checkpoint"]
+    assert made["bits"] == 4 and made["layers"] == 2 and 0 < made["quantized_bytes"] < made["bf16_bytes"]
     assert [level["clients"] for level in r["levels"]] == [1, 4]
+    assert [level["concurrent"]["client_procs"] for level in r["levels"]] == [1, 2]
     for level in r["levels"]:
         for run in (level["concurrent"], level["sequential"]):
             assert run["tok_per_s"] > 0 and run["generated_tokens"] == 16 * run["requests"]

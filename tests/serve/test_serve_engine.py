@@ -139,7 +139,8 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
     """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records the step and replays it eagerly
     from the same static buffers, so every replay must see the inputs copied into them (rows, positions, tokens
     of a changing batch, padded to 1, 2, 4 or 5 rows). Sizes the experts cannot run sync-free (above
-    `safe_up_to`) decode dynamically."""
+    `safe_up_to`) decode dynamically. The server's warm-up captures every size first and its prefill passes write
+    rows that requests then take."""
     from moeserve.engine import cuda_graph
 
     class Replay:
@@ -160,6 +161,9 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
     batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
     batch.decoder = SlotDecoder(model, batch.kv, graph=True)
     batch.decoder.pool = "shared"  # no CUDA memory pool on the CPU
+    warm = batch.warm_up(on_cpu=True)
+    assert warm.decode_sizes == [1, 2, 4, 5] and warm.graphed_sizes == [s for s in (1, 2, 4, 5) if s <= safe_up_to]
+    assert warm.prefill_passes == 10  # widths 1, 2, 3, 4, 7, 8, 15, 16, 31, 32
     requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
     updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
     assert_alone(model, tok, requests, updates, alone)

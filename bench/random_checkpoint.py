@@ -1,0 +1,108 @@
+"""A random checkpoint of a real model's shape on disk, for benches that start `moeserve` processes (serve).
+
+`write_random_checkpoint` writes an HF-style MixtralForCausalLM directory: config.json with the shape's dimensions
+and the demo's byte tokenizer (vocabulary 258 instead of 32000: random weights produce random tokens, and every id
+must decode), one safetensors file per layer of random bf16 weights (std 0.02, norms 1) under moeserve's tensor
+names. `random_quantized` then writes the HQQ copy that `moeserve quantize` would, and deletes the bf16 one.
+
+    python bench/random_checkpoint.py --out /tmp/mixtral8 --layers 8 --bits 4   # ~6.5 GB 4-bit, ~23 GB on the way
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]  # the repo
+from moeserve.checkpoint import save_safetensors_atomic  # noqa: E402
+from moeserve.cli import DEMO_DIR  # noqa: E402
+from moeserve.loader import meta_model  # noqa: E402
+from moeserve.quant.compress import QuantConfig, quantize_checkpoint  # noqa: E402
+from moeserve.tokenizer import BYTE_TOKENIZER_FILE  # noqa: E402
+
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 4096, "tie_word_embeddings": False, "sliding_window": None,
+                "hidden_act": "silu"}
+TINY = {**MIXTRAL_8X7B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}  # for smoke runs and tests
+SHAPES = {"mixtral": MIXTRAL_8X7B, "tiny": TINY}
+STD = 0.02
+
+
+def shape_config(shape: str, layers: int) -> dict:
+    """config.json of `shape` with `layers` layers and the demo's byte vocabulary (BOS/EOS as the demo's)."""
+    demo = json.loads((DEMO_DIR / "config.json").read_text())
+    keep = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {**SHAPES[shape], **{k: demo[k] for k in keep}, "num_hidden_layers": layers, "dtype": "bfloat16"}
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index in a tensor name (model.layers.{i}.…), or None."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def random_tensor(name: str, shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Norm weights 1, everything else N(0, STD^2), in bf16 on the CPU."""
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=gen, device=device) * STD).to(torch.bfloat16).cpu()
+
+
+def write_random_checkpoint(config: dict, out: Path, seed: int = 0, device: torch.device | None = None) -> int:
+    """Write config, tokenizer and random bf16 weights to `out` (one file per layer); returns the bytes written."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(DEMO_DIR / BYTE_TOKENIZER_FILE, out / BYTE_TOKENIZER_FILE)
+    groups: dict[int | None, list[tuple[str, torch.Size]]] = {}
+    for name, t in meta_model(out).state_dict().items():
+        groups.setdefault(layer_of(name), []).append((name, t.shape))
+    gen = torch.Generator(device).manual_seed(seed)
+    total = 0
+    for layer, tensors in groups.items():
+        state = {name: random_tensor(name, shape, gen, device) for name, shape in tensors}
+        total += sum(t.numel() * t.element_size() for t in state.values())
+        save_safetensors_atomic(state, out / f"model-{'rest' if layer is None else f'layer{layer:03d}'}.safetensors")
+    return total
+
+
+def random_quantized(shape: str, layers: int, bits: int, out: Path, seed: int = 0, group: int = 64) -> dict:
+    """A random `shape` checkpoint of `layers` layers, HQQ-quantized to `bits` at `out` (bf16 copy removed).
+    -> what was written and how long it took."""
+    t0 = time.perf_counter()
+    src = out.with_name(out.name + ".bf16")
+    written = write_random_checkpoint(shape_config(shape, layers), src, seed)
+    t1 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quantize_checkpoint(src, out, QuantConfig(bits=bits, group=group, method="hqq"), force=True, device=device,
+                        progress=False)
+    shutil.copy(src / BYTE_TOKENIZER_FILE, out / BYTE_TOKENIZER_FILE)
+    shutil.rmtree(src)
+    return {"shape": shape, "layers": layers, "bits": bits, "group": group, "bf16_bytes": written,
+            "quantized_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+            "write_s": round(t1 - t0, 1), "quantize_s": round(time.perf_counter() - t1, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="checkpoint directory to write")
+    ap.add_argument("--shape", default="mixtral", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=8, help="layers (default 8; Mixtral-8x7B has 32)")
+    ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8), help="HQQ bits (default 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(json.dumps(random_quantized(args.shape, args.layers, args.bits, Path(args.out), args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
