@@ -13,7 +13,8 @@ Columns (experts 4-bit HQQ, group 64; CPU threads = --cpu-threads, default the p
                   that fit the budget (--n-cpu-moe N)
   hybrid+cache    every layer on the CPU, the budget as GPU cache slots (--cpu-moe --gpu-cache-experts S, HOBBIT)
   hybrid+mixed    static, with HOBBIT's precision rule (4-bit experts: the low-weight ones are skipped); its
-                  perplexity cost is measured on the demo model (held-out text, 4-bit experts on the CPU)
+                  perplexity cost is measured on the demo model (held-out text, 4-bit experts on the CPU;
+                  bench/mixed_precision.py, which bench/quality.py also runs on a trained model)
   hobbit-offload  today's offload (bench/offload.py's `hobbit`: bf16 + 4-bit cache, misses copied over PCIe)
 Floor per column: max(CPU expert bytes / DRAM read bandwidth, GPU bytes / HBM bandwidth) per decode token, with
 the bytes each column read in its timed steps (its measured hit rate); offload: its PCIe bytes / host->device.
@@ -53,16 +54,15 @@ import torch  # noqa: E402
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import (add_run_args, measure_dram_read_bandwidth, measure_hbm_bandwidth, result_record,  # noqa: E402
                     run_device, sync, write_result)
+from mixed_precision import mixed_precision_cost  # noqa: E402
 from offload import (DEMO_DIR, DemoRouting, dense_bytes, dense_model, model_spec, random_store,  # noqa: E402
                      replay_routing, run_method)
 
-import moeserve  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
-from moeserve.evaluate import perplexity  # noqa: E402
 from moeserve.hybrid.memory import ring_slots  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
-from moeserve.hybrid.setup import build_store, enable_hybrid  # noqa: E402
+from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
 from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
 from moeserve.offload.host_compute import HostExperts  # noqa: E402
@@ -201,22 +201,6 @@ def offload_column(spec, store, device, dtype, budget, args, resident, bandwidth
             "high_slots": row["high_slots"], "low_slots": row["low_slots"]}
 
 
-def demo_ppl_cost(tokens: int) -> dict:
-    """Held-out perplexity of the demo model with its experts 4-bit on the CPU, without and with mixed precision."""
-    ids = list((DEMO_DIR / "heldout.txt").read_bytes()[:tokens])
-    out = {}
-    for name, mixed in (("4bit", False), ("4bit+mixed", True)):
-        model = moeserve.load_model(DEMO_DIR, device="cpu", dtype="float32", routed_experts=False)
-        placement = HybridPlacement.choose(model.spec.moe_layer_indices(), cpu_moe=True, bits=BITS, mixed=mixed)
-        runtime = enable_hybrid(model, build_store(DEMO_DIR, placement, model.dtype, model.device, progress=False),
-                                placement)
-        out[name] = perplexity(model, ids, 256, progress=False)["perplexity"]
-        totals = runtime.totals()
-        out[f"{name}_skipped_share"] = totals.skipped / max(totals.cpu_pairs + totals.skipped, 1)
-    out["mixed_ppl_cost"] = out["4bit+mixed"] / out["4bit"] - 1
-    return out
-
-
 def print_table(shape: str, rows: list[dict], prefill: int) -> None:
     print(f"\n{shape}: batch 1, 4-bit experts")
     print(f"{'column':15s} {'tg tok/s':>9s} {'floor tok/s':>12s} {'of floor':>9s} {f'pp{prefill} tok/s':>12s} "
@@ -285,7 +269,7 @@ def main(argv=None) -> int:
                          "expert_bytes_4bit": store.expert_bytes(True), "rows": rows}
         del store, host
         gc.collect()
-    ppl = demo_ppl_cost(args.ppl_tokens)
+    ppl = mixed_precision_cost(DEMO_DIR, args.ppl_tokens, BITS)
     print(f"\nmixed precision on the demo (4-bit experts on the CPU): perplexity {ppl['4bit']:.3f} -> "
           f"{ppl['4bit+mixed']:.3f} ({ppl['mixed_ppl_cost']:+.2%}), {ppl['4bit+mixed_skipped_share']:.1%} skipped")
     record = result_record("hybrid", {"quick": args.quick, "bits": BITS, "group": GROUP, "prompt": args.prompt,

@@ -21,8 +21,7 @@ def newest_runs(results_dir: Path) -> list[dict]:
         if "name" not in rec or rec.get("config", {}).get("quick"):  # hardware profiles are not benchmark runs
             continue
         key = (rec["name"], rec["device"], rec.get("cpu_count") if rec.get("device_type") == "cpu" else None,
-               "" if rec["name"] == "moe_block" else json.dumps([rec["config"].get(k) for k in ("tokens", "bits")]))
-        # a run over fewer token counts does not hide a full one, nor a 3-bit run a 4-bit one
+               _variant(rec))
         merge = {"kernels": _with_newest_rows,  # runs may time a subset of the rows (--rows)
                  "moe_block": _with_newest_block_rows,  # runs may time a subset of the token counts
                  "lowbit_decode": _with_baseline,  # runs may skip transformers (--hf-layers 0)
@@ -32,6 +31,15 @@ def newest_runs(results_dir: Path) -> list[dict]:
         elif key not in runs or rec["date"] > runs[key]["date"]:
             runs[key] = rec
     return [runs[k] for k in sorted(runs)]
+
+
+def _variant(rec: dict) -> str:
+    """What keeps runs of one benchmark on one device apart: a run over fewer token counts does not hide a full
+    one, nor a 3-bit run a 4-bit one, nor a quality run of one model another model's (MoE block runs merge)."""
+    if rec["name"] == "moe_block":
+        return ""
+    keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits")
+    return json.dumps([rec["config"].get(k) for k in keys])
 
 
 def _with_newest_rows(old: dict | None, new: dict) -> dict:
@@ -160,38 +168,67 @@ def decode_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def quality_model(rec: dict) -> str:
+    """The model a quality run measured: the demo, or a trained model's name, architecture and shape."""
+    m = rec.get("model")
+    if rec["config"].get("model") == "demo" or not m:
+        return "demo model"
+    trained = f"{m['architecture']} at scale {m['scale']}, " if "architecture" in m else ""
+    return (f"{m['name']} ({trained}{m['parameters'] / 1e6:.1f}M parameters, {m['layers']} layers of {m['experts']} "
+            f"experts top-{m['top_k']}, hidden {m['hidden_size']}, expert FFN {m['expert_ffn']})")
+
+
+def mixed_precision_line(rec: dict) -> list[str]:
+    """HOBBIT's mixed-precision cost on the run's model, when the run measured it."""
+    mp, c = rec.get("mixed_precision"), rec["config"]
+    if not mp:
+        return []
+    return [f"HOBBIT mixed precision on this model (4-bit experts on the CPU, the first {c['mixed_tokens']:,} "
+            f"held-out bytes, windows of {c['mixed_window']}): perplexity {mp['4bit']:.4f} -> {mp['4bit+mixed']:.4f} "
+            f"({mp['mixed_ppl_cost']:+.2%}), {mp['4bit+mixed_skipped_share']:.1%} of the expert pairs skipped.", ""]
+
+
+def quality_row(r: dict, ref: float) -> str:
+    """One method's row of a quality table; `ref` is the float model's perplexity."""
+    milo = r.get("method") == "milo"
+    comp = {16: "bf16", 8: "int8", 3: "int3"}[r.get("compensator_bits", 16)] if milo else ""
+    gap = f"{100 * r['gap_recovered_vs_hqq']:.0f}%" if "gap_recovered_vs_hqq" in r else ""
+    added = f"{100 * r['memory_added_vs_hqq']:+.1f}%" if "memory_added_vs_hqq" in r else ""
+    return (f"| {r.get('method', 'bf16')} | {r.get('bits', 16)} | {r.get('ranks', '') if milo else ''} | {comp} | "
+            f"{r['perplexity']:.4f} | {100 * (r['perplexity'] / ref - 1):+.2f}% | {gap} | "
+            f"{r['checkpoint_bytes'] / 1e6:.2f} | {r['compensator_bytes'] / 1e3:.0f} | {added} | "
+            f"{r['quantize_seconds']:.1f} |")
+
+
+def quality_table(rec: dict) -> list[str]:
+    """Perplexity, bytes and time of each method on the run's model, then its mixed-precision cost."""
+    c, ref = rec["config"], rec["rows"][0]["perplexity"]
+    return [f"**Quantization quality, {quality_model(rec)}** (group {c['group']}, held-out Hamlet "
+            f"{c['eval_tokens']:,} tokens, windows of {c['window']}, fp32 compute; {_source(rec)})", "",
+            "| method | bits | ranks | compensator | perplexity | vs bf16 | HQQ gap recovered (same bits) | "
+            "checkpoint MB | compensators KB | memory added vs HQQ | quantize s |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"] + [
+        quality_row(r, ref) for r in rec["rows"]] + [""] + mixed_precision_line(rec)
+
+
+def quality_speed_table(rec: dict) -> list[str]:
+    """Seconds to quantize one Mixtral-size expert matrix, and what that makes for all of Mixtral-8x7B's experts."""
+    speed = rec["expert_matrix_speed"]
+    return [f"**Quantization speed, one {speed['shape'][0]} x {speed['shape'][1]} expert matrix, 3-bit group 64** "
+            f"({_source(rec)})", "",
+            "| HQQ s | MiLo rank 32, 20 rounds s | MiLo with early stop s (rounds) | "
+            "Mixtral-8x7B experts, MiLo 20 rounds | same, early stop | same, HQQ |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {speed['hqq_s']:.3f} | {speed['milo_s']:.2f} | {speed['milo_default_s']:.2f} "
+            f"({speed['milo_default_rounds']}) | {speed['mixtral_8x7b_milo_minutes_estimate']:.1f} min | "
+            f"{speed['mixtral_8x7b_milo_default_minutes_estimate']:.1f} min | "
+            f"{speed['mixtral_8x7b_hqq_minutes_estimate']:.1f} min |", ""]
+
+
 def quality_tables(rec: dict) -> list[str]:
-    lines = []
-    if rec.get("rows"):
-        ref = rec["rows"][0]["perplexity"]
-        lines += [f"**Quantization quality, demo model** (group {rec['config']['group']}, held-out Hamlet "
-                  f"{rec['config']['eval_tokens']:,} tokens, windows of {rec['config']['window']}, fp32 compute; "
-                  f"{_source(rec)})", "",
-                  "| method | bits | ranks | compensator | perplexity | vs bf16 | HQQ gap recovered (same bits) | checkpoint MB "
-                  "| compensators KB | memory added vs HQQ | quantize s |",
-                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in rec["rows"]:
-            milo = r.get("method") == "milo"
-            comp = {16: "bf16", 8: "int8", 3: "int3"}[r.get("compensator_bits", 16)] if milo else ""
-            gap = f"{100 * r['gap_recovered_vs_hqq']:.0f}%" if "gap_recovered_vs_hqq" in r else ""
-            added = f"{100 * r['memory_added_vs_hqq']:+.1f}%" if "memory_added_vs_hqq" in r else ""
-            lines.append(f"| {r.get('method', 'bf16')} | {r.get('bits', 16)} | {r.get('ranks', '') if milo else ''} | "
-                         f"{comp} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / ref - 1):+.2f}% | {gap} | "
-                         f"{r['checkpoint_bytes'] / 1e6:.2f} | {r['compensator_bytes'] / 1e3:.0f} | {added} | "
-                         f"{r['quantize_seconds']:.1f} |")
-        lines.append("")
-    speed = rec.get("expert_matrix_speed")
-    if speed:
-        lines += [f"**Quantization speed, one {speed['shape'][0]} x {speed['shape'][1]} expert matrix, 3-bit group 64** "
-                  f"({_source(rec)})", "",
-                  "| HQQ s | MiLo rank 32, 20 rounds s | MiLo with early stop s (rounds) | "
-                  "Mixtral-8x7B experts, MiLo 20 rounds | same, early stop | same, HQQ |",
-                  "|---:|---:|---:|---:|---:|---:|",
-                  f"| {speed['hqq_s']:.3f} | {speed['milo_s']:.2f} | {speed['milo_default_s']:.2f} "
-                  f"({speed['milo_default_rounds']}) | {speed['mixtral_8x7b_milo_minutes_estimate']:.1f} min | "
-                  f"{speed['mixtral_8x7b_milo_default_minutes_estimate']:.1f} min | "
-                  f"{speed['mixtral_8x7b_hqq_minutes_estimate']:.1f} min |", ""]
-    return lines
+    """A quality run's tables: its model's methods, and the expert-matrix speed when the run timed it."""
+    lines = quality_table(rec) if rec.get("rows") else []
+    return lines + (quality_speed_table(rec) if rec.get("expert_matrix_speed") else [])
 
 
 def cpu_kernel_tables(rec: dict) -> list[str]:

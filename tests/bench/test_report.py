@@ -36,3 +36,36 @@ def test_moe_block_runs_merge_newest_row_per_token_count(tmp_path):
     text = report.report(tmp_path)
     assert text.count("**MoE block, mixtral**") == 1
     assert "| 4 | 0.700 |" in text and "2025-12-31, cccccccc |" in text
+
+
+def quality_run(date: str, model: str, mixed: bool) -> dict:
+    rows = [dict(label="bf16 (reference)", perplexity=4.0, checkpoint_bytes=12_000_000, compensator_bytes=0,
+                 quantize_seconds=0.0),
+            dict(label="hqq-3", bits=3, method="hqq", perplexity=4.1, checkpoint_bytes=3_000_000, compensator_bytes=0,
+                 quantize_seconds=1.0),
+            dict(label="milo-3 all=150KB int3", bits=3, method="milo", ranks="all=150KB", compensator_bits=3,
+                 perplexity=4.05, checkpoint_bytes=3_150_000, compensator_bytes=150_000, quantize_seconds=9.0,
+                 gap_recovered_vs_hqq=0.5, memory_added_vs_hqq=0.05)]
+    rec = dict(name="quality", date=date, device="GPU X", device_type="cuda", torch="t", transformers="tf",
+               git=dict(commit="abcdef123"), rows=rows,
+               config=dict(model=model, group=64, window=512, eval_tokens=173_944, mixed_tokens=4096, mixed_window=256))
+    if model != "demo":
+        rec["model"] = dict(name=model, architecture="moe-8", scale="4x", parameters=23_888_384, layers=6, experts=8,
+                            top_k=2, hidden_size=512, expert_ffn=256)
+    if mixed:
+        rec["mixed_precision"] = {"4bit": 4.2, "4bit+mixed": 4.3, "mixed_ppl_cost": 4.3 / 4.2 - 1,
+                                  "4bit_skipped_share": 0.0, "4bit+mixed_skipped_share": 0.25}
+    return rec
+
+
+def test_quality_runs_of_two_models_render_as_two_tables(tmp_path):
+    """A trained model's quality run on the demo's device keeps its own table, titled with its name and shape."""
+    for i, rec in enumerate([quality_run("2026-01-01T00:00", "demo", False),
+                             quality_run("2026-01-02T00:00", "moe8-4x", True)]):
+        (tmp_path / f"quality-{i}.json").write_text(json.dumps(rec))
+    text = report.report(tmp_path)
+    assert text.count("**Quantization quality, demo model**") == 1
+    assert ("**Quantization quality, moe8-4x (moe-8 at scale 4x, 23.9M parameters, 6 layers of 8 experts top-2, "
+            "hidden 512, expert FFN 256)**") in text
+    assert text.count("| milo | 3 | all=150KB | int3 | 4.0500 | +1.25% | 50% |") == 2
+    assert text.count("HOBBIT mixed precision") == 1 and "4.2000 -> 4.3000 (+2.38%), 25.0% of the expert" in text
