@@ -78,6 +78,11 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def update_in_place(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """update(), for a kernel that reads cache rows in place: (keys, values, rows None: sequence b is row b)."""
+        keys, values = self.update(layer, k, v)
+        return keys, values, None
+
     def static_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """In a static pass, (keys, values [B, Hkv, S_max, Dh], slot index [1]) of a layer, for a kernel that writes
         the slot itself (what update() would write, then returns); None in a dynamic pass."""
@@ -136,6 +141,23 @@ class SlotKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor | None):
         """Write this pass's k/v [B, Hkv, S, Dh] (MLA: latents [B, 1, S, r + rope], v None) at (row, position);
         return the rows' keys/values [B, Hkv, span, Dh] (static: all max_len columns; MLA: latents, None)."""
+        caches = self._write_new(layer, k, v)
+        span = self.max_len if self._span is None else self._span
+        if self._first_row is not None:
+            end = self._first_row + self._rows.shape[0]
+            out = [cache[layer, self._first_row:end, :, :span] for cache in caches]
+        else:
+            out = [cache[layer, :, :, :span].index_select(0, self._rows) for cache in caches]
+        return out[0], out[1] if len(out) > 1 else None
+
+    def update_in_place(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write as update() does, for a kernel that reads the rows in place: (the layer's keys and values of every
+        row [slots + 1, Hkv, max_len, Dh], the rows of the pass [B]); nothing is gathered."""
+        self._write_new(layer, k, v)
+        return self.k[layer], self.v[layer], self._rows
+
+    def _write_new(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Write this pass's k/v at (row, position), pads skipped; -> the caches (keys, and values unless MLA)."""
         positions, _, written = self._write
         rows = self._rows[:, None].expand_as(positions)  # [B, S]
         caches = (self.k, self.v) if self.v is not None else (self.k,)
@@ -144,13 +166,7 @@ class SlotKVCache:
             rows, positions, new = rows[written], positions[written], [t[written] for t in new]
         for cache, t in zip(caches, new):
             cache[layer][rows, :, positions] = t
-        span = self.max_len if self._span is None else self._span
-        if self._first_row is not None:
-            end = self._first_row + self._rows.shape[0]
-            out = [cache[layer, self._first_row:end, :, :span] for cache in caches]
-        else:
-            out = [cache[layer, :, :, :span].index_select(0, self._rows) for cache in caches]
-        return out[0], out[1] if len(out) > 1 else None
+        return caches
 
     def static_slot(self, layer: int) -> None:
         """No fused write-the-slot kernel for per-row positions: attention writes through update()."""

@@ -207,11 +207,25 @@ class Attention(nn.Module):
         qkv = self.qkv_into_cache(x, cos, sin, kv) if kv is not None else None
         if qkv is not None:
             q, k, v = qkv
+            out = self.attend(q, k, v, mask, None)
         else:
             q, k, v = self.qkv(x, cos, sin, q_scale)
-            if kv is not None:
+            rows = None
+            if kv is not None and self.decode_kernel(q, v, mask):
+                k, v, rows = kv.update_in_place(self.layer_idx, k, v)  # the caches, read in place
+            elif kv is not None:
                 k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
-        return linears(self.attend(q, k, v, mask), self.o_proj)[0]
+            out = self.attend(q, k, v, mask, rows)
+        return linears(out, self.o_proj)[0]
+
+    def decode_kernel(self, q, v, mask) -> bool:
+        """Whether attention of this call runs the decode kernel (kernels/triton/decode_attention.py): one token,
+        on a GPU, with a mask, where it applies; otherwise SDPA."""
+        if not q.is_cuda or mask is None:
+            return False
+        from moeserve.kernels.triton.decode_attention import decode_attention_serves
+
+        return decode_attention_serves(q, v, self.sinks)
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         """The projections that read the layer input, run side by side (linears)."""
@@ -262,9 +276,14 @@ class Attention(nn.Module):
         keys, values, slot = cache
         return rotary_into_cache(side_by_side(x, mods), cos, sin, self.H, keys, values, slot), keys, values
 
-    def attend(self, q, k, v, mask):
-        """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj)."""
+    def attend(self, q, k, v, mask, rows=None):
+        """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj). rows [B]: k/v
+        are whole caches [R, Hkv, >= S_total, Dh] and sequence b reads row rows[b] (the decode kernel)."""
         B, _, S, _ = q.shape
+        if rows is not None or (S == 1 and self.decode_kernel(q, v, mask)):
+            from moeserve.kernels.triton.decode_attention import decode_attention
+
+            return decode_attention(q, k, v, rows, mask, self.scale)
         if self.sinks is not None:
             return sink_attention(q, k, v, mask, self.sinks).transpose(1, 2).reshape(B, S, self.H * self.Dh)
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
