@@ -38,6 +38,8 @@ def _variant(rec: dict) -> str:
     one, nor a 3-bit run a 4-bit one, nor a quality run of one model another model's (MoE block runs merge)."""
     if rec["name"] == "moe_block":
         return ""
+    if rec["name"] == "serve":
+        return serve_model(rec["config"])
     keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits")
     return json.dumps([rec["config"].get(k) for k in keys])
 
@@ -380,10 +382,19 @@ def parallel_tables(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def serve_model(c: dict) -> str:
+    """What a serve run served: the checkpoint folder's name, or the random checkpoint's shape."""
+    made = c.get("random_checkpoint")
+    if made:
+        return (f"random {made['shape']}-shaped checkpoint, {made['layers']} layers, HQQ {made['bits']}-bit "
+                f"(byte vocabulary)")
+    return Path(c["model"]).name
+
+
 def serve_table(rec: dict) -> list[str]:
     c = rec["config"]
-    lines = [f"**Serving, `moeserve serve`** (streaming HTTP clients at once vs the same requests one after another; "
-             f"prompts {c['prompt_min']}-{c['prompt_max']} bytes, {c['gen']} greedy tokens each; server "
+    lines = [f"**Serving {serve_model(c)}, `moeserve serve`** (streaming HTTP clients at once vs the same requests "
+             f"one after another; prompts {c['prompt_min']}-{c['prompt_max']} bytes, {c['gen']} greedy tokens each; server "
              f"`{c['server']}`, threads {c.get('threads') or 'default'}; {_source(rec)})", "",
              "| clients | tok/s | sequential tok/s | speedup | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "p99 ITL / 1-client ITL |", "|---:|---:|---:|---:|---|---|---:|"]
