@@ -3,7 +3,7 @@
 `write_random_checkpoint` writes an HF-style MixtralForCausalLM directory: config.json with the shape's dimensions
 and the demo's byte tokenizer (vocabulary 258 instead of 32000: random weights produce random tokens, and every id
 must decode), one safetensors file per layer of random bf16 weights (std 0.02, norms 1) under moeserve's tensor
-names. `random_quantized` then writes the HQQ copy that `moeserve quantize` would, and deletes the bf16 one.
+names. `random_quantized_checkpoint` then writes the HQQ copy that `moeserve quantize` would, and deletes the bf16 one.
 
     python bench/random_checkpoint.py --out /tmp/mixtral8 --layers 8 --bits 4   # ~6.5 GB 4-bit, ~23 GB on the way
 """
@@ -75,7 +75,7 @@ def write_random_checkpoint(config: dict, out: Path, seed: int = 0, device: torc
     return total
 
 
-def random_quantized(shape: str, layers: int, bits: int, out: Path, seed: int = 0, group: int = 64) -> dict:
+def random_quantized_checkpoint(shape: str, layers: int, bits: int, out: Path, seed: int = 0, group: int = 64) -> dict:
     """A random `shape` checkpoint of `layers` layers, HQQ-quantized to `bits` at `out` (bf16 copy removed).
     -> what was written and how long it took."""
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8), help="HQQ bits (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print(json.dumps(random_quantized(args.shape, args.layers, args.bits, Path(args.out), args.seed)))
+    print(json.dumps(random_quantized_checkpoint(args.shape, args.layers, args.bits, Path(args.out), args.seed)))
     return 0
 
 

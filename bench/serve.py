@@ -38,7 +38,7 @@ import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, write_result  # noqa: E402
-from random_checkpoint import SHAPES, random_quantized  # noqa: E402
+from random_checkpoint import SHAPES, random_quantized_checkpoint  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.serve.process import ServerProcess  # noqa: E402
@@ -190,7 +190,7 @@ def main() -> None:
         if args.random_shape and not args.url:
             print(f"writing a random {args.random_layers}-layer {args.random_shape} checkpoint, HQQ "
                   f"{args.random_bits}-bit ...", flush=True)
-            checkpoint = random_quantized(args.random_shape, args.random_layers, args.random_bits,
+            checkpoint = random_quantized_checkpoint(args.random_shape, args.random_layers, args.random_bits,
                                           Path(work) / "model", args.seed)
             args.model = str(Path(work) / "model")
             print(json.dumps(checkpoint), flush=True)

@@ -26,10 +26,10 @@ MAX_HEAD_DIM = 256
 
 
 def decode_attention_serves(q: torch.Tensor, v: torch.Tensor | None, sinks) -> bool:
-    """Whether a call can run here: one query token, a GPU (or the interpreter), 16-bit or float32, values (not MLA's
-    latents), no sink logits, a power-of-two head dim of at most 256."""
+    """Whether a call's shapes can run here (where it runs is the caller's choice): one query token, 16-bit or
+    float32, values (not MLA's latents), no sink logits, a power-of-two head dim of at most 256."""
     Dh = q.shape[-1]
-    return (q.shape[2] == 1 and v is not None and sinks is None and (q.is_cuda or triton_interpreting())
+    return (q.shape[2] == 1 and v is not None and sinks is None
             and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and Dh & (Dh - 1) == 0
             and 16 <= Dh <= MAX_HEAD_DIM)
 
