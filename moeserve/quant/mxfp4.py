@@ -11,15 +11,20 @@ converted to the HQQ 4-bit layout (that would round them again); the whole model
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.kernels import triton_serves
-from moeserve.kernels.routing import RoutingTable
+from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 from moeserve.model.experts import LoopedExperts, glu
 from moeserve.spec import ClampedSwiGLU
+
+if TYPE_CHECKING:
+    from moeserve.kernels.triton.mxfp4 import Mxfp4Config
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -62,7 +67,8 @@ class Mxfp4Experts(LoopedExperts):
     """A layer's experts in MXFP4 as stored (names and shapes of the checkpoint): gate_up_proj_blocks
     [E, 2F, D/32, 16], gate_up_proj_scales [E, 2F, D/32], down_proj_blocks [E, D, F/32, 16], down_proj_scales
     [E, D, F/32] (gate rows then up rows, as read_tensor arranges them), float biases gate_up_proj_bias [E, 2F] and
-    down_proj_bias [E, D], and the gated activation act (model/experts.glu)."""
+    down_proj_bias [E, D], and the gated activation act (model/experts.glu). kernel_config: the Triton launch config
+    of every call (None: kernels/triton/mxfp4's default_config by token count; bench/gptoss.py --sweep sets it)."""
 
     PACKED_BUFFERS = True  # the loader reads these buffers from the checkpoint and keeps their dtype
 
@@ -77,6 +83,7 @@ class Mxfp4Experts(LoopedExperts):
             self.register_buffer(f"{name}_scales", torch.empty(num_experts, n, k // BLOCK, dtype=torch.uint8))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.kernel_config: Mxfp4Config | None = None
 
     def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2F, D], down [D, F]) dequantized to dtype."""
@@ -92,11 +99,25 @@ class Mxfp4Experts(LoopedExperts):
         """"mxfp4_triton" (CUDA, no autograd: the kernels have no backward) or "mxfp4_loop" (model/paths.py)."""
         return "mxfp4_triton" if triton_serves(x) and x.dtype in TRITON_DTYPES else "mxfp4_loop"
 
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        """The looped path's forward, except on the Triton path: its kernels read each sorted row's token from x
+        themselves (no gather launch)."""
+        if self.kernel_path(x, x.shape[0]) != "mxfp4_triton":
+            return super().forward(x, expert_ids, expert_weights)
+        table = build_routing_table(expert_ids, expert_weights, self.num_experts)
+        return combine(self.triton_experts(x, table, table.token_ids), table, x.shape[0], x.dtype)
+
     def run_sorted(self, x_sorted: torch.Tensor, table: RoutingTable) -> torch.Tensor:
         if self.kernel_path(x_sorted, table.num_tokens) != "mxfp4_triton":
             return super().run_sorted(x_sorted, table)
+        return self.triton_experts(x_sorted, table)
+
+    def triton_experts(self, x: torch.Tensor, table: RoutingTable,
+                       token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The sorted rows (x itself, or with token_ids the tokens of x they read) through the Triton kernels ->
+        [T*k, D] float32."""
         from moeserve.kernels.triton.mxfp4 import Mxfp4Weights, mxfp4_experts
 
         gate_up = Mxfp4Weights(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
         down = Mxfp4Weights(self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
-        return mxfp4_experts(x_sorted, gate_up, down, table, self.act)  # [T*k, D] float32
+        return mxfp4_experts(x, gate_up, down, table, self.act, self.kernel_config, token_ids)

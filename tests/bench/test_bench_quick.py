@@ -161,3 +161,20 @@ def test_hybrid_bench_quick(tmp_path):
     latent = mla["shape"]["mla"]["kv_lora_rank"] + mla["shape"]["mla"]["qk_rope_head_dim"]
     assert mla["kv_bytes"] == tokens * mla["shape"]["num_layers"] * latent * 4  # fp32 on the CPU
     assert result["demo_mixed_precision"]["4bit"] > 1 and result["rates"]["dram_read_bytes_per_s"] > 0
+
+
+def test_gptoss_sweep_quick(tmp_path):
+    """bench/gptoss.py --quick --sweep in Triton's interpreter: each candidate Mxfp4Config timed with its error
+    against the per-expert loop, then the block with the fastest one (the H200 sweep's code path, minus the GPU)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(BENCH / "gptoss.py"), "--quick", "--sweep", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = tmp_path.glob("gptoss-*.json")
+    sweep = json.loads(path.read_text())["sweep"]
+    assert [t["tokens"] for t in sweep["tokens"]] == [1, 4]
+    for entry in sweep["tokens"]:
+        assert len(entry["candidates"]) == 2 and entry["experts_floor_ms"] > 0
+        for c in entry["candidates"]:
+            assert c["ms"] > 0 and c["rel_err"] < 1e-5 and c["path"] == "gemv", c  # fp32 x: CUDA cores
+        assert entry["best"] in [c["config"] for c in entry["candidates"]] and entry["block_graph_ms"] > 0

@@ -40,42 +40,105 @@ def reference(x_sorted, gate_up, down, table, act):
     return out
 
 
-@pytest.mark.parametrize("T,routing,config", [
-    (1, "random", None),  # the one-token default: GEMV programs
-    (5, "two_experts", Mxfp4Config(BLOCK_N=32, BLOCK_K=64, BLOCK_M=2)),  # rows of one expert in chunks of 2
-    (17, "one_expert", Mxfp4Config(BLOCK_N=64, BLOCK_K=128, BLOCK_M=16)),  # tensor-core tiles, 17 rows in 2 tiles
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", [ClampedSwiGLU(alpha=1.702, limit=1.5), None], ids=["clamped", "silu"])
-def test_mxfp4_fused_moe_matches_float64_experts(poisoned_outputs, T, routing, config, dtype, act):
-    """D = 96 with BLOCK_K 128/256: the last step half past the row's end; F = 64 rows in blocks of 32/64."""
+# every kernel family at tiny shapes (D 96 = 3 groups, F 64): CUDA-core programs of 1, 2, 8 rows on fp16 pairs and 4
+# rows in fp32, tensor-core tiles of 16 and 32 rows; steps of 64..256 inputs, the last one past the row's end
+FAMILIES = {
+    "gemv_1row": Mxfp4Config(),  # the one-token default: one step of 256 inputs
+    "gemv_2rows": Mxfp4Config(BLOCK_K=64, BLOCK_M=2, num_stages=2),
+    "gemv_8rows": Mxfp4Config(BLOCK_N=64, BLOCK_K=64, BLOCK_M=8),
+    "gemv_fp32": Mxfp4Config(BLOCK_K=64, BLOCK_M=4, HALF=False),
+    "dot_16rows": Mxfp4Config(BLOCK_N=64, BLOCK_K=64, BLOCK_M=16),
+    "dot_32rows": Mxfp4Config(BLOCK_N=32, BLOCK_K=128, BLOCK_M=32),
+}
+ROUTING = {1: "random", 3: "two_experts", 16: "one_expert", 17: "one_expert"}  # T -> how its tokens pick experts
+CLAMPED = ClampedSwiGLU(alpha=1.702, limit=1.5)
+
+
+def run_case(T, config, dtype, act, bias, gather, seed=0):
+    """(the kernels' expert outputs, the float64 reference) on fresh random inputs: E 4 experts, top-2. gather: the
+    kernels read the tokens through the table's token ids, else the sorted rows."""
     E, k, D, F = 4, 2, 96, 64
-    gate_up, down = experts(E, D, F, bias=act is not None)
-    ids = routing_ids(T, E, k, routing)
+    torch.manual_seed(seed)
+    gate_up, down = experts(E, D, F, bias=bias, seed=seed)
+    ids = routing_ids(T, E, k, ROUTING[T])
     table = build_routing_table(ids.to(DEVICE), torch.rand(T, k, device=DEVICE), E)
-    x_sorted = torch.randn(T, D, device=DEVICE)[table.token_ids].to(dtype)
-    got = mxfp4_experts(x_sorted, gate_up, down, table, act, config)
-    want = reference(x_sorted, gate_up, down, table, act)
-    assert got.dtype == torch.float32 and not got.isnan().any()
-    got = got.double().cpu()
+    x = (torch.randn(T, D, device=DEVICE) * 2).to(dtype)
+    x_sorted = x[table.token_ids]
+    if gather:
+        got = mxfp4_experts(x, gate_up, down, table, act, config, token_ids=table.token_ids)
+    else:
+        got = mxfp4_experts(x_sorted, gate_up, down, table, act, config)
+    assert got.dtype == torch.float32 and got.shape == (T * k, D) and not got.isnan().any()
+    return got.double().cpu(), reference(x_sorted, gate_up, down, table, act)
+
+
+def assert_matches(got, want, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    else:  # h's bf16 may differ from the reference's by an ulp (2^-8; Triton's interpreter truncates where GPUs round)
+    else:  # h's 16 bits may differ from the reference's by an ulp (the interpreter truncates where GPUs round)
         assert (got - want).norm() / want.norm() < 1e-2 and (got - want).abs().max() < 2 ** -5 * want.abs().max()
+
+
+@pytest.mark.parametrize("family,T", [(f, T) for f in FAMILIES for T in (1, 3, 16) if (f, T) != ("gemv_1row", 16)]
+                         + [("dot_16rows", 17)])  # 17 rows of one expert: two tensor-core tiles
+@pytest.mark.parametrize("act,bias,gather", [(CLAMPED, True, True), (None, False, False)],
+                         ids=["clamped_bias_gather", "silu_sorted"])
+def test_mxfp4_families_match_float64_experts(poisoned_outputs, family, T, act, bias, gather):
+    """bf16 x through every family and token count, with biases and the clamped SwiGLU and without either; the rows
+    gathered by the kernels from the tokens, or sorted already."""
+    assert_matches(*run_case(T, FAMILIES[family], torch.bfloat16, act, bias, gather), torch.bfloat16)
+
+
+@pytest.mark.parametrize("family,T", [("gemv_2rows", 3), ("gemv_fp32", 3), ("dot_16rows", 16), ("dot_32rows", 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mxfp4_other_dtypes_match_float64_experts(poisoned_outputs, family, T, dtype):
+    """fp16 x (fp16 pairs and tiles) and float32 x (CUDA cores in fp32 whatever the config)."""
+    assert_matches(*run_case(T, FAMILIES[family], dtype, CLAMPED, True, gather=True, seed=1), dtype)
 
 
 def test_default_configs_by_tokens_and_dtype():
     assert default_config(1, torch.bfloat16) == Mxfp4Config()
+    assert default_config(4, torch.bfloat16).gemv_rows() == 2 and default_config(4, torch.bfloat16).half(torch.bfloat16)
     assert default_config(16, torch.bfloat16).use_dot(torch.bfloat16)
     assert not default_config(16, torch.float32).use_dot(torch.float32)
+    assert not Mxfp4Config().half(torch.float32)
+
+
+@pytest.mark.parametrize("bad", [dict(BLOCK_N=16), dict(BLOCK_K=48), dict(BLOCK_M=12), dict(num_stages=0)])
+def test_config_checks(bad):
+    with pytest.raises(ValueError):
+        Mxfp4Config(**bad)
+
+
+def test_mxfp4_experts_module_kernels_match_its_loop(poisoned_outputs):
+    """Mxfp4Experts' Triton body (its buffers as Mxfp4Weights, its kernel_config, the tokens gathered by the kernels)
+    against its own per-expert loop, combined; on a CPU in the interpreter, so fp32."""
+    from moeserve.kernels.routing import combine
+    from moeserve.model.experts import LoopedExperts
+    from moeserve.quant.mxfp4 import Mxfp4Experts
+
+    E, D, F, k, T = 4, 64, 64, 2, 3
+    ex = Mxfp4Experts(E, D, F, bias=True, act=CLAMPED).to(DEVICE)
+    gate_up, down = experts(E, D, F, bias=True, seed=2)
+    ex.gate_up_proj_blocks, ex.gate_up_proj_scales = gate_up.blocks, gate_up.scales
+    ex.down_proj_blocks, ex.down_proj_scales = down.blocks, down.scales
+    ex.gate_up_proj_bias = torch.nn.Parameter(gate_up.bias, requires_grad=False)
+    ex.down_proj_bias = torch.nn.Parameter(down.bias, requires_grad=False)
+    ex.kernel_config = Mxfp4Config(BLOCK_K=64, BLOCK_M=2)
+    x = torch.randn(T, D, device=DEVICE)
+    table = build_routing_table(routing_ids(T, E, k, "random").to(DEVICE), torch.rand(T, k, device=DEVICE), E)
+    with torch.no_grad():
+        got = combine(ex.triton_experts(x, table, table.token_ids), table, T, x.dtype)
+        want = combine(LoopedExperts.run_sorted(ex, x[table.token_ids], table), table, T, x.dtype)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_mxfp4_model_path_and_cuda_graph(tmp_path):
-    """A GPT-OSS-like layer on the GPU: Mxfp4Experts take the Triton path (graph-safe) and agree with the
-    dequantize-per-expert loop; the block replays as a CUDA graph with the eager output."""
-    from moeserve.kernels.routing import combine
-    from moeserve.model.experts import LoopedExperts
+    """A GPT-OSS-like layer on the GPU: Mxfp4Experts take the Triton path (graph-safe; the default config of one
+    token, a few, 16) and agree with float64 experts of its weights, combined; the call replays as a CUDA graph with
+    the eager output. (The per-expert bf16 loop is no reference here: it rounds gate/up to bf16 before the
+    activation, and differs from both by more than the kernels' own error.)"""
     from moeserve.model.paths import GRAPH_SAFE
     from moeserve.quant.mxfp4 import Mxfp4Experts
 
@@ -86,7 +149,9 @@ def test_gpu_mxfp4_model_path_and_cuda_graph(tmp_path):
     ex.down_proj_blocks, ex.down_proj_scales = down.blocks, down.scales
     ex.gate_up_proj_bias = torch.nn.Parameter(gate_up.bias.bfloat16(), requires_grad=False)
     ex.down_proj_bias = torch.nn.Parameter(down.bias.bfloat16(), requires_grad=False)
-    for T in (1, 16):
+    weights = (Mxfp4Weights(gate_up.blocks, gate_up.scales, ex.gate_up_proj_bias),
+               Mxfp4Weights(down.blocks, down.scales, ex.down_proj_bias))
+    for T in (1, 3, 16):
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).cuda()
         w = torch.softmax(torch.randn(T, k, device="cuda"), -1).bfloat16()
@@ -94,8 +159,10 @@ def test_gpu_mxfp4_model_path_and_cuda_graph(tmp_path):
         with torch.no_grad():
             got = ex(x, ids, w)
             table = build_routing_table(ids, w, E)
-            ref = combine(LoopedExperts.run_sorted(ex, x[table.token_ids], table), table, T, x.dtype)
-            torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+            rows = reference(x[table.token_ids], *weights, table, ex.act)  # [T*k, D] float64
+            want = torch.zeros(T, D, dtype=torch.float64).index_add_(
+                0, table.token_ids.cpu(), rows * table.weights.cpu().double()[:, None])
+            assert_matches(got.double().cpu(), want, torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):

@@ -5,7 +5,8 @@ An expert's rows are known three ways (ROUTE): a block of a dense matmul's rows 
 expert-sorted rows from the routing table's end offsets and counts (SORTED), or the slots t * k + j whose expert
 id is the program's expert, found among the T*k ids (SLOTS, SLOT_PROGRAMS: no routing table and no gather).
 expert_rows says which rows a program owns, tile_rows cuts them into tiles of BLOCK_M rows, expert_tile finds
-a program's tile when the grid walks the row tiles of all experts instead (the bf16 prefill schedule).
+a program's tile when the grid walks the row tiles of all experts instead (the bf16 prefill schedule), hit_rows an
+expert's sorted rows when the grid walks only the experts that have rows (the MXFP4 kernels).
 """
 
 from __future__ import annotations
@@ -83,3 +84,16 @@ def expert_tile(counts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
     start = tl.sum(tl.where(mine, row_end - counts, 0), axis=0) + (tile - first_tile) * BLOCK_M
     return expert, start, end
+
+
+@triton.jit
+def hit_rows(pid, offsets_ptr, counts_ptr, E, BLOCK_E: tl.constexpr):
+    """(start, end, expert) of the pid-th expert (in expert order) that has rows in a routing table (end offsets and
+    counts [E]): its expert-sorted rows are [start, end). A grid axis of min(T*k, E) programs covers every expert hit,
+    and none of them waits on an expert no token chose; past the last expert hit, start == end (no rows)."""
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
+    hit = (counts > 0).to(tl.int32)
+    mine = (hit > 0) & (tl.cumsum(hit, axis=0) - hit == pid)  # one expert, or none past the last hit
+    end = tl.sum(tl.where(mine, tl.load(offsets_ptr + e, mask=e < E, other=0).to(tl.int32), 0), axis=0)
+    return end - tl.sum(tl.where(mine, counts, 0), axis=0), end, tl.sum(tl.where(mine, e, 0), axis=0)
