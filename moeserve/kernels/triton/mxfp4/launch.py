@@ -89,15 +89,17 @@ class Mxfp4Config:
 
 
 def default_config(num_tokens: int, dtype: torch.dtype) -> Mxfp4Config:
-    """16-bit x: up to 8 tokens CUDA-core programs of 32 rows x 256 inputs a step on fp16 pairs, one row of x at once
-    for one token, two for more (an expert gets about T*k/E of the T*k rows: one or two), above 8 tokens 16-row
-    tensor-core tiles. float32 x: CUDA cores, up to 4 rows at once. Guesses until bench/gptoss.py --sweep has timed
-    the candidates on a GPU."""
+    """16-bit x: up to 8 tokens CUDA-core programs of 32 rows on fp16 pairs, one row of x at once and 512 inputs a
+    step for one token, two rows and 256 inputs for more (an expert gets about T*k/E of the T*k rows: one or two);
+    above 8 tokens 16-row tensor-core tiles of 64 outputs x 64 inputs, four stages. float32 x: CUDA cores, up to 4
+    rows at once. The fastest of bench/gptoss.py --sweep on an H200 (GPT-OSS-20B shape, 1/16/64 tokens)."""
     if dtype not in HALF_DTYPES:
         return Mxfp4Config(BLOCK_M=min(4, triton.next_power_of_2(max(num_tokens, 1))))
     if num_tokens > 8:
-        return Mxfp4Config(BLOCK_N=64, BLOCK_K=128, BLOCK_M=16)
-    return Mxfp4Config(BLOCK_M=1 if num_tokens <= 1 else 2)
+        return Mxfp4Config(BLOCK_N=64, BLOCK_K=64, BLOCK_M=16, num_stages=4)
+    if num_tokens <= 1:
+        return Mxfp4Config(BLOCK_K=512)
+    return Mxfp4Config(BLOCK_M=2)
 
 
 @dataclass(frozen=True)
