@@ -11,7 +11,8 @@ Columns (experts 4-bit HQQ, group 64; CPU threads = --cpu-threads, default the p
   cpu             every MoE layer's experts on the CPU (--cpu-moe)
   hybrid          static: the first N MoE layers' experts on the CPU, the rest resident on the GPU, N the fewest
                   that fit the budget (--n-cpu-moe N)
-  hybrid+cache    every layer on the CPU, the budget as GPU cache slots (--cpu-moe --gpu-cache-experts S, HOBBIT)
+  hybrid+cache    every layer on the CPU, the budget as GPU cache slots (--cpu-moe --gpu-cache-experts S; on the device
+                  link the cache ranks experts by decayed use counts, kept between steps)
   hybrid+mixed    static, with HOBBIT's precision rule (4-bit experts: the low-weight ones are skipped); its
                   perplexity cost is measured on the demo model (held-out text, 4-bit experts on the CPU;
                   bench/mixed_precision.py, which bench/quality.py also runs on a trained model)
@@ -119,10 +120,11 @@ def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) 
 
 
 def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_tokens: int | None, device, stats,
-        cuda_graph: bool = True):
-    """(prefill seconds, decode seconds per step after warm-up, stats delta of the timed steps)."""
+        cuda_graph: bool = True, layers: list[int] | None = None):
+    """(prefill seconds, decode seconds per step after warm-up, stats delta of the timed steps); layers: the CPU
+    layers, which replay the demo's routing (routing_tokens of it)."""
     if routing_tokens:
-        replay_routing(model, DemoRouting(routing_tokens))
+        replay_routing(model, DemoRouting(routing_tokens), layers)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     marks, t0 = [], time.perf_counter()
@@ -144,13 +146,15 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     runtime = enable_hybrid(model, store, placement, host=host, warm=True)  # repacked once per shape, not timed
     demo = args.routing == "demo"
     stats = lambda: vars(runtime.totals())  # noqa: E731
+    cpu_layers = list(placement.cpu_layers)
     _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
                              args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats,
-                             not args.no_cuda_graph)
+                             not args.no_cuda_graph, cpu_layers)
     warm = min(args.prefill, 64)  # compiles and sizes the prompt path (kernels, buffers) before it is timed
-    run(model, spec, warm, 1, 0, warm if demo else None, device, stats)
+    run(model, spec, warm, 1, 0, warm if demo else None, device, stats, layers=cpu_layers)
     before = runtime.summary().get("bytes_streamed", 0)
-    prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats)
+    prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats,
+                        layers=cpu_layers)
     streamed = runtime.summary().get("bytes_streamed", 0) - before
     sweep = threshold_sweep(model, spec, runtime, device, args) if column == "cpu" and args.sweep else None
     resident_layers = len(placement.moe_layers) - len(placement.cpu_layers)

@@ -57,29 +57,36 @@ def lowbit_model(spec, bits: int, group: int, rank: int, device, dtype):
     return model
 
 
-def bytes_per_token(model, spec) -> int:
-    """Weight bytes one decode token reads: dense layers, top_k of E experts per layer, one embedding row."""
+def bytes_per_token(model, spec, batch: int = 1) -> int:
+    """Weight bytes a decode step of `batch` tokens reads: dense layers, the experts its tokens hit per layer (top_k
+    of E for one token; E (1 - (1 - k/E)^batch) expected under uniform routing), `batch` embedding rows."""
+    hit = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** batch)
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".experts." in name:
-            total += t.nbytes * spec.top_k // spec.num_experts
+            total += t.nbytes * hit / spec.num_experts
         elif name == "model.embed_tokens.weight":
-            total += t.nbytes // spec.vocab_size
+            total += t.nbytes * batch // spec.vocab_size
         else:
             total += t.nbytes
-    return total
+    return int(total)
+
+
+def prompts_of(spec, args) -> list[list[int]]:
+    """args.batch random prompts of args.prompt tokens."""
+    return [torch.randint(0, spec.vocab_size, (args.prompt,)).tolist() for _ in range(args.batch)]
 
 
 def decode_rate(model, spec, args, cuda_graph: bool, device) -> dict:
-    """Tokens/s of the decode steps after the first (the first holds the graph capture)."""
-    prompt = torch.randint(0, spec.vocab_size, (args.prompt,)).tolist()
+    """Tokens/s of the decode steps after the first (the first holds the graph capture), all sequences counted."""
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     marks = []
-    for _ in iterate(model, [prompt], params, cuda_graph=cuda_graph):
+    for _ in iterate(model, prompts_of(spec, args), params, cuda_graph=cuda_graph):
         sync(device)
         marks.append(time.perf_counter())
     steps = len(marks) - 2
-    return {"tokens_per_s": steps / (marks[-1] - marks[1]), "first_step_ms": 1e3 * (marks[1] - marks[0])}
+    return {"tokens_per_s": args.batch * steps / (marks[-1] - marks[1]), "step_ms": 1e3 * (marks[-1] - marks[1]) / steps,
+            "first_step_ms": 1e3 * (marks[1] - marks[0])}
 
 
 def kernel_profile(model, spec, args, steps: int = 16, top: int = 25) -> dict:
@@ -89,10 +96,9 @@ def kernel_profile(model, spec, args, steps: int = 16, top: int = 25) -> dict:
     cost)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompt = torch.randint(0, spec.vocab_size, (args.prompt,)).tolist()
     params = SamplingParams(max_new_tokens=steps + 3, temperature=0.0, ignore_eos=True)
     prof = profile(activities=[ProfilerActivity.CUDA])
-    for n, _ in enumerate(iterate(model, [prompt], params, cuda_graph=True)):
+    for n, _ in enumerate(iterate(model, prompts_of(spec, args), params, cuda_graph=True)):
         if n == 2:  # 0: prefill, 1: the capture
             torch.cuda.synchronize()
             prof.start()
@@ -117,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=32, help="compensator rank per expert projection (0 = none)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="decode steps")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (a static batch)")
     ap.add_argument("--hf-layers", type=int, default=2, help="layers of the transformers baseline (0 = skip it)")
     ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of a decode step (CUDA graph replay)")
     add_run_args(ap)
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
         args.new_tokens, args.hf_layers = 6, 0
     spec = model_spec(shape)
     model = lowbit_model(spec, args.bits, group, args.rank, device, dtype)
-    per_token = bytes_per_token(model, spec)
+    per_token = bytes_per_token(model, spec, args.batch) / args.batch
     bw = measure_hbm_bandwidth(device, 64 << 20 if args.quick else None)["bytes_per_s"]
     rows = {"eager": decode_rate(model, spec, args, False, device)}
     if device.type == "cuda":
@@ -151,6 +158,7 @@ def main(argv=None) -> int:
             rows["hf_accelerate_bf16"] = {"error": str(e).splitlines()[0]}
     record = result_record("lowbit_decode", {"shape": shape, "quick": args.quick, "bits": args.bits, "group": group,
                                              "rank": args.rank, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                                             "batch": args.batch,
                                              "dtype": str(dtype)}, device)
     record.update({"weight_bytes_per_token": per_token, "hbm_bytes_per_s": bw, "floor_tokens_per_s": floor,
                    "results": rows})

@@ -154,13 +154,17 @@ class DemoRouting:
 
 
 class ReplayExperts(nn.Module):
-    """An expert backend that runs the demo's routing instead of the router's: the replay happens where the backend
-    reads the routing on the host anyway, so decode steps still run as CUDA-graph segments around it (a replayed
-    router inside a captured segment would replay one token's routing forever)."""
+    """An expert backend that runs the demo's routing instead of the router's. Where the backend reads the routing on
+    the host anyway (offload, the hybrid host path) a call takes the next tokens' routing there, and decode steps
+    still run as CUDA-graph segments around it. Where the backend's path is captured (the hybrid device link), a one-row
+    call reads static buffers that the model's step hook fills with the next token's routing before each step (a
+    router replayed inside a graph would otherwise replay one token's routing forever)."""
 
-    def __init__(self, inner: nn.Module, routing: DemoRouting, layer: int):
+    def __init__(self, inner: nn.Module, routing: DemoRouting, layer: int, static: bool = False):
         super().__init__()
-        self.inner, self.routing, self.layer = inner, routing, layer
+        self.inner, self.routing, self.layer, self.static = inner, routing, layer, static
+        self.ids: torch.Tensor | None = None  # [1, k] the next decode token's routing (static)
+        self.weights: torch.Tensor | None = None  # [1, k]
 
     @property
     def overlaps_dense(self) -> bool:
@@ -172,21 +176,46 @@ class ReplayExperts(nn.Module):
     def x_preparation(self, x, top_k):
         return None
 
+    def next_token(self, device, dtype) -> None:
+        """Static: the next decode token's routing into the buffers the captured step reads."""
+        ids, weights = self.routing.route(self.layer, 1, device, dtype)
+        if self.ids is None:
+            self.ids, self.weights = ids.clone(), weights.clone()
+        else:
+            self.ids.copy_(ids)
+            self.weights.copy_(weights)
+
     def forward(self, x, expert_ids, expert_weights, **kwargs):
+        if self.static and x.shape[0] == 1 and self.ids is not None:
+            return self.inner(x, self.ids, self.weights.to(expert_weights.dtype), **kwargs)
         ids, weights = self.routing.route(self.layer, x.shape[0], x.device, expert_weights.dtype)
         return self.inner(x, ids, weights, **kwargs)
 
 
-def replay_routing(model, routing: DemoRouting) -> None:
-    """The layers whose experts read the routing on the host (offload, hybrid CPU layers; their next-layer
-    predictions too) replay the demo model's routing; resident layers keep their random routers (every expert
-    costs the same there)."""
+def replay_routing(model, routing: DemoRouting, layers: list[int] | None = None) -> None:
+    """The layers whose experts live off the GPU (default: those that read the routing on the host: offload, hybrid
+    CPU layers; their next-layer predictions too) replay the demo model's routing; resident layers keep their random
+    routers (every expert costs the same there). Layers whose decode step is captured whole replay through static
+    buffers (ReplayExperts.static), filled by a step hook."""
     routing.cursor = {}
-    for i in host_layers(model, 1):
+    host = host_layers(model, 1)
+    static = []
+    for i in host if layers is None else layers:
         experts = model.model.layers[i].mlp.experts
         experts = experts.inner if isinstance(experts, ReplayExperts) else experts  # replayed before: a new text
         experts.predict_next = lambda x, i=i: routing.prediction(i, model.spec.num_layers)
-        model.model.layers[i].mlp.experts = ReplayExperts(experts, routing, i)
+        replay = ReplayExperts(experts, routing, i, static=i not in host)
+        model.model.layers[i].mlp.experts = replay
+        if replay.static:
+            static.append(replay)
+    model.step_hooks[:] = [h for h in model.step_hooks if not getattr(h, "replays_routing", False)]
+    if static:
+        def next_token():
+            for replay in static:
+                replay.next_token(model.device, model.dtype)
+
+        next_token.replays_routing = True
+        model.step_hooks.insert(0, next_token)
 
 
 def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing, resident: int) -> dict:

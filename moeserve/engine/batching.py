@@ -163,6 +163,7 @@ class ContinuousBatch:
         prefilling = [r for r in self.active if not r.prefilled]
         with torch.inference_mode():
             if decoding:
+                self.model.before_step()
                 logits = self.decoder([r.last_token for r in decoding], [r.cached for r in decoding],
                                       [r.slot for r in decoding])  # [B, V]
                 for r in decoding:

@@ -117,6 +117,7 @@ def _steps(model, prompts, params, tokenizer, eos_ids, on_text, cuda_graph):
             yield gens, new
             if not alive.any():
                 break
+            model.before_step()
             logits = decode(new[:, None], next_pos, alive[:, None])
             next_pos = next_pos + 1
 

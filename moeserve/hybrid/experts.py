@@ -13,7 +13,8 @@ Per call, with the router's output on the model device:
 With the model on the CPU the same steps run inline (no copies, no hand-off). A call of many tokens (a prompt, at
 least the placement's stream_from) computes its missed experts on the model device instead, each streamed there
 once (hybrid/stream.py): no CPU job. Where the runtime holds a device link (a GPU, every pair on the CPU's low-bit
-copy in one native call), steps 1-5 are enqueued on the device instead and the host never waits (hybrid/link.py).
+copy in one native call; cache slots looked up on the device), steps 1-5 are enqueued on the device instead and
+the host never waits (hybrid/link.py); the cache is then kept between steps (hybrid/cache.py).
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ class HybridExperts(ExpertBackend):
         """x [T, D], expert_ids / expert_weights [T, k] -> [T, D] (+ dense(x), the shared expert, when given)."""
         rt = self.runtime
         if self._linked(x):  # asked and waited for on the device: no host wait, capturable
-            rt.link.ask(self.layer, x, expert_ids, expert_weights)
+            slot = rt.cache.device_slots(self.layer, expert_ids) if rt.cache is not None else None  # [T, k] or -1
+            cpu_ids = expert_ids if slot is None else torch.where(slot >= 0, -1, expert_ids)  # [T, k] -1: cached
+            rt.link.ask(self.layer, x, cpu_ids, expert_weights)
+            cached = rt.cache.linked_pass(x, expert_weights, slot) if slot is not None else None  # [T, D]
             shared = dense(x) if dense is not None else None  # [T, D], while the CPU computes
             out = rt.link.answer(x.shape[0]).to(x.dtype, copy=True)  # [T, D], its own: the link's buffer is reused
-            return out if shared is None else out + shared
+            for part in (cached, shared):
+                out = out if part is None else out + part
+            return out
         streamed = rt.streams(x.shape[0])  # a prompt: missed experts streamed to x's device, not run on the CPU
         x_host, ids, weights = routing_to_host(x, expert_ids, expert_weights, not streamed)  # host [T, D], [T, k] x2
         choice = rt.choose(weights)  # [T, k] HIGH / LOW / SKIP, or None: every pair at the run's precision

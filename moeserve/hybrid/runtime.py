@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from moeserve.hybrid.cache import SlotCache
-from moeserve.hybrid.link import DeviceLink, link_wanted, start_link
+from moeserve.hybrid.link import LINK_ROWS, DeviceLink, link_wanted, start_link
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.memory import ring_slots
 from moeserve.hybrid.stream import ExpertStreamer
@@ -51,8 +51,9 @@ class HybridRuntime:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
         .warm) rather than at its first token; stream: stream prompts' experts to the model device (default: on a
-        GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on the low-bit copy (no cache
-        slots, no mixed precision) the CPU experts are driven from the device (hybrid/link.py)."""
+        GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on the low-bit copy (no mixed
+        precision; cache slots the Triton kernels read) the CPU experts are driven from the device (hybrid/link.py)
+        and a cache is kept between steps (before_step, the model's step hook)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -77,13 +78,21 @@ class HybridRuntime:
             slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
             self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
         self.link: DeviceLink | None = None
-        if threaded and device.type == "cuda" and placement.low and not placement.cache_slots \
-                and not placement.mixed and placement.cpu_layers and link_wanted():
+        if threaded and device.type == "cuda" and placement.low and not placement.mixed and placement.cpu_layers \
+                and link_wanted() and (self.cache is None or self.cache.device_serves(
+                    torch.empty(LINK_ROWS, store.meta["hidden"], device=device, dtype=dtype), LINK_ROWS)):
             # the CPU thread on the caller's core, computing with helpers on all but the last core (left to the
             # Python thread, which waits for the device meanwhile)
             self.link = start_link(self.host, num_layers, top_k, device, max(threads - 1, 1),
                                    cores[0] if cores else -1, spin_us(device.type))
+            if self.link is not None and self.cache is not None:
+                self.cache.link(LINK_ROWS * top_k)
         self.stats = HybridStats()
+
+    def before_step(self) -> None:
+        """The model's step hook: a linked cache's bookkeeping between decode steps (SlotCache.maintain)."""
+        if self.link is not None and self.cache is not None:
+            self.cache.maintain()
 
     def start_cpu(self, layer: int, x: torch.Tensor, pairs: CpuPairs):
         """A layer's CPU pairs, started: something whose result() waits for their output [T, D] (float32, or x's
@@ -126,10 +135,10 @@ class HybridRuntime:
         cpu_pairs; raises if the link's CPU end failed a call (its outputs were wrong)."""
         if self.link is None:
             return replace(self.stats)
-        linked, errors = self.link.pairs()
+        cpu, gpu, errors = self.link.pairs()
         if errors or self.link.failed():
             raise RuntimeError("the device link's CPU end did not answer every call: outputs are wrong")
-        return replace(self.stats, cpu_pairs=self.stats.cpu_pairs + linked)
+        return replace(self.stats, cpu_pairs=self.stats.cpu_pairs + cpu, gpu_pairs=self.stats.gpu_pairs + gpu)
 
     def summary(self) -> dict:
         totals = self.totals()
@@ -140,6 +149,8 @@ class HybridRuntime:
             out.update(experts_streamed=self.streamer.experts_streamed, bytes_streamed=self.streamer.bytes_copied)
         if self.link is not None:
             out.update(linked_pairs=totals.cpu_pairs - self.stats.cpu_pairs)
+            if self.cache is not None:
+                out.update(cache_ranking="decayed use counts (device link)")
         out["gpu_share"] = totals.gpu_pairs / max(totals.gpu_pairs + totals.cpu_pairs, 1)
         return out
 

@@ -69,4 +69,5 @@ def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: 
     if placement.low:
         for i in sorted(set(placement.moe_layers) - set(placement.cpu_layers)):
             layers[i].mlp.experts = resident_lowbit(store, i, model.device)
+    model.step_hooks.append(runtime.before_step)
     return runtime

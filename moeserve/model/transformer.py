@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -120,6 +121,14 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # called by the engine before each decode step, outside any CUDA graph: backends whose state the host keeps
+        # between steps (the hybrid backend's GPU expert cache under the device link) register here
+        self.step_hooks: list[Callable[[], None]] = []
+
+    def before_step(self) -> None:
+        """Run the step hooks (the engine calls this before every decode step, eager or replayed)."""
+        for hook in self.step_hooks:
+            hook()
 
     @property
     def device(self) -> torch.device:

@@ -137,8 +137,13 @@ class SlotExperts:
 
     def fused_applies(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
         """One token, a pool of low-bit slots, and a layout the Triton low-bit kernels read on x's device."""
+        return slot_order_pays(tokens) and self.triton_reads(pool, x, tokens)
+
+    def triton_reads(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
+        """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind
+        (slot_order_pass)."""
         first = self.pools[pool].weights[0]
-        return (slot_order_pays(tokens) and isinstance(first[0], QuantizedLinear)
+        return (isinstance(first[0], QuantizedLinear)
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
 
     def stacks(self, pool: int):
@@ -178,12 +183,19 @@ class SlotExperts:
     def _pool_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
         """x [1, D], expert_weights [1, k], dev [2, 1, k] (slots, in-pool mask) on the device -> [1, D]: the pool's
         weighted pairs."""
+        return self.slot_order_pass(pool, x, expert_weights, dev[0], dev[1].bool())
+
+    def slot_order_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
+                        kept: torch.Tensor) -> torch.Tensor:
+        """x [T, D], expert_weights, slots (long, each in range) and kept (bool) [T, k], all on the device -> [T, D]:
+        the kept pairs' slot outputs times their gate weights, summed per token; a pair not kept computes its slot
+        with weight zero. Nothing is read on the host (capturable). A low-bit pool on a device the Triton kernels
+        serve (fused_applies)."""
         from moeserve.kernels.triton.lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
 
-        k = dev.shape[2]
-        y = lowbit_experts(x, *self.stacks(pool), dev[0])  # [k, D] fp32, slot order
-        return gather_combine(y, None, expert_weights * dev[1].to(expert_weights.dtype), k, x.dtype)
+        y = lowbit_experts(x, *self.stacks(pool), slots)  # [T*k, D] fp32, slot order
+        return gather_combine(y, None, expert_weights * kept.to(expert_weights.dtype), slots.shape[1], x.dtype)
 
     @staticmethod
     def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:

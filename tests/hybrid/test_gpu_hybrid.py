@@ -160,6 +160,34 @@ def test_gpu_linked_decode_is_one_graph_and_equals_the_host_path(hf_checkpoints,
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_gpu_linked_cache_decode_is_one_graph_and_follows_the_cpu(hf_checkpoints, family):
+    """A GPU cache under the device link: the decode step is still one graph, the cache fills between steps (the
+    step hook) and serves pairs on the GPU, and greedy tokens (batch 1 and 3) are those of the same low-bit experts
+    all on the CPU; the step's own logits agree with the CPU-only run's to fp32 rounding."""
+    from moeserve.engine.cuda_graph import host_layers
+    path = hf_checkpoints[family][1]
+    prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 9, 3)]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = torch.randint(3, 97, (2, 7), device="cuda")
+    runs, logits = [], []
+    for slots in (0, 24):
+        model, runtime = hybrid_model(path, HybridPlacement.choose(moe_layers(path), cpu_moe=True, bits=4,
+                                                                   cache_slots=slots), "float32")
+        assert runtime.link is not None and host_layers(model, 1) == []
+        runs.append([[g.token_ids for g in generate(model, p, params)] for p in (prompts[:1], prompts, prompts)])
+        logits.append(model(tokens))  # after the runs: the cache holds what they used
+        summary = runtime.summary()
+        if slots:
+            assert summary["admitted"] > 0 and summary["gpu_pairs"] > 0 and summary["cpu_pairs"] > 0
+            assert summary["cache_ranking"].startswith("decayed use counts")
+        else:
+            assert summary["gpu_pairs"] == 0
+        runtime.close()
+    assert runs[0] == runs[1]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=1e-3)
+
+
 def test_gpu_linked_serving_graphs_give_solo_tokens(hf_checkpoints):
     """The server's continuous batch over CPU experts on the device link: each padded batch size is one captured
     graph, and each request (joining mid-run, 4 requests over 3 slots) gets the greedy tokens it gets alone."""

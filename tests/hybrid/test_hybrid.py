@@ -390,3 +390,39 @@ def test_segmented_decode_runs_the_hybrid_layers_between_the_pieces(hf_checkpoin
             pos = pos + 1
     assert runtime.stats.cpu_pairs > 0
     runtime.close()
+
+
+def test_linked_cache_fills_with_the_most_used_experts_then_swaps(hf_checkpoints):
+    """The device-link cache's bookkeeping (hybrid/cache.py SlotCache.link; driven here on the CPU as the step hook
+    drives it on a GPU): uses counted per call fill the free slots with the most used experts, whose slots then hold
+    the store's copies and join the map the calls read; once full, an expert used more than the coldest cached one by
+    the margin replaces it, one swap a step; a prompt's uses (the host path) count too."""
+    from moeserve.hybrid import cache as cache_mod
+    path = hf_checkpoints["mixtral"][1]
+    layers = moe_layers(moeserve.load_model(path, routed_experts=False).spec)
+    model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, cache_slots=3, bits=4))
+    cache = runtime.cache
+    cache.link(max_pairs=8)
+    l0, l1 = layers[0], layers[1]
+    for _ in range(3):  # one step: expert 5 of l0 three times, 2 of l1 twice, 7 of l0 once
+        slot = cache.device_slots(l0, torch.tensor([[5, 7]]) if _ == 0 else torch.tensor([[5, 5]]))
+        assert torch.equal(slot, torch.full((1, 2), -1))
+    cache.device_slots(l1, torch.tensor([[2, 2]]))
+    cache.maintain()  # fill: three free slots, three used experts
+    cache.maintain()  # the copies have landed (a plain copy on the CPU): they join the map
+    held = {key: slot for key, slot in cache.pool.slot_of.items()}
+    assert set(held) == {(l0, 5), (l1, 2), (l0, 7)}
+    for (layer, e), slot in held.items():
+        assert int(cache.device_slots(layer, torch.tensor([[e, e]]))[0, 0]) == slot
+        stored = cache.store.host_parts(layer, e, True)
+        assert all(torch.equal(buf[slot], part) for buf, part in zip(cache.pool.buffers, stored))
+    cache.account(l1, torch.tensor([[4, 4], [4, 4], [4, 4]]), torch.zeros(3, 2, dtype=torch.long),
+                  torch.ones(3, 2, dtype=torch.bool))  # a prompt's uses: expert 4 of l1 six times
+    cache.maintain()  # full: expert 4 (6 uses) replaces the coldest cached one, (l0, 7)
+    cache.maintain()
+    assert set(cache.pool.slot_of) == {(l0, 5), (l1, 2), (l1, 4)}
+    assert int(cache.ready[l0][7]) == cache_mod.NOT_CACHED and cache.admitted == 4
+    for _ in range(30):  # nothing used: counts decay, nothing leads by the margin, nothing moves
+        cache.maintain()
+    assert set(cache.pool.slot_of) == {(l0, 5), (l1, 2), (l1, 4)} and cache.admitted == 4
+    runtime.close()

@@ -189,6 +189,8 @@ def test_moe_layer_matches_float64_experts(kernels, isa, bits):
         y = gemv.moe_layer(kernel, experts, x, ids, weights, mask, threads=2)
         pending = gemv.moe_layer(kernel, experts, x, ids, weights, mask, threads=3, start=True)  # on the helpers
         assert torch.equal(pending.result(), y)  # each output is one thread's sum: the split does not change it
+        skipped = torch.where(mask, ids, -1)  # a negative id: the pair is computed elsewhere, as masked out
+        assert torch.equal(gemv.moe_layer(kernel, experts, x, skipped, weights, threads=2), y)
         ref = torch.zeros(T, D, dtype=torch.float64)
         for t in range(T):
             for j in range(k):

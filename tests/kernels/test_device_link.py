@@ -51,17 +51,21 @@ def test_asked_layers_equal_one_native_call(kernel):
     try:
         for layer, experts in layers.items():
             end.register(layer, experts, K)
-        b, seq, rows = end.buffers, 0, 0
+        b, seq, rows, pairs = end.buffers, 0, 0, 0
         for step in range(12):
             layer, T = (3, 1) if step % 2 else (5, 1 + step % ROWS)
             x, ids = torch.randn(T, D), torch.stack([torch.randperm(E)[:K] for _ in range(T)])  # [T, D], [T, k]
             wts = torch.rand(T, K)
+            if step % 3 == 2:  # some pairs computed elsewhere (a GPU cache slot): negative ids, skipped
+                ids = torch.where(torch.rand(T, K) < 0.5, -1, ids)
             b.x[:T], b.ids[:T], b.wts[:T] = x, ids, wts
             seq += 1
             assert answered(end, ask_word(seq, layer, T)) == seq << SEQ_SHIFT
-            assert torch.equal(b.out[:T], gemv.moe_layer(kernel, layers[layer], x, ids, wts, threads=2))
-            rows += T
-        assert end.counts() == (12, rows, 0)
+            kept = ids >= 0
+            want = gemv.moe_layer(kernel, layers[layer], x, ids.clamp(min=0), wts, kept, threads=2)
+            assert torch.equal(b.out[:T], want)
+            rows, pairs = rows + T, pairs + int(kept.sum())
+        assert end.counts() == (12, rows, 0, pairs)
     finally:
         end.close()
 
@@ -74,10 +78,10 @@ def test_pings_and_bad_asks_are_answered(kernel):
         end.register(1, random_layer(kernel, 4), K)
         time.sleep(0.01)  # past the spin window: the thread now polls
         answered(end, ask_word(1, 2, 0))
-        assert end.counts() == (0, 0, 0)
+        assert end.counts() == (0, 0, 0, 0)
         end.buffers.out.fill_(7.0)
         answered(end, ask_word(2, 2, 3))  # layer 2 has no entry
-        assert end.counts() == (1, 3, 1) and torch.all(end.buffers.out[:3] == 0)
+        assert end.counts() == (1, 3, 1, 0) and torch.all(end.buffers.out[:3] == 0)
         answered(end, ask_word(3, 1, ROWS + 1))  # more rows than the buffers
         assert end.counts()[2] == 2
     finally:

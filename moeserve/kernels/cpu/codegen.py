@@ -442,8 +442,8 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   if (!fill || !j->first || !j->used) {{ free(fill); moe_free(j); return 0; }}
   int R = 0;
   for (int p = 0; p < n; p++) {{
-    if (mask && !mask[p]) continue;
-    if (ids[p] < 0 || ids[p] >= E) {{ free(fill); moe_free(j); *rc = 3; return 0; }}
+    if ((mask && !mask[p]) || ids[p] < 0) continue;  /* a negative id: the pair is computed elsewhere (a GPU slot) */
+    if (ids[p] >= E) {{ free(fill); moe_free(j); *rc = 3; return 0; }}
     j->first[ids[p] + 1]++;
     R++;
   }}
@@ -469,7 +469,7 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->y = (float*)malloc(sizeof(float) * ((size_t)R * j->ldy + 1));
   if (!(j->tok && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{ free(fill); moe_free(j); return 0; }}
   for (int p = 0; p < n; p++) {{
-    if (mask && !mask[p]) continue;
+    if ((mask && !mask[p]) || ids[p] < 0) continue;
     const int r = fill[ids[p]]++;
     j->tok[r] = p / k;
     j->wr[r] = wts[p];
@@ -523,7 +523,8 @@ typedef struct {{
   int64_t k, E, D, F, gu_vectors, kb_gu, dn_vectors, kb_dn, group;
   const uint32_t* const* gw; const uint16_t* const* gs; const uint16_t* const* gz;
   const uint32_t* const* dw; const uint16_t* const* ds; const uint16_t* const* dz;
-  int64_t calls, rows, errors;  /* what the thread did for this layer (read by the host) */
+  int64_t calls, rows, errors, pairs;  /* what the thread did for this layer (read by the host): calls, token
+                                          rows, calls answered with zeros, (token, expert) pairs computed */
 }} link_layer;
 
 typedef struct {{
@@ -549,6 +550,7 @@ static void link_answer(link_t* L, int64_t ask) {{
       : 0;
   if (j) {{
     parallel(moe_part, j, (int)L->threads);
+    l->pairs += j->R;
     moe_free(j);
   }} else if (l) {{
     for (long i = 0; i < (long)(T < L->max_rows ? T : L->max_rows) * L->hidden; i++) L->out[i] = 0.0f;

@@ -9,7 +9,7 @@ thread's `answer` word arrives, then reads the output. No host thread sits betwe
 whole decode step can be one CUDA graph (the device end: hybrid/link.py).
 
 Words (int64): ask = seq << 20 | layer << 12 | T (T = 0: a ping, answered without work); answer = seq << 20.
-Buffers (host): ids [R, k] int64, wts [R, k] float32, x [R, D] float32 in; out [R, D] float32 back; R rows at most.
+Buffers (host): ids [R, k] int64 (negative: a pair computed elsewhere, skipped), wts [R, k] float32, x [R, D] float32 in; out [R, D] float32 back; R rows at most.
 One layer is in flight at a time: the device needs its output before the next layer's input exists.
 """
 
@@ -34,7 +34,7 @@ class LinkLayer(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("k", "E", "D", "F", "gu_vectors", "kb_gu", "dn_vectors", "kb_dn",
                                                 "group")]
                 + [(n, ctypes.c_void_p) for n in ("gw", "gs", "gz", "dw", "ds", "dz")]
-                + [(n, ctypes.c_int64) for n in ("calls", "rows", "errors")])
+                + [(n, ctypes.c_int64) for n in ("calls", "rows", "errors", "pairs")])
 
 
 @dataclass
@@ -104,9 +104,10 @@ class CpuLinkEnd:
     def registered(self, layer: int) -> bool:
         return layer in self.experts
 
-    def counts(self) -> tuple[int, int, int]:
-        """(calls, token rows, calls answered with zeros for a bad entry) over every layer so far."""
-        return tuple(sum(getattr(e, f) for e in self.table) for f in ("calls", "rows", "errors"))
+    def counts(self) -> tuple[int, int, int, int]:
+        """(calls, token rows, calls answered with zeros for a bad entry, (token, expert) pairs computed: a pair
+        with a negative expert id is not) over every layer so far."""
+        return tuple(sum(getattr(e, f) for e in self.table) for f in ("calls", "rows", "errors", "pairs"))
 
     def close(self) -> None:
         self._stop()
