@@ -14,9 +14,9 @@ offload's SlotExperts in one routed pass.
 Under the device link (hybrid/link.py; low-bit slots the Triton kernels read) the host sees no layer call of a
 decode step, which is one CUDA graph. The cache then lives on the device too (DeviceView): each linked call looks its
 experts up in a slot map [CPU layers, E], counts their uses, sends the missed ones to the CPU and computes the hits
-in one slot-order pass. Between steps (the model's step hook) the host reads the counts, keeps them decayed
-(DECAY), and decides: while slots are free it queues copies of the most used uncached experts (FILL_BYTES a step);
-when full, and no copy is in flight, it replaces the least used cached expert by the most used uncached one when
+in one pass (SlotExperts.device_pass). Between steps (the model's step hook) the host reads the counts, keeps them
+decayed (DECAY), and decides: while slots are free it queues copies of the most used uncached experts (FILL_BYTES a
+step); when full, and no copy is in flight, it replaces the least used cached expert by the most used uncached one when
 that one leads by SWAP_MARGIN uses (a frequency policy: the other policies rank by per-call Python the graph does
 not run). A slot joins the map once its copy has landed; an evicted expert leaves the map before its slot is
 overwritten, and the copy waits for every replay enqueued before. Prompts (the host path) add their uses too, so
@@ -100,7 +100,7 @@ class SlotCache:
     # ---- the linked cache (device link): looked up and counted on the device, kept between steps -------------
 
     def device_serves(self, x: torch.Tensor, tokens: int) -> bool:
-        """Whether the slots can be computed by linked_pass for `tokens` rows like x (low-bit slots, Triton)."""
+        """Whether linked_pass can compute the slots for `tokens` rows like x (low-bit slots, Triton)."""
         return self.slots.triton_reads(0, x, tokens)
 
     def link(self, max_pairs: int) -> None:
@@ -118,10 +118,10 @@ class SlotCache:
 
     def linked_pass(self, x: torch.Tensor, expert_weights: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """x [T, D], expert_weights [T, k], slot [T, k] (device_slots) -> [T, D]: the cached pairs' weighted sum.
-        A missed pair computes a hit's slot of its token (read again from L2) with weight zero."""
+        A missed pair computes a hit's slot of its token (one token: read again from L2) with weight zero."""
         kept = slot >= 0  # [T, k]
         slots = torch.where(kept, slot, slot.amax(1, keepdim=True).clamp_min(0))  # [T, k] each in range
-        return self.slots.slot_order_pass(0, x, expert_weights, slots, kept)
+        return self.slots.device_pass(0, x, expert_weights, slots, kept)
 
     def maintain(self) -> None:
         """Between two steps: this step's counts into the decayed ones, landed copies into the map, then at most

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels.cuda_graph import capture
-from moeserve.kernels.routing import RoutingTable, combine, slot_order_pays
+from moeserve.kernels.routing import RoutingTable, build_routing_table, combine, slot_order_pays
 from moeserve.model.experts import swiglu
 from moeserve.offload.slots import SlotPool
 from moeserve.quant.qlinear import QuantizedLinear, triton_applies
@@ -141,7 +141,7 @@ class SlotExperts:
 
     def triton_reads(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
         """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind
-        (slot_order_pass)."""
+        (device_pass)."""
         first = self.pools[pool].weights[0]
         return (isinstance(first[0], QuantizedLinear)
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
@@ -183,19 +183,24 @@ class SlotExperts:
     def _pool_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
         """x [1, D], expert_weights [1, k], dev [2, 1, k] (slots, in-pool mask) on the device -> [1, D]: the pool's
         weighted pairs."""
-        return self.slot_order_pass(pool, x, expert_weights, dev[0], dev[1].bool())
+        return self.device_pass(pool, x, expert_weights, dev[0], dev[1].bool())
 
-    def slot_order_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
-                        kept: torch.Tensor) -> torch.Tensor:
+    def device_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
+                    kept: torch.Tensor) -> torch.Tensor:
         """x [T, D], expert_weights, slots (long, each in range) and kept (bool) [T, k], all on the device -> [T, D]:
         the kept pairs' slot outputs times their gate weights, summed per token; a pair not kept computes its slot
-        with weight zero. Nothing is read on the host (capturable). A low-bit pool on a device the Triton kernels
-        serve (fused_applies)."""
+        with weight zero. One token in slot order, more over expert-sorted rows (a routing table built on the
+        device, as the resident experts run them); nothing is read on the host (capturable). A low-bit pool whose
+        layout the Triton kernels read (triton_reads)."""
         from moeserve.kernels.triton.lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
 
-        y = lowbit_experts(x, *self.stacks(pool), slots)  # [T*k, D] fp32, slot order
-        return gather_combine(y, None, expert_weights * kept.to(expert_weights.dtype), slots.shape[1], x.dtype)
+        weights = expert_weights * kept.to(expert_weights.dtype)  # [T, k]
+        if slot_order_pays(x.shape[0]):
+            y = lowbit_experts(x, *self.stacks(pool), slots)  # [k, D] fp32, slot order
+            return gather_combine(y, None, weights, slots.shape[1], x.dtype)
+        table = build_routing_table(slots, weights, self.pools[pool].num_slots)
+        return combine(lowbit_experts(x[table.token_ids], *self.stacks(pool), table), table, x.shape[0], x.dtype)
 
     @staticmethod
     def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:
