@@ -16,6 +16,7 @@ from moeserve import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import STREAM_FROM
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.quant.defaults import DENSE_BITS
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
 from moeserve.units import format_bytes, parse_bytes
@@ -33,9 +34,9 @@ DEFAULT_SERVE_CONTEXT = 4096  # tokens per KV slot of `moeserve serve` unless th
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")  # what `pip install moeserve[serve]` brings
 GPU_MEMORY_HELP = ("GPU memory budget, e.g. 24GiB: the placement planner chooses from the measured hardware profile "
                    "where the experts live (all resident, quantized with --experts-bits, some layers' experts on the "
-                   "CPU, cache slots) and prints its plan (`moeserve plan` shows every candidate); --cpu-moe, "
-                   "--n-cpu-moe N, --experts-bits B and --gpu-cache-experts S fix those parts of it; on a machine "
-                   "without a GPU everything runs on the CPU")
+                   "CPU, cache slots, the dense part at 8 bits) and prints its plan (`moeserve plan` shows every "
+                   "candidate); --cpu-moe, --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S and --dense-bits "
+                   "fix those parts of it; on a machine without a GPU everything runs on the CPU")
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -129,6 +130,7 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                         "--gpu-memory: the plan's) or 8, 4, 3, 2 "
                         "(HQQ copies: fewer bytes for the CPU to read; a STORE must hold B-bit copies, without one "
                         "they are made on the fly)")
+    _dense_bits_arg(h)
     h.add_argument("--mixed-precision", action="store_true",
                    help="HOBBIT's per-token rule for the experts: by gate weight each runs at full precision, 4-bit "
                         "(or the store's low bits) or is skipped (T1 0.6, T2 0.9); default off: exact output")
@@ -141,6 +143,15 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                        help="with --cpu-moe/--n-cpu-moe: the expert store to read experts from (default: built in RAM "
                             "from --model)")
         h.add_argument("--gpu-memory", dest="memory", default=None, metavar="SIZE", help=GPU_MEMORY_HELP)
+
+
+def _dense_bits_arg(p) -> None:
+    p.add_argument("--dense-bits", type=int, choices=DENSE_BITS, default=None,
+                   help="precision of the dense part's linear layers on the GPU (attention projections, shared "
+                        "experts, dense FFNs, an untied LM head; not embeddings, norms or routers): 16 (the compute "
+                        "dtype; the default) or 8 (HQQ 8-bit copies, groups of 64: about half the bytes, leaving room "
+                        "for more experts); with --gpu-memory, not given: 8 where that puts fewer MoE layers' experts "
+                        "on the CPU")
 
 
 def _offload_group(p: argparse.ArgumentParser) -> None:
@@ -435,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "operators to PNG (needs matplotlib)")
     pl.add_argument("--experts-bits", type=int, default=None, metavar="B",
                     help="with --for decode: rate only placements with B-bit experts (16: the checkpoint's float)")
+    _dense_bits_arg(pl)
     pl.add_argument("--json", action="store_true",
                     help="print JSON instead of a table (a ratio with nothing to divide by, e.g. the link intensity "
                          "of an operator that moves no bytes over the host link, is null)")
@@ -479,9 +491,11 @@ def _check_utf8(texts: list[str]) -> None:
 
 
 def _check_parallel(args) -> None:
-    """--tp/--ep need a torchrun launch of exactly tp x ep ranks."""
+    """--tp/--ep need a torchrun launch of exactly tp x ep ranks (and a float dense part)."""
     if args.tp < 1 or args.ep < 1:
         raise MoeserveError("--tp and --ep must be >= 1")
+    if args.tp * args.ep > 1 and _dense_bits(args) != 16:
+        raise MoeserveError(f"--dense-bits {args.dense_bits} and --tp/--ep cannot be combined yet")
     if args.tp == 1 and args.ep == 1:
         return
     flags = " ".join(f"--{name} {n}" for name, n in (("tp", args.tp), ("ep", args.ep)) if n > 1)
@@ -527,6 +541,12 @@ def _check_offload_args(args) -> None:
 HYBRID_ONLY = {"gpu_cache_experts": ("--gpu-cache-experts", None), "cache_policy": ("--cache-policy", "hobbit"),
                "cpu_threads": ("--cpu-threads", None), "experts_bits": ("--experts-bits", None),
                "mixed_precision": ("--mixed-precision", False), "stream_from": ("--stream-from", None)}
+
+
+def _dense_bits(args) -> int:
+    """The bits the run loads the dense part's linear layers at: --dense-bits (or the plan's), else 16."""
+    bits = getattr(args, "dense_bits", None)
+    return 16 if bits is None else bits
 
 
 def _hybrid_requested(args) -> bool:
@@ -581,8 +601,8 @@ def _hybrid_placement(args, spec, cpu_moe: bool, n_cpu_moe: int | None, bits: in
 def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
     """With --gpu-memory and no --offload: plan where the experts live (plan/placement.py) from this machine's
     hardware profile, within the budget and the RAM available now, print the plan in one line and set the run's
-    options to it (args.placement, args.device); explicit --cpu-moe/--n-cpu-moe, --experts-bits and
-    --gpu-cache-experts narrow the candidates. Nothing is allocated before the plan fits."""
+    options to it (args.placement, args.device, args.dense_bits); explicit --cpu-moe/--n-cpu-moe, --experts-bits,
+    --gpu-cache-experts and --dense-bits narrow the candidates. Nothing is allocated before the plan fits."""
     if not _planning(args):
         return
     from moeserve.loader import resolve_device, resolve_dtype
@@ -601,9 +621,10 @@ def _plan_placement(args, spec, kv_batch: int, kv_tokens: int) -> None:
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
                       str(dtype).removeprefix("torch."), kv_batch, kv_tokens, bits=args.experts_bits,
                       cpu_layers=None if placement is None else len(placement.cpu_layers),
-                      cache_slots=args.gpu_cache_experts)
+                      cache_slots=args.gpu_cache_experts, dense_bits=args.dense_bits)
     plan = plan_placement(spec, load_or_measure(), req)
     chosen = plan.chosen
+    args.dense_bits = chosen.dense_bits
     if chosen.hybrid:
         if not chosen.streams and args.stream_from is None:
             args.stream_from = 0  # the budget has no room for the streaming ring: prompts on the CPU too
@@ -668,7 +689,7 @@ def _load_model(args):
     else:
         store, budget = _open_store(args) if offload else (None, None)  # a bad store or budget: before loading
         model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype, progress=True,
-                                    routed_experts=offload is None)
+                                    routed_experts=offload is None, dense_bits=_dense_bits(args))
         if offload:
             args.cache = _enable_offload(model, store, budget, args)
     return model
@@ -801,12 +822,14 @@ def _load_hybrid(args, placement):
     store, low_bits, _ = _hybrid_source(args, spec, placement)
     stored = set(store_layers(placement))
     model = moeserve.load_model(args.model, device=device, dtype=dtype, progress=True,
-                                routed_experts=[i for i in placement.moe_layers if i not in stored])
+                                routed_experts=[i for i in placement.moe_layers if i not in stored],
+                                dense_bits=_dense_bits(args))
     if store is None:
         store = build_store(args.model, placement, dtype, device)
     args.hybrid = enable_hybrid(model, store, placement, warm=True)
     if getattr(args, "plan_line", None) is None:  # a planned run printed its plan
-        print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits), file=sys.stderr, flush=True)
+        print(placement.describe(device.type, str(dtype).removeprefix("torch."), low_bits, _dense_bits(args)),
+              file=sys.stderr, flush=True)
     return model
 
 
@@ -832,7 +855,8 @@ def _open_store(args):
     budget = _size(args.memory, "--gpu-memory")  # given: _check_offload_args asks for it or --high-slots
     device = resolve_device(args.device)
     check_budget(budget, device)
-    check_dense_budget(spec, budget, resolve_dtype(args.dtype, device).itemsize, *_kv_shape(args, spec))
+    check_dense_budget(spec, budget, resolve_dtype(args.dtype, device).itemsize, *_kv_shape(args, spec),
+                       _dense_bits(args))
     return store, budget
 
 
@@ -844,7 +868,8 @@ def _enable_offload(model, store, budget, args):
     if budget is None:
         high, low = args.high_slots, args.low_slots
     else:
-        resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.is_meta)
+        resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                       if not t.is_meta)  # buffers: the packed weights of quantized layers
         kv = kv_cache_bytes(model.spec, *_kv_shape(args, model.spec), model.dtype.itemsize)
         high, low = plan_slots(budget, resident, kv, store.expert_bytes(low=False),
                                0 if args.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
@@ -934,9 +959,11 @@ def _placement_name(args, model) -> str:
     """A few words on where the run's experts live, for bench's table."""
     dtype = str(model.dtype).removeprefix("torch.")
     if getattr(args, "plan_line", None):
-        return args.plan_line.removeprefix("[plan: ").split(";")[0] + f" ({model.device.type}, {dtype})"
+        dense = f", dense part {_dense_bits(args)}-bit" if _dense_bits(args) != 16 else ""
+        return args.plan_line.removeprefix("[plan: ").split(";")[0] + f"{dense} ({model.device.type}, {dtype})"
     if args.placement is not None:
-        return args.placement.describe(model.device.type, dtype).removeprefix("[placement: ").removesuffix("]")
+        return args.placement.describe(model.device.type, dtype, dense_bits=_dense_bits(args)).removeprefix(
+            "[placement: ").removesuffix("]")
     if args.offload:
         return f"offload ({args.memory or f'{args.high_slots}+{args.low_slots} slots'}, {dtype})"
     return f"resident ({model.device.type}, {dtype})"
@@ -1294,15 +1321,16 @@ def _workload_lengths(prompt_len: int | None, gen_len: int, context: int) -> tup
 def cmd_plan(args) -> int:
     if args.plan_for == "decode":
         return _plan_decode(args)
-    if args.experts_bits is not None:
-        raise MoeserveError("--experts-bits rates placements: give it with --for decode")
+    for flag, value in (("--experts-bits", args.experts_bits), ("--dense-bits", args.dense_bits)):
+        if value is not None:
+            raise MoeserveError(f"{flag} rates placements: give it with --for decode")
     return _plan_batch(args)
 
 
 def _plan_decode(args) -> int:
     """`moeserve plan --for decode`: every placement in the budget, rated (plan/placement.py), as a table or JSON."""
     from moeserve.plan.hardware import HardwareProfile, load_or_measure
-    from moeserve.plan.placement import PlanRequest, candidates, check_dense_budget, choose
+    from moeserve.plan.placement import PlanRequest, check_dense_budget, rate_placements
     from moeserve.spec import ModelSpec
 
     for flag, value in (("--max-batch", args.max_batch), ("--plot", args.plot)):
@@ -1316,33 +1344,35 @@ def _plan_decode(args) -> int:
     dtype_bytes = 2 if gpu is not None else 4  # bf16 on a GPU, fp32 on a CPU (the commands' auto dtype)
     req = PlanRequest(None if gpu is None else int(gpu), int(host), dtype_bytes,
                       "bfloat16" if dtype_bytes == 2 else "float32", 1, prompt_len + gen_len, prompt_len, gen_len,
-                      bits=args.experts_bits)
-    check_dense_budget(spec, req.budget, dtype_bytes, 1, prompt_len + gen_len)
-    cands = candidates(spec, hw, req)
-    chosen = choose(cands)
+                      bits=args.experts_bits, dense_bits=args.dense_bits)
+    check_dense_budget(spec, req.budget, dtype_bytes, 1, prompt_len + gen_len, req.least_dense_bits)
+    plan = rate_placements(spec, hw, req)
+    cands, chosen = plan.candidates, plan.chosen
     if args.json:
         print(json.dumps(_json_ready({
             "model": args.model, "device": hw.gpu_name or hw.cpu_name, "gpu_budget": req.budget, "host_budget": req.host_ram,
             "prompt_len": prompt_len, "gen_len": gen_len, "candidates": [c.as_dict() for c in cands],
-            "chosen": None if chosen is None else cands.index(chosen)}), indent=2, allow_nan=False))
+            "chosen": None if chosen is None else cands.index(chosen), "dense_reason": plan.dense_reason}), indent=2,
+            allow_nan=False))
         return 0
     budgets = (f"GPU budget {format_bytes(req.budget)}, " if req.budget is not None else "no GPU, ") + \
         f"host {format_bytes(host)}"
     print(f"{args.model} ({spec.family}, {spec.num_layers} layers, {spec.num_experts} experts top-{spec.top_k}) on "
           f"{hw.gpu_name or 'no GPU'} + {hw.cpu_name}; {budgets}; batch 1, estimated from the hardware profile")
-    header = ("", "where the experts live", "GPU", "host", f"tg{gen_len} t/s", f"pp{prompt_len} t/s", "fits")
-    rows = [("*" if c is chosen else "", c.where(), format_bytes(c.gpu_bytes), format_bytes(c.host_bytes),
-             f"{c.decode_tok_s:,.1f}", f"{c.prefill_tok_s:,.0f}",
+    header = ("", "where the experts live", "dense", "GPU", "host", f"tg{gen_len} t/s", f"pp{prompt_len} t/s", "fits")
+    rows = [("*" if c is chosen else "", c.where(), c.dense_precision, format_bytes(c.gpu_bytes),
+             format_bytes(c.host_bytes), f"{c.decode_tok_s:,.1f}", f"{c.prefill_tok_s:,.0f}",
              ("yes" if c.fits else f"no: {c.problem}") + (" (needs --offload STORE)" if c.kind == "offload" else ""))
             for c in cands]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for r in (header, *rows):
-        print("  ".join(c.rjust(w) if 2 <= i <= 5 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        print("  ".join(c.rjust(w) if 3 <= i <= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     if chosen is None:
         print("\nno placement fits; give more --gpu-memory or --cpu-memory")
     else:
-        print(f"\n*: what generate|eval ppl|serve|bench --gpu-memory SIZE runs; by hand: "
-              f"{' '.join(chosen.flags()) or 'no placement flags'}")
+        print(f"\n*: what generate|eval ppl|serve|bench --gpu-memory SIZE runs"
+              + (f" (dense part 8-bit, {plan.dense_reason})" if plan.dense_reason else "")
+              + f"; by hand: {' '.join(chosen.flags()) or 'no placement flags'}")
     return 0
 
 

@@ -14,6 +14,8 @@ from moeserve.checkpoint import CheckpointReader, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
+from moeserve.quant.defaults import DENSE_BITS
+from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import install_quantized_modules, read_manifest, stored_to_current
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
@@ -120,11 +122,37 @@ def _param_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype
     return torch.float32 if leaf in getattr(model.get_submodule(path), "FP32_TENSORS", ()) else dtype
 
 
+def read_dense_quantized(model: MoETransformer, reader: CheckpointReader, device: torch.device, dtype: torch.dtype,
+                         bits: int, progress: bool = False) -> set[str]:
+    """Read the dense linear layers quant/dense.py converts (those of the meta model that are plain nn.Linear) one at a
+    time and put each on `device` as a B-bit HQQ QuantizedLinear (its bias in dtype): only one layer's float weight is
+    on the device at once, so the load stays within what the 8-bit dense part needs. Returns the modules replaced
+    (read_weights must skip their tensors)."""
+    spec = model.spec
+    names = convertible(model)
+    for name in tqdm(names, desc="quantizing dense layers", unit="layer", disable=not progress, leave=False, delay=1.0):
+        bias = None
+        if model.get_submodule(name).bias is not None:
+            bias = read_tensor(reader, name + ".bias", spec.family, tensor_experts(spec, name)).to(device, dtype)
+        weight = read_tensor(reader, name + ".weight", spec.family, tensor_experts(spec, name)).to(device)
+        replace_module(model, name, quantize_linear(weight, bias, bits, DENSE_GROUP))
+    return set(names)
+
+
+def skipping_modules(modules: set[str], skip=None):
+    """read_weights' skip(name) that also skips the tensors of `modules` (already in place), besides what `skip`
+    skips."""
+    return lambda name: name.rsplit(".", 1)[0] in modules or (skip is not None and skip(name))
+
+
 def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
-               routed_experts: bool | Collection[int] = True) -> MoETransformer:
+               routed_experts: bool | Collection[int] = True, dense_bits: int = 16) -> MoETransformer:
     """routed_experts=False leaves the routed expert weights unread (on the meta device) for a backend
     that brings its own, e.g. offload.enable_offload; a collection of layer indices reads only those layers'
-    (the hybrid backend brings the others')."""
+    (the hybrid backend brings the others'). dense_bits 8: the dense part's linear layers as 8-bit HQQ copies
+    (quant/dense.py), quantized as they are read."""
+    if dense_bits not in DENSE_BITS:
+        raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
     device = resolve_device(device)
     model = meta_model(path)
     dtype = resolve_dtype(dtype, device)
@@ -135,4 +163,7 @@ def load_model(path: str | Path, device=None, dtype=None, progress: bool = False
     else:
         layers = {int(i) for i in routed_experts}
         skip = lambda name: is_routed_expert(name) and int(name.split(".")[2]) not in layers  # noqa: E731
-    return read_weights(model, CheckpointReader(path), device, dtype, skip, progress=progress)
+    reader = CheckpointReader(path)
+    if dense_bits != 16:
+        skip = skipping_modules(read_dense_quantized(model, reader, device, dtype, dense_bits, progress), skip)
+    return read_weights(model, reader, device, dtype, skip, progress=progress)

@@ -13,6 +13,12 @@ MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, 
                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                   "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
                   "max_position_embeddings": 32768, "rope_theta": 1e6, "sliding_window": None}
+# Qwen3-30B-A3B's shape (48 layers, 128 experts top-8, hidden 2048, expert FFN 768, untied LM head)
+QWEN3_30B_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                    "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import HybridPlacement
-from moeserve.kernels.pack import padded_length
 from moeserve.offload.budget import available_ram
+from moeserve.quant.dense import quantized_bytes
 from moeserve.units import format_bytes
 
 MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
@@ -36,8 +36,7 @@ def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
     D, F = spec.hidden_size, spec.expert_ffn
     if bits == 16:
         return 3 * D * F * dtype_bytes
-    return sum(rows * padded_length(cols) * bits // 8 + 2 * rows * (cols // group) * 2
-               for rows, cols in ((2 * F, D), (D, F)))
+    return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F)))
 
 
 def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: int, group: int,

@@ -71,8 +71,9 @@ class HybridPlacement:
         """The store must hold low-bit copies: low-bit experts, or mixed precision's low choice."""
         return self.low or self.mixed
 
-    def describe(self, device_type: str, dtype_name: str, low_bits: int | None = None) -> str:
-        """One line: `[placement: hybrid, 24/32 MoE layers' experts on CPU (bf16), 16 GPU cache slots, ...]`."""
+    def describe(self, device_type: str, dtype_name: str, low_bits: int | None = None, dense_bits: int = 16) -> str:
+        """One line: `[placement: hybrid, 24/32 MoE layers' experts on CPU (bf16), 16 GPU cache slots, ...]`;
+        dense_bits: the dense part's linear layers (named when they are not in the compute dtype)."""
         precision = f"{self.bits}-bit" if self.low else dtype_name
         if self.mixed:
             precision += (f", mixed precision: {low_bits}-bit or skipped by gate weight" if not self.low
@@ -85,6 +86,8 @@ class HybridPlacement:
             parts.append(f"{self.cache_slots} {where} cache slots (policy {self.policy})")
         elif device_type == "cuda":
             parts.append("static (no GPU cache)")
+        if dense_bits != 16:
+            parts.append(f"dense part {dense_bits}-bit")
         if self.threads:
             parts.append(f"{self.threads} CPU threads")
         if device_type == "cuda" and self.cpu_layers:

@@ -9,7 +9,8 @@ Candidates, each with the GPU and host bytes it needs and its estimated decode (
   offload   HOBBIT (offload/): every expert in a store, missed ones copied into GPU cache slots over the link
   cpu       no GPU: everything in RAM, computed on the CPU (float, or B-bit experts through the hybrid backend)
 The dense part (attention, embeddings, norms, routers, shared experts, dense FFNs) and the KV cache are on the GPU
-in every GPU candidate; a budget that cannot hold them is refused, naming the minimum.
+in every GPU candidate, the dense part's linear layers in the compute dtype or, with --dense-bits 8, as 8-bit HQQ
+copies (quant/dense.py: about half the bytes); a budget that cannot hold them is refused, naming the minimum.
 
 Estimates, per token at batch 1 (a roofline with fixed host costs, `Costs`):
   decode   max(GPU bytes / HBM bandwidth, CPU expert bytes / (DRAM bandwidth x cpu_dram_share), copied bytes /
@@ -26,13 +27,19 @@ much faster); else, going down the precisions, the fastest fitting candidate of 
 replaces a higher one only when it is at least PRECISION_SPEEDUP times faster (fewer bits cost perplexity: 4-bit
 experts are taken over float ones mostly, 3-bit over 4-bit when they make a resident placement of a hybrid one).
 Offload needs an expert store from `moeserve offload-prepare`, so it is rated but only run when asked for with
---offload. Explicit flags (--cpu-moe / --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S) narrow the
-candidates to those they describe.
+--offload. Explicit flags (--cpu-moe / --n-cpu-moe N, --experts-bits B, --gpu-cache-experts S, --dense-bits) narrow
+the candidates to those they describe.
+
+Dense bits: the candidates are rated with the dense part at --dense-bits, 16 when it is not given. Then, without
+--dense-bits and with a GPU, when the choice puts experts on the CPU (or nothing fits): the same expert precision
+with an 8-bit dense part is taken when that leaves fewer MoE layers' experts on the CPU (llama.cpp keeps its dense
+part in Q8_0 by default; decode at batch 1 is set by the experts the CPU computes). --dense-bits 16 keeps the
+compute dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import expert_bytes, host_bytes, ring_slots, store_precision
@@ -40,10 +47,12 @@ from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes, plan_slots
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.roofline import expected_experts
+from moeserve.quant.dense import bytes_saved
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
 PLAN_BITS = (16, 4, 3)  # expert precisions rated, highest first: 16 = the checkpoint's float weights, else HQQ
+AUTO_DENSE_BITS = 8  # the dense part's precision the planner may choose when --dense-bits is not given
 PRECISION_SPEEDUP = 2.0  # how much faster a lower precision must be to be chosen over a higher one
 OFFLOAD_LOW_BITS = 4  # the low-bit copies of the offload candidate's store (offload-prepare's default)
 
@@ -79,6 +88,19 @@ class PlanRequest:
     bits: int | None = None  # --experts-bits: only candidates at these bits
     cpu_layers: int | None = None  # --cpu-moe / --n-cpu-moe N: only candidates with these CPU layers
     cache_slots: int | None = None  # --gpu-cache-experts S
+    dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
+
+    @property
+    def rated_dense_bits(self) -> int:
+        """The dense bits the candidates are rated at."""
+        return 16 if self.dense_bits is None else self.dense_bits
+
+    @property
+    def least_dense_bits(self) -> int:
+        """The fewest dense bits a plan for this request may run at: those given, else AUTO_DENSE_BITS on a GPU."""
+        if self.dense_bits is not None:
+            return self.dense_bits
+        return AUTO_DENSE_BITS if self.budget is not None else 16
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,7 @@ class Candidate:
     dtype_name: str
     problem: str | None = None  # why it cannot run here; None: it fits
     streams: bool = False  # prompts stream the CPU layers' experts to the GPU (the budget holds the ring)
+    dense_bits: int = 16  # the dense part's linear layers: 16 = the compute dtype's float, 8 = HQQ copies
 
     @property
     def fits(self) -> bool:
@@ -108,6 +131,11 @@ class Candidate:
     @property
     def precision(self) -> str:
         return self.dtype_name if self.bits == 16 else f"{self.bits}-bit"
+
+    @property
+    def dense_precision(self) -> str:
+        """The dense part's linear layers, in a word: the compute dtype or `8-bit`."""
+        return self.dtype_name if self.dense_bits == 16 else f"{self.dense_bits}-bit"
 
     def where(self) -> str:
         """Where the experts live, in a few words."""
@@ -132,27 +160,32 @@ class Candidate:
             out += ["--experts-bits", str(self.bits)] if self.bits != 16 else []
             out += ["--gpu-cache-experts", str(self.cache_slots)] if self.cache_slots else []
             out += ["--stream-from", "0"] if self.kind == "hybrid" and self.cpu_layers and not self.streams else []
+        out += ["--dense-bits", str(self.dense_bits)] if self.dense_bits != 16 else []
         return out
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "where": self.where(), "bits": self.bits, "cpu_layers": self.cpu_layers,
                 "cache_slots": self.cache_slots, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
                 "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s, "fits": self.fits,
-                "problem": self.problem, "streams": self.streams, "flags": self.flags()}
+                "problem": self.problem, "streams": self.streams, "dense_bits": self.dense_bits,
+                "flags": self.flags()}
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
     candidates: list[Candidate]
-    chosen: Candidate
+    chosen: Candidate | None  # None: nothing fits (plan_placement raises instead)
     request: PlanRequest = field(repr=False)
+    dense_reason: str | None = None  # why the planner took 8-bit dense (None: --dense-bits given, or it did not)
 
     def describe(self) -> str:
-        """One line: `[plan: 21/32 MoE layers' experts on the CPU (4-bit), ...; estimated tg 7.1 tok/s, ...]`."""
+        """One line: `[plan: 21/32 MoE layers' experts on the CPU (4-bit), ...; dense part 8-bit (...); GPU ...;
+        estimated tg 7.1 tok/s, ...]`."""
         c, r = self.chosen, self.request
         memory = (f"GPU {format_bytes(c.gpu_bytes)} of {format_bytes(r.budget)}" if r.budget is not None
                   else "no GPU")
-        return (f"[plan: {c.where()}; {memory}, host {format_bytes(c.host_bytes)}; estimated tg "
+        dense = f"dense part {c.dense_precision}" + (f" ({self.dense_reason})" if self.dense_reason else "")
+        return (f"[plan: {c.where()}; {dense}; {memory}, host {format_bytes(c.host_bytes)}; estimated tg "
                 f"{c.decode_tok_s:,.1f} tok/s, pp{r.prompt_len} {c.prefill_tok_s:,.0f} tok/s; `moeserve plan` "
                 f"lists the others]")
 
@@ -164,25 +197,29 @@ def moe_layer_count(spec: ModelSpec) -> int:
     return sum(spec.moe_layers) if spec.moe_layers else spec.num_layers
 
 
-def dense_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+def dense_bytes(spec: ModelSpec, dtype_bytes: int, bits: int = 16) -> int:
     """Bytes of everything but the routed experts: attention, embeddings, norms, routers, shared experts, dense
-    FFNs."""
-    return spec.parameter_counts()["dense"] * dtype_bytes
+    FFNs; bits 8: the linear layers among them that quant/dense.py converts as 8-bit HQQ copies (scales and zeros
+    included), the rest at dtype_bytes."""
+    return spec.parameter_counts()["dense"] * dtype_bytes - bytes_saved(spec, bits, dtype_bytes)
 
 
-def dense_minimum(spec: ModelSpec, dtype_bytes: int, kv_batch: int, kv_tokens: int) -> int:
-    """The smallest GPU budget any placement runs in: the dense part and a KV cache of kv_batch x kv_tokens, plus
-    the workspace."""
-    fixed = dense_bytes(spec, dtype_bytes) + kv_cache_bytes(spec, kv_batch, kv_tokens, dtype_bytes)
+def dense_minimum(spec: ModelSpec, dtype_bytes: int, kv_batch: int, kv_tokens: int, dense_bits: int = 16) -> int:
+    """The smallest GPU budget any placement runs in: the dense part (at dense_bits) and a KV cache of kv_batch x
+    kv_tokens, plus the workspace."""
+    fixed = dense_bytes(spec, dtype_bytes, dense_bits) + kv_cache_bytes(spec, kv_batch, kv_tokens, dtype_bytes)
     return int(fixed / (1 - WORKSPACE_SHARE)) + 1
 
 
-def check_dense_budget(spec: ModelSpec, budget: int | None, dtype_bytes: int, kv_batch: int, kv_tokens: int) -> None:
-    """A MoeserveError naming the minimum when the budget cannot hold the dense part and the KV cache."""
-    need = dense_minimum(spec, dtype_bytes, kv_batch, kv_tokens)
+def check_dense_budget(spec: ModelSpec, budget: int | None, dtype_bytes: int, kv_batch: int, kv_tokens: int,
+                       dense_bits: int = 16) -> None:
+    """A MoeserveError naming the minimum when the budget cannot hold the dense part (at dense_bits) and the KV
+    cache."""
+    need = dense_minimum(spec, dtype_bytes, kv_batch, kv_tokens, dense_bits)
     if budget is not None and budget < need:
+        at = "" if dense_bits == 16 else f" with {dense_bits}-bit linear layers (--dense-bits {dense_bits})"
         raise MoeserveError(
-            f"--gpu-memory {format_bytes(budget)} cannot hold the dense part of the model: attention, embeddings, "
+            f"--gpu-memory {format_bytes(budget)} cannot hold the dense part of the model{at}: attention, embeddings, "
             f"norms, routers, shared experts and a KV cache of {kv_batch} x {kv_tokens} tokens need "
             f"{format_bytes(need)}; give at least that")
 
@@ -200,15 +237,19 @@ class Work:
     host_layers: int = 0  # layers whose experts wait on the host (CPU or offloaded)
 
 
-def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float) -> tuple[float, float]:
+def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
+                dense_bits: int = 16) -> tuple[float, float]:
     """(bytes read, FLOPs) of the dense part for `tokens` new tokens attending to `context` positions: every dense
-    weight but the embedding table (a row per token), the KV cache, the LM head on the last token only."""
+    weight (at dense_bits) but the embedding table (a row per token) and the final norm, the KV cache, the LM head on
+    the last token only."""
     D = spec.hidden_size
     head = spec.vocab_size * D
     layers = spec.parameter_counts()["dense"] - head * (1 if spec.tie_word_embeddings else 2) - D
+    table = 0 if spec.tie_word_embeddings else head  # the embedding table, never quantized
+    weights = dense_bytes(spec, dtype_bytes, dense_bits) - (table + D) * dtype_bytes
     kv = kv_cache_bytes(spec, 1, int(context), dtype_bytes)
     attention = 4 * tokens * context * spec.num_heads * spec.head_dim * spec.num_layers
-    return (layers + head) * dtype_bytes + kv, 2 * tokens * layers + 2 * head + attention
+    return weights + kv, 2 * tokens * layers + 2 * head + attention
 
 
 def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers: float, link_layers: float,
@@ -221,8 +262,8 @@ def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers
     T, k = req.prompt_len, spec.top_k
     touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
     flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
-    dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2)
-    pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2)
+    dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2, req.rated_dense_bits)
+    pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2, req.rated_dense_bits)
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
                   link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers)
     streamed = cpu_layers if stream and T >= STREAM_FROM else 0.0  # CPU layers' prefill on the GPU
@@ -297,12 +338,13 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, d
                problem=None, streams=False) -> Candidate:
     tg, pp = rates(spec, hw, req, decode, prefill, graph=kind == "resident", costs=costs)
     return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, int(gpu), int(host), tg, pp,
-                     req.dtype_name, problem or _problem(req, gpu, host), streams)
+                     req.dtype_name, problem or _problem(req, gpu, host), streams, req.rated_dense_bits)
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     M, E = moe_layer_count(spec), spec.num_experts
-    fixed = dense_bytes(spec, req.dtype_bytes) + kv_cache_bytes(spec, req.kv_batch, req.kv_tokens, req.dtype_bytes)
+    fixed = (dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
+             + kv_cache_bytes(spec, req.kv_batch, req.kv_tokens, req.dtype_bytes))
     room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
@@ -338,7 +380,7 @@ def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
         low = expert_bytes(spec, OFFLOAD_LOW_BITS, group=_group(spec, OFFLOAD_LOW_BITS))
     except MoeserveError:
         low = 0  # no group divides this shape: float copies only
-    dense, problem = dense_bytes(spec, req.dtype_bytes), None
+    dense, problem = dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits), None
     try:
         high_slots, low_slots = plan_slots(req.budget, dense, fixed - dense, high, low, reserve=k, max_slots=M * E)
     except MoeserveError:
@@ -354,7 +396,7 @@ def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
 def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     """No GPU: the whole model in RAM, its experts at each precision (low-bit ones through --cpu-moe)."""
     M, E = moe_layer_count(spec), spec.num_experts
-    dense = dense_bytes(spec, req.dtype_bytes)
+    dense = dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
     out = []
     for bits, group in _bits(spec, req):
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
@@ -391,12 +433,44 @@ def choose(cands: list[Candidate]) -> Candidate | None:
     return best
 
 
-def plan_placement(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> PlacementPlan:
-    """The rated candidates and the one to run; a MoeserveError when the budget cannot hold the dense part or no
-    candidate fits (naming the memory that is short and by how much)."""
-    check_dense_budget(spec, req.budget, req.dtype_bytes, req.kv_batch, req.kv_tokens)
+def choose_dense(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, chosen: Candidate | None,
+                 costs: Costs = Costs()) -> tuple[Candidate | None, str | None]:
+    """The module docstring's dense rule for `chosen` (the choice at the rated dense bits): (the 8-bit dense candidate
+    that replaces it, why) or (None, None). Without --dense-bits, with a GPU, when `chosen` puts experts on the CPU:
+    the fitting 8-bit dense candidate of its expert precision with the fewest CPU layers, when that is fewer; when
+    `chosen` is None (nothing fits): the choice among the 8-bit dense candidates."""
+    if req.dense_bits is not None or req.budget is None or (chosen is not None and chosen.cpu_layers == 0):
+        return None, None
+    low = candidates(spec, hw, replace(req, dense_bits=AUTO_DENSE_BITS,
+                                       bits=req.bits if chosen is None else chosen.bits), costs)
+    if chosen is None:
+        best = choose(low)
+        return best, None if best is None else f"auto: no placement fits with it in {req.dtype_name}"
+    fitting = [c for c in low if c.fits and c.kind != "offload"]
+    best = min(fitting, key=lambda c: (c.cpu_layers, -c.decode_tok_s), default=None)
+    if best is None or best.cpu_layers >= chosen.cpu_layers:
+        return None, None
+    return best, (f"auto: {chosen.cpu_layers - best.cpu_layers} fewer MoE layers' experts on the CPU than with it in "
+                  f"{req.dtype_name}; --dense-bits 16 keeps {req.dtype_name}")
+
+
+def rate_placements(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> PlacementPlan:
+    """Every candidate the request allows, rated at its dense bits, and the choice (None when nothing fits); with the
+    dense rule's 8-bit candidate appended where it is chosen (choose_dense)."""
     cands = candidates(spec, hw, req, costs)
     chosen = choose(cands)
+    dense, reason = choose_dense(spec, hw, req, chosen, costs)
+    if dense is not None:
+        cands, chosen = cands + [dense], dense
+    return PlacementPlan(cands, chosen, req, reason)
+
+
+def plan_placement(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> PlacementPlan:
+    """The rated candidates and the one to run; a MoeserveError when the budget cannot hold the dense part (at the
+    fewest dense bits the request allows) or no candidate fits (naming the memory that is short and by how much)."""
+    check_dense_budget(spec, req.budget, req.dtype_bytes, req.kv_batch, req.kv_tokens, req.least_dense_bits)
+    plan = rate_placements(spec, hw, req, costs)
+    cands, chosen = plan.candidates, plan.chosen
     if chosen is None:
         gpu_ok = [c for c in cands if c.kind != "offload" and (req.budget is None or c.gpu_bytes
                                                                 <= req.budget * (1 - WORKSPACE_SHARE))]
@@ -408,4 +482,4 @@ def plan_placement(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs
         raise MoeserveError(f"no placement fits --gpu-memory {format_bytes(req.budget)}: "
                             f"{cands[0].where()} {cands[0].problem}; give more or fewer --n-cpu-moe layers' experts "
                             f"on the GPU")
-    return PlacementPlan(cands, chosen, req)
+    return plan

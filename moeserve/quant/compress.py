@@ -26,6 +26,7 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo
+from moeserve.quant.dense import layer_linears
 from moeserve.loader import load_model
 from moeserve.model.transformer import MoETransformer
 from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
@@ -71,29 +72,19 @@ class QuantConfig:
 
 
 def linear_tensors(spec: ModelSpec) -> list[TensorInfo]:
-    """Every linear weight the quantizer handles, named by the module that will hold it."""
+    """Every linear weight the quantizer handles, named by the module that will hold it: each layer's dense ones
+    (attention, then dense FFN or shared expert), then its experts'."""
     D = spec.hidden_size
     out = []
     for i, is_moe in enumerate(spec.moe_layers):
-        a = f"model.layers.{i}.self_attn"
-        for proj, out_features, in_features, _ in spec.attention_projections():  # MLA's are dense linears too
-            out.append(TensorInfo(f"{a}.{proj}", "attention", i, None, (out_features, in_features)))
-        m = f"model.layers.{i}.mlp"
+        out += layer_linears(spec, i)
         if not is_moe:
-            out += _mlp(f"{m}", "dense_ffn", i, D, spec.dense_ffn)
             continue
-        if spec.shared_expert_ffn:
-            out += _mlp(f"{m}.shared_expert", "shared_expert", i, D, spec.shared_expert_ffn)
+        m = f"model.layers.{i}.mlp"
         for e in range(spec.experts_at(i)):
             out.append(TensorInfo(f"{m}.experts.gate_up.{e}", "expert", i, e, (2 * spec.expert_ffn, D)))
             out.append(TensorInfo(f"{m}.experts.down.{e}", "expert", i, e, (D, spec.expert_ffn)))
     return out
-
-
-def _mlp(prefix: str, kind: str, layer: int, D: int, F: int) -> list[TensorInfo]:
-    return [TensorInfo(f"{prefix}.gate_proj", kind, layer, None, (F, D)),
-            TensorInfo(f"{prefix}.up_proj", kind, layer, None, (F, D)),
-            TensorInfo(f"{prefix}.down_proj", kind, layer, None, (D, F))]
 
 
 class LayerSource:

@@ -343,6 +343,33 @@ def test_cli_hybrid_errors(expect_cli_error, byte_model_dir, tmp_path, monkeypat
     expect_cli_error(gen + ["--cpu-moe", "--offload", store, "--experts-bits", "3"], "holds 4-bit copies", watch=store)
 
 
+@pytest.fixture(scope="module")
+def wide_byte_model_dir(tmp_path_factory):
+    """The byte-vocabulary Mixtral with hidden size 64: a group of 64 divides its dense layers' inputs."""
+    from hf_models import save_byte_model
+
+    return save_byte_model(tmp_path_factory.mktemp("byte64"), hidden=64, ffn=64, seed=5)
+
+
+def test_cli_generate_with_an_8bit_dense_part(capsys, wide_byte_model_dir, expect_cli_error):
+    """`generate --cpu-moe --dense-bits 8` runs and says so in its placement line; with --gpu-memory (everything on the
+    CPU here) the plan line names the dense bits; bad values and --tp are refused in one line."""
+    base = ["generate", "--model", str(wide_byte_model_dir), "--device", "cpu", "--greedy", "--max-new-tokens", "5",
+            "--ignore-eos"]
+    assert main(base + ["--cpu-moe", "--dense-bits", "8", "Hi"]) == 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("[placement:")]
+    assert len(lines) == 1 and "2/2 MoE layers' experts on CPU (float32)" in lines[0] and "dense part 8-bit" in lines[0]
+    assert "[5 tokens in" in captured.err and captured.out.startswith("Hi")
+    assert main(base + ["--cpu-moe", "--dense-bits", "8", "--gpu-memory", "1GiB", "Hi"]) == 0
+    plans = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[plan:")]
+    assert len(plans) == 1 and "; dense part 8-bit; no GPU" in plans[0]
+    assert main(base + ["--dense-bits", "8", "Hi"]) == 0  # resident experts, 8-bit dense part
+    capsys.readouterr()
+    expect_cli_error(base + ["--dense-bits", "4", "Hi"], "argument --dense-bits: invalid choice: 4")
+    expect_cli_error(base + ["--dense-bits", "8", "--tp", "2", "Hi"], "--dense-bits 8 and --tp/--ep cannot be combined")
+
+
 def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsys):
     """OMP_WAIT_POLICY=PASSIVE for hybrid commands (set before torch loads in a real run), unless the user set it."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -355,12 +382,12 @@ def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsy
 
 
 def test_help_explains_the_flags(capsys):
-    for argv in (["generate", "--help"], ["eval", "ppl", "--help"]):
+    for argv in (["generate", "--help"], ["eval", "ppl", "--help"], ["serve", "--help"], ["bench", "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())
         for flag in ("--cpu-moe", "--n-cpu-moe N", "--gpu-cache-experts S", "--cpu-threads N", "--mixed-precision",
-                     "--experts-bits B", "--cache-policy"):
+                     "--experts-bits B", "--cache-policy", "--dense-bits {16,8}"):
             assert flag in text, (argv, flag)
 
 

@@ -39,15 +39,15 @@ def test_a_budget_that_holds_the_model_runs_it_resident(capsys):
 
 
 def test_a_small_budget_puts_layers_on_the_cpu_with_the_same_tokens(capsys):
-    """fp32, experts kept float (--experts-bits 16): room for 2.5 of the demo's 6 layers' experts, so 4 layers'
-    experts on the CPU and the rest of the room as cache slots (3-4: the model's own buffers count too); greedy tokens
-    equal the resident model's."""
+    """fp32, experts and dense part kept float (--experts-bits 16 --dense-bits 16): room for 2.5 of the demo's 6
+    layers' experts, so 4 layers' experts on the CPU and the rest of the room as cache slots (3-4: the model's own
+    buffers count too); greedy tokens equal the resident model's."""
     spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
     fp32 = GEN + ["--dtype", "float32"]
     budget = dense_minimum(spec, 4, 1, len("KING.") + 16) + int(2.5 * 8 * expert_bytes(spec, 16, 4) / 0.95) + 1024
     assert main(fp32) == 0
     resident = capsys.readouterr().out
-    assert main(fp32 + ["--gpu-memory", f"{budget}B", "--experts-bits", "16"]) == 0
+    assert main(fp32 + ["--gpu-memory", f"{budget}B", "--experts-bits", "16", "--dense-bits", "16"]) == 0
     captured = capsys.readouterr()
     lines = plan_lines(captured.err)
     assert len(lines) == 1 and re.search(r"4/6 MoE layers' experts on the CPU \(float32\), [34] GPU cache slots",

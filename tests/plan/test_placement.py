@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from checks import GiB, H100, MIXTRAL_CONFIG
+from checks import GiB, H100, MIXTRAL_CONFIG, QWEN3_30B_CONFIG
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.hybrid import memory
@@ -17,6 +17,7 @@ from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose,
                                      dense_bytes, dense_minimum, plan_placement)
 from moeserve.spec import ModelSpec
+from moeserve.units import format_bytes
 
 # D 64, 2 heads of 32, 1 KV head, 4 experts of FFN 128, top-2, 2 MoE layers, vocabulary 100
 TINY = ModelSpec(family="mixtral", vocab_size=100, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -94,18 +95,18 @@ def test_choice_on_the_mixtral_shape():
     assert by["resident", 3].decode_tok_s > PRECISION_SPEEDUP * by["hybrid", 4].decode_tok_s
     assert by["offload", 16].fits and plan.chosen.flags() == ["--n-cpu-moe", "0", "--experts-bits", "3"]
     # 12 GiB: 4-bit hybrid, the fewest CPU layers whose complement (and the streaming ring) fits, the rest of the
-    # budget as cache slots
+    # budget as cache slots; the dense part 8-bit (it leaves fewer layers' experts on the CPU: test_dense_bits_*)
     plan = plan_placement(spec, hw, mixtral_request(12))
     c = plan.chosen
-    assert (c.kind, c.bits) == ("hybrid", 4) and c.gpu_bytes <= 12 * GiB * (1 - WORKSPACE_SHARE)
+    assert (c.kind, c.bits, c.dense_bits) == ("hybrid", 4, 8) and c.gpu_bytes <= 12 * GiB * (1 - WORKSPACE_SHARE)
     eb = expert_bytes(spec, 4, group=64)
     assert c.gpu_bytes + eb > 12 * GiB * (1 - WORKSPACE_SHARE)  # not one more slot
     assert c.cache_slots < spec.num_experts  # else one layer fewer on the CPU
     slots = ["--gpu-cache-experts", str(c.cache_slots)] if c.cache_slots else []
-    assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", *slots]
+    assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", *slots, "--dense-bits", "8"]
     line = plan.describe()
     assert line.startswith("[plan: ") and f"{c.cpu_layers}/32 MoE layers' experts on the CPU (4-bit)" in line
-    assert "estimated tg" in line and "\n" not in line
+    assert "; dense part 8-bit (auto: " in line and "estimated tg" in line and "\n" not in line
     # no store: offload is rated, never chosen
     only_offload = [dataclasses.replace(c, decode_tok_s=1e6) if c.kind == "offload" else c for c in plan.candidates]
     assert choose(only_offload) is c
@@ -128,11 +129,63 @@ def test_budget_and_host_ram_errors_name_what_is_needed():
     hw = HardwareProfile.from_dict(H100)
     need = dense_minimum(spec, 2, 1, 640)
     assert need > (dense_bytes(spec, 2) + kv_cache_bytes(spec, 1, 640, 2)) / (1 - WORKSPACE_SHARE)
-    with pytest.raises(MoeserveError, match=r"cannot hold the dense part .* need 3\.\d GiB; give at least that"):
-        plan_placement(spec, hw, mixtral_request(2))
-    plan_placement(spec, hw, dataclasses.replace(mixtral_request(2), budget=need))  # the minimum itself runs
+    with pytest.raises(MoeserveError, match=r"cannot hold the dense part of the model: .* need 3\.\d GiB; give at "):
+        plan_placement(spec, hw, mixtral_request(2, dense_bits=16))
+    plan_placement(spec, hw, mixtral_request(need / GiB, dense_bits=16))  # the minimum itself runs
     with pytest.raises(MoeserveError, match="not enough host RAM for the experts: .* needs .* GiB, 1.0 GiB is avail"):
         plan_placement(spec, hw, dataclasses.replace(mixtral_request(12), host_ram=GiB))
+
+
+def qwen3_request(budget_gib: float = 8, **options) -> PlanRequest:
+    """Qwen3-30B-A3B with 4-bit experts in budget_gib of GPU memory (the shape llama.cpp fits 18 layers' experts of
+    on the GPU at 8 GiB with its dense part in Q8_0)."""
+    return PlanRequest(int(budget_gib * GiB), 200 * GiB, 2, kv_tokens=640, bits=4, **options)
+
+
+def test_dense_bits_8_counts_its_bytes_and_puts_fewer_layers_on_the_cpu():
+    """The dense part's linear layers of Qwen3-30B-A3B: per layer q [4096, 2048], k and v [512, 2048], o [2048, 4096],
+    and the LM head [151936, 2048]; at 8 bits a weight takes a byte and its group of 64 an fp16 scale and zero:
+    1.0625 bytes instead of 2. The bytes saved hold that many more layers' experts on the GPU at the same budget."""
+    spec = ModelSpec.from_hf_config(QWEN3_30B_CONFIG)
+    hw = HardwareProfile.from_dict(H100)
+    weights = 48 * (2 * 4096 * 2048 + 2 * 512 * 2048) + 151936 * 2048
+    saved = weights * 2 - weights * 17 // 16
+    assert dense_bytes(spec, 2, 8) == dense_bytes(spec, 2) - saved
+    bf16 = plan_placement(spec, hw, qwen3_request(dense_bits=16))
+    q8 = plan_placement(spec, hw, qwen3_request(dense_bits=8))
+    a, b = bf16.chosen, q8.chosen
+    assert (a.kind, a.bits, a.dense_bits, b.kind, b.bits, b.dense_bits) == ("hybrid", 4, 16, "hybrid", 4, 8)
+    layer = spec.num_experts * expert_bytes(spec, 4, group=64)
+    assert b.cpu_layers <= a.cpu_layers - saved // layer and b.decode_tok_s > a.decode_tok_s
+    assert b.flags()[-2:] == ["--dense-bits", "8"] and "--dense-bits" not in a.flags()
+    assert "; dense part bfloat16; GPU " in bf16.describe() and "; dense part 8-bit; GPU " in q8.describe()
+    # not given: the 8-bit dense candidate, since it puts fewer layers' experts on the CPU; the plan line says why
+    auto = plan_placement(spec, hw, qwen3_request())
+    assert auto.chosen == b and auto.candidates[-1] is auto.chosen and a in auto.candidates
+    assert (f"; dense part 8-bit (auto: {a.cpu_layers - b.cpu_layers} fewer MoE layers' experts on the CPU than with "
+            f"it in bfloat16; --dense-bits 16 keeps bfloat16); GPU ") in auto.describe()
+    # where 8 bits cannot put fewer layers on the CPU (their number given, or every expert resident) it stays float
+    fixed = plan_placement(spec, hw, qwen3_request(cpu_layers=a.cpu_layers))
+    assert fixed.chosen.dense_bits == 16 and fixed.dense_reason is None
+    assert plan_placement(spec, hw, qwen3_request(100)).chosen.dense_bits == 16
+
+
+def test_minimum_budget_names_the_dense_bits_in_force():
+    """Below the float dense part's minimum: refused with --dense-bits 16, the 8-bit dense part when not given; below
+    the 8-bit minimum refused, naming it."""
+    spec = ModelSpec.from_hf_config(QWEN3_30B_CONFIG)
+    hw = HardwareProfile.from_dict(H100)
+    least16, least8 = dense_minimum(spec, 2, 1, 640), dense_minimum(spec, 2, 1, 640, 8)
+    assert least8 < least16
+    between = (least8 + least16) / 2 / GiB
+    with pytest.raises(MoeserveError, match=rf"model: attention, .* need {format_bytes(least16)}; give at least"):
+        plan_placement(spec, hw, qwen3_request(between, dense_bits=16))
+    plan = plan_placement(spec, hw, qwen3_request(between))
+    assert plan.chosen.dense_bits == 8 and "(auto: no placement fits with it in bfloat16)" in plan.describe()
+    for dense_bits in (8, None):
+        with pytest.raises(MoeserveError, match=rf"cannot hold the dense part of the model with 8-bit linear layers "
+                                                rf"\(--dense-bits 8\): .* need {format_bytes(least8)}; give at least"):
+            plan_placement(spec, hw, qwen3_request((least8 - 1) / GiB, dense_bits=dense_bits))
 
 
 def test_cpu_only_plans_everything_on_the_cpu():
@@ -173,7 +226,7 @@ def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
     expert = 3 * spec.hidden_size * spec.expert_ffn * 2
     layer = spec.num_experts * expert
     budget = int((dense + kv + 1.5 * layer) / (1 - WORKSPACE_SHARE)) + 1
-    base = ["plan", "--model", path, "--profile", h100_json, "--cpu-memory", "1GiB", "--json"]
+    base = ["plan", "--model", path, "--profile", h100_json, "--cpu-memory", "1GiB", "--json", "--dense-bits", "16"]
     assert main([str(a) for a in base + ["--gpu-memory", f"{budget}B"]]) == 0
     report = json.loads(capsys.readouterr().out)
     resident, hybrid, offload = report["candidates"]  # float experts only: no group divides expert FFN 24
@@ -190,21 +243,28 @@ def test_cli_plan_for_decode_table_and_json(capsys, mixtral, h100_json):
     assert main([str(a) for a in base + ["--gpu-memory", "12GiB"]]) == 0
     out = capsys.readouterr().out
     chosen = [ln for ln in out.splitlines() if ln.startswith("*  ")]
-    assert len(chosen) == 1 and "MoE layers' experts on the CPU (4-bit)" in chosen[0]
-    assert "tg128 t/s" in out and "pp512 t/s" in out and "needs --offload STORE" in out
-    assert "by hand: --n-cpu-moe" in out
+    assert len(chosen) == 1 and "MoE layers' experts on the CPU (4-bit)" in chosen[0] and "8-bit" in chosen[0]
+    assert "tg128 t/s" in out and "pp512 t/s" in out and "needs --offload STORE" in out and "dense" in out
+    assert "(dense part 8-bit, auto: " in out and "by hand: --n-cpu-moe" in out
     assert main([str(a) for a in base + ["--gpu-memory", "12GiB", "--json", "--experts-bits", "16"]]) == 0
     report = json.loads(capsys.readouterr().out)
-    cands = report["candidates"]
-    assert [(c["kind"], c["bits"], c["fits"]) for c in cands] == [("resident", 16, False), ("hybrid", 16, True)]
-    assert report["chosen"] == 1 and cands[1]["flags"][:1] == ["--n-cpu-moe"] and report["gpu_budget"] == 12 * GiB
+    cands = report["candidates"]  # the float dense ones, then the 8-bit dense one the planner takes
+    rows = [(c["kind"], c["bits"], c["fits"], c["dense_bits"]) for c in cands]
+    assert rows == [("resident", 16, False, 16), ("hybrid", 16, True, 16), ("hybrid", 16, True, 8)]
+    assert report["chosen"] == 2 and cands[2]["flags"][:1] == ["--n-cpu-moe"] and report["gpu_budget"] == 12 * GiB
+    assert cands[2]["cpu_layers"] < cands[1]["cpu_layers"] and report["dense_reason"].startswith("auto: ")
 
 
 def test_cli_plan_errors(expect_cli_error, mixtral, h100_json, tmp_path):
     base = ["plan", "--model", mixtral, "--profile", h100_json]
-    expect_cli_error(base + ["--gpu-memory", "2GiB"], "cannot hold the dense part")
+    expect_cli_error(base + ["--gpu-memory", "2GiB", "--dense-bits", "16"], "cannot hold the dense part")
     expect_cli_error(base + ["--plot", tmp_path / "r.png"], "--plot belongs to the throughput plan")
     expect_cli_error(base + ["--for", "batch", "--experts-bits", "4"], "give it with --for decode")
+    expect_cli_error(base + ["--for", "batch", "--dense-bits", "8"], "--dense-bits rates placements: give it with")
+    expect_cli_error(base + ["--dense-bits", "4"], "argument --dense-bits: invalid choice: 4")
+    expect_cli_error(base + ["--dense-bits", "eight"], "argument --dense-bits: invalid int value")
+    line = expect_cli_error(base + ["--gpu-memory", "1GiB"], "the dense part of the model with 8-bit linear layers")
+    assert f"need {format_bytes(dense_minimum(ModelSpec.from_hf_config(MIXTRAL_CONFIG), 2, 1, 640, 8))}" in line
 
 
 @pytest.fixture
@@ -266,7 +326,7 @@ def test_quantized_checkpoint_is_not_planned(expect_cli_error, byte_model_dir, t
 def test_help_explains_planning_and_bench(capsys):
     for argv, phrases in ((["generate", "--help"], ("placement planner", "--gpu-memory SIZE")),
                           (["eval", "ppl", "--help"], ("placement planner",)),
-                          (["plan", "--help"], ("--for {decode,batch}", "--experts-bits B")),
+                          (["plan", "--help"], ("--for {decode,batch}", "--experts-bits B", "--dense-bits {16,8}")),
                           (["bench", "--help"], ("-p P", "-n N", "-r R", "peak host RSS"))):
         with pytest.raises(SystemExit):
             main(argv)
