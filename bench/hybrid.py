@@ -68,6 +68,7 @@ from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
 from moeserve.offload.host_compute import HostExperts  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
+from moeserve.quant.dense import bytes_saved, quantize_dense  # noqa: E402
 
 GiB = 1 << 30
 SHAPES = {
@@ -143,6 +144,8 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     expert_bytes = store.expert_bytes(True)
     placement = placement_of(column, spec, room, expert_bytes, args.cpu_threads)
     model = dense_model(spec, device, dtype)
+    if args.dense_bits != 16:
+        quantize_dense(model, args.dense_bits)
     runtime = enable_hybrid(model, store, placement, host=host, warm=True)  # repacked once per shape, not timed
     demo = args.routing == "demo"
     stats = lambda: vars(runtime.totals())  # noqa: E731
@@ -232,6 +235,8 @@ def main(argv=None) -> int:
                     help="decode eagerly (default: the GPU work between the CPU layers as CUDA graphs)")
     ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()), help="threads for the CPU experts")
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
+    ap.add_argument("--dense-bits", type=int, default=16, choices=(16, 8),
+                    help="the dense part's linear layers: 16 (the compute dtype) or 8 (HQQ copies, --dense-bits 8)")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="held-out demo tokens for the mixed-precision cost")
     ap.add_argument("--sweep", default="8,16,32,64,128",
                     help="prompt lengths of the streaming threshold sweep (cpu column; empty: none)")
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
         args.routing = routing
         store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype, BITS,
                              32 if args.quick else GROUP)
-        resident = dense_bytes(spec, dtype)
+        resident = dense_bytes(spec, dtype) - bytes_saved(spec, args.dense_bits, dtype.itemsize)
         kv = kv_cache_bytes(spec, 1, args.prefill + args.new_tokens + args.warmup + args.prompt, dtype.itemsize)
         budget = budget or quick_budget(resident, kv, store.expert_bytes(True))
         room = int(budget * (1 - WORKSPACE_SHARE)) - resident - kv
@@ -281,7 +286,7 @@ def main(argv=None) -> int:
                                       "offload_tokens": args.offload_tokens, "cpu_threads": args.cpu_threads,
                                       "distinct_layers": args.distinct_layers, "dtype": str(dtype),
                                       "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-                                      "cuda_graph": not args.no_cuda_graph}, device)
+                                      "cuda_graph": not args.no_cuda_graph, "dense_bits": args.dense_bits}, device)
     record.update({"rates": {"dram_read_bytes_per_s": rates["dram"], "hbm_bytes_per_s": rates["hbm"],
                              "h2d_bytes_per_s": bandwidth}, "shapes": results, "demo_mixed_precision": ppl})
     print(write_result(record, args.out))
