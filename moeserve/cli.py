@@ -117,11 +117,13 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                    help="the routed experts of the first N MoE layers on the CPU, the other layers' resident on "
                         "--device")
     h.add_argument("--gpu-cache-experts", type=int, default=None, metavar="S",
-                   help="S slots on the GPU caching experts of the CPU layers, filled by --cache-policy as experts are "
-                        "used (a missed expert runs on the CPU and may be copied in the background; default 0: a "
-                        "static placement; with --gpu-memory: the memory the plan leaves)")
+                   help="S slots on the GPU caching experts of the CPU layers, filled as experts are used (a missed "
+                        "expert runs on the CPU and may be copied in the background; low-bit experts on a GPU: the "
+                        "most used ones, counted between CUDA-graph steps; default 0: a static placement; with "
+                        "--gpu-memory: the memory the plan leaves)")
     h.add_argument("--cache-policy", default="hobbit", metavar="NAME",
-                   help="what --gpu-cache-experts keeps: lru, hobbit (default: recency, frequency, precision and layer "
+                   help="what --gpu-cache-experts keeps where the host sees each layer call (float experts, "
+                        "--mixed-precision, no GPU): lru, hobbit (default: recency, frequency, precision and layer "
                         "distance) or static (the most used experts: the placement settles)")
     h.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores)")
