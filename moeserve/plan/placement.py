@@ -14,9 +14,10 @@ copies (quant/dense.py: about half the bytes); a budget that cannot hold them is
 
 Estimates, per token at batch 1 (a roofline with fixed host costs, `Costs`):
   decode   max(GPU bytes / HBM bandwidth, CPU expert bytes / (DRAM bandwidth x cpu_dram_share), copied bytes /
-           host->GPU bandwidth) + per-layer costs: a CUDA-graph replay when every expert is resident, else eager
-           launches, plus the host's work for each layer with CPU or offloaded experts and each (token, expert)
-           pair the CPU computes
+           host->GPU bandwidth) + per-layer costs: a CUDA-graph replay when no layer's experts wait on the host
+           (every expert resident, or low-bit CPU experts over the device link, each linked layer adding its round
+           trip), else eager launches plus the host's work for each layer with CPU or offloaded experts; and each
+           (token, expert) pair the CPU computes
   prefill  a prompt of `prompt_len` tokens, the layers' GPU and CPU parts one after the other: each part at the
            slower of its compute (FLOP/s x share) and memory roofs, plus copied bytes over the link
 A cache of S slots over N layers of E experts is counted at hit rate S / (N E) (uniform routing: real routing is
@@ -60,15 +61,17 @@ OFFLOAD_LOW_BITS = 4  # the low-bit copies of the offload candidate's store (off
 @dataclass(frozen=True)
 class Costs:
     """What the roofline leaves out: the host's fixed costs and the shares of the peaks our kernels reach.
-    Defaults fitted to bench/results/hybrid-nvidia-h200-20261126-115936.json (H200 + 16-core Xeon, Mixtral and
-    Qwen3-30B-A3B shapes at 4-bit: the decode rate of each hybrid and offload column within about 20% of the
-    measured one)."""
+    The CPU and link figures are fitted to bench/results/hybrid-nvidia-h200-20261126-222643.json (H200 + 16-core
+    Xeon, a fresh machine, Mixtral and Qwen3-30B-A3B shapes at 4-bit, CPU layers over the device link: each column's
+    decode rate within 12% of the measured one, the Qwen3 cache column left out: its routing repeats); the host-path
+    figures to the runs before the link (bench/results/hybrid-nvidia-h200-20261126-115936.json)."""
 
-    graph_layer_s: float = 30e-6  # a decoder layer replayed in a CUDA graph (every expert resident)
-    eager_layer_s: float = 0.2e-3  # a decoder layer launched eagerly (a step with CPU or offloaded experts)
+    graph_layer_s: float = 30e-6  # a decoder layer replayed in a CUDA graph (resident, or CPU layers on the link)
+    eager_layer_s: float = 0.2e-3  # a decoder layer launched eagerly (a step with host-path or offloaded experts)
     host_layer_s: float = 3.4e-3  # the host's work for a layer whose experts wait on it (routing copy, hand-off)
-    cpu_call_s: float = 0.07e-3  # per expert call of the CPU (decode: a (token, expert) pair; prefill: an expert)
-    cpu_dram_share: float = 0.65  # of the DRAM bandwidth the CPU expert kernels read at one row
+    link_layer_s: float = 0.1e-3  # a CPU layer over the device link: the round trip and the CPU call's fixed part
+    cpu_call_s: float = 10e-6  # per expert call of the CPU (decode: a (token, expert) pair; prefill: an expert)
+    cpu_dram_share: float = 0.9  # of the DRAM bandwidth the CPU expert kernels read at one row
     cpu_flops_share: float = 0.3  # of the CPU's matmul peak reached by the experts of a prompt
     gpu_flops_share: float = 0.5  # of the GPU's matmul peak reached at prefill
 
@@ -235,6 +238,7 @@ class Work:
     cpu_flops: float = 0.0
     cpu_calls: float = 0.0  # expert calls the CPU makes (Costs.cpu_call_s)
     host_layers: int = 0  # layers whose experts wait on the host (CPU or offloaded)
+    linked_layers: int = 0  # layers whose CPU experts the GPU asks for over the device link (Costs.link_layer_s)
 
 
 def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
@@ -253,10 +257,12 @@ def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
 
 
 def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers: float, link_layers: float,
-                expert: float, host_layers: int, cpu_dense: bool = False, stream: bool = False) -> tuple[Work, Work]:
+                expert: float, host_layers: int, cpu_dense: bool = False, stream: bool = False,
+                linked_layers: int = 0) -> tuple[Work, Work]:
     """(decode, prefill) work when `gpu_layers` MoE layers' experts are computed on the GPU, `cpu_layers` on the
     CPU (fractions: a cache's hits count on the GPU) and `link_layers` are copied to the GPU first; expert: bytes
-    of one expert; host_layers: layers whose experts wait on the host; cpu_dense: the dense part runs on the CPU
+    of one expert; host_layers: layers whose experts wait on the host; linked_layers: layers whose CPU experts the GPU
+    asks for over the device link (decode; the step stays one graph); cpu_dense: the dense part runs on the CPU
     too (no GPU); stream: a prompt of the hybrid backend's STREAM_FROM tokens or more streams the CPU layers'
     experts to the GPU (hybrid/stream.py): at prefill they count as copied over the link and computed there."""
     T, k = req.prompt_len, spec.top_k
@@ -265,7 +271,8 @@ def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers
     dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2, req.rated_dense_bits)
     pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2, req.rated_dense_bits)
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
-                  link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers)
+                  link_bytes=link_layers * k * expert, cpu_calls=cpu_layers * k, host_layers=host_layers,
+                  linked_layers=linked_layers)
     streamed = cpu_layers if stream and T >= STREAM_FROM else 0.0  # CPU layers' prefill on the GPU
     gpu_layers, cpu_layers, link_layers = gpu_layers + streamed, cpu_layers - streamed, link_layers + streamed
     prefill = Work(gpu_bytes=gpu_layers * touched * expert, cpu_bytes=cpu_layers * touched * expert,
@@ -289,7 +296,7 @@ def rates(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, decode: Work, 
         gpu_prefill = max(prefill.gpu_flops / (hw.gpu_flops * costs.gpu_flops_share),
                           prefill.gpu_bytes / hw.hbm_bandwidth)
     fixed = spec.num_layers * (costs.graph_layer_s if graph else costs.eager_layer_s)
-    fixed += decode.host_layers * costs.host_layer_s
+    fixed += decode.host_layers * costs.host_layer_s + decode.linked_layers * costs.link_layer_s
     decode_s = (max(gpu_decode, decode.cpu_bytes / cpu_bw, decode.link_bytes / link) + fixed
                 + decode.cpu_calls * costs.cpu_call_s)
     prefill_s = (gpu_prefill + max(prefill.cpu_flops / cpu_flops, prefill.cpu_bytes / cpu_bw)
@@ -336,7 +343,7 @@ def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, cpu_layers: int, bits:
 
 def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, decode, prefill,
                problem=None, streams=False) -> Candidate:
-    tg, pp = rates(spec, hw, req, decode, prefill, graph=kind == "resident", costs=costs)
+    tg, pp = rates(spec, hw, req, decode, prefill, graph=kind != "cpu" and not decode.host_layers, costs=costs)
     return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, int(gpu), int(host), tg, pp,
                      req.dtype_name, problem or _problem(req, gpu, host), streams, req.rated_dense_bits)
 
@@ -361,8 +368,10 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
             slots = req.cache_slots if req.cache_slots is not None else int(max(left, 0) // eb)
             slots = min(slots, n * E)
             hit = slots / (n * E) if n else 0.0
-            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb, host_layers=n,
-                                          stream=streams)
+            linked = bits != 16  # low-bit CPU experts: over the device link, the decode step one graph
+            decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb,
+                                          host_layers=0 if linked else n, stream=streams,
+                                          linked_layers=n if linked else 0)
             host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
                                   fixed + ((M - n) * E + slots) * eb + (ring if streams else 0), host, decode,
