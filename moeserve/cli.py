@@ -236,6 +236,7 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--no-cuda-graph", action="store_true",
                     help="decode eagerly on a GPU (default: a CUDA graph per padded batch size where the experts "
                          "allow it)")
+    _parallel_args(sv)
     _offload_group(sv)
     _hybrid_args(sv, store_option=False)
 
@@ -906,9 +907,13 @@ def cmd_serve(args) -> int:
         raise MoeserveError("--parallel, --prefill-chunk and --threads must be >= 1 and --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise MoeserveError("--api-key must not be empty")
+    _check_parallel(args)
     _check_offload_args(args)
     spec, tok = _tokenizer(args.model)
     _check_hybrid_args(args, spec)
+    if args.tp * args.ep > 1 and (args.placement is not None or args.offload or _planning(args)):
+        raise MoeserveError("--ep/--tp and experts off the GPU (--offload, --cpu-moe, --n-cpu-moe, --gpu-memory) "
+                            "cannot be combined yet")
     context = spec.max_position_embeddings
     if args.ctx_size is None:
         args.ctx_size = min(context, DEFAULT_SERVE_CONTEXT)

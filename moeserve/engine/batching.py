@@ -94,6 +94,8 @@ class ContinuousBatch:
         self.free = list(range(slots))  # a heap: the lowest free row first, so rows in use stay together
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # holding a row, in order of arrival
+        # the tokens a sampling drew -> the tokens to keep (serving under torchrun: rank 0's, serve/mirror.py)
+        self.sync_tokens: Callable[[list[int]], list[int]] | None = None
 
     @property
     def slots(self) -> int:
@@ -213,6 +215,8 @@ class ContinuousBatch:
         for i, r in enumerate(requests):
             if not r.params.greedy:
                 tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
+        if self.sync_tokens is not None:
+            tokens = self.sync_tokens(tokens)
         want = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
         logprobs: dict[int, TokenLogprob] = {}
         if want:

@@ -6,12 +6,14 @@ away frees its KV slot), at the next step. Each job's updates go back through it
 gave that is safe to call from this thread. A handler's sink is a LoopSink (an asyncio queue on its event loop):
 the updates of one step for every LoopSink of a loop go over in one call, so the event loop wakes once a step, not
 once a token. The thread also keeps the metrics: time to first token, inter-token latency, tokens, running and
-waiting requests.
+waiting requests. Under torchrun it leads the other ranks' batches (serve/mirror.py): each step's changes go to
+them before the step, each sampling's tokens after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import sys
 import threading
@@ -25,6 +27,7 @@ import torch
 from moeserve.engine.batching import ContinuousBatch, Request, Update
 from moeserve.engine.sampling import SamplingParams
 from moeserve.serve.metrics import Metrics
+from moeserve.serve.mirror import Added, Cancelled, StepMirror, Stop
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,12 +61,18 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     closed: bool = False  # finished, failed or cancelled: counted out of the server's load
+    key: int = -1  # its name for the other ranks under torchrun (serve/mirror.py)
 
 
 class Engine:
-    def __init__(self, batch: ContinuousBatch, metrics: Metrics, max_queue: int, threads: int | None = None):
-        """threads: CPU threads for torch in the engine thread (an OpenMP setting is per thread: set it here)."""
-        self.batch, self.metrics, self.threads = batch, metrics, threads
+    def __init__(self, batch: ContinuousBatch, metrics: Metrics, max_queue: int, threads: int | None = None,
+                 mirror: StepMirror | None = None):
+        """threads: CPU threads for torch in the engine thread (an OpenMP setting is per thread: set it here);
+        mirror: under torchrun, rank 0's end (serve/mirror.py): the other ranks step the same batch."""
+        self.batch, self.metrics, self.threads, self.mirror = batch, metrics, threads, mirror
+        if mirror is not None:
+            batch.sync_tokens = mirror.tokens
+        self._keys = itertools.count()  # each job's name for the other ranks
         self.capacity = batch.slots + max_queue  # requests in the server at once: running + waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -118,7 +127,9 @@ class Engine:
             torch.set_num_threads(self.threads)
         while not self._stop:
             self._wake.clear()
-            self._take_messages()
+            changes = self._take_messages()
+            if self.mirror is not None:
+                self.mirror.events(changes)
             try:
                 busy = self.batch.step()
             except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the server
@@ -131,18 +142,26 @@ class Engine:
             self._update_load()
             if not busy:
                 self._wake.wait(timeout=1.0)
+        if self.mirror is not None:
+            self.mirror.events([Stop()])
 
-    def _take_messages(self) -> None:
+    def _take_messages(self) -> list:
+        """Apply the requests added and cancelled since the last step; the changes, as the other ranks apply them."""
+        changes = []
         while True:
             try:
                 kind, job = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return changes
             if kind == "add":
+                job.key = next(self._keys)
                 self.batch.add(job.request)
+                r = job.request
+                changes.append(Added(job.key, r.prompt_ids, r.params, r.top_logprobs))
             elif not job.closed:
                 self.batch.cancel(job.request)
                 self._close(job, "abort")
+                changes.append(Cancelled(job.key))
 
     def _send(self, job: Job, item: Update | Exception) -> None:
         """Give an item to the job's sink: at once, or with the step's other items for the same loop."""

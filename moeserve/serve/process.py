@@ -21,10 +21,15 @@ class ServerProcess:
     """`python -m moeserve serve --port 0 ARGS`; the port it picked is read from its first status line, its
     stderr kept in `log`. A context manager, or call stop()."""
 
-    def __init__(self, *args: str, timeout: float = START_TIMEOUT_S, host: str = "127.0.0.1"):
+    def __init__(self, *args: str, timeout: float = START_TIMEOUT_S, host: str = "127.0.0.1", ranks: int = 1):
+        """ranks > 1: under torchrun (`torch.distributed.run --standalone`), one process per rank; pass the
+        matching --ep/--tp in args."""
         path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "moeserve", "serve", "--host", host, "--port", "0",
-                                      *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        launch = [sys.executable, "-m", "moeserve"] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+            "moeserve"]
+        self.proc = subprocess.Popen([*launch, "serve", "--host", host, "--port", "0", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
         self.log: list[str] = []
         self.url = ""

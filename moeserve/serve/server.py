@@ -2,17 +2,21 @@
 
 The socket is bound before the model loads (a port in use is an error at once, and `--port 0` picks a free
 port, which the first status line names); /health answers 503 until the engine thread runs. The caller (the CLI)
-has checked the options and passes `load`, the same code path `moeserve generate` loads models with.
+has checked the options and passes `load`, the same code path `moeserve generate` loads models with. Under
+torchrun (`--ep`/`--tp`) only rank 0 listens; the other ranks step the batch it leads (serve/mirror.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import uvicorn
 
 from moeserve.engine.batching import ContinuousBatch, WarmUp
@@ -21,6 +25,7 @@ from moeserve.serve.app import ServerState, build_app
 from moeserve.serve.batcher import Engine
 from moeserve.serve.chat_template import ChatTemplate
 from moeserve.serve.metrics import Metrics
+from moeserve.serve.mirror import StepMirror, follow
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -41,8 +46,28 @@ def describe_decode(batch: ContinuousBatch, warm: WarmUp) -> str:
             + (f", eager at {','.join(map(str, eager))}" if eager else ""))
 
 
+def follow_rank_0(args, tokenizer, context: int, load: Callable[[], object]) -> int:
+    """A rank other than 0 under torchrun: no socket; load this rank's part of the model, warm up as rank 0 does,
+    then step the batch rank 0 leads (serve/mirror.py) until it stops. Signals are left to rank 0 (torchrun sends
+    them to every rank): this rank ends on rank 0's stop, not before it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    model = load()
+    batch = ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
+                            cuda_graph=not args.no_cuda_graph)
+    batch.warm_up()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    follow(batch, StepMirror(model.device))
+    return 0
+
+
 def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
-    """Serve until interrupted. args: the serve command's options (parallel, prefill_chunk, max_queue, ...)."""
+    """Serve until interrupted. args: the serve command's options (parallel, prefill_chunk, max_queue, tp, ep, ...).
+    Under torchrun rank 0 serves and leads; the other ranks follow (follow_rank_0)."""
+    ranks = getattr(args, "tp", 1) * getattr(args, "ep", 1)
+    if ranks > 1 and os.environ.get("RANK", "0") != "0":
+        return follow_rank_0(args, tokenizer, context, load)
     name = args.served_model_name or Path(args.model).resolve().name
     template = ChatTemplate.from_dir(args.model)
     metrics = Metrics(name, args.parallel)
@@ -62,12 +87,14 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
                 print("[warming up: a decode step at every batch size, prefill passes]", file=sys.stderr,
                       flush=True)
             warm = batch.warm_up()
-            engine = Engine(batch, metrics, args.max_queue, args.threads)
+            mirror = StepMirror(model.device) if ranks > 1 else None
+            engine = Engine(batch, metrics, args.max_queue, args.threads, mirror)
             engine.start()
             state.engine = engine
             graphs = describe_decode(batch, warm)
+            across = f", {ranks} ranks (rank 0 serving)" if ranks > 1 else ""
             print(f"[ready: {name} on {model.device.type} {str(model.dtype).removeprefix('torch.')}, "
-                  f"{args.parallel} slots x {context} tokens, {graphs}]", file=sys.stderr, flush=True)
+                  f"{args.parallel} slots x {context} tokens, {graphs}{across}]", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
             failure.append(e)
             server.should_exit = True
@@ -76,6 +103,10 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
     template_note = "fallback chat template" if template.fallback else f"chat template from {template.origin}"
     print(f"[listening on {url}; {template_note}; loading {args.model}]", file=sys.stderr, flush=True)
     threading.Thread(target=start, name="moeserve-load", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: with the default one the
+        # process would die there, before the engine (and under torchrun the other ranks) are stopped
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
