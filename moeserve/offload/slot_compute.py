@@ -173,17 +173,13 @@ class SlotExperts:
             after_loads(x, pool_slots)
             key = (i, k, x.dtype)
             if key not in self._passes:
-                self._passes[key] = OneTokenPass(lambda x, w, dev, i=i: self._pool_pass(i, x, w, dev))
+                self._passes[key] = OneTokenPass(  # dev [2, 1, k]: slots, in-pool mask
+                    lambda x, w, dev, i=i: self.device_pass(i, x, w, dev[0], dev[1] > 0))
             part = self._passes[key](x, expert_weights, torch.stack([ids, in_pool.long()]))  # [1, D]
             out = part if out is None else out + part
             read += pool_slots
         mark_read(x, read)
         return out if out is not None else torch.zeros_like(x)
-
-    def _pool_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
-        """x [1, D], expert_weights [1, k], dev [2, 1, k] (slots, in-pool mask) on the device -> [1, D]: the pool's
-        weighted pairs."""
-        return self.device_pass(pool, x, expert_weights, dev[0], dev[1].bool())
 
     def device_pass(self, pool: int, x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
                     kept: torch.Tensor) -> torch.Tensor:

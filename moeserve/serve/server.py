@@ -46,6 +46,12 @@ def describe_decode(batch: ContinuousBatch, warm: WarmUp) -> str:
             + (f", eager at {','.join(map(str, eager))}" if eager else ""))
 
 
+def serving_batch(args, model, tokenizer, context: int) -> ContinuousBatch:
+    """The continuous batch the serve options describe (every rank builds the same one)."""
+    return ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
+                           cuda_graph=not args.no_cuda_graph)
+
+
 def follow_rank_0(args, tokenizer, context: int, load: Callable[[], object]) -> int:
     """A rank other than 0 under torchrun: no socket; load this rank's part of the model, warm up as rank 0 does,
     then step the batch rank 0 leads (serve/mirror.py) until it stops. Signals are left to rank 0 (torchrun sends
@@ -53,8 +59,7 @@ def follow_rank_0(args, tokenizer, context: int, load: Callable[[], object]) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     model = load()
-    batch = ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
-                            cuda_graph=not args.no_cuda_graph)
+    batch = serving_batch(args, model, tokenizer, context)
     batch.warm_up()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,8 +86,7 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
     def start() -> None:
         try:
             model = load()
-            batch = ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
-                                    cuda_graph=not args.no_cuda_graph)
+            batch = serving_batch(args, model, tokenizer, context)
             if model.device.type == "cuda":
                 print("[warming up: a decode step at every batch size, prefill passes]", file=sys.stderr,
                       flush=True)

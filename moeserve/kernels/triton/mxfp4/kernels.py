@@ -92,6 +92,23 @@ def bias_row(bias_ptr, offs, ok, HAS_BIAS: tl.constexpr):
     return b
 
 
+@triton.jit
+def output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A program's part of an expert call: its output block pid 0 of N outputs (offs [BLOCK_N], n_ok) and the
+    expert-sorted rows [start, end) of the pid 1-th expert hit, e (rows.hit_rows)."""
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    return offs, offs < N, start, end, e
+
+
+@triton.jit
+def down_rows(offs, n_ok, e, N, GPR, bias_ptr, HAS_BIAS: tl.constexpr):
+    """Down's weight rows of outputs offs [BLOCK_N] of expert e (weights [E, N, ..]; int64, row * GPR, clamped in
+    range) and their biases (float32, zeros without)."""
+    w_rows = (tl.minimum(offs, N - 1).to(tl.int64) + e.to(tl.int64) * N) * GPR
+    return w_rows, bias_row(bias_ptr + e.to(tl.int64) * N, offs, n_ok, HAS_BIAS)
+
+
 # ---- CUDA cores: prepared x, GEMV ------------------------------------------------------------------------------
 
 
@@ -258,9 +275,7 @@ def gate_up_gemv_kernel(xp_ptr, xr_ptr, w_ptr, s_ptr, bias_ptr, hp_ptr, hr_ptr, 
     pid 1-th expert hit, on CUDA cores; weights [E, 2F, ..] (gate rows, then up rows), x prepared, h written prepared
     (store_prepared) for down."""
     after_previous(PDL)
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs < F
-    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(F, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
     GPR = K // 32
     gate = tl.minimum(offs, F - 1).to(tl.int64) + e.to(tl.int64) * 2 * F  # [BLOCK_N] gate rows of expert e
     bias_g = bias_row(bias_ptr + e.to(tl.int64) * 2 * F, offs, n_ok, HAS_BIAS)
@@ -284,12 +299,9 @@ def down_gemv_kernel(hp_ptr, hr_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, offsets_ptr,
     """y[rows, n block] = h Wd[e]^T + bd[e] (float32) for output block pid 0 of the pid 1-th expert hit, on CUDA
     cores; weights [E, N, ..], h prepared."""
     after_previous(PDL)
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs < N
-    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
     GPR = K // 32
-    w_rows = (tl.minimum(offs, N - 1).to(tl.int64) + e.to(tl.int64) * N) * GPR
-    bias = bias_row(bias_ptr + e.to(tl.int64) * N, offs, n_ok, HAS_BIAS)
+    w_rows, bias = down_rows(offs, n_ok, e, N, GPR, bias_ptr, HAS_BIAS)
     for row0 in range(start, end, BLOCK_M):
         rows = row_tuple(row0, end, BLOCK_M)
         sums = gemv(hp_ptr, hr_ptr, rows, w_ptr, s_ptr, (w_rows,), GPR, HALF, BLOCK_M, 1, BLOCK_N, G, STAGES,
@@ -369,9 +381,7 @@ def gate_up_dot_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, offsets_pt
     hit, on tensor cores (16-bit x, rows by source_rows); weights [E, 2F, ..], h [rows, F] in x's dtype, its columns
     in pair order (so down loads its tiles contiguously)."""
     after_previous(PDL)
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs < F
-    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(F, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
     GPR = K // 32
     gate = tl.minimum(offs, F - 1).to(tl.int64) + e.to(tl.int64) * 2 * F
     g_rows, u_rows = gate * GPR, (gate + F) * GPR
@@ -406,12 +416,10 @@ def down_dot_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, offsets_ptr, counts_pt
     """y[rows, n block] = h Wd[e]^T + bd[e] (float32) for output block pid 0 of the pid 1-th expert hit, on tensor
     cores; weights [E, N, ..], h [rows, K] 16-bit in pair order (gate_up_dot_kernel)."""
     after_previous(PDL)
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs < N
-    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
     GPR = K // 32
-    w_rows = (tl.minimum(offs, N - 1).to(tl.int64) + e.to(tl.int64) * N) * GPR
-    bias = bias_row(bias_ptr + e.to(tl.int64) * N, offs, n_ok, HAS_BIAS)[None, :]
+    w_rows, bias = down_rows(offs, n_ok, e, N, GPR, bias_ptr, HAS_BIAS)
+    bias = bias[None, :]  # [1, BLOCK_N]
     dtype: tl.constexpr = h_ptr.dtype.element_ty
     for row0 in range(start, end, BLOCK_M):
         r = row0 + tl.arange(0, BLOCK_M)
