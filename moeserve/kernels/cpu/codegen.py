@@ -255,12 +255,21 @@ static void share(long n, int tid, int nth, long* lo, long* hi) {{
   *hi = n * (tid + 1) / nth;
 }}
 
-/* the next chunk of items for the calling thread from a shared counter: [*lo, *hi), 0 when none is left */
-static int next_chunk(atomic_long* counter, long n, long chunk, long* lo, long* hi) {{
-  *lo = atomic_fetch_add(counter, chunk);
-  if (*lo >= n) return 0;
-  *hi = *lo + chunk < n ? *lo + chunk : n;
-  return 1;
+/* guided: the next run of consecutive items, a share of what is left (at least `least`): early runs are long, so a
+   thread streams its weights as one run of memory the prefetchers follow; late runs are short, so threads end
+   together */
+static int next_run(atomic_long* counter, long n, int nth, long least, long* lo, long* hi) {{
+  long cur = atomic_load(counter);
+  for (;;) {{
+    if (cur >= n) return 0;
+    long c = (n - cur) / (2L * nth);
+    if (c < least) c = least;
+    if (atomic_compare_exchange_weak(counter, &cur, cur + c)) {{
+      *lo = cur;
+      *hi = cur + c < n ? cur + c : n;
+      return 1;
+    }}
+  }}
 }}
 
 /* every thread of the job waits here for the others (they are all running: a spin) */
@@ -314,14 +323,14 @@ int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, co
 typedef struct {{
   const float* const* xs; const int* ms; int ldx; const size_t* first; const float* xsum; int n_groups;
   const uint32_t* const* ws; const uint16_t* const* ss; const uint16_t* const* zs; int W, group; float* const* ys;
-  int ldy, n_tiles, gb; long jobs, chunk; atomic_long next;
+  int ldy, n_tiles, gb; long jobs; atomic_long next;
 }} batch_job;
 
 static void batch_part(void* p, int tid, int nth) {{
   batch_job* j = (batch_job*)p;
   long lo, hi;
-  (void)tid; (void)nth;
-  while (next_chunk(&j->next, j->jobs, j->chunk, &lo, &hi))  /* blocks differ in rows: dynamic */
+  (void)tid;
+  while (next_run(&j->next, j->jobs, nth, 1, &lo, &hi))  /* blocks differ in rows: guided */
     for (long job = lo; job < hi; job++) {{
       const int b = (int)(job / j->n_tiles), tile = (int)(job % j->n_tiles);
       output_tile(j->xs[b], j->ms[b], j->ldx, j->xsum + j->first[b] * j->n_groups, j->n_groups, j->ws[b], j->ss[b],
@@ -345,10 +354,10 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
   float* xsum = (float*)malloc(sizeof(float) * first[n] * n_groups);
   if (!xsum) {{ free(first); return 2; }}
   for (int b = 0; b < n; b++) row_sums(xs[b], ms[b], ldx, n_groups, group, xsum + first[b] * n_groups);
-  const int n_tiles = n_vectors / TILE_VECTORS, nth = threads > 1 ? threads : 1;
+  const int n_tiles = n_vectors / TILE_VECTORS;
   const long jobs = (long)n * n_tiles;
   batch_job j = {{xs, ms, ldx, first, xsum, n_groups, ws, ss, zs, in_features / 32 * {bits}, group, ys, ldy, n_tiles,
-                 kb / group < 1 ? 1 : kb / group, jobs, jobs / (4L * nth) > 1 ? jobs / (4L * nth) : 1, 0}};
+                 kb / group < 1 ? 1 : kb / group, jobs, 0}};
   parallel(batch_part, &j, threads);
   free(xsum);
   free(first);
@@ -373,13 +382,14 @@ typedef struct {{
    of `in` [R, ld_in] (their group sums in `sums`) into `out` [R, ld_out] */
 static void projection(moe_job* j, atomic_long* next, int tiles, const float* in, int ld_in, const float* sums, int ng,
                        const uint32_t* const* w, const uint16_t* const* s, const uint16_t* const* z, int W, float* out,
-                       int ld_out, int gb) {{
+                       int ld_out, int gb, int nth) {{
   long lo, hi;
-  while (next_chunk(next, (long)j->nb * tiles, 1, &lo, &hi)) {{
-    const int e = j->used[lo / tiles], tile = (int)(lo % tiles), r0 = j->first[e];
-    output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * ng, ng, w[e], s[e], z[e], W,
-                j->group, out + (size_t)r0 * ld_out, ld_out, tile * TILE_VECTORS, gb);
-  }}
+  while (next_run(next, (long)j->nb * tiles, nth, 1, &lo, &hi))
+    for (long job = lo; job < hi; job++) {{
+      const int e = j->used[job / tiles], tile = (int)(job % tiles), r0 = j->first[e];
+      output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * ng, ng, w[e], s[e], z[e],
+                  W, j->group, out + (size_t)r0 * ld_out, ld_out, tile * TILE_VECTORS, gb);
+    }}
 }}
 
 static void moe_part(void* p, int tid, int nth) {{
@@ -394,7 +404,7 @@ static void moe_part(void* p, int tid, int nth) {{
   }}
   barrier(&j->bar, nth);
   projection(j, &j->next_gu, j->tiles_gu, j->xs, j->D, j->xsum, j->ng_gu, j->gw, j->gs, j->gz, j->Wgu, j->h, j->ldh,
-             j->gb_gu);
+             j->gb_gu, nth);
   barrier(&j->bar, nth);
   share(j->R, tid, nth, &lo, &hi);
   for (long r = lo; r < hi; r++) {{
@@ -405,7 +415,7 @@ static void moe_part(void* p, int tid, int nth) {{
   }}
   barrier(&j->bar, nth);
   projection(j, &j->next_dn, j->tiles_dn, j->a, j->F, j->asum, j->ng_dn, j->dw, j->ds, j->dz, j->Wdn, j->y, j->ldy,
-             j->gb_dn);
+             j->gb_dn, nth);
   barrier(&j->bar, nth);
   share((j->D + 63) / 64, tid, nth, &lo, &hi);
   for (long c0 = lo * 64; c0 < hi * 64 && c0 < j->D; c0 += 64) {{
