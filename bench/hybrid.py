@@ -108,15 +108,18 @@ def quick_budget(resident: int, kv: int, expert_bytes: int) -> int:
     return int((resident + kv) / (1 - WORKSPACE_SHARE) + 20 * expert_bytes)
 
 
-def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int) -> HybridPlacement:
-    """The column's placement for `room` bytes of GPU memory left for experts (and the streaming ring)."""
+def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int,
+                 n_cpu_moe: int | None = None) -> HybridPlacement:
+    """The column's placement for `room` bytes of GPU memory left for experts (and the streaming ring); n_cpu_moe:
+    the static columns' CPU layers instead of the fewest that fit."""
     layers = spec.moe_layer_indices()
     room -= ring_slots(expert_bytes, spec.num_experts) * expert_bytes
     if column == "hybrid+cache":
         return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=max(room // expert_bytes, 0), threads=threads,
                                       bits=BITS, num_experts=spec.num_experts)
     resident = 0 if column == "cpu" else min(max(room // (spec.num_experts * expert_bytes), 0), len(layers))
-    return HybridPlacement.choose(layers, n_cpu_moe=len(layers) - resident, threads=threads, bits=BITS,
+    n = len(layers) - resident if column == "cpu" or n_cpu_moe is None else n_cpu_moe
+    return HybridPlacement.choose(layers, n_cpu_moe=n, threads=threads, bits=BITS,
                                   mixed=column == "hybrid+mixed")
 
 
@@ -142,7 +145,7 @@ def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_toke
 
 def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident_bytes) -> dict:
     expert_bytes = store.expert_bytes(True)
-    placement = placement_of(column, spec, room, expert_bytes, args.cpu_threads)
+    placement = placement_of(column, spec, room, expert_bytes, args.cpu_threads, args.n_cpu_moe)
     model = dense_model(spec, device, dtype)
     if args.dense_bits != 16:
         quantize_dense(model, args.dense_bits)
@@ -237,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
     ap.add_argument("--dense-bits", type=int, default=16, choices=(16, 8),
                     help="the dense part's linear layers: 16 (the compute dtype) or 8 (HQQ copies, --dense-bits 8)")
+    ap.add_argument("--n-cpu-moe", type=int, default=None,
+                    help="CPU layers of the hybrid and hybrid+mixed columns (default: the fewest that fit the budget; "
+                         "e.g. llama.cpp's own fit, or 0: every expert resident, the budget ignored)")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="held-out demo tokens for the mixed-precision cost")
     ap.add_argument("--sweep", default="8,16,32,64,128",
                     help="prompt lengths of the streaming threshold sweep (cpu column; empty: none)")
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
                                       "offload_tokens": args.offload_tokens, "cpu_threads": args.cpu_threads,
                                       "distinct_layers": args.distinct_layers, "dtype": str(dtype),
                                       "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-                                      "cuda_graph": not args.no_cuda_graph, "dense_bits": args.dense_bits}, device)
+                                      "cuda_graph": not args.no_cuda_graph, "dense_bits": args.dense_bits,
+                                      "n_cpu_moe": args.n_cpu_moe}, device)
     record.update({"rates": {"dram_read_bytes_per_s": rates["dram"], "hbm_bytes_per_s": rates["hbm"],
                              "h2d_bytes_per_s": bandwidth}, "shapes": results, "demo_mixed_precision": ppl})
     print(write_result(record, args.out))

@@ -14,7 +14,8 @@ With the model on the CPU the same steps run inline (no copies, no hand-off). A 
 least the placement's stream_from) computes its missed experts on the model device instead, each streamed there
 once (hybrid/stream.py): no CPU job. Where the runtime holds a device link (a GPU, every pair on the CPU's low-bit
 copy in one native call; cache slots looked up on the device), steps 1-5 are enqueued on the device instead and
-the host never waits (hybrid/link.py); the cache is then kept between steps (hybrid/cache.py).
+the host never waits (hybrid/link.py); mixed precision's skips are then chosen on the device too, and the cache is
+kept between steps (hybrid/cache.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class HybridExperts(ExpertBackend):
         if self._linked(x):  # asked and waited for on the device: no host wait, capturable
             slot = rt.cache.device_slots(self.layer, expert_ids) if rt.cache is not None else None  # [T, k] or -1
             cpu_ids = expert_ids if slot is None else torch.where(slot >= 0, -1, expert_ids)  # [T, k] -1: cached
+            skip = rt.linked_skips(expert_weights)  # [T, k] bool (mixed precision) or None
+            if skip is not None:  # skipped pairs run nowhere
+                cpu_ids = torch.where(skip, -1, cpu_ids)
+                slot = None if slot is None else torch.where(skip, -1, slot)
             rt.link.ask(self.layer, x, cpu_ids, expert_weights)
             cached = rt.cache.linked_pass(x, expert_weights, slot) if slot is not None else None  # [T, D]
             shared = dense(x) if dense is not None else None  # [T, D], while the CPU computes

@@ -9,8 +9,9 @@ Per layer call of T tokens, all enqueued on the current stream:
   3. the caller may enqueue more device work here (the shared expert overlaps the CPU);
   4. a one-program kernel spins on the answer word until it reaches the counter, then the output [T, D] is copied
      back to the device.
-The link serves layers whose every CPU pair runs from the low-bit copy in one native call (no mixed precision)
-and calls of at most `rows` tokens; others take the host path (hybrid/experts.py). With a GPU cache, the pairs its
+The link serves layers whose every CPU pair runs from the low-bit copy in one native call (mixed precision can
+only skip pairs there: they go with expert id -1) and calls of at most `rows` tokens; others take the host path
+(hybrid/experts.py). With a GPU cache, the pairs its
 slots hold go to the CPU with expert id -1 (skipped there) and run on the device meanwhile (hybrid/cache.py).
 """
 
@@ -89,8 +90,8 @@ class DeviceLink:
         return bool(self.status[0])
 
     def pairs(self) -> tuple[int, int, int]:
-        """((token, expert) pairs the CPU computed over the link, the linked calls' other pairs (a GPU cache slot's),
-        calls answered with zeros for a bad table entry)."""
+        """((token, expert) pairs the CPU computed over the link, the linked calls' other pairs (a GPU cache slot's,
+        or skipped), calls answered with zeros for a bad table entry)."""
         _, rows, errors, cpu = self.cpu.counts()
         return cpu, rows * self.top_k - cpu, errors
 

@@ -18,7 +18,7 @@ from moeserve.kernels.cpu import pool
 from moeserve.kernels.cpu.machine import physical_cores
 from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
-from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, choose_precision
+from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, SKIP, choose_precision
 from moeserve.offload.store import ExpertStore
 
 # microseconds an idle native helper thread spins before it sleeps: with a GPU, longer than the GPU's part of a layer
@@ -52,8 +52,8 @@ class HybridRuntime:
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
         .warm) rather than at its first token; stream: stream prompts' experts to the model device (default: on a
         GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on the low-bit copy (no mixed
-        precision; cache slots the Triton kernels read) the CPU experts are driven from the device (hybrid/link.py)
-        and a cache is kept between steps (before_step, the model's step hook)."""
+        precision, or mixed precision's skips alone; cache slots the Triton kernels read) the CPU experts are driven
+        from the device (hybrid/link.py) and a cache is kept between steps (before_step, the model's step hook)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -78,7 +78,7 @@ class HybridRuntime:
             slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
             self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
         self.link: DeviceLink | None = None
-        if threaded and device.type == "cuda" and placement.low and not placement.mixed and placement.cpu_layers \
+        if threaded and device.type == "cuda" and placement.low and placement.cpu_layers \
                 and link_wanted() and (self.cache is None or self.cache.device_serves(
                     torch.empty(LINK_ROWS, store.meta["hidden"], device=device, dtype=dtype), LINK_ROWS)):
             # the CPU thread on the caller's core, computing with helpers on all but the last core (left to the
@@ -87,6 +87,8 @@ class HybridRuntime:
                                    cores[0] if cores else -1, spin_us(device.type))
             if self.link is not None and self.cache is not None:
                 self.cache.link(LINK_ROWS * top_k)
+        # linked calls' skipped pairs, counted on the device (graph replays run no Python)
+        self.linked_skipped = torch.zeros((), dtype=torch.int64, device=device) if self.link is not None else None
         self.stats = HybridStats()
 
     def before_step(self) -> None:
@@ -109,6 +111,16 @@ class HybridRuntime:
         """expert_weights [T, k] (host) -> [T, k] HIGH / LOW / SKIP by HOBBIT's rule with mixed precision; None
         without it (every pair at the run's precision)."""
         return choose_precision(expert_weights, self.t1, self.t2) if self.placement.mixed else None
+
+    def linked_skips(self, expert_weights: torch.Tensor) -> torch.Tensor | None:
+        """expert_weights [T, k] (device) -> [T, k] bool: the pairs mixed precision skips, chosen on the device and
+        counted there; None without mixed precision. A low-bit run's other pairs all read the low-bit copy, so over
+        the device link the rule only skips."""
+        if not self.placement.mixed:
+            return None
+        skip = choose_precision(expert_weights, self.t1, self.t2) == SKIP  # [T, k]
+        self.linked_skipped.add_(skip.sum())
+        return skip
 
     def low_copy(self, choice: torch.Tensor | None) -> torch.Tensor | bool:
         """Which pairs read the store's low-bit copy: all in a low-bit run, else mixed precision's LOW choices."""
@@ -135,10 +147,12 @@ class HybridRuntime:
         cpu_pairs; raises if the link's CPU end failed a call (its outputs were wrong)."""
         if self.link is None:
             return replace(self.stats)
-        cpu, gpu, errors = self.link.pairs()
+        cpu, other, errors = self.link.pairs()
         if errors or self.link.failed():
             raise RuntimeError("the device link's CPU end did not answer every call: outputs are wrong")
-        return replace(self.stats, cpu_pairs=self.stats.cpu_pairs + cpu, gpu_pairs=self.stats.gpu_pairs + gpu)
+        skipped = int(self.linked_skipped)
+        return replace(self.stats, cpu_pairs=self.stats.cpu_pairs + cpu,
+                       gpu_pairs=self.stats.gpu_pairs + other - skipped, skipped=self.stats.skipped + skipped)
 
     def summary(self) -> dict:
         totals = self.totals()

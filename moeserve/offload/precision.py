@@ -15,15 +15,14 @@ HOBBIT_T1, HOBBIT_T2 = 0.6, 0.9
 
 
 def choose_precision(weights: torch.Tensor, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2) -> torch.Tensor:
-    """weights [T, k] gate weights of the selected experts -> [T, k] HIGH / LOW / SKIP per expert."""
+    """weights [T, k] gate weights of the selected experts -> [T, k] HIGH / LOW / SKIP per expert (long, on the
+    weights' device; no host sync, so a CUDA graph may capture it)."""
     if not 0 <= t1 <= t2:
         raise ValueError(f"thresholds must satisfy 0 <= T1 <= T2, got T1={t1}, T2={t2}")
     g = weights.float() / weights.float().sum(-1, keepdim=True).clamp_min(1e-12)  # [T, k]
     order = torch.argsort(g, dim=-1, descending=True)
     ranked = torch.gather(g, -1, order)
     unimportance = torch.cumsum(ranked, -1) - ranked  # s_i = sum_{j<i} g_j, [T, k]
-    choice = torch.full_like(order, LOW)
-    choice[unimportance <= t1] = HIGH
-    choice[unimportance > t2] = SKIP
+    choice = torch.where(unimportance <= t1, HIGH, torch.where(unimportance > t2, SKIP, LOW))  # [T, k] ranked
     choice[:, 0] = HIGH  # the top-1 expert is always high precision
     return torch.empty_like(choice).scatter_(-1, order, choice)  # back to the input order

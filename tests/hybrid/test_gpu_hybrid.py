@@ -18,12 +18,12 @@ from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def hybrid_model(path, placement, dtype):
+def hybrid_model(path, placement, dtype, **options):
     stored = set(store_layers(placement))
     model = moeserve.load_model(path, device="cuda", dtype=dtype,
                                 routed_experts=[i for i in placement.moe_layers if i not in stored])
     store = build_store(path, placement, model.dtype, model.device, progress=False)
-    return model, enable_hybrid(model, store, placement)
+    return model, enable_hybrid(model, store, placement, **options)
 
 
 def moe_layers(path) -> list[int]:
@@ -137,27 +137,31 @@ def test_gpu_wait_for_host_holds_the_stream_and_gives_up():
 
 
 # families whose tiny experts the generated kernels read (sizes multiples of 32); qwen2_moe: a shared expert
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_gpu_linked_decode_is_one_graph_and_equals_the_host_path(hf_checkpoints, family, monkeypatch):
+@pytest.mark.parametrize("family,mixed", [("qwen3_moe", False), ("qwen2_moe", False), ("qwen3_moe", True)])
+def test_gpu_linked_decode_is_one_graph_and_equals_the_host_path(hf_checkpoints, family, mixed, monkeypatch):
     """Low-bit CPU experts over the device link: the decode step has no host layer (one CUDA graph), and greedy
     generation (batch 1 and 3) gives the tokens of the host path (MOESERVE_DEVICE_LINK=0, segmented graphs); the
-    runtime counts the linked pairs."""
+    runtime counts the linked pairs. With mixed precision the device skips the pairs the host path skips (the same
+    count)."""
     from moeserve.engine.cuda_graph import host_layers
     path = hf_checkpoints[family][1]
     prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 9, 3)]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    runs = []
+    runs, skipped = [], []
     for link in ("1", "0"):
         monkeypatch.setenv("MOESERVE_DEVICE_LINK", link)
         layers = moe_layers(path)
-        model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, bits=4), "float32")
+        model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, bits=4, mixed=mixed),
+                                      "float32", t1=0.3, t2=0.55)  # random top-2: skips often
         assert (runtime.link is not None) == (link == "1")
         assert (host_layers(model, 1) == []) == (link == "1")
         runs.append([[g.token_ids for g in generate(model, p, params)] for p in (prompts[:1], prompts)])
         summary = runtime.summary()
         assert summary.get("linked_pairs", 0) > 0 if link == "1" else "linked_pairs" not in summary
+        skipped.append(summary["skipped"])
         runtime.close()
     assert runs[0] == runs[1]
+    assert skipped[0] == skipped[1] and (skipped[0] > 0) == mixed
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
