@@ -15,16 +15,17 @@ import functools
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from moeserve.kernels.cpu import build, codegen, pool, tuning
-from moeserve.kernels.cpu.machine import ISAS, cpu_info
+from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
 from moeserve.kernels.pack import pack, units_from_planar
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
+TILE_SEARCH_BYTES = 256 << 20  # the tile search's weights: beyond the last-level caches of today's CPUs
 
 
 @dataclass
@@ -183,27 +184,47 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
 # ---- tuning: the register tile is measured with the kernel itself (tuning.py holds the model and the store)
 
 
-def search_tile(isa: str, in_features: int = 4096, out_features: int = 2048, repeats: int = 5) -> tuple[int, int]:
-    """Time each candidate tile (4-bit, 1 and 8 rows) and keep the one with the lowest summed time."""
+def search_tile(isa: str, repeats: int = 24) -> tuple[int, int]:
+    """Time each candidate tile (4-bit) on what a hybrid decode step runs: `moe_layer` over a layer of eight small
+    experts (hidden 2048, FFN 768: Qwen3-30B-A3B's), every expert on 1 and on 4 rows, weights read from DRAM (copies
+    of the layer beyond the last-level cache, rotated), threads on every physical core; keep the lowest sum of the
+    times per row.
+    Weights held in cache would reward the tiles with more rows (compute-bound there), which can read DRAM slower at
+    one row; big and small experts rank tiles differently too (docs/kernels.md)."""
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
-    scale = torch.rand(out_features, in_features // 64, generator=g) * 0.01
-    zero = torch.rand(out_features, in_features // 64, generator=g) * 15
+    experts, hidden, ffn = 8, 2048, 768
+
+    def weight(out_f: int, in_f: int):
+        return (torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8),
+                torch.rand(out_f, in_f // 64, generator=g) * 0.01, torch.rand(out_f, in_f // 64, generator=g) * 15)
+
+    weights = [(weight(2 * ffn, hidden), weight(hidden, ffn)) for _ in range(experts)]
+    threads = len(physical_cores())
     timings = {}
     for rows, vectors in tuning.register_tiles(isa):
         kernel = CpuKernel(isa, 4, rows, vectors)
-        packed = pack_for_cpu(codes, scale, zero, 4, 64, kernel)
+        gate_up = [pack_for_cpu(*gu, 4, 64, kernel) for gu, _ in weights]
+        down = [pack_for_cpu(*dn, 4, 64, kernel) for _, dn in weights]
+        layer_bytes = sum(p.nbytes for p in gate_up + down)
+        copy = lambda p: replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone())  # noqa: E731
+        layers = [LayerExperts.of(gate_up, down)] + [
+            LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down])
+            for _ in range(TILE_SEARCH_BYTES // layer_bytes)]
         total = 0.0
-        for m in (1, 8):
-            x = torch.randn(m, in_features, generator=g)
-            kernel(x, packed)  # warm
-            best = float("inf")
-            for _ in range(repeats):
+        for m in (1, 4):
+            x = torch.randn(m, hidden, generator=g)
+            ids = torch.arange(experts).repeat(m, 1)  # [m, experts]: each expert on every row
+            gates = torch.rand(m, experts, generator=g)
+            for layer in layers[:2]:
+                moe_layer(kernel, layer, x, ids, gates, threads=threads)  # warm: the pool's threads, the code
+            times = []
+            for i in range(repeats):
                 t = time.perf_counter()
-                kernel(x, packed)
-                best = min(best, time.perf_counter() - t)
-            total += best
+                moe_layer(kernel, layers[i % len(layers)], x, ids, gates, threads=threads)
+                times.append(time.perf_counter() - t)
+            total += sorted(times)[len(times) // 2] / m  # per row: a decode step's one row weighs most
         timings[f"{rows}x{vectors}"] = round(total * 1e3, 4)
+        del layers, gate_up, down
     best = min(timings, key=timings.get)
     tile = tuple(int(v) for v in best.split("x"))
     tuning.store_tile(isa, tile, timings)

@@ -4,8 +4,9 @@ and the input block from the L1 size.
 
 Register tile (m_u rows x t_u output vectors): m_u broadcasts of x, t_u weight vectors and two
 accumulator sets (per group and total, for the s_g (<x,q> - z <x,1>) factorisation) must fit:
-m_u + 2 m_u t_u + t_u <= vector registers. The non-dominated tiles are timed on a 4-bit matrix at 1
-and 8 rows and the fastest is stored in `cache_dir()/tuning.json` under the CPU model and ISA.
+m_u + 2 m_u t_u + t_u <= vector registers. The non-dominated tiles are timed on 4-bit weights read from
+DRAM at 1 and 4 rows (hybrid decoding's case) and the fastest is stored in `cache_dir()/tuning.json`
+under the CPU model and ISA.
 
 Cache block (m_b inputs x t_b outputs): 32 m_b + b m_b t_b + 32 t_b <= L1 bits, t_b = the tile's outputs,
 m_b a multiple of the group size.
@@ -21,6 +22,7 @@ from moeserve.kernels.cpu.machine import ISAS, cpu_info
 
 MAX_TILE_VECTORS = 4
 MAX_TILE_ROWS = 8
+TILE_SEARCH = "dram, 1+4 rows"  # what the stored tiles were timed on: other entries are measured again
 
 
 def register_tiles(isa: str) -> list[tuple[int, int]]:
@@ -43,8 +45,11 @@ def _tuning_file():
 
 
 def stored_tile(isa: str) -> tuple[int, int] | None:
+    """The tile stored for this CPU model and ISA by the current search (TILE_SEARCH), else None."""
     try:
         entry = json.loads(_tuning_file().read_text())[cpu_info().model][isa]
+        if entry.get("search") != TILE_SEARCH:
+            return None
         return int(entry["rows"]), int(entry["vectors"])
     except (OSError, KeyError, ValueError, TypeError):
         return None
@@ -57,7 +62,8 @@ def store_tile(isa: str, tile: tuple[int, int], timings: dict) -> None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
-    data.setdefault(cpu_info().model, {})[isa] = {"rows": tile[0], "vectors": tile[1], "timings_ms": timings}
+    data.setdefault(cpu_info().model, {})[isa] = {"rows": tile[0], "vectors": tile[1], "timings_ms": timings,
+                                                  "search": TILE_SEARCH}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
