@@ -25,7 +25,7 @@ from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
 from moeserve.kernels.pack import pack, units_from_planar
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
-TILE_SEARCH_BYTES = 256 << 20  # the tile search's weights: beyond the last-level caches of today's CPUs
+TILE_SEARCH_BYTES = 160 << 20  # the tile search's weights per tile: beyond the last-level caches of today's CPUs
 
 
 @dataclass
@@ -184,13 +184,13 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
 # ---- tuning: the register tile is measured with the kernel itself (tuning.py holds the model and the store)
 
 
-def search_tile(isa: str, repeats: int = 24) -> tuple[int, int]:
+def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
     """Time each candidate tile (4-bit) on what a hybrid decode step runs: `moe_layer` over a layer of eight small
     experts (hidden 2048, FFN 768: Qwen3-30B-A3B's), every expert on 1 and on 4 rows, weights read from DRAM (copies
-    of the layer beyond the last-level cache, rotated), threads on every physical core; keep the lowest sum of the
-    times per row.
-    Weights held in cache would reward the tiles with more rows (compute-bound there), which can read DRAM slower at
-    one row; big and small experts rank tiles differently too (docs/kernels.md)."""
+    of the layer beyond the last-level cache, rotated), the pool's helpers pinned one per physical core as a hybrid
+    run pins them; the tiles take turns, `rounds` rounds of `repeats` calls, so a passing state of the machine
+    weighs on all alike. Keeps the lowest sum of the median times per row. Weights held in cache would reward the
+    tiles with more rows (compute-bound there), which can read DRAM slower at one row (docs/kernels.md)."""
     g = torch.Generator().manual_seed(0)
     experts, hidden, ffn = 8, 2048, 768
 
@@ -198,33 +198,33 @@ def search_tile(isa: str, repeats: int = 24) -> tuple[int, int]:
         return (torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8),
                 torch.rand(out_f, in_f // 64, generator=g) * 0.01, torch.rand(out_f, in_f // 64, generator=g) * 15)
 
+    def copy(p: PackedForCpu) -> PackedForCpu:
+        return replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone())
+
     weights = [(weight(2 * ffn, hidden), weight(hidden, ffn)) for _ in range(experts)]
-    threads = len(physical_cores())
-    timings = {}
-    for rows, vectors in tuning.register_tiles(isa):
-        kernel = CpuKernel(isa, 4, rows, vectors)
+    cores = physical_cores()
+    pool.configure(cores)  # helpers started from here on: pinned, as HybridRuntime pins them
+    inputs = {m: (torch.randn(m, hidden, generator=g), torch.arange(experts).repeat(m, 1),  # [m, D], [m, E], [m, E]
+                  torch.rand(m, experts, generator=g)) for m in (1, 4)}  # every expert on every row
+    candidates = {}
+    for tile in tuning.register_tiles(isa):
+        kernel = CpuKernel(isa, 4, *tile)
         gate_up = [pack_for_cpu(*gu, 4, 64, kernel) for gu, _ in weights]
         down = [pack_for_cpu(*dn, 4, 64, kernel) for _, dn in weights]
-        layer_bytes = sum(p.nbytes for p in gate_up + down)
-        copy = lambda p: replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone())  # noqa: E731
-        layers = [LayerExperts.of(gate_up, down)] + [
-            LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down])
-            for _ in range(TILE_SEARCH_BYTES // layer_bytes)]
-        total = 0.0
-        for m in (1, 4):
-            x = torch.randn(m, hidden, generator=g)
-            ids = torch.arange(experts).repeat(m, 1)  # [m, experts]: each expert on every row
-            gates = torch.rand(m, experts, generator=g)
-            for layer in layers[:2]:
-                moe_layer(kernel, layer, x, ids, gates, threads=threads)  # warm: the pool's threads, the code
-            times = []
-            for i in range(repeats):
-                t = time.perf_counter()
-                moe_layer(kernel, layers[i % len(layers)], x, ids, gates, threads=threads)
-                times.append(time.perf_counter() - t)
-            total += sorted(times)[len(times) // 2] / m  # per row: a decode step's one row weighs most
-        timings[f"{rows}x{vectors}"] = round(total * 1e3, 4)
-        del layers, gate_up, down
+        n = max(2, TILE_SEARCH_BYTES // sum(p.nbytes for p in gate_up + down))
+        candidates[tile] = (kernel, [LayerExperts.of(gate_up, down)] + [
+            LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down]) for _ in range(n - 1)])
+    times = {(tile, m): [] for tile in candidates for m in inputs}
+    for r in range(rounds):
+        for tile, (kernel, layers) in candidates.items():
+            for m, (x, ids, gates) in inputs.items():
+                for i in range(repeats + (r == 0)):  # the first call of a tile warms its code and the helpers
+                    t = time.perf_counter()
+                    moe_layer(kernel, layers[i % len(layers)], x, ids, gates, threads=len(cores))
+                    if r or i:
+                        times[tile, m].append(time.perf_counter() - t)
+    median = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    timings = {f"{t[0]}x{t[1]}": round(1e3 * sum(median[t, m] / m for m in inputs), 4) for t in candidates}
     best = min(timings, key=timings.get)
     tile = tuple(int(v) for v in best.split("x"))
     tuning.store_tile(isa, tile, timings)

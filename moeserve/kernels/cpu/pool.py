@@ -132,11 +132,11 @@ static void wait_done(int count) {
 }
 
 /* cpu list: helper h pinned to cpus[h] (cpus[0]: the caller's, left alone); spin: microseconds an idle helper
-   spins before it sleeps. */
+   spins before it sleeps (negative: unchanged). */
 void mp_configure(const int* cpu_list, int n, long spin_us) {
   n_cpus = n < MAX_HELPERS + 1 ? n : MAX_HELPERS + 1;
   for (int i = 0; i < n_cpus; i++) cpus[i] = cpu_list[i];
-  spin_ns = spin_us * 1000L;
+  if (spin_us >= 0) spin_ns = spin_us * 1000L;
 }
 
 /* fn(ctx, tid, nth) for every tid < nth, the caller as tid 0; returns when all are done. */
@@ -187,11 +187,12 @@ def entry_points() -> tuple[int, int, int]:
     return tuple(ctypes.cast(getattr(dll, name), ctypes.c_void_p).value for name in ("mp_run", "mp_start", "mp_wait"))
 
 
-def configure(cpus: list[int], spin_us: int) -> None:
+def configure(cpus: list[int], spin_us: int | None = None) -> None:
     """Pin helper h to cpus[h] (cpus[0] is the calling thread's, not pinned; fewer cpus: the rest unpinned) and let
-    idle helpers spin spin_us microseconds before they sleep. Applies to helpers started from now on (spin: to all)."""
+    idle helpers spin spin_us microseconds before they sleep (None: as before). Applies to helpers started from now
+    on (spin: to all)."""
     arr = (ctypes.c_int * max(len(cpus), 1))(*cpus)
-    library().mp_configure(arr, len(cpus), spin_us)
+    library().mp_configure(arr, len(cpus), -1 if spin_us is None else spin_us)
 
 
 def helpers() -> int:
