@@ -156,8 +156,8 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     _, step, per_token = run(model, spec, args.prompt, args.new_tokens + args.warmup, args.warmup,
                              args.prompt + args.new_tokens + args.warmup + 1 if demo else None, device, stats,
                              not args.no_cuda_graph, cpu_layers)
-    warm = min(args.prefill, 64)  # compiles and sizes the prompt path (kernels, buffers) before it is timed
-    run(model, spec, warm, 1, 0, warm if demo else None, device, stats, layers=cpu_layers)
+    # the prompt path at the timed length first: compiles, tunes (a first use of a token count) and sizes it
+    run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats, layers=cpu_layers)
     before = runtime.summary().get("bytes_streamed", 0)
     prefill, _, _ = run(model, spec, args.prefill, 1, 0, args.prefill if demo else None, device, stats,
                         layers=cpu_layers)

@@ -63,10 +63,13 @@ def _with_newest_shapes(old: dict | None, new: dict) -> dict:
     other's rows of columns it lacks; each shape keeps the date and commit it was measured at, and a row from the
     other run names its commit."""
     for rec in (old, new):
+        dense8 = rec is not None and rec["config"].get("dense_bits", 16) == 8  # another column than bf16's
         for shape in (rec["shapes"] if rec else {}).values():
             shape.setdefault("measured", _measured(rec))
             for row in shape["rows"]:
                 row.setdefault("commit", rec["git"]["commit"][:8])
+                if dense8 and not row["column"].endswith("+dense8"):
+                    row["column"] += "+dense8"
     if old is None:
         return new
     newer, older = (new, old) if new["date"] > old["date"] else (old, new)

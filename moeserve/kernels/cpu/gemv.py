@@ -25,7 +25,7 @@ from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
 from moeserve.kernels.pack import pack, units_from_planar
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
-TILE_SEARCH_BYTES = 160 << 20  # the tile search's weights per tile: beyond the last-level caches of today's CPUs
+TILE_SEARCH_BYTES = 512 << 20  # the tile search's weights: beyond the last-level caches of today's CPUs (300 MiB)
 
 
 @dataclass
@@ -186,13 +186,13 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
 
 def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
     """Time each candidate tile (4-bit) on what a hybrid decode step runs: `moe_layer` over a layer of eight small
-    experts (hidden 2048, FFN 768: Qwen3-30B-A3B's), every expert on 1 and on 4 rows, weights read from DRAM (copies
-    of the layer beyond the last-level cache, rotated), the pool's helpers pinned one per physical core as a hybrid
-    run pins them; the tiles take turns, `rounds` rounds of `repeats` calls, so a passing state of the machine
+    experts (hidden 2304, FFN 768: about Qwen3-30B-A3B's), every expert on 1 and on 4 rows, weights read from DRAM
+    (copies of the layer beyond the last-level cache, rotated), the pool's helpers pinned one per physical core as a
+    hybrid run pins them; the tiles take turns, `rounds` rounds of `repeats` calls, so a passing state of the machine
     weighs on all alike. Keeps the lowest sum of the median times per row. Weights held in cache would reward the
     tiles with more rows (compute-bound there), which can read DRAM slower at one row (docs/kernels.md)."""
     g = torch.Generator().manual_seed(0)
-    experts, hidden, ffn = 8, 2048, 768
+    experts, hidden, ffn = 8, 2304, 768  # multiples of every tile's rows: one copy of the weights serves every tile
 
     def weight(out_f: int, in_f: int):
         return (torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8),
@@ -201,26 +201,25 @@ def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
     def copy(p: PackedForCpu) -> PackedForCpu:
         return replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone())
 
-    weights = [(weight(2 * ffn, hidden), weight(hidden, ffn)) for _ in range(experts)]
     cores = physical_cores()
     pool.configure(cores)  # helpers started from here on: pinned, as HybridRuntime pins them
+    candidates = {tile: CpuKernel(isa, 4, *tile) for tile in tuning.register_tiles(isa)}
+    first = next(iter(candidates.values()))
+    gate_up = [pack_for_cpu(*weight(2 * ffn, hidden), 4, 64, first) for _ in range(experts)]
+    down = [pack_for_cpu(*weight(hidden, ffn), 4, 64, first) for _ in range(experts)]
+    n = max(2, TILE_SEARCH_BYTES // sum(p.nbytes for p in gate_up + down))
+    layers = [LayerExperts.of(gate_up, down)] + [
+        LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down]) for _ in range(n - 1)]
     inputs = {m: (torch.randn(m, hidden, generator=g), torch.arange(experts).repeat(m, 1),  # [m, D], [m, E], [m, E]
                   torch.rand(m, experts, generator=g)) for m in (1, 4)}  # every expert on every row
-    candidates = {}
-    for tile in tuning.register_tiles(isa):
-        kernel = CpuKernel(isa, 4, *tile)
-        gate_up = [pack_for_cpu(*gu, 4, 64, kernel) for gu, _ in weights]
-        down = [pack_for_cpu(*dn, 4, 64, kernel) for _, dn in weights]
-        n = max(2, TILE_SEARCH_BYTES // sum(p.nbytes for p in gate_up + down))
-        candidates[tile] = (kernel, [LayerExperts.of(gate_up, down)] + [
-            LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down]) for _ in range(n - 1)])
-    times = {(tile, m): [] for tile in candidates for m in inputs}
+    times, calls = {(tile, m): [] for tile in candidates for m in inputs}, 0
     for r in range(rounds):
-        for tile, (kernel, layers) in candidates.items():
+        for tile, kernel in candidates.items():
             for m, (x, ids, gates) in inputs.items():
                 for i in range(repeats + (r == 0)):  # the first call of a tile warms its code and the helpers
+                    layer, calls = layers[calls % len(layers)], calls + 1  # every call on the next copy
                     t = time.perf_counter()
-                    moe_layer(kernel, layers[i % len(layers)], x, ids, gates, threads=len(cores))
+                    moe_layer(kernel, layer, x, ids, gates, threads=len(cores))
                     if r or i:
                         times[tile, m].append(time.perf_counter() - t)
     median = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
