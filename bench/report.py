@@ -40,7 +40,7 @@ def _variant(rec: dict) -> str:
         return ""
     if rec["name"] == "serve":
         return serve_model(rec["config"])
-    keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits")
+    keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits", "batch")
     return json.dumps([rec["config"].get(k) for k in keys])
 
 
@@ -63,13 +63,14 @@ def _with_newest_shapes(old: dict | None, new: dict) -> dict:
     other's rows of columns it lacks; each shape keeps the date and commit it was measured at, and a row from the
     other run names its commit."""
     for rec in (old, new):
-        dense8 = rec is not None and rec["config"].get("dense_bits", 16) == 8  # another column than bf16's
         for shape in (rec["shapes"] if rec else {}).values():
             shape.setdefault("measured", _measured(rec))
             for row in shape["rows"]:
                 row.setdefault("commit", rec["git"]["commit"][:8])
-                if dense8 and not row["column"].endswith("+dense8"):
-                    row["column"] += "+dense8"
+    if new["config"].get("dense_bits", 16) == 8:  # another column than bf16's (`old` merged runs already labelled)
+        for shape in new["shapes"].values():
+            for row in shape["rows"]:
+                row["column"] += "+dense8"
     if old is None:
         return new
     newer, older = (new, old) if new["date"] > old["date"] else (old, new)
@@ -354,7 +355,7 @@ def _lowbit_experts(c: dict) -> str:
 
 def lowbit_decode_table(rec: dict) -> list[str]:
     c = rec["config"]
-    lines = [f"**Decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch 1** "
+    lines = [f"**Decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch {c.get('batch', 1)}** "
              f"(random weights, resident; floor {rec['floor_tokens_per_s']:.0f} tok/s = HBM bandwidth / "
              f"{rec['weight_bytes_per_token'] / 1e9:.1f} GB read per token; {_source(rec)})", "",
              "| run | tokens/s | share of floor |", "|---|---:|---:|"]
@@ -490,7 +491,7 @@ def headline(runs: list[dict]) -> list[str]:
         best = rec["results"].get("cuda_graph")
         if best and "tokens_per_s" in best:
             c = rec["config"]
-            rows.append((f"decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch 1, CUDA graph",
+            rows.append((f"decode, Mixtral-8x7B shape, {_lowbit_experts(c)}, batch {c.get('batch', 1)}, CUDA graph",
                          f"{best['tokens_per_s']:.0f} tok/s",
                          f"floor {rec['floor_tokens_per_s']:.0f} tok/s "
                          f"({best['tokens_per_s'] / rec['floor_tokens_per_s']:.0%})", _when(rec)))

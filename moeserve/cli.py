@@ -123,7 +123,7 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                         "--gpu-memory: the memory the plan leaves)")
     h.add_argument("--cache-policy", default="hobbit", metavar="NAME",
                    help="what --gpu-cache-experts keeps where the host sees each layer call (float experts, "
-                        "--mixed-precision, no GPU): lru, hobbit (default: recency, frequency, precision and layer "
+                        "no GPU): lru, hobbit (default: recency, frequency, precision and layer "
                         "distance) or static (the most used experts: the placement settles)")
     h.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores)")
@@ -135,7 +135,8 @@ def _hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
     _dense_bits_arg(h)
     h.add_argument("--mixed-precision", action="store_true",
                    help="HOBBIT's per-token rule for the experts: by gate weight each runs at full precision, 4-bit "
-                        "(or the store's low bits) or is skipped (T1 0.6, T2 0.9); default off: exact output")
+                        "(or the store's low bits) or is skipped (T1 0.6, T2 0.9; with --experts-bits B < 16 it only "
+                        "skips, chosen on the GPU); default off: exact output")
     h.add_argument("--stream-from", type=int, default=None, metavar="T",
                    help=f"a prompt (layer call) of T or more tokens copies the CPU layers' experts it needs to the GPU "
                         f"and computes them there, where many rows are cheap (default {STREAM_FROM}; 0: prompts run "
