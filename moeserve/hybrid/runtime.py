@@ -116,9 +116,10 @@ class HybridRuntime:
         """expert_weights [T, k] (device) -> [T, k] bool: the pairs mixed precision skips, chosen on the device and
         counted there; None without mixed precision. A low-bit run's other pairs all read the low-bit copy, so over
         the device link the rule only skips."""
-        if not self.placement.mixed:
+        choice = self.choose(expert_weights)  # [T, k] or None
+        if choice is None:
             return None
-        skip = choose_precision(expert_weights, self.t1, self.t2) == SKIP  # [T, k]
+        skip = choice == SKIP  # [T, k]
         self.linked_skipped.add_(skip.sum())
         return skip
 

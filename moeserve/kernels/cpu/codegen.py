@@ -255,15 +255,15 @@ static void share(long n, int tid, int nth, long* lo, long* hi) {{
   *hi = n * (tid + 1) / nth;
 }}
 
-/* guided: the next run of consecutive items, a share of what is left (at least `least`): early runs are long, so a
+/* guided: the next run of consecutive items, a share of what is left (at least one): early runs are long, so a
    thread streams its weights as one run of memory the prefetchers follow; late runs are short, so threads end
    together */
-static int next_run(atomic_long* counter, long n, int nth, long least, long* lo, long* hi) {{
+static int next_run(atomic_long* counter, long n, int nth, long* lo, long* hi) {{
   long cur = atomic_load(counter);
   for (;;) {{
     if (cur >= n) return 0;
     long c = (n - cur) / (2L * nth);
-    if (c < least) c = least;
+    if (c < 1) c = 1;
     if (atomic_compare_exchange_weak(counter, &cur, cur + c)) {{
       *lo = cur;
       *hi = cur + c < n ? cur + c : n;
@@ -330,7 +330,7 @@ static void batch_part(void* p, int tid, int nth) {{
   batch_job* j = (batch_job*)p;
   long lo, hi;
   (void)tid;
-  while (next_run(&j->next, j->jobs, nth, 1, &lo, &hi))  /* blocks differ in rows: guided */
+  while (next_run(&j->next, j->jobs, nth, &lo, &hi))  /* blocks differ in rows: guided */
     for (long job = lo; job < hi; job++) {{
       const int b = (int)(job / j->n_tiles), tile = (int)(job % j->n_tiles);
       output_tile(j->xs[b], j->ms[b], j->ldx, j->xsum + j->first[b] * j->n_groups, j->n_groups, j->ws[b], j->ss[b],
@@ -384,7 +384,7 @@ static void projection(moe_job* j, atomic_long* next, int tiles, const float* in
                        const uint32_t* const* w, const uint16_t* const* s, const uint16_t* const* z, int W, float* out,
                        int ld_out, int gb, int nth) {{
   long lo, hi;
-  while (next_run(next, (long)j->nb * tiles, nth, 1, &lo, &hi))
+  while (next_run(next, (long)j->nb * tiles, nth, &lo, &hi))
     for (long job = lo; job < hi; job++) {{
       const int e = j->used[job / tiles], tile = (int)(job % tiles), r0 = j->first[e];
       output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * ng, ng, w[e], s[e], z[e],
