@@ -2,7 +2,8 @@
 `moeserve tune` search, for 3-bit experts with rank-32 compensators, 4-bit experts and bf16 experts, at a
 Mixtral-8x7B shape, one run.
 
-For each kind of experts, on one model (random weights; the low-bit ones as bench/lowbit_decode.py builds them):
+For each kind of experts, on one model (random weights; the low-bit ones as bench/lowbit_decode.py builds them), the
+phases --phases names (and, with `shipped`, first this GPU's shipped table as its users get it):
   (a) defaults: MOESERVE_TUNE=off, the shipped tables hidden, an empty tuning cache: the defaults made from the GPU's
       properties;
   (b) quick: MOESERVE_TUNE=quick, the same empty cache: the first decode (prompt and one-token buckets) and MoE-block
@@ -14,6 +15,7 @@ HBM floor (weight bytes read over the measured copy bandwidth) and the fraction 
 
     python bench/tune.py                     # H200: the three kinds, JSON to bench/results/ (about 8 minutes)
     python bench/tune.py --quick             # smoke run: a small 2-layer shape, 1 and 16 tokens, short budgets
+    python bench/tune.py --phases shipped,defaults   # this GPU's shipped table beside (a), no tuning (2-3 minutes)
     python bench/tune.py --write-shipped     # full search of the Mixtral shapes into the shipped table of this GPU
                                              # (moeserve/kernels/triton/configs/<gpu>.json), as `moeserve tune --out`
                                              # (21 searches of at most --full-budget 15 s: about 6 minutes)
@@ -45,6 +47,8 @@ from moeserve.tune import BF16, TOKENS, ExpertKind, format_rows, tune_model  # n
 KINDS = {"3": ExpertKind(3, 32), "4": ExpertKind(4, 0), "16": ExpertKind(BF16)}
 SMALL = dict(MIXTRAL, num_layers=2, hidden_size=1024, num_heads=8, head_dim=128, expert_ffn=3584)  # --quick
 BLOCK_TOKENS = (1, 16, 64)
+PHASES = ("shipped", "defaults", "quick", "full")
+SHIPPED_DIR = configs.CONFIG_DIR
 INPUTS = 4  # rotating inputs per MoE-block timing
 STD = 0.02
 
@@ -126,30 +130,41 @@ def full_search(model, spec, kind: ExpertKind, args) -> float:
 
 
 def phases(kind: ExpertKind, spec, args, bw: float) -> dict:
-    """(a), (b) and (c) for one kind of experts on one model."""
+    """The phases of args.phases (shipped, (a), (b), (c)) for one kind of experts on one model."""
     print(f"\n== {kind}", flush=True)
     dev = torch.device("cuda")
     model = (bf16_model(spec, dev) if kind.bits == BF16 else
              lowbit_model(spec, kind.bits, kind.group, kind.rank, dev, torch.bfloat16))
     per_token = bytes_per_token(model, spec)
     out = {"experts": str(kind), "weight_bytes_per_token": per_token}
-    os.environ["MOESERVE_TUNE"] = "off"
-    autotune.forget()
-    print("  (a) defaults", flush=True)
-    out["defaults"] = measure(model, spec, args, bw, per_token)
-    os.environ["MOESERVE_TUNE"] = "quick"
-    autotune.forget()
-    print("  (b) tuned by the first calls (quick)", flush=True)
-    tuning = first_calls(model, spec, args)
-    again = first_calls(model, spec, args)
-    out["quick"] = {"tune_s": tuning - again, "first_calls_s": tuning, "tuned_calls_s": again,
-                    **measure(model, spec, args, bw, per_token)}
-    print(f"    quick tuning took {tuning - again:.1f} s", flush=True)
-    print("  (c) moeserve tune (full)", flush=True)
-    seconds = full_search(model, spec, kind, args)
-    autotune.forget()
-    out["full"] = {"tune_s": seconds, **measure(model, spec, args, bw, per_token)}
-    print(f"    full search took {seconds:.1f} s", flush=True)
+    hidden = configs.CONFIG_DIR
+    if "shipped" in args.phases:  # what a user of this GPU gets: its shipped table, nothing tuned on the way
+        os.environ["MOESERVE_TUNE"] = "off"
+        configs.CONFIG_DIR = SHIPPED_DIR
+        autotune.forget()
+        print("  shipped table", flush=True)
+        out["shipped"] = measure(model, spec, args, bw, per_token)
+        configs.CONFIG_DIR = hidden
+    if "defaults" in args.phases:
+        os.environ["MOESERVE_TUNE"] = "off"
+        autotune.forget()
+        print("  (a) defaults", flush=True)
+        out["defaults"] = measure(model, spec, args, bw, per_token)
+    if "quick" in args.phases:
+        os.environ["MOESERVE_TUNE"] = "quick"
+        autotune.forget()
+        print("  (b) tuned by the first calls (quick)", flush=True)
+        tuning = first_calls(model, spec, args)
+        again = first_calls(model, spec, args)
+        out["quick"] = {"tune_s": tuning - again, "first_calls_s": tuning, "tuned_calls_s": again,
+                        **measure(model, spec, args, bw, per_token)}
+        print(f"    quick tuning took {tuning - again:.1f} s", flush=True)
+    if "full" in args.phases:
+        print("  (c) moeserve tune (full)", flush=True)
+        seconds = full_search(model, spec, kind, args)
+        autotune.forget()
+        out["full"] = {"tune_s": seconds, **measure(model, spec, args, bw, per_token)}
+        print(f"    full search took {seconds:.1f} s", flush=True)
     del model
     torch.cuda.empty_cache()
     return out
@@ -159,6 +174,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: small 2-layer shape, short budgets")
     ap.add_argument("--kinds", default="3,4,16", help="expert kinds: 3 (3-bit + rank 32), 4 (4-bit), 16 (bf16)")
+    ap.add_argument("--phases", default="defaults,quick,full",
+                    help=f"comma-separated phases, in this order: {','.join(PHASES)} (shipped: this GPU's shipped "
+                         "table with MOESERVE_TUNE=off, what its users get; default defaults,quick,full)")
     ap.add_argument("--full-budget", type=float, default=15.0, help="seconds of (c)'s search per token bucket")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens of the decode runs")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
@@ -172,6 +190,10 @@ def main(argv=None) -> int:
     unknown = set(args.kinds.split(",")) - set(KINDS)
     if unknown:
         sys.exit(f"--kinds takes some of {','.join(KINDS)}, got {args.kinds!r}")
+    args.batch = 1  # the decode runs: one sequence (lowbit_decode's decode_rate reads it)
+    args.phases = args.phases.split(",")
+    if not args.phases or set(args.phases) - set(PHASES):
+        sys.exit(f"--phases takes some of {','.join(PHASES)}, got {','.join(args.phases)!r}")
     cache = tempfile.mkdtemp(prefix="moeserve-tune-bench-")
     os.environ["MOESERVE_CACHE"] = cache  # an empty tuning cache: this GPU untuned
     if args.write_shipped:
@@ -193,7 +215,8 @@ def main(argv=None) -> int:
             results[name] = {"experts": str(KINDS[name]), "error": f"{type(e).__name__}: {str(e)[:500]}"}
             torch.cuda.empty_cache()
     record = result_record("tune", {"shape": "small" if args.quick else "mixtral-8x7b", "quick": args.quick,
-                                    "kinds": args.kinds, "block_tokens": list(args.block_tokens),
+                                    "kinds": args.kinds, "phases": args.phases,
+                                    "block_tokens": list(args.block_tokens),
                                     "full_budget_s": args.full_budget, "quick_budget_s": autotune.BUDGET_S["quick"],
                                     "prompt": args.prompt, "new_tokens": args.new_tokens,
                                     "timing": "decode: CUDA graph, wall clock; block: CUDA graph replay"}, "cuda")
@@ -231,7 +254,7 @@ def print_summary(results: dict) -> None:
     print("\nexperts                          phase     tune s  decode tok/s  % floor  " +
           "  ".join(f"block T={T} ms (% floor)" for T in BLOCK_TOKENS))
     for r in results.values():
-        for phase in ("defaults", "quick", "full"):
+        for phase in PHASES:
             if phase not in r:
                 continue
             p = r[phase]

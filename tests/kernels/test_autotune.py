@@ -191,6 +191,10 @@ def test_defaults_fit_the_gpu():
     small = configs.lowbit_moe_default(DeviceInfo("L", (8, 9), sms=142, smem_per_block=99 * 1024), 4, 8, 4096,
                                        14336, 16)
     assert (small.gate_up.PIPE, small.gate_up.PAIRED) == (3, 0) and small.down.PIPE == 2  # smaller steps fit
+    rows16 = configs.lowbit_moe_default(h100, 4, 8, 4096, 14336, 64)  # 16 rows an expert: 128-row tiles, 8 warps
+    assert (rows16.gate_up.BLOCK_N, rows16.gate_up.num_warps) == (128, 8)
+    assert (rows16.down.BLOCK_N, rows16.down.num_warps) == (128, 8)
+    assert configs.lowbit_moe_default(h100, 3, 8, 4096, 14336, 64).gate_up.BLOCK_N == 32  # 3 bits: paired 32
     tiny = DeviceInfo("T", (7, 5), sms=40, smem_per_block=16 * 1024)
     assert configs.lowbit_moe_default(tiny, 4, 8, 4096, 14336, 16).down == configs.LOWBIT_DOT
     wide = configs.fused_moe_default(h100, 64, 2048, 1408, 1, 6)  # 6 experts with rows: narrower blocks fill it

@@ -284,6 +284,7 @@ LOWBIT_PIPED_DOT = LowbitConfig.of(dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, nu
 # one token on Hopper, weights by TMA (lowbit/tma.py): 8 rows x 1024 inputs a step, many small programs
 LOWBIT_TMA = LowbitConfig.of(dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3, TMA=1))
 TMA_FILL = 8  # programs per SM for the one-token TMA kernels (their programs are small: more in flight)
+WIDE_ROWS = 16  # rows an expert gets on average from which the pipelined tiles default to 128 rows and 8 warps
 MAX_SPLIT_K = 8
 
 
@@ -341,7 +342,9 @@ def lowbit_moe_default(device: DeviceInfo, bits: int, E: int, D: int, F: int, to
     """A config from the shapes and the GPU (the kinds of tile that won on an H100, sized for this one), by the rows
     an expert gets on average: one token, the GEMV (on Hopper with group-64 experts fed by TMA, many small programs);
     up to 2 rows, CUDA-core tiles of that many rows of x (a GEMV of 2 rows costs far less than a tensor-core tile of
-    16); more, tensor-core tiles on dequantized groups with as many steps in flight as the shared memory holds.
+    16); more, tensor-core tiles on dequantized groups with as many steps in flight as the shared memory holds, from
+    WIDE_ROWS rows 128 weight rows a tile on 8 warps (down; gate_up too above 3 bits, whose paired 32-row tile
+    keeps winning: H200 table).
     gate_up is never split (SiLU needs whole sums); down splits K until its programs fill the GPU (one token with
     compensators: no split, the low-rank term would be added once per slice)."""
     average = -(-tokens * top_k // E)  # rows an expert gets on average
@@ -361,18 +364,23 @@ def lowbit_moe_default(device: DeviceInfo, bits: int, E: int, D: int, F: int, to
         down_programs = active * -(-D // down.BLOCK_N)
     else:
         x_rows = min(64, max(16, 1 << (average - 1).bit_length()))  # a tensor-core tile's rows of x
-        gate_up = _piped_dot(device, group, x_rows, ((32 if bits <= 3 else 64, 1), (32, 0), (16, 0)))
-        down = _piped_dot(device, group, x_rows, ((64, 0), (32, 0), (16, 0)))
+        # 16+ rows an expert: wider tiles of 8 warps (each dequantized weight serves more rows; H100 and H200 tables)
+        wide = ((128, 0, 8),) if average >= WIDE_ROWS else ()
+        gate_up = _piped_dot(device, group, x_rows, (wide if bits > 3 else ()) + (
+            (32 if bits <= 3 else 64, 1, 4), (32, 0, 4), (16, 0, 4)))
+        down = _piped_dot(device, group, x_rows, wide + ((64, 0, 4), (32, 0, 4), (16, 0, 4)))
         down_programs = active * -(-D // down.BLOCK_N)
     split = 1 if tokens == 1 and lowrank else split_for(down_programs, -(-F // down.BLOCK_K), device.sms, fill)
     return ExpertsConfig(gate_up.replace(SPLIT_K=1), down.replace(SPLIT_K=split))
 
 
-def _piped_dot(device: DeviceInfo, group: int, x_rows: int, tiles: tuple[tuple[int, int], ...]) -> LowbitConfig:
-    """LOWBIT_PIPED_DOT with the first (BLOCK_N, PAIRED) of `tiles` of which two steps or more fit the shared memory
-    (as many as fit, up to its 3); the plain tensor-core tile where none does or a step cannot hold whole groups."""
-    for block_n, paired in tiles:
+def _piped_dot(device: DeviceInfo, group: int, x_rows: int,
+               tiles: tuple[tuple[int, int, int], ...]) -> LowbitConfig:
+    """LOWBIT_PIPED_DOT with the first (BLOCK_N, PAIRED, num_warps) of `tiles` of which two steps or more fit the
+    shared memory (as many as fit, up to its 3); the plain tensor-core tile where none does or a step cannot hold
+    whole groups."""
+    for block_n, paired, warps in tiles:
         stages = pipe_stages(device, block_n * (1 + paired), LOWBIT_PIPED_DOT.BLOCK_K, LOWBIT_PIPED_DOT.PIPE, x_rows)
         if stages and LOWBIT_PIPED_DOT.BLOCK_K % group == 0:
-            return LOWBIT_PIPED_DOT.replace(BLOCK_N=block_n, PIPE=stages, PAIRED=paired)
+            return LOWBIT_PIPED_DOT.replace(BLOCK_N=block_n, PIPE=stages, PAIRED=paired, num_warps=warps)
     return LOWBIT_DOT
