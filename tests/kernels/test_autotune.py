@@ -219,6 +219,11 @@ def test_candidates_are_valid_and_fit(mode, tokens):
     quick = spaces.lowbit_moe_candidates("quick", DeviceInfo("H", (9, 0)), tokens, 8, 2, 4096, 14336)
     full = spaces.lowbit_moe_candidates("full", DeviceInfo("H", (9, 0)), tokens, 8, 2, 4096, 14336)
     assert len(quick["down"]) < len(full["down"]) and len(quick["gate_up"]) <= 24
+    first = quick["gate_up"][0]  # best first: CUDA-core rows below 4 rows an expert, tensor cores from there
+    if tokens in (2, 4):
+        assert first.BLOCK_M is not None
+    if tokens >= 16:  # 16 tokens x top-2 / 8 experts = 4 rows an expert
+        assert first.BLOCK_M is None and first.PIPE
 
 
 def test_a_cache_with_an_unknown_key_is_ignored(fresh):

@@ -34,25 +34,29 @@ DOT = {"quick": [(64, 64, 4)], "full": [(64, 128, 4), (128, 128, 4), (128, 128, 
 SPLITS = {"quick": (1, 2, 4), "full": (1, 2, 4, 8, 16)}
 CUDA_CORE_MAX_TOKENS = 16  # more tokens: tensor-core tiles only
 DOT_MIN_TOKENS = 4
+TENSOR_CORES_FIRST = 4  # rows an expert gets on average from which tensor-core tiles are tried before CUDA-core ones
 
 
 def lowbit_moe_candidates(mode: str, device: DeviceInfo, tokens: int, E: int, top_k: int, D: int, F: int,
                           group: int = 64) -> dict[str, list[LowbitConfig]]:
     """{"gate_up": [...], "down": [...]} for the low-bit fused MoE at `tokens` tokens."""
     average = -(-tokens * top_k // E)  # rows an expert gets on average
-    tiles: list[dict] = []
+    cuda_cores: list[dict] = []
     if tokens == 1:
-        tiles += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, SUB=sub) for n, k, w, sub in GEMV[mode]]
+        cuda_cores += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, SUB=sub) for n, k, w, sub in GEMV[mode]]
         if mode == "full":  # two steps of words and scales loaded ahead into registers
-            tiles += [{**t, "AHEAD": 2} for t in tiles]
+            cuda_cores += [{**t, "AHEAD": 2} for t in cuda_cores]
     elif tokens <= CUDA_CORE_MAX_TOKENS:
-        tiles += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, SUB=sub, BLOCK_M=m) for n, k, w, sub, m in ROWS[mode]
-                  if m <= max(2, 2 * average)]
+        cuda_cores += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, SUB=sub, BLOCK_M=m) for n, k, w, sub, m in ROWS[mode]
+                       if m <= max(2, 2 * average)]
+    tensor_cores: list[dict] = []
     if tokens >= DOT_MIN_TOKENS:
-        tiles += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, PIPE=p) for n, k, w, p in PIPED_DOT[mode]
-                  if k % group == 0 and pipe_stages(device, 2 * n, k, p) == p]
-        tiles += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, **half) for n, k, w in DOT[mode]
-                  for half in ({"HALF": 0},) + (({},) if mode == "full" else ())]
+        tensor_cores += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, PIPE=p) for n, k, w, p in PIPED_DOT[mode]
+                         if k % group == 0 and pipe_stages(device, 2 * n, k, p) == p]
+        tensor_cores += [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, **half) for n, k, w in DOT[mode]
+                         for half in ({"HALF": 0},) + (({},) if mode == "full" else ())]
+    # best first: from TENSOR_CORES_FIRST rows an expert the pipelined tiles won every H200 table entry
+    tiles = tensor_cores + cuda_cores if average >= TENSOR_CORES_FIRST else cuda_cores + tensor_cores
     tiles = [LowbitConfig.of({**t, "num_stages": 3}) for t in tiles]
     gate_up = [t.replace(PAIRED=paired) for t in tiles for paired in (1, 0)]
     down = [t.replace(SPLIT_K=s) for t in tiles for s in splits(mode, t.BLOCK_K, F)]
