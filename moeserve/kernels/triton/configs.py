@@ -343,8 +343,8 @@ def lowbit_moe_default(device: DeviceInfo, bits: int, E: int, D: int, F: int, to
     an expert gets on average: one token, the GEMV (on Hopper with group-64 experts fed by TMA, many small programs);
     up to 2 rows, CUDA-core tiles of that many rows of x (a GEMV of 2 rows costs far less than a tensor-core tile of
     16); more, tensor-core tiles on dequantized groups with as many steps in flight as the shared memory holds, from
-    WIDE_ROWS rows 128 weight rows a tile on 8 warps (down; gate_up too above 3 bits, whose paired 32-row tile
-    keeps winning: H200 table).
+    WIDE_ROWS rows 128 weight rows a tile on 8 warps (down; gate_up too above 3 bits: at 3 bits its paired 32-row
+    tile kept winning in the H200 table).
     gate_up is never split (SiLU needs whole sums); down splits K until its programs fill the GPU (one token with
     compensators: no split, the low-rank term would be added once per slice)."""
     average = -(-tokens * top_k // E)  # rows an expert gets on average
