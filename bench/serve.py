@@ -17,7 +17,8 @@ No physical floor is computed: the peer is the same server running one request a
     python bench/serve.py --quick                # 1 and 4 clients, short requests (smoke run)
 
 A warm-up round at the highest level (untimed) runs first. Clients are spread over processes (one per 16 clients)
-so that the measuring side's event loop is not what limits the numbers.
+so that the measuring side's event loop is not what limits the numbers. A server started here runs with
+MOESERVE_LOG=info (unless set): the steps it logs as slow (serve/batcher.py) are kept per level (`slow_steps`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -199,12 +201,19 @@ def main() -> None:
     print(f"wrote {write_result(record, args.out)}")
 
 
+def slow_steps(server: ServerProcess | None, since: int) -> list[str]:
+    """The slow steps (serve/batcher.py's SLOW_STEP_S) a server started here logged from line `since` of its log."""
+    lines = server.log[since:] if server else []
+    return [line.split("slow step: ", 1)[1].strip() for line in lines if "slow step: " in line]
+
+
 def measure(args, levels: list[int], headers: dict | None) -> dict:
     """Start the server (unless --url), warm it up with one untimed round at the highest level, then time each
     level: concurrent, then the same requests one after another."""
     config = {k: getattr(args, k) for k in ("clients", "min_requests", "sequential_max", "prompt_min", "prompt_max",
                                             "gen", "seed", "quick", "model", "dtype", "threads", "client_procs")}
     config["clients"] = levels
+    os.environ.setdefault("MOESERVE_LOG", "info")  # the server started here logs its slow steps (serve/batcher.py)
     server = None if args.url else ServerProcess(*server_args(args, max(levels)))
     url = args.url or server.url
     try:
@@ -220,8 +229,12 @@ def measure(args, levels: list[int], headers: dict | None) -> dict:
         for clients in levels:
             requests = make_requests(max(clients, args.min_requests), args.prompt_min, args.prompt_max, args.gen,
                                      args.seed + clients)
+            mark = len(server.log) if server else 0
             concurrent = run_level(url, requests, clients, headers, client_procs(args, clients))
+            concurrent["slow_steps"] = slow_steps(server, mark)
+            mark = len(server.log) if server else 0
             sequential = run_level(url, requests[:args.sequential_max], 1, headers)
+            sequential["slow_steps"] = slow_steps(server, mark)
             row = {"clients": clients, "concurrent": concurrent, "sequential": sequential,
                    "speedup": concurrent["tok_per_s"] / sequential["tok_per_s"]}
             rows.append(row)
@@ -229,6 +242,9 @@ def measure(args, levels: list[int], headers: dict | None) -> dict:
                   f"{sequential['tok_per_s']:.1f}), TTFT p50 {concurrent['ttft_p50_ms']:.0f} ms p99 "
                   f"{concurrent['ttft_p99_ms']:.0f}, ITL p50 {concurrent['itl_p50_ms']:.1f} ms p99 "
                   f"{concurrent['itl_p99_ms']:.1f}", flush=True)
+            for kind in ("concurrent", "sequential"):
+                if row[kind]["slow_steps"]:
+                    print(f"    {kind}: slow steps {'; '.join(row[kind]['slow_steps'])}", flush=True)
         single = next((r["concurrent"]["itl_p50_ms"] for r in rows if r["clients"] == 1), None)
         for r in rows:
             r["itl_p99_over_single"] = r["concurrent"]["itl_p99_ms"] / single if single else None

@@ -29,6 +29,22 @@ from moeserve.model.kv_cache import SlotKVCache
 DEFAULT_PREFILL_TOKENS = 512
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed: a decode step of `decode` rows, then a prefill pass of `prefill_rows` rows of
+    `prefill_width` token slots (0, 0: none)."""
+
+    decode: int = 0
+    prefill_rows: int = 0
+    prefill_width: int = 0
+
+    def __str__(self) -> str:
+        parts = [f"decode {self.decode} rows"] if self.decode else []
+        if self.prefill_rows:
+            parts.append(f"prefill {self.prefill_rows} x {self.prefill_width} tokens")
+        return ", ".join(parts) or "nothing"
+
+
 @dataclass
 class TokenLogprob:
     token: int
@@ -96,6 +112,7 @@ class ContinuousBatch:
         self.active: list[Request] = []  # holding a row, in order of arrival
         # the tokens a sampling drew -> the tokens to keep (serving under torchrun: rank 0's, serve/mirror.py)
         self.sync_tokens: Callable[[list[int]], list[int]] | None = None
+        self.last_step = StepShape()  # what the last step() computed
 
     @property
     def slots(self) -> int:
@@ -163,6 +180,7 @@ class ContinuousBatch:
             self.active.append(r)
         decoding = [r for r in self.active if r.prefilled]
         prefilling = [r for r in self.active if not r.prefilled]
+        self.last_step = StepShape(len(decoding))
         with torch.inference_mode():
             if decoding:
                 self.model.before_step()
@@ -186,6 +204,7 @@ class ContinuousBatch:
                 break
             chunks.append((r, n))
             width = max(width, n)
+        self.last_step = StepShape(self.last_step.decode, len(chunks), width)
         tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # [B, W], left-padded
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
         valid = torch.zeros(len(chunks), width, dtype=torch.bool)

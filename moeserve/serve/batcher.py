@@ -6,14 +6,16 @@ away frees its KV slot), at the next step. Each job's updates go back through it
 gave that is safe to call from this thread. A handler's sink is a LoopSink (an asyncio queue on its event loop):
 the updates of one step for every LoopSink of a loop go over in one call, so the event loop wakes once a step, not
 once a token. The thread also keeps the metrics: time to first token, inter-token latency, tokens, running and
-waiting requests. Under torchrun it leads the other ranks' batches (serve/mirror.py): each step's changes go to
-them before the step, each sampling's tokens after it.
+waiting requests, and logs (MOESERVE_LOG=info) every step slower than SLOW_STEP_S with what it computed. Under
+torchrun it leads the other ranks' batches (serve/mirror.py): each step's changes go to them before the step, each
+sampling's tokens after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import sys
 import threading
@@ -29,6 +31,8 @@ from moeserve.engine.sampling import SamplingParams
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import Added, Cancelled, StepMirror, Stop
 
+log = logging.getLogger(__name__)
+SLOW_STEP_S = 0.25  # a step longer than this is logged (MOESERVE_LOG=info) with what it computed
 
 @dataclass(frozen=True, eq=False)
 class LoopSink:
@@ -130,8 +134,11 @@ class Engine:
             changes = self._take_messages()
             if self.mirror is not None:
                 self.mirror.events(changes)
+            start = time.perf_counter()
             try:
                 busy = self.batch.step()
+                if busy:
+                    self._check_time(time.perf_counter() - start)
             except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the server
                 traceback.print_exc(file=sys.stderr)
                 for r in self.batch.drop_active():
@@ -144,6 +151,12 @@ class Engine:
                 self._wake.wait(timeout=1.0)
         if self.mirror is not None:
             self.mirror.events([Stop()])
+
+    def _check_time(self, seconds: float) -> None:
+        """Log a step slower than SLOW_STEP_S with its shape: on a GPU such a step is most often a shape met for the
+        first time (a kernel compiled, a library plan built), which the warm-up could run instead."""
+        if seconds > SLOW_STEP_S:
+            log.info("slow step: %.0f ms for %s", 1e3 * seconds, self.batch.last_step)
 
     def _take_messages(self) -> list:
         """Apply the requests added and cancelled since the last step; the changes, as the other ranks apply them."""

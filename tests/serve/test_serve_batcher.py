@@ -55,3 +55,25 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(capsys):
         assert [t for u in got for t in u.token_ids] == solo
     finally:
         engine.stop()
+
+
+def test_a_slow_step_is_logged_with_what_it_computed(caplog, monkeypatch):
+    """Every step over SLOW_STEP_S is logged at info with its shape: the prefill pass's rows and width, then the
+    decode steps' rows."""
+    from moeserve.serve import batcher
+
+    monkeypatch.setattr(batcher, "SLOW_STEP_S", -1.0)  # every step is slow
+    model, tok = moeserve.load_model(moeserve.DEMO_MODEL, dtype=torch.float32), load_tokenizer(moeserve.DEMO_MODEL)
+    engine = Engine(ContinuousBatch(model, tok, slots=2, context=64), Metrics("demo", 2), max_queue=0, threads=1)
+    prompt = tok.encode("KING. Speak.")
+    with caplog.at_level("INFO", logger="moeserve.serve.batcher"):
+        engine.start()
+        try:
+            sink = queue.Queue()
+            engine.submit(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), None, sink.put)
+            assert updates_until_done(sink)[-1].finish_reason == "length"
+        finally:
+            engine.stop()
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow step: ")]
+    assert steps[0].endswith(f" ms for prefill 1 x {len(prompt)} tokens")
+    assert sum(s.endswith(" ms for decode 1 rows") for s in steps) == 2  # the tokens after the prefill's first
