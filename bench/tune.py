@@ -137,19 +137,15 @@ def phases(kind: ExpertKind, spec, args, bw: float) -> dict:
              lowbit_model(spec, kind.bits, kind.group, kind.rank, dev, torch.bfloat16))
     per_token = bytes_per_token(model, spec)
     out = {"experts": str(kind), "weight_bytes_per_token": per_token}
-    hidden = configs.CONFIG_DIR
-    if "shipped" in args.phases:  # what a user of this GPU gets: its shipped table, nothing tuned on the way
-        os.environ["MOESERVE_TUNE"] = "off"
-        configs.CONFIG_DIR = SHIPPED_DIR
-        autotune.forget()
-        print("  shipped table", flush=True)
-        out["shipped"] = measure(model, spec, args, bw, per_token)
-        configs.CONFIG_DIR = hidden
-    if "defaults" in args.phases:
-        os.environ["MOESERVE_TUNE"] = "off"
-        autotune.forget()
-        print("  (a) defaults", flush=True)
-        out["defaults"] = measure(model, spec, args, bw, per_token)
+    hidden = configs.CONFIG_DIR  # (a)'s: no shipped table
+    for phase, tables, title in (("shipped", SHIPPED_DIR, "shipped table"), ("defaults", hidden, "(a) defaults")):
+        if phase in args.phases:  # nothing tuned on the way (shipped: what a user of this GPU gets)
+            os.environ["MOESERVE_TUNE"] = "off"
+            configs.CONFIG_DIR = tables
+            autotune.forget()
+            print(f"  {title}", flush=True)
+            out[phase] = measure(model, spec, args, bw, per_token)
+    configs.CONFIG_DIR = hidden
     if "quick" in args.phases:
         os.environ["MOESERVE_TUNE"] = "quick"
         autotune.forget()

@@ -180,7 +180,6 @@ class ContinuousBatch:
             self.active.append(r)
         decoding = [r for r in self.active if r.prefilled]
         prefilling = [r for r in self.active if not r.prefilled]
-        self.last_step = StepShape(len(decoding))
         with torch.inference_mode():
             if decoding:
                 self.model.before_step()
@@ -189,13 +188,13 @@ class ContinuousBatch:
                 for r in decoding:
                     r.cached += 1
                 self._sample(decoding, logits)
-            if prefilling:
-                self._prefill(prefilling)
+            rows, width = self._prefill(prefilling) if prefilling else (0, 0)
+        self.last_step = StepShape(len(decoding), rows, width)
         return bool(decoding or prefilling)
 
-    def _prefill(self, requests: list[Request]) -> None:
+    def _prefill(self, requests: list[Request]) -> tuple[int, int]:
         """Read the next chunk of the prompts of `requests` (as many as fit prefill_tokens, the first always);
-        those whose prompt is then complete sample their first token."""
+        those whose prompt is then complete sample their first token. -> the pass's (rows, padded width)."""
         chunks: list[tuple[Request, int]] = []
         width = 0
         for r in requests:
@@ -204,7 +203,6 @@ class ContinuousBatch:
                 break
             chunks.append((r, n))
             width = max(width, n)
-        self.last_step = StepShape(self.last_step.decode, len(chunks), width)
         tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # [B, W], left-padded
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
         valid = torch.zeros(len(chunks), width, dtype=torch.bool)
@@ -222,6 +220,7 @@ class ContinuousBatch:
         done = [i for i, (r, _) in enumerate(chunks) if r.prefilled]
         if done:
             self._sample([chunks[i][0] for i in done], logits[done])
+        return len(chunks), width
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Each request's next token from its row of logits [B, V], with its own sampling parameters."""
