@@ -75,6 +75,15 @@ def powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(max(limit, 1).bit_length())]
 
 
+def prefill_widths(limit: int) -> list[int]:
+    """The token counts up to `limit` whose passes compile every kernel variant a prompt chunk can meet: per power
+    of two p, p (a tuned bucket's first count, divisible by 16 from 16), p - 1 (a bucket's last, not divisible) and
+    p + p / 2 (mid-bucket and divisible: the next power of two of rows per tile with the bucket's config). Triton
+    compiles a kernel per tile shape and per divisibility of its sizes by 16; launch configs go by power-of-two
+    token buckets."""
+    return sorted({w for p in powers_of_two(limit) for w in (p, p - 1, p + p // 2) if 1 <= w <= limit})
+
+
 @dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
@@ -120,11 +129,11 @@ class ContinuousBatch:
 
     def warm_up(self, on_cpu: bool = False) -> WarmUp:
         """Run, before any request, the shapes serving will meet, so that no request waits for them: a decode step
-        at every padded batch size (captured as a CUDA graph where the decoder uses graphs) and a prefill pass of
-        one row at every power-of-two token count up to prefill_tokens, and one less (Triton compiles a kernel per
-        divisibility of its sizes; tuned launch configs are found per power-of-two token bucket). Only on a GPU:
-        a CPU has nothing to compile or capture (on_cpu: run it anyway, for tests). The rows written hold no
-        request; a request's prefill overwrites its row from position 0."""
+        at every padded batch size (captured as a CUDA graph where the decoder uses graphs), a prefill pass of one
+        row at each prefill_widths() token count, and one of two rows of one token (the masked one-token attention
+        a prompt's last chunk can take). Only on a GPU: a CPU has nothing to compile or capture (on_cpu: run it
+        anyway, for tests). The rows written hold no request; a request's prefill overwrites its row from
+        position 0."""
         if (self.model.device.type != "cuda" and not on_cpu) or self.active:
             return WarmUp([], [], 0)
         rows = list(range(self.slots))
@@ -132,17 +141,17 @@ class ContinuousBatch:
             sizes = padded_sizes(self.slots)
             for size in sizes:
                 self.decoder([0] * size, [0] * size, rows[:size])
-            widths = sorted({w for p in powers_of_two(min(self.prefill_tokens, self.context - 1))
-                             for w in (p, p - 1) if w >= 1})
-            for width in widths:
-                self.kv.use([0], width)
-                tokens = torch.zeros(1, width, dtype=torch.long, device=self.model.device)  # [1, W]
-                positions = torch.arange(width, device=self.model.device)[None]  # [1, W]
+            passes = [(1, w) for w in prefill_widths(min(self.prefill_tokens, self.context - 1))]
+            passes += [(2, 1)] if self.slots > 1 else []
+            for rows_used, width in passes:
+                self.kv.use(rows[:rows_used], width)
+                tokens = torch.zeros(rows_used, width, dtype=torch.long, device=self.model.device)  # [B, W]
+                positions = torch.arange(width, device=self.model.device)[None].expand(rows_used, width)  # [B, W]
                 self.model(tokens, positions, kv=self.kv, valid=torch.ones_like(tokens, dtype=torch.bool),
                            last_only=True)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-        return WarmUp(sizes, self.decoder.graphed_sizes(), len(widths))
+        return WarmUp(sizes, self.decoder.graphed_sizes(), len(passes))
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise MoeserveError for a request this batch cannot run (empty, too long, ids outside the vocabulary)."""

@@ -29,7 +29,9 @@ LOWBIT_PATHS = ("lowbit_slots", "lowbit_sorted")
 # GPU: up to this many rows dequantize in registers (Triton lowbit_linear, a weight pass per 64 rows); more: weight()
 # + cuBLAS. bench/lowbit_rows.py on an H200: equal near 700-1000 rows for Mixtral's experts, 5x apart at 128.
 TRITON_MAX_ROWS = 512
-FUSED_MOE_MAX_TOKENS = 64  # tokens the fused low-bit MoE (lowbit_experts) takes; more: the per-expert loop
+# tokens the fused low-bit MoE (lowbit_experts) takes: a prompt chunk too (its tiles walk an expert's rows 64 at a
+# time, no host sync); more: the per-expert loop (each expert's rows through weight() + cuBLAS)
+FUSED_MOE_MAX_TOKENS = TRITON_MAX_ROWS
 
 
 def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_features: int,

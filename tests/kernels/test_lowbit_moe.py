@@ -18,10 +18,11 @@ from moeserve.kernels.triton.configs import ExpertsConfig, LowbitConfig  # noqa:
                                                        (4, 2, "one_expert", 1),
                                                        (2, 17, "one_expert", 1), (4, 17, "one_expert", 1),
                                                        (3, 5, "two_experts", 1), (4, 9, "one_expert", 4),
-                                                       (3, 5, "two_experts", 2)])
+                                                       (3, 5, "two_experts", 2), (4, 80, "one_expert", 1)])
 @pytest.mark.parametrize("order", ["sorted", "slots"])
 def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, cuda_rows, order):
-    """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more). order: rows
+    """cuda_rows > 1: CUDA-core tiles of that many rows of x for T > 1 (chunks when an expert has more; T = 80: an
+    expert's rows in two passes of a tensor-core tile, which holds at most DOT_MAX_ROWS). order: rows
     expert-sorted through a routing table, or in slot order found from the expert ids in-kernel (T * k <= E: a
     program per slot, T = 2 with experts shared between tokens)."""
     from moeserve.kernels.triton.configs import lowbit_moe_config

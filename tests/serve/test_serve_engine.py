@@ -163,7 +163,7 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
     batch.decoder.pool = "shared"  # no CUDA memory pool on the CPU
     warm = batch.warm_up(on_cpu=True)
     assert warm.decode_sizes == [1, 2, 4, 5] and warm.graphed_sizes == [s for s in (1, 2, 4, 5) if s <= safe_up_to]
-    assert warm.prefill_passes == 10  # widths 1, 2, 3, 4, 7, 8, 15, 16, 31, 32
+    assert warm.prefill_passes == 14  # one row of 1, 2, 3, 4, 6, 7, 8, 12, 15, 16, 24, 31, 32 tokens; two of 1
     requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
     updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
     assert_alone(model, tok, requests, updates, alone)

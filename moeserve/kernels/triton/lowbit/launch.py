@@ -20,6 +20,9 @@ from moeserve.kernels.triton.pdl import dependent_launch, hopper
 from moeserve.kernels.triton.rows import DENSE, SLOT_PROGRAMS, SLOTS, SORTED
 
 GEMV_MAX_ROWS = 8
+# rows of x a tensor-core tile holds: a program walks an expert's rows (or a dense call's block) this many at a
+# time, re-reading its weight tile per pass, so prompt-sized calls keep decode's tile (and its shared memory)
+DOT_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,14 @@ class Tile:
 def blocks(bits: int, group: int, rows: int, cfg: LowbitConfig) -> tuple[bool, int, int]:
     """(use tensor cores, BLOCK_M, BLOCK_K) for up to `rows` rows per program. One row, or a config with BLOCK_M
     (rows of x per CUDA-core tile, a power of two <= 8), runs on CUDA cores; more rows on tensor cores, padded to
-    >= 16. BLOCK_K holds whole words and units (a dot's K = columns is >= 16) and, on CUDA cores, whole groups."""
+    >= 16, at most DOT_MAX_ROWS a pass. BLOCK_K holds whole words and units (a dot's K = columns is >= 16) and, on CUDA cores, whole groups."""
     gemv_m = 1 if cfg.BLOCK_M is None else cfg.BLOCK_M
     if gemv_m not in (1, 2, 4, GEMV_MAX_ROWS):
         raise ValueError(f"a CUDA-core config's BLOCK_M must be 1, 2, 4 or {GEMV_MAX_ROWS}, got {gemv_m}")
     use_dot = rows > 1 and cfg.BLOCK_M is None
     per_column = values_per_column(bits)
     if use_dot:
-        return True, max(16, triton.next_power_of_2(rows)), max(cfg.BLOCK_K, per_column, 16)
+        return True, max(16, min(DOT_MAX_ROWS, triton.next_power_of_2(rows))), max(cfg.BLOCK_K, per_column, 16)
     return False, min(gemv_m, triton.next_power_of_2(rows)), max(cfg.BLOCK_K, group, per_column)
 
 
