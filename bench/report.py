@@ -40,6 +40,8 @@ def _variant(rec: dict) -> str:
         return ""
     if rec["name"] == "serve":
         return serve_model(rec["config"])
+    if rec["name"] == "batching":
+        return json.dumps([serve_model(rec["config"]), rec["config"]["prefill_tokens"]])
     keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits", "batch")
     return json.dumps([rec["config"].get(k) for k in keys])
 
@@ -410,6 +412,22 @@ def serve_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def batching_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**Continuous batching of {serve_model(c)} without HTTP** (bench/batching.py: the serve bench's requests "
+             f"through a ContinuousBatch in one process; prefill passes of up to {c['prefill_tokens']} token slots; "
+             f"{_source(rec)})", "",
+             "| clients | tok/s | ITL p50 / p99 ms | decode step ms at the full batch | steps with a prefill pass: "
+             "count, p50 / max ms |", "|---:|---:|---|---:|---|"]
+    for r in rec["levels"]:
+        full = r["decode_step_p50_ms"].get(str(r["clients"]))
+        prefill = (f"{r['prefill_steps']}, {r['prefill_step_p50_ms']:.1f} / {r['prefill_step_max_ms']:.1f}"
+                   if r["prefill_steps"] else "0")
+        lines.append(f"| {r['clients']} | {r['tok_per_s']:,.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+                     f"{'' if full is None else f'{full:.2f}'} | {prefill} |")
+    return lines + [""]
+
+
 def serve_soak_table(rec: dict) -> list[str]:
     c, kib = rec["config"], 1024
     return [f"**Serving soak** ({c['requests']} requests from {c['clients']} clients, {c['parallel']} slots, queue "
@@ -447,7 +465,7 @@ def hybrid_tables(rec: dict) -> list[str]:
 TABLES = {"moe_block": moe_block_tables, "decode": decode_table, "quality": quality_tables,
           "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables, "offload": offload_table,
           "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables,
-          "serve": serve_table, "serve_soak": serve_soak_table, "hybrid": hybrid_tables}
+          "serve": serve_table, "batching": batching_table, "serve_soak": serve_soak_table, "hybrid": hybrid_tables}
 
 
 def _when(rec: dict) -> str:
