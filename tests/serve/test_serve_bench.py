@@ -1,4 +1,5 @@
-"""bench/serve.py and bench/serve_soak.py --quick: they run against a CPU server and write complete result JSON."""
+"""bench/serve.py and bench/serve_soak.py --quick: they run against a CPU server and write complete result JSON;
+bench/batching.py --quick: the same requests without HTTP."""
 
 import json
 import os
@@ -38,3 +39,16 @@ def test_serve_soak_quick(tmp_path):
     assert r["passed"] and r["problems"] == [] and r["server_alive"]
     assert sum(r["outcomes"].values()) == 60 and r["responses"] == r["distinct_ids"] > 0
     assert r["rss_kib_start"] > 0 and r["rss_kib_end"] > 0 and not any(r["load_at_end"].values())
+
+
+def test_batching_bench_quick(tmp_path):
+    """The serve bench's requests through a ContinuousBatch in process, on a random tiny 4-bit checkpoint: every
+    token counted, every step kept by its shape."""
+    r = run_quick("batching.py", tmp_path, "--random-shape", "tiny", "--random-layers", "2")
+    assert r["name"] == "batching" and r["config"]["random_checkpoint"]["layers"] == 2
+    assert [level["clients"] for level in r["levels"]] == [1, 4]
+    for level in r["levels"]:
+        assert level["generated_tokens"] == 16 * level["requests"] and level["tok_per_s"] > 0
+        assert level["prefill_steps"] >= 1 and level["itl_p99_ms"] >= level["itl_p50_ms"] > 0
+        assert max(map(int, level["decode_step_p50_ms"])) == level["clients"]
+        assert level["steps"] >= 16 and len(level["slowest"]) == 5
