@@ -213,12 +213,13 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
     """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses.
 
     index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
-    slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
+    slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading). Interleaved experts
+    (GPT-OSS) take a slice of experts only (their other axes are reordered on reading)."""
     expert = _EXPERT_TENSOR.match(name) if family in INTERLEAVED_EXPERTS else None
     if expert is not None:
-        if index is not None:
-            raise MoeserveError(f"{family} experts are read whole, not in slices ({name})")
-        return from_interleaved(expert.group(1), reader.get(name))
+        if index is not None and len(index) > 1:
+            raise MoeserveError(f"{family} experts are read in slices of whole experts only ({name})")
+        return from_interleaved(expert.group(1), reader.get(name) if index is None else reader.get_slice(name, index))
     for stored in _stored_names(name, family):
         if stored in reader:
             return reader.get(stored) if index is None else reader.get_slice(stored, index)

@@ -103,14 +103,14 @@ def _reference(path: str, tokens: torch.Tensor, prompts: list, params: SamplingP
 
 
 def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
-    """The bytes (fp32) a rank should read: {"experts": its EP share or FFN slice, "dense": 1/tp of the
-    TP-sliced tensors (its vocabulary rows of embedding and head) plus the replicated ones whole}."""
+    """The bytes a rank should read: {"experts": its EP share or FFN slice, "dense": 1/tp of the TP-sliced tensors
+    (its vocabulary rows of embedding and head) plus the replicated ones whole}."""
     reader = CheckpointReader(path)
     vocab = reader.shapes["model.embed_tokens.weight"][0]
     full_qk_norm = moeserve.ModelSpec.from_dir(path).qk_norm == "full"
     out = {"experts": 0, "dense": 0}
     for name, shape in reader.shapes.items():
-        size = 4 * torch.Size(shape).numel()
+        size = reader.get(name).element_size() * torch.Size(shape).numel()  # fp32, or MXFP4's uint8 codes
         if ".experts." in name:  # a layer of fewer experts than ranks: each rank reads one
             out["experts"] += size // (min(ep, shape[0]) if ep > 1 else tp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
-from moeserve.model.experts import ExpertBackend, ResidentExperts
+from moeserve.model.experts import ExpertBackend
+from moeserve.model.moe import resident_experts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
 from moeserve.parallel.groups import check_experts, expert_share, split_range
@@ -23,7 +24,7 @@ from moeserve.parallel.plan import DispatchPlan
 
 
 class ExpertParallelExperts(ExpertBackend):
-    """Expert backend over `local` (a backend holding this rank's experts, e.g. ResidentExperts). A layer with
+    """Expert backend over `local` (a backend holding this rank's experts: float or MXFP4). A layer with
     fewer experts than ranks is held by several copies of consecutive ranks (groups.expert_share); each rank
     dispatches within its own copy."""
 
@@ -139,8 +140,9 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
             continue
         mine = expert_share(spec.experts_at(i), group_size, group_rank)[0]
         with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
-            local = ResidentExperts(len(mine), spec.hidden_size, spec.expert_ffn)
-        local.gate_up_proj = nn.Parameter(full.gate_up_proj[mine.start:mine.stop].detach().clone(), requires_grad=False)
-        local.down_proj = nn.Parameter(full.down_proj[mine.start:mine.stop].detach().clone(), requires_grad=False)
+            local = resident_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
+        for name, t in [*full.named_parameters(recurse=False), *full.named_buffers(recurse=False)]:
+            part = t[mine.start:mine.stop].detach().clone()  # every expert tensor is [E, ...]
+            setattr(local, name, nn.Parameter(part, requires_grad=False) if isinstance(t, nn.Parameter) else part)
         layer.mlp.experts = ExpertParallelExperts(local, spec.experts_at(i), group, group_rank, group_size,
                                                   hierarchy, tp, plan)

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import moeserve
-from moeserve.checkpoint import CheckpointReader, per_expert_names
+from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_tensor
 from moeserve.errors import MoeserveError
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
-from moeserve.model.experts import ResidentExperts
+from moeserve.model.experts import LoopedExperts
 from moeserve.parallel.collectives import raise_if_any_failed
 from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
@@ -43,23 +43,41 @@ def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_siz
     return gate_up, torch.stack([reader.get_slice(d, (slice(None), f)) for _, _, d in names])
 
 
+def read_whole_experts(reader: CheckpointReader, layer: int, family: str, experts: range,
+                       leaf: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert tensor of `leaf` (weights, biases, MXFP4 blocks and scales) for experts `experts` of `layer`,
+    from a family that stores them fused and interleaved (GPT-OSS): whole experts, in moeserve's layout."""
+    tensors = [*leaf.named_parameters(recurse=False), *leaf.named_buffers(recurse=False)]
+    return {name: read_tensor(reader, f"model.layers.{layer}.mlp.experts.{name}", family, 0,
+                              (slice(experts.start, experts.stop),)) for name, _ in tensors}
+
+
 def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device, dtype) -> None:
     """Read this rank's experts (experts_of(layer) -> range) into the (meta) expert backends the parallel wrappers
-    hold."""
+    hold: slices of their FFN rows too (`ffn`), or, for interleaved families, whole experts with all their
+    tensors (biases, MXFP4 blocks and scales; such buffers keep their stored dtype)."""
     spec = model.spec
     for i, layer in enumerate(model.model.layers):
         backend = getattr(layer.mlp, "experts", None)
         if backend is None:
             continue
         experts = experts_of(i)
-        leaf = next(m for m in backend.modules() if isinstance(m, ResidentExperts))
-        for name, t in zip(("gate_up_proj", "down_proj"),
-                           read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)):
+        leaf = next(m for m in backend.modules() if isinstance(m, LoopedExperts))
+        if spec.family in INTERLEAVED_EXPERTS:
+            read = read_whole_experts(reader, i, spec.family, experts, leaf)
+        else:
+            read = dict(zip(("gate_up_proj", "down_proj"),
+                            read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)))
+        buffers = dict(leaf.named_buffers(recurse=False))
+        for name, t in read.items():
             want = tuple(getattr(leaf, name).shape)
             if tuple(t.shape) != want:
                 raise MoeserveError(f"layer {i} experts {experts.start}..{experts.stop - 1}: {name} has shape "
                                     f"{tuple(t.shape)} in the checkpoint, config.json implies {want}")
-            setattr(leaf, name, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+            if name in buffers:
+                setattr(leaf, name, t.to(device=device, dtype=buffers[name].dtype))
+            else:
+                setattr(leaf, name, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
 
 
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
@@ -70,7 +88,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
-    refuse_special_experts(spec, "the parallel engine (--ep, --tp)")
+    if tp > 1:
+        refuse_special_experts(spec, "tensor parallelism (--tp)")
     if ep > 1:
         for i in spec.moe_layer_indices():
             check_experts(spec.experts_at(i), ep)

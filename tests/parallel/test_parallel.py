@@ -26,11 +26,14 @@ CASES = {
         ("model", ["granitemoeshared", "dbrx"], 2, 1, 128),  # muP, shared MLP; DBRX's fused tensors split on reading
         ("model", ["granitemoeshared", "dbrx"], 1, 2, 128),
         ("model", ["llama4"], 2, 1, 128), ("model", ["llama4"], 1, 2, 128),  # NoPE, chunks, experts' scaled input
+        ("model", ["gpt_oss", "gpt_oss_mxfp4"], 1, 2, 128),  # biases, clamped SwiGLU, sinks; MXFP4 blocks
+        ("model", ["gpt_oss_mxfp4"], 1, 2, 0),
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
         ("model", ["qwen2_moe"], 2, 2, 128),  # coordinated TP x EP
         ("model", ["prmoe", "pyramid"], 1, 4, 128), ("model", ["prmoe"], 1, 4, 0),  # 2 experts: 2 copies
+        ("model", ["gpt_oss_mxfp4"], 1, 4, 128),  # two of its 8 experts a rank
         ("hierarchical",), ("bad_checkpoint",)],
 }
 
@@ -39,8 +42,10 @@ CASES = {
 def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0, and
     `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored);
+    `gpt_oss_mxfp4`: the tiny GPT-OSS with its experts in MXFP4 (hf_models.write_mxfp4_pair);
     `prmoe` (top-1 + residual MLP) and `pyramid` (top-2): PR-MoE checkpoints with layers of 2, 4 and 8 experts."""
     import moeserve
+    from hf_models import write_mxfp4_pair
     from prmoe_models import save_prmoe_model, tiny_arch
     from safetensors.torch import load_file, save_file
 
@@ -58,6 +63,9 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     del state["lm_head.weight"]
     save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
     paths["fused_tied"] = str(fused)
+    packed = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4_pair(hf_checkpoints["gpt_oss"][1], packed, tmp_path_factory.mktemp("gpt_oss_twin"))
+    paths["gpt_oss_mxfp4"] = str(packed)
     paths["prmoe"] = str(save_prmoe_model(tmp_path_factory.mktemp("prmoe"), tiny_arch((2, 4, 8), 1, True), seed=5))
     paths["pyramid"] = str(save_prmoe_model(tmp_path_factory.mktemp("pyramid"), tiny_arch((2, 4, 8), 2, False), seed=6))
     return paths
@@ -184,3 +192,12 @@ def test_tp_index_says_what_a_rank_keeps():
         assert index(name, (4,)) is None
     assert [tp_index("lm_head.weight", (97, 3), r, 4) for r in (0, 3)] == [(slice(0, 25),), (slice(73, 97),)]
     assert tp_index("model.embed_tokens.weight", (97, 3), 1, 2) == (slice(49, 97),)
+
+
+def test_tensor_parallel_refuses_gpt_oss_experts_by_name(hf_checkpoints):
+    """Expert slicing adds no biases once and no clamped SwiGLU: refused before any process group is made (--ep
+    takes GPT-OSS: CASES)."""
+    from moeserve.parallel.loading import load_parallel_model
+
+    with pytest.raises(MoeserveError, match=r"tensor parallelism \(--tp\) cannot take gpt_oss's experts yet.*--ep"):
+        load_parallel_model(hf_checkpoints["gpt_oss"][1], 0, 2, tp=2)
