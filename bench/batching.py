@@ -30,8 +30,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, write_result  # noqa: E402
-from random_checkpoint import SHAPES, random_quantized_checkpoint  # noqa: E402
-from serve import make_requests, percentiles  # noqa: E402
+from random_checkpoint import add_random_checkpoint_args, write_requested  # noqa: E402
+from serve import add_request_args, make_requests, percentiles  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.engine.batching import ContinuousBatch, Request  # noqa: E402
@@ -85,21 +85,12 @@ def run_level(batch: ContinuousBatch, prompts: list[list[int]], gen: int, client
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=moeserve.DEMO_MODEL, help="checkpoint (default: the demo)")
-    ap.add_argument("--random-shape", default=None, choices=list(SHAPES),
-                    help="a random checkpoint of this shape instead (bench/random_checkpoint.py writes it)")
-    ap.add_argument("--random-layers", type=int, default=8, help="layers of the random checkpoint (default 8)")
-    ap.add_argument("--random-bits", type=int, default=4, help="HQQ bits of the random checkpoint (default 4)")
-    ap.add_argument("--work", default=None, help="where the random checkpoint goes (default: a temporary folder)")
+    add_random_checkpoint_args(ap, "run")
     ap.add_argument("--device", default="cpu", help="device (default cpu)")
     ap.add_argument("--dtype", default=None, help="dtype (default: auto)")
-    ap.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels (default 1,4,16,64)")
-    ap.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
-    ap.add_argument("--prompt-min", type=int, default=16, help="shortest prompt in bytes (default 16)")
-    ap.add_argument("--prompt-max", type=int, default=160, help="longest prompt in bytes (default 160)")
-    ap.add_argument("--gen", type=int, default=64, help="new tokens per request (default 64)")
+    add_request_args(ap)
     ap.add_argument("--ctx-size", type=int, default=4096, help="tokens per KV slot (default 4096, as serve)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill token slots per pass (default: serve's)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 new tokens (smoke run)")
     add_run_args(ap)  # --threads, --out
     args = ap.parse_args()
@@ -109,12 +100,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=args.work) as work:
-        checkpoint = None
-        if args.random_shape:
-            print(f"writing a random {args.random_layers}-layer {args.random_shape} checkpoint ...", flush=True)
-            checkpoint = random_quantized_checkpoint(args.random_shape, args.random_layers, args.random_bits,
-                                                     Path(work) / "model", args.seed)
-            args.model = str(Path(work) / "model")
+        checkpoint = write_requested(args, work)
         record = measure(args, levels)
         record["config"]["random_checkpoint"] = checkpoint
     print(f"wrote {write_result(record, args.out)}")

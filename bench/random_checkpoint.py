@@ -92,6 +92,29 @@ def random_quantized_checkpoint(shape: str, layers: int, bits: int, out: Path, s
             "write_s": round(t1 - t0, 1), "quantize_s": round(time.perf_counter() - t1, 1)}
 
 
+def add_random_checkpoint_args(ap, what: str = "serve") -> None:
+    """The options of a bench that can run on a random checkpoint it writes (bench/serve.py, bench/batching.py)."""
+    ap.add_argument("--random-shape", default=None, choices=list(SHAPES),
+                    help=f"{what} a random checkpoint of this shape instead (bench/random_checkpoint.py writes it)")
+    ap.add_argument("--random-layers", type=int, default=8, help="layers of the random checkpoint (default 8)")
+    ap.add_argument("--random-bits", type=int, default=4, help="HQQ bits of the random checkpoint (default 4)")
+    ap.add_argument("--work", default=None, help="where the random checkpoint goes (default: a temporary folder)")
+
+
+def write_requested(args, work: str) -> dict | None:
+    """The random checkpoint args ask for (--random-shape), written to `work`/model and set as args.model; None
+    when none is asked for."""
+    if not args.random_shape:
+        return None
+    print(f"writing a random {args.random_layers}-layer {args.random_shape} checkpoint, HQQ {args.random_bits}-bit "
+          f"...", flush=True)
+    made = random_quantized_checkpoint(args.random_shape, args.random_layers, args.random_bits, Path(work) / "model",
+                                       args.seed)
+    args.model = str(Path(work) / "model")
+    print(json.dumps(made), flush=True)
+    return made
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")

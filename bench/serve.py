@@ -40,7 +40,7 @@ import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, write_result  # noqa: E402
-from random_checkpoint import SHAPES, random_quantized_checkpoint  # noqa: E402
+from random_checkpoint import add_random_checkpoint_args, write_requested  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.serve.process import ServerProcess  # noqa: E402
@@ -158,28 +158,29 @@ def client_procs(args, clients: int) -> int:
     return args.client_procs or -(-clients // 16)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="a running server (default: start one for the run)")
-    ap.add_argument("--model", default=moeserve.DEMO_MODEL, help="checkpoint for the server started here (the demo)")
-    ap.add_argument("--random-shape", default=None, choices=list(SHAPES),
-                    help="serve a random checkpoint of this shape instead (bench/random_checkpoint.py writes it)")
-    ap.add_argument("--random-layers", type=int, default=8, help="layers of the random checkpoint (default 8)")
-    ap.add_argument("--random-bits", type=int, default=4, help="HQQ bits of the random checkpoint (default 4)")
-    ap.add_argument("--work", default=None, help="where the random checkpoint goes (default: a temporary folder)")
-    ap.add_argument("--device", default="cpu", help="device of the server started here (default cpu)")
-    ap.add_argument("--dtype", default=None, help="dtype of the server started here (default: auto)")
-    ap.add_argument("--device-label", default=None, help="device name for the result with --url")
-    ap.add_argument("--api-key", default=None, help="the running server's --api-key")
+def add_request_args(ap) -> None:
+    """The options that say which requests a level runs (bench/batching.py runs the same ones)."""
     ap.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels (default 1,4,16,64)")
-    ap.add_argument("--client-procs", type=int, default=None,
-                    help="client processes per level (default: one per 16 clients)")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
-    ap.add_argument("--sequential-max", type=int, default=16, help="requests of the sequential baseline (default 16)")
     ap.add_argument("--prompt-min", type=int, default=16, help="shortest prompt in bytes (default 16)")
     ap.add_argument("--prompt-max", type=int, default=160, help="longest prompt in bytes (default 160)")
     ap.add_argument("--gen", type=int, default=64, help="new tokens per request (default 64)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=None, help="a running server (default: start one for the run)")
+    ap.add_argument("--model", default=moeserve.DEMO_MODEL, help="checkpoint for the server started here (the demo)")
+    add_random_checkpoint_args(ap, "serve")
+    ap.add_argument("--device", default="cpu", help="device of the server started here (default cpu)")
+    ap.add_argument("--dtype", default=None, help="dtype of the server started here (default: auto)")
+    ap.add_argument("--device-label", default=None, help="device name for the result with --url")
+    ap.add_argument("--api-key", default=None, help="the running server's --api-key")
+    add_request_args(ap)
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="client processes per level (default: one per 16 clients)")
+    ap.add_argument("--sequential-max", type=int, default=16, help="requests of the sequential baseline (default 16)")
     ap.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 new tokens (smoke run)")
     add_run_args(ap)  # --threads: of the server started here; --out
     args = ap.parse_args()
@@ -188,14 +189,7 @@ def main() -> None:
     levels = [int(c) for c in args.clients.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     with tempfile.TemporaryDirectory(dir=args.work) as work:
-        checkpoint = None
-        if args.random_shape and not args.url:
-            print(f"writing a random {args.random_layers}-layer {args.random_shape} checkpoint, HQQ "
-                  f"{args.random_bits}-bit ...", flush=True)
-            checkpoint = random_quantized_checkpoint(args.random_shape, args.random_layers, args.random_bits,
-                                          Path(work) / "model", args.seed)
-            args.model = str(Path(work) / "model")
-            print(json.dumps(checkpoint), flush=True)
+        checkpoint = None if args.url else write_requested(args, work)
         record = measure(args, levels, headers)
         record["config"]["random_checkpoint"] = checkpoint
     print(f"wrote {write_result(record, args.out)}")
