@@ -2,8 +2,9 @@
 
 `write_random_checkpoint` writes an HF-style MixtralForCausalLM directory: config.json with the shape's dimensions
 and the demo's byte tokenizer (vocabulary 258 instead of 32000: random weights produce random tokens, and every id
-must decode), one safetensors file per layer of random bf16 weights (std 0.02, norms 1) under moeserve's tensor
-names. `random_quantized_checkpoint` then writes the HQQ copy that `moeserve quantize` would, and deletes the bf16 one.
+must decode), one safetensors file per layer of random bf16 weights (std 0.02, norms 1, the head's non-ASCII rows
+zero: random_tensor) under moeserve's tensor names. `random_quantized_checkpoint` then writes the HQQ copy that
+`moeserve quantize` would, and deletes the bf16 one.
 
     python bench/random_checkpoint.py --out /tmp/mixtral8 --layers 8 --bits 4   # ~6.5 GB 4-bit, ~23 GB on the way
 """
@@ -50,11 +51,20 @@ def layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
+ASCII = 128  # byte tokens below this decode to one character each
+
+
 def random_tensor(name: str, shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Norm weights 1, everything else N(0, STD^2), in bf16 on the CPU."""
+    """Norm weights 1, everything else N(0, STD^2), in bf16 on the CPU; the head's rows of the tokens from ASCII on
+    (bytes >= 0x80, BOS, EOS) zero: their logits are 0 while some ASCII byte's is above 0, so greedy text is ASCII,
+    each token one character, and a streamed chunk carries one token (a lone byte >= 0x80 would be held back as an
+    incomplete character and sent with the next, halving the chunks a client times)."""
     if "norm" in name:
         return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=gen, device=device) * STD).to(torch.bfloat16).cpu()
+    t = torch.randn(shape, generator=gen, device=device) * STD
+    if name == "lm_head.weight":
+        t[ASCII:] = 0
+    return t.to(torch.bfloat16).cpu()
 
 
 def write_random_checkpoint(config: dict, out: Path, seed: int = 0, device: torch.device | None = None) -> int:

@@ -4,9 +4,9 @@ requests run one after another, over HTTP (asyncio + httpx), at C = 1, 4, 16, 64
 Per level: R = max(C, --min-requests) requests, prompts cut from the demo's held-out text at random lengths
 (--prompt-min..--prompt-max bytes, seeded), greedy, exactly --gen new tokens each (ignore_eos). C client tasks
 take requests from one list until it is empty (a closed loop). Measured at the client, per request: time to first
-token (TTFT: request sent -> first chunk with text) and the gaps between later chunks (ITL: one token a chunk with
-the byte tokenizer); per level: generated tokens / wall time. The sequential baseline runs the same R requests one
-at a time (at most --sequential-max of them, the first ones: a request's time alone does not depend on R).
+token (TTFT: request sent -> first chunk with text) and the gaps between later chunks (ITL: one token a chunk where
+each token is a whole character, as with the demo and the random checkpoints; `tokens_per_chunk` says); per
+level: generated tokens / wall time. The sequential baseline runs the same R requests one at a time (at most --sequential-max of them, the first ones: a request's time alone does not depend on R).
 Ratios: speedup = concurrent / sequential tok/s; itl_p99_over_single = p99 ITL / the 1-client level's median ITL.
 No physical floor is computed: the peer is the same server running one request at a time.
 
@@ -134,8 +134,10 @@ def run_level(url: str, requests: list[dict], clients: int, headers: dict | None
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     ttft = [r["times"][0] * 1e3 for r in results if r["times"]]
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
+    chunks = sum(len(r["times"]) for r in results)  # ITL is per chunk: per token where each chunk carries one
     return {"requests": len(results), "generated_tokens": tokens, "wall_s": round(wall, 3), "client_procs": procs,
-            "tok_per_s": tokens / wall, **percentiles("ttft", ttft), **percentiles("itl", itl)}
+            "tok_per_s": tokens / wall, "tokens_per_chunk": tokens / max(chunks, 1), **percentiles("ttft", ttft),
+            **percentiles("itl", itl)}
 
 
 def percentiles(name: str, values: list[float]) -> dict:

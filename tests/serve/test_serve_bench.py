@@ -31,6 +31,7 @@ def test_serve_bench_quick(tmp_path):
         for run in (level["concurrent"], level["sequential"]):
             assert run["tok_per_s"] > 0 and run["generated_tokens"] == 16 * run["requests"]
             assert run["ttft_p50_ms"] > 0 and run["itl_p99_ms"] >= run["itl_p50_ms"] > 0
+            assert run["tokens_per_chunk"] == 1  # ASCII text: each ITL gap is one token's
         assert level["speedup"] > 0 and level["itl_p99_over_single"] > 0
 
 
