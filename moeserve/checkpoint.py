@@ -236,8 +236,16 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
 def read_expert_row(reader: CheckpointReader, family: str, layer: int, expert: int, projection: str, row: int,
                     ffn: int) -> torch.Tensor:
     """Row `row` of one expert's gate_up [2F, D] ("gate_up") or down [D, F] ("down") weight, read without the
-    rest of the layer's experts, from whichever spelling the checkpoint uses."""
+    rest of the layer's experts, from whichever spelling the checkpoint uses. Interleaved experts (GPT-OSS): the
+    stored column or output that becomes that row (from_interleaved); in MXFP4, that output's block and scale
+    bytes as numbers (they identify the weights; nothing compares them with a loaded model's floats)."""
     fused = f"model.layers.{layer}.mlp.experts.{projection}_proj"
+    if family in INTERLEAVED_EXPERTS:
+        out = row if projection == "down" else 2 * row if row < ffn else 2 * (row - ffn) + 1  # the stored output
+        if f"{fused}_blocks" in reader:  # [E, out, K/32, 16] and [E, out, K/32]
+            return torch.cat([reader.get_slice(f"{fused}{part}", (slice(expert, expert + 1), slice(out, out + 1)))
+                              .reshape(-1) for part in ("_blocks", "_scales")])
+        return reader.get_slice(fused, (slice(expert, expert + 1), slice(None), slice(out, out + 1))).reshape(-1)
     for stored in (fused, _classic_moe_prefix(fused, family)):
         if stored in reader:
             return reader.get_slice(stored, (slice(expert, expert + 1), slice(row, row + 1))).reshape(-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
                                   read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest, update_digest,
                                   validate_safetensors)
 from moeserve.errors import MoeserveError
-from moeserve.quant import hqq, milo
+from moeserve.quant import hqq, milo, mxfp4
 from moeserve.quant.dense import layer_linears
 from moeserve.loader import load_model
 from moeserve.model.transformer import MoETransformer
@@ -33,7 +34,7 @@ from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import (TensorInfo, assign_ranks, clamp_ranks, expert_frequency, parse_rank_policy,
                                   weight_kurtosis)
-from moeserve.spec import ModelSpec, refuse_special_experts
+from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer
 
 METHODS = ("rtn", "hqq", "milo")
@@ -96,17 +97,33 @@ class LayerSource:
     def weight(self, info: TensorInfo) -> torch.Tensor:
         if info.kind != "expert":
             return read_tensor(self.reader, info.name + ".weight", self.spec.family, self.spec.experts_at(info.layer))
-        stack_name, e = info.name.rsplit(".", 1)
-        stack_name = stack_name.replace(".experts.gate_up", ".experts.gate_up_proj").replace(
-            ".experts.down", ".experts.down_proj")
-        if stack_name not in self._stacks:
-            self._stacks = {stack_name: read_tensor(self.reader, stack_name, self.spec.family,
-                                                    self.spec.experts_at(info.layer))}
-        return self._stacks[stack_name][int(e)]
+        stack_name, e = self._stack(info)
+        if self.spec.experts_mxfp4:  # quantized again from the float values the MXFP4 blocks hold
+            return mxfp4.dequantize(self._read(f"{stack_name}_blocks", info)[e], self._read(f"{stack_name}_scales",
+                                                                                          info)[e])
+        return self._read(stack_name, info)[e]
 
     def bias(self, info: TensorInfo) -> torch.Tensor | None:
+        if info.kind == "expert":  # a stack of per-expert biases (GPT-OSS), or none
+            stack_name, e = self._stack(info)
+            return self._read(f"{stack_name}_bias", info)[e] if self.spec.expert_bias else None
         name = info.name + ".bias"
         return self.reader.get(name) if name in self.reader else None
+
+    @staticmethod
+    def _stack(info: TensorInfo) -> tuple[str, int]:
+        """(the float stack an expert tensor comes from, its expert): ...experts.gate_up.3 -> ...gate_up_proj, 3."""
+        stack_name, e = info.name.rsplit(".", 1)
+        return stack_name.replace(".experts.gate_up", ".experts.gate_up_proj").replace(
+            ".experts.down", ".experts.down_proj"), int(e)
+
+    def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
+        """A stacked expert tensor, read once while the layer's tensors that use it are quantized."""
+        if name not in self._stacks:
+            if not any(n.startswith(f"model.layers.{info.layer}.") for n in self._stacks):
+                self._stacks = {}  # a new layer: the last one's stacks go
+            self._stacks[name] = read_tensor(self.reader, name, self.spec.family, self.spec.experts_at(info.layer))
+        return self._stacks[name]
 
     def inputs(self, tensors: list[TensorInfo], digest):
         """(info, weight, bias) of each tensor, its weight and bias fed to the hashlib object `digest` as read:
@@ -180,7 +197,6 @@ def check_job(src: str | Path, out: str | Path, cfg: QuantConfig, force: bool) -
     src = Path(src)
     spec = ModelSpec.from_dir(src)
     refuse_quantized(src, "quantize")
-    refuse_special_experts(spec, "quantize")
     if out.resolve() == src.resolve():
         raise MoeserveError("output directory must differ from the model directory")
     if out.exists() and not force:
@@ -336,8 +352,10 @@ def frequency_from_text(src: str | Path, text: str, device, max_tokens: int = 32
 
 
 def _in_quantized_experts(name: str, quantized: set[str]) -> bool:
-    """model.layers.i.mlp.experts.gate_up_proj is replaced when its per-expert parts are quantized."""
-    stem = name.replace(".gate_up_proj", ".gate_up.0").replace(".down_proj", ".down.0")
+    """model.layers.i.mlp.experts.gate_up_proj (and its _bias, _blocks, _scales) is replaced when its per-expert
+    parts are quantized."""
+    stem = re.sub(r"_(bias|blocks|scales)$", "", name).replace(".gate_up_proj", ".gate_up.0").replace(
+        ".down_proj", ".down.0")
     return stem != name and stem in quantized
 
 
@@ -350,6 +368,10 @@ def _finish(partial: Path, out: Path, src: Path, manifest: dict, force: bool) ->
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, partial / name)
+    config = json.loads((partial / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # its experts are ours now
+        del config["quantization_config"]
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
     (partial / JOB_FILE).unlink()
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():

@@ -84,10 +84,13 @@ def install_quantized_modules(model: nn.Module, manifest: dict) -> None:
     experts: dict[str, dict[str, list]] = {}
     for name, t in manifest["tensors"].items():
         out_f, in_f = t["shape"]
-        bias = getattr(model.get_submodule(name), "bias", None) is not None if t["kind"] != "expert" else False
+        if t["kind"] == "expert":  # the float stack's per-expert biases (GPT-OSS) become each layer's own
+            stack, proj, e = name.rsplit(".", 2)
+            bias = getattr(model.get_submodule(stack), f"{proj}_proj_bias", None) is not None
+        else:
+            bias = getattr(model.get_submodule(name), "bias", None) is not None
         q = QuantizedLinear(in_f, out_f, rank=t["rank"], bias=bias, **cfg)
         if t["kind"] == "expert":
-            stack, proj, e = name.rsplit(".", 2)
             experts.setdefault(stack, {"gate_up": [], "down": []})[proj].append((int(e), q))
         else:
             parent, leaf = name.rsplit(".", 1)
@@ -96,4 +99,4 @@ def install_quantized_modules(model: nn.Module, manifest: dict) -> None:
         parent, leaf = stack.rsplit(".", 1)
         gate_up = [q for _, q in sorted(parts["gate_up"], key=lambda p: p[0])]
         down = [q for _, q in sorted(parts["down"], key=lambda p: p[0])]
-        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down))
+        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down, model.spec.expert_act))

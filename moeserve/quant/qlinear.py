@@ -19,9 +19,10 @@ from moeserve.kernels import needs_grad, triton_serves
 from moeserve.kernels.cpu import gemv as cpu_gemv
 from moeserve.kernels.pack import pack, padded_length, unpack
 from moeserve.kernels.routing import slot_order_pays
-from moeserve.model.experts import LoopedExperts, swiglu
+from moeserve.model.experts import LoopedExperts, glu
 from moeserve.quant import milo
 from moeserve.quant.hqq import QuantizedWeight, dequantize
+from moeserve.spec import ClampedSwiGLU
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -139,24 +140,27 @@ class QuantizedExperts(LoopedExperts):
     stack (no second copy). Compensators are zero-padded to the largest rank and cached in the activation
     dtype (cost: E * r_max * (N + K) * 2 bytes per projection in bf16)."""
 
-    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear]):
+    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], act: ClampedSwiGLU | None = None):
+        """act: the gated activation (None: silu(gate) * up; GPT-OSS's clamped SwiGLU, with biases in the layers)."""
         super().__init__()
-        self.num_experts = len(gate_up)
+        self.num_experts, self.act = len(gate_up), act
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self._stacked = None
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.down[e](swiglu(self.gate_up[e](rows)))
+        return self.down[e](glu(self.gate_up[e](rows), self.act))
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         """The path: on CUDA when all experts share bits and group, the Triton low-bit fused MoE, for one token in
         slot order ("lowbit_slots": no routing table and no gather, two launches fewer per layer; not under
         autograd through the gate weights, which its combine has no backward for), else over expert-sorted rows
-        ("lowbit_sorted"); elsewhere the per-expert loop, with the generated CPU kernels where they read this
-        layout on this machine ("cpu_lowbit"), else "loop"."""
+        ("lowbit_sorted"); elsewhere, and for experts with biases or another activation (GPT-OSS: the fused kernels
+        add no biases), the per-expert loop, with the generated CPU kernels where they read this layout on this
+        machine ("cpu_lowbit"), else "loop"."""
         layouts = {(m.bits, m.group, m.in_features): m for m in (*self.gate_up, *self.down)}.values()  # one each
         uniform = len({(m.bits, m.group) for m in layouts}) == 1
-        if uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features, FUSED_MOE_MAX_TOKENS)
+        plain = self.act is None and self.gate_up[0].bias is None and self.down[0].bias is None  # fused: no biases
+        if plain and uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features, FUSED_MOE_MAX_TOKENS)
                            for m in layouts):
             slots = slot_order_pays(num_tokens) and (expert_weights is None or not needs_grad(expert_weights))
             return "lowbit_slots" if slots else "lowbit_sorted"

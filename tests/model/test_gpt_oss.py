@@ -125,8 +125,41 @@ def test_mxfp4_checkpoint_computes_its_dequantized_twin(mxfp4_pair, gpt_oss):
     assert [r.token_ids for r in generate(q, prompts, params)] == [r.token_ids for r in generate(f, prompts, params)]
 
 
+def test_quantize_keeps_biases_and_clamped_swiglu_from_float_or_mxfp4(mxfp4_pair, gpt_oss, tmp_path):
+    """`quantize` of the MXFP4 checkpoint and of its float twin write the same model: HQQ experts with their biases
+    and the clamped SwiGLU, equal to quantizing the twin's experts in memory; 8-bit RTN stays near the float model."""
+    from moeserve.quant.compress import QuantConfig, quantize_checkpoint, quantize_tensor
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    packed, twin = mxfp4_pair
+    cfg = QuantConfig(bits=4, group=16, method="hqq", ranks="uniform:0", skip=("attention",))  # the experts only
+    for src, out in ((packed, tmp_path / "from_mxfp4"), (twin, tmp_path / "from_twin")):
+        quantize_checkpoint(src, out, cfg, progress=False)
+    a, b = moeserve.load_model(tmp_path / "from_mxfp4"), moeserve.load_model(tmp_path / "from_twin")
+    experts = a.model.layers[1].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and experts.act == a.spec.expert_act and not a.spec.experts_mxfp4
+    assert experts.gate_up[0].bias is not None and experts.kernel_path(torch.empty(1, 64), 1) in ("loop", "cpu_lowbit")
+    ref = moeserve.load_model(twin)
+    for layer in ref.model.layers:
+        ex = layer.mlp.experts
+        layer.mlp.experts = QuantizedExperts(
+            [quantize_tensor(ex.gate_up_proj[e], cfg, 0, ex.gate_up_proj_bias[e]) for e in range(ex.num_experts)],
+            [quantize_tensor(ex.down_proj[e], cfg, 0, ex.down_proj_bias[e]) for e in range(ex.num_experts)], ex.act)
+    tokens = torch.randint(3, 97, (2, 14))
+    with torch.no_grad():
+        want, got = ref(tokens), a(tokens)
+        assert torch.equal(got, b(tokens)) and (got - want).abs().max() < 1e-4
+        assert not torch.allclose(got, moeserve.load_model(twin)(tokens), atol=1e-3)  # the experts were quantized
+    quantize_checkpoint(gpt_oss[1], tmp_path / "q8", QuantConfig(bits=8, group=16, method="rtn"), progress=False)
+    with torch.no_grad():
+        near, f = moeserve.load_model(tmp_path / "q8")(tokens), moeserve.load_model(gpt_oss[1])(tokens)
+    assert ((near - f).norm() / f.norm()) < 0.02
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [tokens[0, :9].tolist(), tokens[1, :4].tolist()]
+    assert [r.token_ids for r in generate(a, prompts, params)] == [r.token_ids for r in generate(ref, prompts, params)]
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["quantize", "--out", "{tmp}/q", "--bits", "4"], "quantize cannot take gpt_oss's experts yet"),
     (["offload-prepare", "--out", "{tmp}/store"], "offload-prepare cannot take gpt_oss's experts yet"),
 ])
 def test_commands_that_do_not_take_its_experts_say_so(gpt_oss, tmp_path, expect_cli_error, argv, message):
