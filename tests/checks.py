@@ -82,12 +82,17 @@ def quantized_experts(E, D, F, bits, ranks):
 
 
 def quantized_experts_as_float64(ex):
-    """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts)."""
+    """The same experts as float64 dense FFNs (expert_ffn of a float64 ResidentExperts), with their biases and
+    activation where they have them (GPT-OSS)."""
     from moeserve.model.experts import ResidentExperts
 
-    dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features).double().to(DEVICE)
+    bias = ex.gate_up[0].bias is not None
+    dense = ResidentExperts(ex.num_experts, ex.gate_up[0].in_features, ex.down[0].in_features, bias,
+                            ex.act).double().to(DEVICE)
     with torch.no_grad():
         for e in range(ex.num_experts):
             dense.gate_up_proj[e] = reference(ex.gate_up[e], torch.eye(dense.gate_up_proj.shape[2], device=DEVICE)).T
             dense.down_proj[e] = reference(ex.down[e], torch.eye(dense.down_proj.shape[2], device=DEVICE)).T
+            if bias:
+                dense.gate_up_proj_bias[e], dense.down_proj_bias[e] = ex.gate_up[e].bias, ex.down[e].bias
     return dense

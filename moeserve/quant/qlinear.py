@@ -154,13 +154,11 @@ class QuantizedExperts(LoopedExperts):
         """The path: on CUDA when all experts share bits and group, the Triton low-bit fused MoE, for one token in
         slot order ("lowbit_slots": no routing table and no gather, two launches fewer per layer; not under
         autograd through the gate weights, which its combine has no backward for), else over expert-sorted rows
-        ("lowbit_sorted"); elsewhere, and for experts with biases or another activation (GPT-OSS: the fused kernels
-        add no biases), the per-expert loop, with the generated CPU kernels where they read this layout on this
-        machine ("cpu_lowbit"), else "loop"."""
+        ("lowbit_sorted"; biases and GPT-OSS's clamped SwiGLU in its epilogues); elsewhere the per-expert loop, with
+        the generated CPU kernels where they read this layout on this machine ("cpu_lowbit"), else "loop"."""
         layouts = {(m.bits, m.group, m.in_features): m for m in (*self.gate_up, *self.down)}.values()  # one each
         uniform = len({(m.bits, m.group) for m in layouts}) == 1
-        plain = self.act is None and self.gate_up[0].bias is None and self.down[0].bias is None  # fused: no biases
-        if plain and uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features, FUSED_MOE_MAX_TOKENS)
+        if uniform and all(triton_applies(x, num_tokens, m.bits, m.group, m.in_features, FUSED_MOE_MAX_TOKENS)
                            for m in layouts):
             slots = slot_order_pays(num_tokens) and (expert_weights is None or not needs_grad(expert_weights))
             return "lowbit_slots" if slots else "lowbit_sorted"
@@ -181,8 +179,8 @@ class QuantizedExperts(LoopedExperts):
     def x_preparation(self, x: torch.Tensor, top_k: int):
         """How the lowbit_slots path will read x (a Preparation: MoEBlock has the router's launch prepare it), or
         None (another path, or one that reads x itself)."""
-        if self.kernel_path(x, x.shape[0]) != "lowbit_slots":
-            return None
+        if self.kernel_path(x, x.shape[0]) != "lowbit_slots" or self.gate_up[0].bias is not None:
+            return None  # with biases one token takes the kernels that prepare x themselves, not the TMA path
         from moeserve.kernels.triton.lowbit import x_preparation
 
         return x_preparation(x, *self.stacked(x.dtype), top_k)
@@ -196,7 +194,8 @@ class QuantizedExperts(LoopedExperts):
         from moeserve.kernels.triton.lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
 
-        y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids, prepared_x=prepared_x)  # [k, D] fp32, slot order
+        y = lowbit_experts(x, *self.stacked(x.dtype), expert_ids, prepared_x=prepared_x,
+                           act=self.act)  # [k, D] fp32, slot order
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
 
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
@@ -204,12 +203,12 @@ class QuantizedExperts(LoopedExperts):
             return super().run_sorted(x_sorted, table)
         from moeserve.kernels.triton.lowbit import lowbit_experts
 
-        return lowbit_experts(x_sorted, *self.stacked(x_sorted.dtype), table)  # [T*k, D] fp32
+        return lowbit_experts(x_sorted, *self.stacked(x_sorted.dtype), table, act=self.act)  # [T*k, D] fp32
 
 
 def stack_layers(mods: nn.ModuleList, dtype: torch.dtype) -> dict:
-    """Stack the experts' packed buffers (and re-point each expert's buffers to views of the stack) and their
-    compensators zero-padded to the largest rank: the fields of a StackedLowbit."""
+    """Stack the experts' packed buffers (and re-point each expert's buffers to views of the stack), their
+    compensators zero-padded to the largest rank and their biases (copies): the fields of a StackedLowbit."""
     stacks = {}
     for name in ("qweight", "scale", "zero"):
         stacks[name] = torch.stack([getattr(m, name) for m in mods])  # [E, N, ...]
@@ -226,4 +225,5 @@ def stack_layers(mods: nn.ModuleList, dtype: torch.dtype) -> dict:
             if m.rank:
                 u[e, :, :m.rank], v[e, :m.rank] = m.compensator(dtype)
         v = v.reshape(E * r, K)
-    return dict(**stacks, bits=first.bits, group=first.group, in_features=first.in_features, u=u, v=v)
+    bias = None if first.bias is None else torch.stack([m.bias.detach() for m in mods])  # [E, N]
+    return dict(**stacks, bits=first.bits, group=first.group, in_features=first.in_features, u=u, v=v, bias=bias)

@@ -53,6 +53,40 @@ def test_lowbit_fused_moe_matches_the_loop(poisoned_outputs, bits, T, routing, c
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("T,tile", [(1, {}), (3, {"BLOCK_M": 2}), (20, {"PAIRED": 1}), (20, {"PIPE": 3})])
+def test_lowbit_fused_moe_adds_biases_and_the_clamped_swiglu(poisoned_outputs, T, tile):
+    """GPT-OSS's experts quantized (moeserve quantize): each expert's gate/up and down biases and the clamped SwiGLU
+    in the kernels' epilogues (down's bias by its first K slice of two), one token in slot order (the kernels that
+    prepare x themselves: the TMA path adds no biases), CUDA-core and tensor-core tiles, against float64."""
+    from moeserve.kernels.triton.lowbit import lowbit_experts
+    from moeserve.model.experts import LoopedExperts
+    from moeserve.spec import ClampedSwiGLU
+
+    E, k, D, F = 4, 2, 64, 96
+    ex = quantized_experts(E, D, F, 4, [0, 8, 0, 0])
+    ex.act = ClampedSwiGLU(alpha=1.702, limit=0.4)  # bites: the sums reach past +-0.4
+    for m in (*ex.gate_up, *ex.down):
+        m.bias = torch.nn.Parameter(torch.randn(m.out_features, device=DEVICE) * 0.5, requires_grad=False)
+    ids = routing_ids(T, E, k, "random" if T < 20 else "one_expert").to(DEVICE)
+    table = build_routing_table(ids, torch.rand(T, k, device=DEVICE), E)
+    x = torch.randn(T, D, device=DEVICE)
+    cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, SUB=2, **tile)
+    config = ExpertsConfig.of({"gate_up": {**cfg, "SPLIT_K": 1}, "down": {**cfg, "BLOCK_N": 16, "SPLIT_K": 2}},
+                              LowbitConfig)
+    ref = LoopedExperts.run_sorted(quantized_experts_as_float64(ex), x[table.token_ids].double(), table)  # [T*k, D]
+    if T == 1:
+        got = lowbit_experts(x, *ex.stacked(x.dtype), ids, config, act=ex.act)  # slot order: sorted row r is slot
+        ref = torch.empty_like(ref).index_copy_(0, torch.argsort(ids.reshape(-1), stable=True), ref)  # order[r]
+    else:
+        got = lowbit_experts(x[table.token_ids], *ex.stacked(x.dtype), table, config, act=ex.act)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+    plain = quantized_experts_as_float64(ex)
+    plain.act = None
+    assert not torch.allclose(LoopedExperts.run_sorted(plain, x[table.token_ids].double(), table).sort(0).values,
+                              ref.sort(0).values, atol=1e-2)  # the clamps did bite
+
+
 @pytest.mark.parametrize("bits,rows", [(4, {"BLOCK_M": 2, "PAIRED": 1}), (4, {}), (3, {"PAIRED": 1}),
                                        (3, {"PIPE": 3, "PAIRED": 1})])
 def test_lowbit_fused_moe_in_bf16_takes_16_bit_paths(poisoned_outputs, bits, rows):

@@ -1,5 +1,5 @@
-"""GPT-OSS on a CUDA GPU in bf16: the float checkpoint (grouped GEMMs with biases) and the MXFP4 one (Triton kernels
-decoding in registers) take graph-safe paths, replay decode steps as CUDA graphs with the eager step's logits, and
+"""GPT-OSS on a CUDA GPU in bf16: the float checkpoint (grouped GEMMs with biases), the MXFP4 one (Triton kernels
+decoding in registers) and its HQQ 4-bit copy (the fused low-bit MoE with biases) take graph-safe paths, replay decode steps as CUDA graphs with the eager step's logits, and
 stay within bf16 rounding of transformers / the float32 CPU model. Skipped without a GPU."""
 
 import pytest
@@ -18,24 +18,32 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"float": HF save_pretrained dir, "mxfp4": its MXFP4 copy, "twin": the MXFP4 copy dequantized}, and the HF
-    fp32 model."""
+    """{"float": HF save_pretrained dir, "mxfp4": its MXFP4 copy, "twin": the MXFP4 copy dequantized, "hqq": the
+    float one's experts HQQ 4-bit (moeserve quantize)}, and the HF fp32 model."""
+    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+
     hf = build_hf_model("gpt_oss", seed=7)
     paths = {name: tmp_path_factory.mktemp(f"gpt_oss_{name}") for name in ("float", "mxfp4", "twin")}
     hf.save_pretrained(paths["float"])
     write_mxfp4_pair(paths["float"], paths["mxfp4"], paths["twin"])
+    paths["hqq"] = tmp_path_factory.mktemp("gpt_oss_hqq") / "q"
+    quantize_checkpoint(paths["float"], paths["hqq"], QuantConfig(bits=4, group=16, method="hqq", ranks="uniform:0",
+                                                                  skip=("attention",)), progress=False)
     return paths, hf
 
 
-@pytest.mark.parametrize("kind,path", [("float", "grouped_mm"), ("mxfp4", "mxfp4_triton")])
+@pytest.mark.parametrize("kind,path", [("float", "grouped_mm"), ("mxfp4", "mxfp4_triton"),
+                                       ("hqq", ("lowbit_slots", "lowbit_sorted"))])
 def test_paths_graph_steps_and_logits(checkpoints, kind, path):
     """Expert paths at 1 and 16 tokens; 12 teacher-forced decode steps across the window: the graph replay equals
     the eager static step (up to bf16 rounding); the prefill's logits are within bf16 rounding of the float32 CPU
-    model of the same weights (the twin for MXFP4)."""
+    model of the same weights (the twin for MXFP4; for HQQ the quantized checkpoint itself, its biases and clamped
+    SwiGLU in the fused low-bit kernels' epilogues)."""
     paths, _ = checkpoints
     model = moeserve.load_model(paths[kind], device="cuda", dtype=torch.bfloat16)
+    one, sixteen = path if isinstance(path, tuple) else (path, path)
     for layer in explain(model, (1, 16)):
-        assert layer.experts == {1: path, 16: path}
+        assert layer.experts == {1: one, 16: sixteen}
     assert graph_safe(model, 3)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (11, 5, 2)]
@@ -51,7 +59,7 @@ def test_paths_graph_steps_and_logits(checkpoints, kind, path):
             a, b = eager(tok, pos, alive).float(), graph(tok, pos, alive).float()
             assert (a - b).abs().max() <= 2.0 ** -8 * a.abs().max()
             pos = pos + 1
-        reference = moeserve.load_model(paths["twin" if kind == "mxfp4" else "float"], dtype=torch.float32)
+        reference = moeserve.load_model(paths["twin" if kind == "mxfp4" else kind], dtype=torch.float32)
         want = reference(tokens.cpu(), positions.cpu(), valid=valid.cpu(), last_only=True)
     got = first[0].float().cpu()
     assert ((got - want).norm() / want.norm()) < 2e-2

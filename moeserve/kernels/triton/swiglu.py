@@ -2,7 +2,8 @@
 
 torch computes it as two elementwise kernels (silu, then the product) with a bf16 round trip between; at 1024
 Mixtral tokens those read and write the [T*k, 2F] gate/up output twice (172 us on an H100). One kernel reads it
-once, computes in float32 and writes [T*k, F] once. silu_mul is also the fused MoE kernels' gate/up epilogue.
+once, computes in float32 and writes [T*k, F] once. silu_mul is also the fused MoE kernels' gate/up epilogue, and
+activation (with GPT-OSS's clamped SwiGLU) and bias_row the low-bit and MXFP4 kernels'.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.spec import ClampedSwiGLU
+
 BLOCK = 1024
 
 
@@ -18,6 +21,28 @@ BLOCK = 1024
 def silu_mul(gate, up):
     """silu(gate) * up in float32 registers (every SwiGLU epilogue here computes it this way)."""
     return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def activation(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """CLAMPED (GPT-OSS): (clamp(u, -l, l) + 1) g' sigmoid(alpha g'), g' = min(g, l); else silu(g) u. float32."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        h = silu_mul(gate, up)
+    return h
+
+
+@triton.jit
+def bias_row(bias_ptr, offs, ok, HAS_BIAS: tl.constexpr):
+    """The biases at offs [BLOCK_N] (float32), or zeros without."""
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros(offs.shape, dtype=tl.float32)
+    return b
 
 
 @triton.jit
@@ -41,3 +66,8 @@ def fused_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if n:
         _swiglu_kernel[(n, triton.cdiv(F, BLOCK))](gate_up, out, F, BLOCK=BLOCK)
     return out
+
+
+def act_args(act: ClampedSwiGLU | None) -> tuple[float, float]:
+    """(alpha, limit) of the clamped SwiGLU, or placeholders for silu."""
+    return (act.alpha, act.limit) if act else (0.0, 0.0)

@@ -2,6 +2,7 @@
 
     lowbit_kernel       y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank): a dense layer, or the MoE's down
     gate_up_kernel      h[rows] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u): the MoE's gate/up, stacked [E, 2F, ..]
+                        (optional biases and GPT-OSS's clamped SwiGLU)
     gate_up_tma_kernel  gate_up for one token through TMA (tma.py)
     down_tma_kernel     down for one token through TMA
     prepare_x_kernel    x prepared for the CUDA-core GEMV (prepare.py)
@@ -22,18 +23,20 @@ from moeserve.kernels.triton.lowbit.tiles import low_rank_tile, tile_product
 from moeserve.kernels.triton.lowbit.tma import one_row_low_rank, tma_gemv
 from moeserve.kernels.triton.pdl import after_previous
 from moeserve.kernels.triton.rows import ROUTE_SLOTS, expert_rows, tile_rows
-from moeserve.kernels.triton.swiglu import silu_mul
+from moeserve.kernels.triton.swiglu import activation, bias_row, silu_mul
 
 
 @triton.jit
-def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, route_b,
+def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b,
                   M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
                   BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
-                  USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+                  USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                  PRECISION: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank), over (N block, K slice, row block | expert)."""
+    """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank) (+ bias[e], HAS_BIAS: stacked [E, N], added by the
+    first K slice), over (N block, K slice, row block | expert)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -49,6 +52,9 @@ def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, rou
             if tl.program_id(1) == 0:
                 lr = low_rank_tile(u_ptr + e * N * R, xv_ptr + e * R, xv_stride, offs_n, n_mask, rows, r_mask, R,
                                    USE_DOT, PRECISION, BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+        if HAS_BIAS:
+            if tl.program_id(1) == 0:
+                lr += bias_row(bias_ptr + e * N, offs_n, n_mask, HAS_BIAS)[:, None]
         acc = tile_product(x_ptr, rows, r_mask, w_ptr + e * N * words_per_row, s_ptr + e * N * groups_per_row,
                            z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
                            words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
@@ -62,17 +68,18 @@ def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, route_a, rou
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, route_b,
-                   M, F, K, R, xv_stride, words_per_row, groups_per_row, exp_bits, top_k,
+def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b,
+                   M, F, K, R, xv_stride, words_per_row, groups_per_row, exp_bits, top_k, alpha, limit,
                    BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
-                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr,
+                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
                    SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
                    PAIRED: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), over (output block, 1, expert |
     slot); weights stacked [E, 2F, ..] (an expert's gate rows, then its up rows). PAIRED: the gate rows and their up
-    rows stream through one load pipeline (a tile of 2 BLOCK_N rows); else the gate rows, then the up rows."""
+    rows stream through one load pipeline (a tile of 2 BLOCK_N rows); else the gate rows, then the up rows.
+    HAS_BIAS: each expert's biases [E, 2F] join the sums; CLAMPED: GPT-OSS's clamped SwiGLU (alpha, limit)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
@@ -94,6 +101,9 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, ro
                                  BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
             lr_u = low_rank_tile(lr_base, xv_e, xv_stride, F + offs_n, n_mask, x_rows, r_mask, R, USE_DOT, PRECISION,
                                  BLOCK_N, BLOCK_M, BLOCK_R, INTERPRET)
+        if HAS_BIAS:
+            lr_g += bias_row(bias_ptr + e * 2 * F, offs_n, n_mask, HAS_BIAS)[:, None]
+            lr_u += bias_row(bias_ptr + e * 2 * F + F, offs_n, n_mask, HAS_BIAS)[:, None]
         if PAIRED:  # one pipeline over the gate rows and their up rows: [2 BLOCK_N, BLOCK_M] -> g, u
             gu = tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, n0, F, 0, steps, K, words_per_row,
                               groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, 2 * BLOCK_N, BLOCK_M, C, VPC,
@@ -106,7 +116,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, route_a, ro
             u = tile_product(x_ptr, x_rows, r_mask, w_base, s_base, z_base, F + n0, 2 * F, 0, steps, K, words_per_row,
                              groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M, C, VPC, AHEAD,
                              SUB, PIPE, HALF, INTERPRET)
-        h = silu_mul(g + lr_g, u + lr_u)  # [BLOCK_N, BLOCK_M]
+        h = activation(g + lr_g, u + lr_u, alpha, limit, CLAMPED)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
 

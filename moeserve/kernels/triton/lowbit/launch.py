@@ -18,6 +18,8 @@ from moeserve.kernels.triton.lowbit.layout import (StackedLowbit, exponent_bits,
                                                    values_per_column, x_slots)
 from moeserve.kernels.triton.pdl import dependent_launch, hopper
 from moeserve.kernels.triton.rows import DENSE, SLOT_PROGRAMS, SLOTS, SORTED
+from moeserve.kernels.triton.swiglu import act_args
+from moeserve.spec import ClampedSwiGLU
 
 GEMV_MAX_ROWS = 8
 # rows of x a tensor-core tile holds: a program walks an expert's rows (or a dense call's block) this many at a
@@ -210,12 +212,15 @@ def low_rank_args(lowrank: tuple[torch.Tensor, torch.Tensor] | None, placeholder
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: LowbitConfig, rows_per_block: int, grid_z: int, *,
-           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None) -> None:
+           lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None,
+           bias: torch.Tensor | None = None) -> None:
     """lowbit_kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
     expert ids [T, k] (x and y in slot order, [T*k, ...]; see route_args). Without it, grid axis 2 walks
-    blocks of rows_per_block rows of a dense matmul."""
+    blocks of rows_per_block rows of a dense matmul. bias: the experts' biases [E, N], with routing only."""
+    if bias is not None and routing is None:
+        raise ValueError("lowbit_kernel adds stacked expert biases [E, N]: a dense call adds its own")
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
     steps = triton.cdiv(K, tile.BLOCK_K)
@@ -229,17 +234,17 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: to
     grid = (triton.cdiv(N, cfg.BLOCK_N), split, route.pop("programs"))
     xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
     lowbit_kernel[grid](
-        xk, qweight, scale, zero, y, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), N, K, R,
-        xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp, ATOMIC=split > 1, **route, **tile.kwargs,
-        **dependent_launch(x.device))
+        xk, qweight, scale, zero, y, u, xv, y if bias is None else bias, route.pop("a"), route.pop("b"),
+        route.pop("rows"), N, K, R, xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp,
+        HAS_BIAS=bias is not None, ATOMIC=split > 1, **route, **tile.kwargs, **dependent_launch(x.device))
 
 
 def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: LowbitConfig,
-                   prepared: torch.Tensor | None = None) -> None:
+                   prepared: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
-    [T, k] (x the T tokens, h [T*k, F] in slot order); prepared: x prepared already (x_preparation). One token by
-    TMA where tma_one_token says so."""
-    if tma_one_token(cfg, p, routing, x.device):
+    [T, k] (x the T tokens, h [T*k, F] in slot order); prepared: x prepared already (x_preparation); with p.bias
+    and act (GPT-OSS) act(x Wg^T + b_g, x Wu^T + b_u). One token by TMA where tma_one_token says so."""
+    if tma_one_token(cfg, p, routing, x.device) and act is None:
         launch_gate_up_tma(x, p, h, routing, cfg, prepared)
         return
     E, two_f, _ = p.qweight.shape
@@ -251,10 +256,10 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
     xk, exp = kernel_inputs(x, tile, prepared=prepared)
     gate_up_kernel[(triton.cdiv(F, cfg.BLOCK_N), 1, route.pop("programs"))](
-        xk, p.qweight, p.scale, p.zero, h, u, xv, route.pop("a"), route.pop("b"), route.pop("rows"), F,
-        p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
-        exp, h.shape[0] // T, PAIRED=bool(cfg.PAIRED), **route, **tile.kwargs,
-        **dependent_launch(x.device))  # h [T*k, F]: top_k
+        xk, p.qweight, p.scale, p.zero, h, u, xv, h if p.bias is None else p.bias, route.pop("a"), route.pop("b"),
+        route.pop("rows"), F, p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
+        exp, h.shape[0] // T, *act_args(act), HAS_BIAS=p.bias is not None, CLAMPED=act is not None,
+        PAIRED=bool(cfg.PAIRED), **route, **tile.kwargs, **dependent_launch(x.device))  # h [T*k, F]: top_k
 
 
 # ---- one token by TMA (tma.py) ------------------------------------------------------------------------------
@@ -270,8 +275,8 @@ def tma_experts(bits: int, group: int, device: torch.device) -> bool:
 def tma_one_token(cfg: LowbitConfig, p: StackedLowbit, routing, device: torch.device) -> bool:
     """Whether a projection runs its TMA kernel (gate_up_tma_kernel, down_tma_kernel): config TMA, one token in
     slot order, experts tma_experts takes, steps of whole 16-byte scale rows (BLOCK_K >= 8 groups, rows of
-    groups % 8 == 0) and of at most 256 columns, and (3 bits) 16-byte planes (units % 4 == 0)."""
-    return bool(cfg.TMA and isinstance(routing, torch.Tensor) and routing.shape[0] == 1
+    groups % 8 == 0) and of at most 256 columns, (3 bits) 16-byte planes (units % 4 == 0), and no biases."""
+    return bool(cfg.TMA and isinstance(routing, torch.Tensor) and routing.shape[0] == 1 and p.bias is None
                 and cfg.BLOCK_K >= 8 * p.group and step_columns(cfg, p.bits) <= 256  # TMA box rows: <= 256
                 and p.scale.shape[-1] % 8 == 0 and cfg.BLOCK_K <= p.in_features
                 and (p.bits != 3 or p.planes() % 4 == 0)

@@ -96,6 +96,7 @@ class StackedLowbit:
     in_features: int
     u: torch.Tensor | None = None  # [E, N, r] activation dtype
     v: torch.Tensor | None = None  # [E * r, K] activation dtype
+    bias: torch.Tensor | None = None  # [E, N] the experts' biases (GPT-OSS), added to the sums
 
     def low_rank_inputs(self, x_sorted: torch.Tensor,
                         experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

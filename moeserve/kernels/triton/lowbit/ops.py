@@ -19,6 +19,7 @@ from moeserve.kernels.triton.lowbit.launch import (Preparation, launch, launch_d
 from moeserve.kernels.triton.lowbit.layout import StackedLowbit, check_activation, check_weight
 from moeserve.kernels.triton.skinny import low_rank_input
 from moeserve.kernels.triton.spaces import lowbit_moe_candidates
+from moeserve.spec import ClampedSwiGLU
 
 TIMED_ROUTINGS = 4  # rotating routings a tuning run times each candidate over (the experts hit change, as in decode)
 DEQUANT_BITS = (2, 4, 8)  # the widths lowbit_dequantize reads (3-bit rows are unit-planar: dequantized by pack.py)
@@ -106,7 +107,8 @@ def x_preparation(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, 
 
 
 def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit, routing,
-                   config: ExpertsConfig | None = None, prepared_x: torch.Tensor | None = None) -> torch.Tensor:
+                   config: ExpertsConfig | None = None, prepared_x: torch.Tensor | None = None,
+                   act: ClampedSwiGLU | None = None) -> torch.Tensor:
     """The experts' outputs before gate weighting, [T*k, D] float32: routing a RoutingTable (x [T*k, D] its
     expert-sorted rows, outputs in that order) or the expert ids [T, k] (x [T, D] the tokens, outputs in slot order
     t * k + j: no routing table and no gather; prepared_x: x prepared already, as x_preparation says).
@@ -115,7 +117,8 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
     with no more slots than experts the last axis is the slot instead (launch.route_args): at one token, no program is
     spent on the experts nobody chose. One token with experts of group 64 and config TMA (launch.tma_one_token): the
     weights come by TMA (tma.py). Compensators: each row's expert's columns of x V_all^T (StackedLowbit), at one token
-    by TMA only the chosen experts' columns are computed."""
+    by TMA only the chosen experts' columns are computed. Biases (StackedLowbit.bias) and act (GPT-OSS's clamped
+    SwiGLU): in the kernels' epilogues (not on the TMA path)."""
     check_activation(x, gate_up.in_features)
     for p in (gate_up, down):
         check_weight(p.qweight, p.scale, p.zero, p.bits, p.group, p.in_features)
@@ -127,13 +130,13 @@ def lowbit_experts(x: torch.Tensor, gate_up: StackedLowbit, down: StackedLowbit,
         raise ValueError("prepared x is for the slot-order path (expert ids), not for expert-sorted rows")
     x = x.contiguous()
     h = torch.empty(n, F, dtype=x.dtype, device=x.device)  # [T*k, F]
-    launch_gate_up(x, gate_up, h, routing, config.gate_up, prepared_x)
+    launch_gate_up(x, gate_up, h, routing, config.gate_up, prepared_x, act)
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)  # [T*k, D] launch zeroes it
     if tma_one_token(config.down, down, routing, x.device):
         launch_down_tma(h, down, y, routing, config.down)
     else:
         launch(h, down.qweight, down.scale, down.zero, y, down.bits, down.group, F, config.down, T, E,
-               lowrank=down.low_rank_inputs(h), routing=routing)
+               lowrank=down.low_rank_inputs(h), routing=routing, bias=down.bias)
     return y
 
 

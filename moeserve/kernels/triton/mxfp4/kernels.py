@@ -27,7 +27,7 @@ from moeserve.kernels.triton.mxfp4.codes import (BF16_BIAS_PAIR, DECODE_SCALE, F
                                                  group_scales, mul_pairs, pack_pair, pair_halves, pow2_range, split4)
 from moeserve.kernels.triton.pdl import after_previous
 from moeserve.kernels.triton.rows import hit_rows
-from moeserve.kernels.triton.swiglu import silu_mul
+from moeserve.kernels.triton.swiglu import activation, bias_row
 
 HALF_LIMIT = tl.constexpr(15)  # prepared fp16 x: |x r| < 2^15 per group, so 16 products (< 12 each) stay in fp16
 
@@ -68,28 +68,6 @@ def source_rows(ids_ptr, rows, GATHER: tl.constexpr):
     if GATHER:
         rows = tl.load(ids_ptr + rows).to(tl.int64)
     return rows
-
-
-@triton.jit
-def activation(gate, up, alpha, limit, CLAMPED: tl.constexpr):
-    """CLAMPED (GPT-OSS): (clamp(u, -l, l) + 1) g' sigmoid(alpha g'), g' = min(g, l); else silu(g) u. float32."""
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    else:
-        h = silu_mul(gate, up)
-    return h
-
-
-@triton.jit
-def bias_row(bias_ptr, offs, ok, HAS_BIAS: tl.constexpr):
-    """The biases at offs [BLOCK_N] (float32), or zeros without."""
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    else:
-        b = tl.zeros(offs.shape, dtype=tl.float32)
-    return b
 
 
 @triton.jit

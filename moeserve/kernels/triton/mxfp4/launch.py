@@ -18,6 +18,7 @@ from moeserve.kernels.routing import RoutingTable
 from moeserve.kernels.triton.mxfp4.kernels import (down_dot_kernel, down_gemv_kernel, gate_up_dot_kernel,
                                                    gate_up_gemv_kernel, prepare_kernel)
 from moeserve.kernels.triton.pdl import dependent_launch
+from moeserve.kernels.triton.swiglu import act_args
 from moeserve.spec import ClampedSwiGLU
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -148,11 +149,6 @@ def common_constexprs(cfg: Mxfp4Config, E: int, device: torch.device) -> dict:
 def grid(N: int, cfg: Mxfp4Config, rows: int, E: int) -> tuple[int, int]:
     """(output blocks of N, experts hit at most: min(rows, E)): sizes only, no routing result."""
     return triton.cdiv(N, cfg.BLOCK_N), min(rows, E)
-
-
-def act_args(act: ClampedSwiGLU | None) -> tuple[float, float]:
-    """(alpha, limit) of the clamped SwiGLU, or placeholders for silu."""
-    return (act.alpha, act.limit) if act else (0.0, 0.0)
 
 
 def prepared_buffers(rows: int, K: int, half: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
