@@ -187,6 +187,29 @@ def from_interleaved(leaf: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def read_interleaved_part(reader: CheckpointReader, name: str, experts: range, ffn: range, full_ffn: int,
+                          block: int = 32) -> torch.Tensor:
+    """Experts `experts`, FFN rows `ffn`, of the interleaved expert tensor moeserve calls `name` (...experts.<leaf>),
+    read as that part only and turned into moeserve's layout (from_interleaved): gate_up's stored columns (or
+    output rows) 2a..2b hold gate and up of rows a..b side by side; down's FFN axis is its stored dim 1 (float) or,
+    in MXFP4 blocks of `block` values, dim 2; down's bias is whole."""
+    leaf = name.rsplit(".", 1)[1]
+    e, whole = slice(experts.start, experts.stop), ffn.start == 0 and ffn.stop == full_ffn
+    if whole or leaf == "down_proj_bias":
+        index = (e,)
+    elif leaf == "gate_up_proj":  # [E, D, 2F]
+        index = (e, slice(None), slice(2 * ffn.start, 2 * ffn.stop))
+    elif leaf.startswith("gate_up_proj"):  # bias [E, 2F], blocks/scales [E, 2F, ..]
+        index = (e, slice(2 * ffn.start, 2 * ffn.stop))
+    elif leaf == "down_proj":  # [E, F, D]
+        index = (e, slice(ffn.start, ffn.stop))
+    else:  # down_proj_blocks [E, D, F / block, 16], _scales [E, D, F / block]
+        if ffn.start % block or ffn.stop % block:
+            raise MoeserveError(f"{name}: FFN rows {ffn.start}..{ffn.stop - 1} do not cover whole blocks of {block}")
+        index = (e, slice(None), slice(ffn.start // block, ffn.stop // block))
+    return from_interleaved(leaf, reader.get_slice(name, index))
+
+
 def _classic_moe_prefix(name: str, family: str) -> str:
     return name.replace(".mlp.", f".{_PER_EXPERT.get(family, _PER_EXPERT['default'])[0]}.", 1)
 
@@ -213,13 +236,12 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
     """The tensor moeserve calls `name`, assembled from whichever spelling the checkpoint uses.
 
     index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
-    slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading). Interleaved experts
-    (GPT-OSS) take a slice of experts only (their other axes are reordered on reading)."""
+    slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
     expert = _EXPERT_TENSOR.match(name) if family in INTERLEAVED_EXPERTS else None
     if expert is not None:
-        if index is not None and len(index) > 1:
-            raise MoeserveError(f"{family} experts are read in slices of whole experts only ({name})")
-        return from_interleaved(expert.group(1), reader.get(name) if index is None else reader.get_slice(name, index))
+        if index is not None:
+            raise MoeserveError(f"{family} experts are read whole here, in parts by read_interleaved_part ({name})")
+        return from_interleaved(expert.group(1), reader.get(name))
     for stored in _stored_names(name, family):
         if stored in reader:
             return reader.get(stored) if index is None else reader.get_slice(stored, index)

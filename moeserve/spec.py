@@ -285,13 +285,12 @@ class ModelSpec:
 
 
 def refuse_special_experts(spec: ModelSpec, what: str) -> None:
-    """Expert stores, quantize, the batch planner and tensor parallelism compute experts as silu(x Wg) * (x Wu) Wd
-    from float weights; GPT-OSS's (biases, the clamped SwiGLU, MXFP4) they do not take yet: refused by name rather
-    than run wrong."""
+    """Expert stores and the batch planner compute experts as silu(x Wg) * (x Wu) Wd from float weights; GPT-OSS's
+    (biases, the clamped SwiGLU, MXFP4) they do not take yet: refused by name rather than run wrong."""
     if spec.expert_bias or spec.expert_act is not None or spec.experts_mxfp4:
         raise MoeserveError(f"{what} cannot take {spec.family}'s experts yet (biases, clamped SwiGLU"
                             f"{', MXFP4 blocks' if spec.experts_mxfp4 else ''}); generate, serve, eval and bench run "
-                            f"them resident, or over ranks with --ep")
+                            f"them resident, or over ranks with --ep/--tp")
 
 
 def fp8_block_size(cfg: dict) -> tuple[int, int] | None:

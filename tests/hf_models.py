@@ -107,11 +107,12 @@ def family_configs():
     }
 
 
-def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
+def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random HF model of `family` (config entries replaced by `overrides`)."""
     import transformers
 
     cls_name, kw = family_configs()[family]
-    config = getattr(transformers, cls_name)(**kw)
+    config = getattr(transformers, cls_name)(**{**kw, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # HF inits some weights (router, norms) to constants: randomise everything

@@ -111,13 +111,15 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
     out = {"experts": 0, "dense": 0}
     for name, shape in reader.shapes.items():
         size = reader.get(name).element_size() * torch.Size(shape).numel()  # fp32, or MXFP4's uint8 codes
-        if ".experts." in name:  # a layer of fewer experts than ranks: each rank reads one
+        if name.endswith(".experts.down_proj_bias") and ep == 1:  # added once: the first FFN slice's rank reads it
+            out["experts"] += size if tp_rank == 0 else 0
+        elif ".experts." in name:  # a layer of fewer experts than ranks: each rank reads one
             out["experts"] += size // (min(ep, shape[0]) if ep > 1 else tp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             out["dense"] += size // vocab * len(split_range(vocab, tp_rank, tp))
         elif re.search(r"_a_proj(_with_mqa)?\.", name):  # MLA's latent projections: whole on every rank
             out["dense"] += size
-        elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$", name) or (  # attention, dense and shared FFNs
+        elif re.search(r"_proj\.weight$|[qkv]_proj\.bias$|\.sinks$", name) or (  # attention, dense and shared FFNs
                 full_qk_norm and re.search(r"[qk]_norm\.weight$", name)):  # OLMoE's qk-norm splits with the heads
             out["dense"] += size // tp
         else:  # norms, routers

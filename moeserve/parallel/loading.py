@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import moeserve
-from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_tensor
+from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part
 from moeserve.errors import MoeserveError
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts
@@ -24,7 +24,6 @@ from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
-from moeserve.spec import refuse_special_experts
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -43,19 +42,26 @@ def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_siz
     return gate_up, torch.stack([reader.get_slice(d, (slice(None), f)) for _, _, d in names])
 
 
-def read_whole_experts(reader: CheckpointReader, layer: int, family: str, experts: range,
-                       leaf: nn.Module) -> dict[str, torch.Tensor]:
-    """Every expert tensor of `leaf` (weights, biases, MXFP4 blocks and scales) for experts `experts` of `layer`,
-    from a family that stores them fused and interleaved (GPT-OSS): whole experts, in moeserve's layout."""
-    tensors = [*leaf.named_parameters(recurse=False), *leaf.named_buffers(recurse=False)]
-    return {name: read_tensor(reader, f"model.layers.{layer}.mlp.experts.{name}", family, 0,
-                              (slice(experts.start, experts.stop),)) for name, _ in tensors}
+def read_interleaved_experts(reader: CheckpointReader, layer: int, experts: range, ffn: range, full_ffn: int,
+                             leaf: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert tensor of `leaf` (weights, biases, MXFP4 blocks and scales) for experts `experts`, FFN rows
+    `ffn`, of `layer`, from a family that stores them fused and interleaved (GPT-OSS), in moeserve's layout. Down's
+    bias, added after the ranks' partial sums are summed, is read by the rank of the first FFN slice; the others
+    hold zeros."""
+    out = {}
+    for name, t in [*leaf.named_parameters(recurse=False), *leaf.named_buffers(recurse=False)]:
+        stored = f"model.layers.{layer}.mlp.experts.{name}"
+        if name == "down_proj_bias" and ffn.start > 0:
+            out[name] = torch.zeros(t.shape, dtype=torch.float32)
+        else:
+            out[name] = read_interleaved_part(reader, stored, experts, ffn, full_ffn)
+    return out
 
 
 def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device, dtype) -> None:
     """Read this rank's experts (experts_of(layer) -> range) into the (meta) expert backends the parallel wrappers
-    hold: slices of their FFN rows too (`ffn`), or, for interleaved families, whole experts with all their
-    tensors (biases, MXFP4 blocks and scales; such buffers keep their stored dtype)."""
+    hold, slices of their FFN rows `ffn` (for interleaved families with all their tensors: biases, MXFP4 blocks and
+    scales, such buffers in their stored dtype)."""
     spec = model.spec
     for i, layer in enumerate(model.model.layers):
         backend = getattr(layer.mlp, "experts", None)
@@ -64,7 +70,7 @@ def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device
         experts = experts_of(i)
         leaf = next(m for m in backend.modules() if isinstance(m, LoopedExperts))
         if spec.family in INTERLEAVED_EXPERTS:
-            read = read_whole_experts(reader, i, spec.family, experts, leaf)
+            read = read_interleaved_experts(reader, i, experts, ffn, spec.expert_ffn, leaf)
         else:
             read = dict(zip(("gate_up_proj", "down_proj"),
                             read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)))
@@ -88,8 +94,6 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
-    if tp > 1:
-        refuse_special_experts(spec, "tensor parallelism (--tp)")
     if ep > 1:
         for i in spec.moe_layer_indices():
             check_experts(spec.experts_at(i), ep)

@@ -58,8 +58,10 @@ class SlicedExperts(ExpertBackend):
 # experts, biases with them. Inputs split (dim 1): o/down; their bias is added once after the all-reduce.
 _OPENING = re.compile(r"\.(self_attn\.([qkv]|q_b|kv_b)_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)$")
 _CLOSING = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
-# A qk-norm over all heads (OLMoE) has one weight per q/k feature: split with the heads.
+# A qk-norm over all heads (OLMoE) has one weight per q/k feature: split with the heads; so are the heads' attention
+# sinks (GPT-OSS).
 _FULL_QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
 
 
 class ShardedRMSNorm(nn.Module):
@@ -82,7 +84,7 @@ def tp_index(name: str, shape, rank: int, size: int, full_qk_norm: bool = False)
     """The part of the full dense tensor `name` (moeserve's name, also the checkpoint's) of `shape` that TP rank
     `rank` keeps; None: all of it (norms, routers, closing biases). The one rule that both the slicing below
     and sharded loading (loading.py, reading only this part) follow; routed experts: _slice_experts."""
-    if _OPENING.search(name) or (full_qk_norm and _FULL_QK_NORM.search(name)):
+    if _OPENING.search(name) or _SINKS.search(name) or (full_qk_norm and _FULL_QK_NORM.search(name)):
         return split_index(shape, 0, rank, size)
     if _CLOSING.search(name):
         return split_index(shape, 1, rank, size)
@@ -120,6 +122,8 @@ def _slice_attention(attn: Attention | MLAttention, name: str, keep, group) -> N
         _opening(getattr(attn, proj), f"{name}.{proj}", keep)
     attn.o_proj = _closing(attn.o_proj, f"{name}.o_proj", keep, group)
     attn.H, attn.Hkv = attn.q_proj.out_features // attn.Dh, attn.k_proj.out_features // attn.Dh
+    if attn.sinks is not None:
+        attn.sinks = keep(attn.sinks, f"{name}.sinks")
     if attn.qk_norm == "full":
         for norm, dim in full.items():
             old = getattr(attn, norm)
@@ -133,11 +137,23 @@ def _slice_mlp(mlp: MLP, name: str, keep, group) -> None:
 
 
 def _slice_experts(experts, rank: int, size: int, group) -> SlicedExperts:
-    part = split_range(experts.ffn, rank, size)  # the FFN rows this rank keeps (loading.py reads the same)
+    """Keep this rank's FFN rows of every expert tensor (float or MXFP4, loading.py reads the same): gate_up's
+    [E, 2F, ..] gate and up rows, down's FFN columns (MXFP4: whole blocks of 32); down's bias on the first rank
+    only (the others' are zero: it is added once when the partial sums are summed)."""
+    part = split_range(experts.ffn, rank, size)
     f = slice(part.start, part.stop)
-    gate, up = experts.gate_up_proj.detach().split(experts.ffn, dim=1)  # [E, F, D] each
-    experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, f], up[:, f]], 1).clone(), requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, f].clone(), requires_grad=False)
+    for name, full in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
+        t = full.detach()
+        if name.startswith("gate_up_proj"):
+            gate, up = t.split(experts.ffn, dim=1)  # [E, F, ..] each
+            t = torch.cat([gate[:, f], up[:, f]], 1)
+        elif name == "down_proj":
+            t = t[:, :, f]
+        elif name.startswith("down_proj_"):  # MXFP4 blocks/scales [E, D, F / 32, ..]; the bias [E, D]
+            t = (t if rank == 0 else torch.zeros_like(t)) if name == "down_proj_bias" else t[:, :, f.start // 32:
+                                                                                            f.stop // 32]
+        kept = t.clone()
+        setattr(experts, name, nn.Parameter(kept, requires_grad=False) if isinstance(full, nn.Parameter) else kept)
     experts.ffn = len(part)
     return SlicedExperts(experts, group)
 
@@ -148,6 +164,9 @@ def check_tensor_parallel(spec, size: int) -> None:
                                               ("shared expert FFN", spec.shared_expert_ffn)) if n % size]
     if problems:
         raise MoeserveError(f"tensor-parallel size {size} does not divide: {', '.join(problems)}")
+    if spec.experts_mxfp4 and (spec.expert_ffn // size) % 32:
+        raise MoeserveError(f"tensor-parallel size {size} would cut MXFP4 blocks: each rank's {spec.expert_ffn // size} "
+                            f"expert FFN rows must be a multiple of 32")
 
 
 def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bool = True) -> None:

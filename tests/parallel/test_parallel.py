@@ -28,12 +28,14 @@ CASES = {
         ("model", ["llama4"], 2, 1, 128), ("model", ["llama4"], 1, 2, 128),  # NoPE, chunks, experts' scaled input
         ("model", ["gpt_oss", "gpt_oss_mxfp4"], 1, 2, 128),  # biases, clamped SwiGLU, sinks; MXFP4 blocks
         ("model", ["gpt_oss_mxfp4"], 1, 2, 0),
+        ("model", ["gpt_oss", "gpt_oss_mxfp4_wide"], 2, 1, 128),  # TP: sinks by head, down's bias once, F slices
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
         ("model", ["qwen2_moe"], 2, 2, 128),  # coordinated TP x EP
         ("model", ["prmoe", "pyramid"], 1, 4, 128), ("model", ["prmoe"], 1, 4, 0),  # 2 experts: 2 copies
         ("model", ["gpt_oss_mxfp4"], 1, 4, 128),  # two of its 8 experts a rank
+        ("model", ["gpt_oss_mxfp4_wide"], 2, 2, 128),  # TP x EP
         ("hierarchical",), ("bad_checkpoint",)],
 }
 
@@ -42,10 +44,11 @@ CASES = {
 def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     """family -> checkpoint directory, plus `missing_expert`: mixtral without the last expert of layer 0, and
     `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored);
-    `gpt_oss_mxfp4`: the tiny GPT-OSS with its experts in MXFP4 (hf_models.write_mxfp4_pair);
+    `gpt_oss_mxfp4`: the tiny GPT-OSS with its experts in MXFP4 (hf_models.write_mxfp4_pair), `gpt_oss_mxfp4_wide`
+    another with an FFN of 64 (tensor-parallel slices of whole blocks);
     `prmoe` (top-1 + residual MLP) and `pyramid` (top-2): PR-MoE checkpoints with layers of 2, 4 and 8 experts."""
     import moeserve
-    from hf_models import write_mxfp4_pair
+    from hf_models import build_hf_model, write_mxfp4_pair
     from prmoe_models import save_prmoe_model, tiny_arch
     from safetensors.torch import load_file, save_file
 
@@ -66,6 +69,11 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     packed = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     write_mxfp4_pair(hf_checkpoints["gpt_oss"][1], packed, tmp_path_factory.mktemp("gpt_oss_twin"))
     paths["gpt_oss_mxfp4"] = str(packed)
+    wide = tmp_path_factory.mktemp("gpt_oss_wide")  # FFN 64: two TP slices of whole MXFP4 blocks
+    build_hf_model("gpt_oss", seed=9, intermediate_size=64).save_pretrained(wide)
+    wide_packed = tmp_path_factory.mktemp("gpt_oss_mxfp4_wide")
+    write_mxfp4_pair(wide, wide_packed, tmp_path_factory.mktemp("gpt_oss_wide_twin"))
+    paths["gpt_oss_mxfp4_wide"] = str(wide_packed)
     paths["prmoe"] = str(save_prmoe_model(tmp_path_factory.mktemp("prmoe"), tiny_arch((2, 4, 8), 1, True), seed=5))
     paths["pyramid"] = str(save_prmoe_model(tmp_path_factory.mktemp("pyramid"), tiny_arch((2, 4, 8), 2, False), seed=6))
     return paths
@@ -194,10 +202,11 @@ def test_tp_index_says_what_a_rank_keeps():
     assert tp_index("model.embed_tokens.weight", (97, 3), 1, 2) == (slice(49, 97),)
 
 
-def test_tensor_parallel_refuses_gpt_oss_experts_by_name(hf_checkpoints):
-    """Expert slicing adds no biases once and no clamped SwiGLU: refused before any process group is made (--ep
-    takes GPT-OSS: CASES)."""
-    from moeserve.parallel.loading import load_parallel_model
+def test_tensor_parallel_refuses_to_cut_mxfp4_blocks(checkpoint_paths):
+    """The tiny MXFP4 GPT-OSS has 32 FFN rows an expert: two TP slices would cut its blocks of 32."""
+    import moeserve
+    from moeserve.parallel.tensor_parallel import check_tensor_parallel
 
-    with pytest.raises(MoeserveError, match=r"tensor parallelism \(--tp\) cannot take gpt_oss's experts yet.*--ep"):
-        load_parallel_model(hf_checkpoints["gpt_oss"][1], 0, 2, tp=2)
+    with pytest.raises(MoeserveError, match="would cut MXFP4 blocks"):
+        check_tensor_parallel(moeserve.ModelSpec.from_dir(checkpoint_paths["gpt_oss_mxfp4"]), 2)
+    check_tensor_parallel(moeserve.ModelSpec.from_dir(checkpoint_paths["gpt_oss_mxfp4_wide"]), 2)
