@@ -10,6 +10,8 @@ loading ends with a collective in which the ranks that failed tell the others (s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.quant.manifest import refuse_quantized
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -94,6 +97,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = moeserve.ModelSpec.from_dir(path)
+    refuse_quantized(Path(path), "--ep/--tp")  # ranks read float (or MXFP4) tensors shard-wise
     if ep > 1:
         for i in spec.moe_layer_indices():
             check_experts(spec.experts_at(i), ep)

@@ -210,3 +210,14 @@ def test_tensor_parallel_refuses_to_cut_mxfp4_blocks(checkpoint_paths):
     with pytest.raises(MoeserveError, match="would cut MXFP4 blocks"):
         check_tensor_parallel(moeserve.ModelSpec.from_dir(checkpoint_paths["gpt_oss_mxfp4"]), 2)
     check_tensor_parallel(moeserve.ModelSpec.from_dir(checkpoint_paths["gpt_oss_mxfp4_wide"]), 2)
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(hf_checkpoints, tmp_path):
+    """Ranks read float tensors shard-wise: a moeserve-quantized checkpoint gets one line, before any group."""
+    from moeserve.parallel.loading import load_parallel_model
+    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+
+    quantize_checkpoint(hf_checkpoints["mixtral"][1], tmp_path / "q", QuantConfig(bits=4, group=16, method="rtn"),
+                        progress=False)
+    with pytest.raises(MoeserveError, match="quantized checkpoint.*--ep/--tp needs the original"):
+        load_parallel_model(tmp_path / "q", 0, 2, ep=2)
