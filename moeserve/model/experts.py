@@ -101,6 +101,18 @@ class LoopedExperts(ExpertBackend):
         return y
 
 
+def expert_tensors(experts: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """An expert backend's own stacked tensors [E, ...]: parameters (weights, biases) and buffers (packed blocks,
+    scales), by name."""
+    return [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]
+
+
+def set_expert_tensor(experts: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Replace one of expert_tensors(experts): a frozen parameter where it was a parameter, else a buffer."""
+    setattr(experts, name, nn.Parameter(t, requires_grad=False) if isinstance(getattr(experts, name), nn.Parameter)
+            else t)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused gate/up projection output [n, 2F] -> [n, F]."""
     gate, up = gate_up.chunk(2, dim=-1)

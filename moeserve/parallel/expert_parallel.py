@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
-from moeserve.model.experts import ExpertBackend
+from moeserve.model.experts import ExpertBackend, expert_tensors, set_expert_tensor
 from moeserve.model.moe import resident_experts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
@@ -141,8 +141,7 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
         mine = expert_share(spec.experts_at(i), group_size, group_rank)[0]
         with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
             local = resident_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
-        for name, t in [*full.named_parameters(recurse=False), *full.named_buffers(recurse=False)]:
-            part = t[mine.start:mine.stop].detach().clone()  # every expert tensor is [E, ...]
-            setattr(local, name, nn.Parameter(part, requires_grad=False) if isinstance(t, nn.Parameter) else part)
+        for name, t in expert_tensors(full):
+            set_expert_tensor(local, name, t[mine.start:mine.stop].detach().clone())  # every expert tensor: [E, ...]
         layer.mlp.experts = ExpertParallelExperts(local, spec.experts_at(i), group, group_rank, group_size,
                                                   hierarchy, tp, plan)

@@ -19,7 +19,7 @@ import moeserve
 from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part
 from moeserve.errors import MoeserveError
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
-from moeserve.model.experts import LoopedExperts
+from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
 from moeserve.parallel.collectives import raise_if_any_failed
 from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
@@ -27,6 +27,7 @@ from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.quant.manifest import refuse_quantized
+from moeserve.quant.mxfp4 import BLOCK
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -52,12 +53,12 @@ def read_interleaved_experts(reader: CheckpointReader, layer: int, experts: rang
     bias, added after the ranks' partial sums are summed, is read by the rank of the first FFN slice; the others
     hold zeros."""
     out = {}
-    for name, t in [*leaf.named_parameters(recurse=False), *leaf.named_buffers(recurse=False)]:
+    for name, t in expert_tensors(leaf):
         stored = f"model.layers.{layer}.mlp.experts.{name}"
         if name == "down_proj_bias" and ffn.start > 0:
             out[name] = torch.zeros(t.shape, dtype=torch.float32)
         else:
-            out[name] = read_interleaved_part(reader, stored, experts, ffn, full_ffn)
+            out[name] = read_interleaved_part(reader, stored, experts, ffn, full_ffn, BLOCK)
     return out
 
 
@@ -77,16 +78,13 @@ def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device
         else:
             read = dict(zip(("gate_up_proj", "down_proj"),
                             read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)))
-        buffers = dict(leaf.named_buffers(recurse=False))
         for name, t in read.items():
-            want = tuple(getattr(leaf, name).shape)
-            if tuple(t.shape) != want:
+            meta = getattr(leaf, name)
+            if tuple(t.shape) != tuple(meta.shape):
                 raise MoeserveError(f"layer {i} experts {experts.start}..{experts.stop - 1}: {name} has shape "
-                                    f"{tuple(t.shape)} in the checkpoint, config.json implies {want}")
-            if name in buffers:
-                setattr(leaf, name, t.to(device=device, dtype=buffers[name].dtype))
-            else:
-                setattr(leaf, name, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+                                    f"{tuple(t.shape)} in the checkpoint, config.json implies {tuple(meta.shape)}")
+            kept = dtype if isinstance(meta, nn.Parameter) else meta.dtype  # packed buffers keep their dtype
+            set_expert_tensor(leaf, name, t.to(device=device, dtype=kept))
 
 
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,

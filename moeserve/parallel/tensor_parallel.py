@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.errors import MoeserveError
-from moeserve.model.experts import ExpertBackend
+from moeserve.model.experts import ExpertBackend, expert_tensors, set_expert_tensor
 from moeserve.model.layers import MLP, Attention
 from moeserve.model.mla import MLAttention
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.vocab_parallel import enable_vocab_parallel, split_index, vocab_index
+from moeserve.quant.mxfp4 import BLOCK
 
 
 class RowParallelLinear(nn.Module):
@@ -138,22 +139,22 @@ def _slice_mlp(mlp: MLP, name: str, keep, group) -> None:
 
 def _slice_experts(experts, rank: int, size: int, group) -> SlicedExperts:
     """Keep this rank's FFN rows of every expert tensor (float or MXFP4, loading.py reads the same): gate_up's
-    [E, 2F, ..] gate and up rows, down's FFN columns (MXFP4: whole blocks of 32); down's bias on the first rank
+    [E, 2F, ..] gate and up rows, down's FFN columns (MXFP4: whole blocks of BLOCK); down's bias on the first rank
     only (the others' are zero: it is added once when the partial sums are summed)."""
     part = split_range(experts.ffn, rank, size)
     f = slice(part.start, part.stop)
-    for name, full in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
-        t = full.detach()
+    for name, t in expert_tensors(experts):
+        t = t.detach()
         if name.startswith("gate_up_proj"):
             gate, up = t.split(experts.ffn, dim=1)  # [E, F, ..] each
             t = torch.cat([gate[:, f], up[:, f]], 1)
         elif name == "down_proj":
             t = t[:, :, f]
-        elif name.startswith("down_proj_"):  # MXFP4 blocks/scales [E, D, F / 32, ..]; the bias [E, D]
-            t = (t if rank == 0 else torch.zeros_like(t)) if name == "down_proj_bias" else t[:, :, f.start // 32:
-                                                                                            f.stop // 32]
-        kept = t.clone()
-        setattr(experts, name, nn.Parameter(kept, requires_grad=False) if isinstance(full, nn.Parameter) else kept)
+        elif name == "down_proj_bias":  # [E, D]
+            t = t if rank == 0 else torch.zeros_like(t)
+        elif name.startswith("down_proj_"):  # MXFP4 blocks / scales [E, D, F / BLOCK, ..]
+            t = t[:, :, f.start // BLOCK:f.stop // BLOCK]
+        set_expert_tensor(experts, name, t.clone())
     experts.ffn = len(part)
     return SlicedExperts(experts, group)
 
@@ -164,9 +165,9 @@ def check_tensor_parallel(spec, size: int) -> None:
                                               ("shared expert FFN", spec.shared_expert_ffn)) if n % size]
     if problems:
         raise MoeserveError(f"tensor-parallel size {size} does not divide: {', '.join(problems)}")
-    if spec.experts_mxfp4 and (spec.expert_ffn // size) % 32:
+    if spec.experts_mxfp4 and (spec.expert_ffn // size) % BLOCK:
         raise MoeserveError(f"tensor-parallel size {size} would cut MXFP4 blocks: each rank's {spec.expert_ffn // size} "
-                            f"expert FFN rows must be a multiple of 32")
+                            f"expert FFN rows must be a multiple of {BLOCK}")
 
 
 def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bool = True) -> None:
