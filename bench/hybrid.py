@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -134,13 +135,21 @@ def run(model, spec, prompt_len: int, new_tokens: int, warmup: int, routing_toke
     marks, t0 = [], time.perf_counter()
     for _ in iterate(model, [prompt], params, cuda_graph=cuda_graph):
         sync(device)
-        marks.append((time.perf_counter(), dict(stats())))
+        marks.append((time.perf_counter(), {**stats(), "page_faults": minor_faults()}))
     prefill = marks[0][0] - t0
     if new_tokens <= warmup + 1:
         return prefill, None, {}
     (ta, sa), (tb, sb) = marks[warmup], marks[-1]
     steps = len(marks) - 1 - warmup
-    return prefill, (tb - ta) / steps, {k: (sb[k] - sa[k]) / steps for k in sb if isinstance(sb[k], (int, float))}
+    per_step = {k: (sb[k] - sa[k]) / steps for k in sb if isinstance(sb[k], (int, float))}
+    times = sorted(b[0] - a[0] for a, b in zip(marks[warmup:], marks[warmup + 1:]))  # [steps] seconds
+    per_step["step_ms_p10_p50_p90"] = [1e3 * times[int(q * (len(times) - 1))] for q in (0.1, 0.5, 0.9)]
+    return prefill, (tb - ta) / steps, per_step
+
+
+def minor_faults() -> int:
+    """Page faults of this process so far (first touches of memory: costly on a VM whose RAM grows on use)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident_bytes) -> dict:
@@ -172,7 +181,8 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
            "cpu_pairs_per_token": per_token["cpu_pairs"], "gpu_pairs_per_token": per_token["gpu_pairs"],
            "skipped_per_token": per_token["skipped"], "cpu_bytes_per_token": cpu_bytes,
            "gpu_bytes_per_token": gpu_bytes, "floor_tokens_per_s": 1 / floor, "of_floor": floor / step,
-           "admitted": runtime.summary().get("admitted", 0), "pp_bytes_streamed": streamed,
+           "admitted": runtime.summary().get("admitted", 0), "page_faults_per_token": per_token["page_faults"],
+           "step_ms_p10_p50_p90": per_token["step_ms_p10_p50_p90"], "pp_bytes_streamed": streamed,
            "pp_floor_tokens_per_s": args.prefill / (streamed / rates["h2d"]) if streamed and rates["h2d"] else None}
     if sweep:
         row["threshold_sweep"] = sweep

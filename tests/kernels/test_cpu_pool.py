@@ -3,6 +3,11 @@ do not depend on the thread count or on helpers having gone to sleep, jobs start
 and a forked child starts its own helpers."""
 
 import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +64,36 @@ def test_a_forked_child_starts_its_own_helpers():
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0 and queue.get(timeout=5)
+
+
+LEFT_OUT = """
+import os, time, torch
+from moeserve.kernels.cpu import gemv, pool
+from moeserve.quant import hqq
+torch.set_num_threads(1)
+kernel = gemv.default_kernel(4)
+q = hqq.quantize_rtn(torch.randn(64, 128), 4, 32)
+w, x = gemv.pack_for_cpu(q.codes, q.scale, q.zero, 4, 32, kernel), torch.randn(2, 128)
+pool.configure([], 500000)  # idle helpers may spin half a second
+kernel(x, w, threads=3)  # helpers 1 and 2 start
+kernel(x, w, threads=2)  # helper 2 has no part in this job
+
+def cpu_ns():  # CPU time of each thread of this process
+    return {t: int(open(f"/proc/self/task/{t}/schedstat").read().split()[0]) for t in os.listdir("/proc/self/task")}
+
+before = cpu_ns()
+time.sleep(0.2)
+after = cpu_ns()
+print(sum(after[t] - before[t] > 40e6 for t in before if t in after))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU times from Linux's /proc")
+def test_a_helper_left_out_of_a_job_sleeps_instead_of_spinning():
+    """After a job with fewer threads than there are helpers, only the helpers that ran it spin: a left-out helper's
+    core is another thread's in that run (the hybrid runtime leaves the last core to the Python thread after the
+    tile search started a helper there), so it must not spin on it."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, "-c", LEFT_OUT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) <= 1  # the helper that ran the last job, spinning out its window

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -231,8 +232,13 @@ def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
 
 
 def tile_for(isa: str) -> tuple[int, int]:
-    """The stored tile for this CPU model and ISA, measuring it the first time."""
-    return tuning.stored_tile(isa) or search_tile(isa)
+    """The stored tile for this CPU model and ISA, measuring it the first time (announced: it takes seconds)."""
+    stored = tuning.stored_tile(isa)
+    if stored:
+        return stored
+    print(f"[measuring the CPU kernels' register tile for {isa}: once per CPU model, then kept in "
+          f"{tuning.tuning_file()}]", file=sys.stderr, flush=True)
+    return search_tile(isa)
 
 
 @functools.cache

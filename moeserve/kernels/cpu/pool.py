@@ -54,9 +54,17 @@ static long now_ns(void) {
 static void* helper(void* arg) {
   const int h = (int)(intptr_t)arg;  /* 1-based */
   unsigned seen = born[h];  /* the jobs before this helper started are not its */
+  int left_out = 0;  /* the last job had no part for this helper: sleep at once, spin only after a job it ran */
   for (;;) {
     long t0 = now_ns();
     unsigned spins = 0, g;
+    if (left_out) {  /* its core may be another thread's (a run with fewer threads than helpers): don't spin there */
+      pthread_mutex_lock(&mu);
+      atomic_fetch_add(&sleepers, 1);
+      while (atomic_load(&gen) == seen) pthread_cond_wait(&cv, &mu);
+      atomic_fetch_sub(&sleepers, 1);
+      pthread_mutex_unlock(&mu);
+    }
     for (;;) {  /* a seqlock: gen is odd while a job is being published */
       g = atomic_load(&gen);
       if (g != seen && !(g & 1)) {
@@ -66,7 +74,8 @@ static void* helper(void* arg) {
         if (atomic_load(&gen) != g) continue;  /* republished while read */
         seen = g;
         const int tid = h - 1 + first;  /* run(): helpers are tids 1.., start(): tids 0.. */
-        if (tid < nth) {
+        left_out = tid >= nth;
+        if (!left_out) {
           fn(ctx, tid, nth);
           atomic_fetch_add(&done, 1);
         }

@@ -40,14 +40,14 @@ def k_block(bits: int, tile_outputs: int, group: int, l1_bytes: int | None = Non
     return max(group, m_b // group * group)
 
 
-def _tuning_file():
+def tuning_file():
     return cache_dir() / "tuning.json"
 
 
 def stored_tile(isa: str) -> tuple[int, int] | None:
     """The tile stored for this CPU model and ISA by the current search (TILE_SEARCH), else None."""
     try:
-        entry = json.loads(_tuning_file().read_text())[cpu_info().model][isa]
+        entry = json.loads(tuning_file().read_text())[cpu_info().model][isa]
         if entry.get("search") != TILE_SEARCH:
             return None
         return int(entry["rows"]), int(entry["vectors"])
@@ -56,7 +56,7 @@ def stored_tile(isa: str) -> tuple[int, int] | None:
 
 
 def store_tile(isa: str, tile: tuple[int, int], timings: dict) -> None:
-    path = _tuning_file()
+    path = tuning_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         data = json.loads(path.read_text())
