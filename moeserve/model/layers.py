@@ -89,11 +89,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         rope, R = spec.rope, spec.rotated_dims
-        inv_freq, self.scale = rope_inv_freq(rope, R, spec.max_position_embeddings)
+        with torch.device("cpu"):  # also in a model built on the meta device: torch's meta arange imports its compiler
+            inv_freq, self.scale = rope_inv_freq(rope, R, spec.max_position_embeddings)
+            long_inv_freq = longrope_long_inv_freq(rope, R) if rope.type == "longrope" else None
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2], R = spec.rotated_dims
         self.long_from = None  # longrope: the first position (counting from 1) that takes the long factors
         if rope.type == "longrope":
-            self.register_buffer("long_inv_freq", longrope_long_inv_freq(rope, R), persistent=False)  # [R/2]
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # [R/2]
             self.long_from = rope.original_max_position_embeddings + 1
             self.long_scale = longrope_mscales(rope, spec.max_position_embeddings)[1]
 

@@ -79,9 +79,17 @@ class Backbone(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=embedding_init(spec.vocab_size, spec.hidden_size))  # [V, D]
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = decoder_norm(spec, spec.hidden_size)
+
+
+def embedding_init(rows: int, dim: int) -> torch.Tensor:
+    """nn.Embedding's own N(0, 1) init, left out on the meta device (a model built to be read into): torch's init of
+    a meta embedding goes through its reference ops, which import the whole compiler stack (1-2 s of start-up)."""
+    weight = torch.empty(rows, dim)
+    return weight if weight.is_meta else weight.normal_()
 
 
 def attention_masks(q_slots, q_positions, key_valid, spans):
