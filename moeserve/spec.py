@@ -32,6 +32,27 @@ SUPPORTED_ARCHITECTURES = {
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its text model (text_config, `language_model.` tensors) only
 }
+# What transformers' config class of each family puts in a field that config.json leaves out, where moeserve's reading
+# would otherwise fall back to another value (checked against the classes in tests/model/test_family_defaults.py).
+# Merged under the checkpoint's config before it is read, so a trimmed config.json means what it means to transformers.
+LONG_CONTEXT = {"max_position_embeddings": 131072}
+FAMILY_DEFAULTS = {
+    "mixtral": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "qwen2_moe": {"max_position_embeddings": 32768, "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"max_position_embeddings": 32768, "norm_topk_prob": False},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    "deepseek_v2": {"max_position_embeddings": 2048, "q_lora_rank": 1536, "n_shared_experts": 2},
+    "deepseek_v3": {"q_lora_rank": 1536, "n_shared_experts": 1, "first_k_dense_replace": 3,
+                    "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "norm_topk_prob": True},
+    "glm4_moe": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    "phimoe": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "granitemoe": {"max_position_embeddings": 2048},
+    "granitemoeshared": {"max_position_embeddings": 2048},
+    "gpt_oss": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "sliding_window": 128,
+                "rope_scaling": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}},
+    "llama4": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_chunk_size": 8192},
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
 ROUTINGS = ("softmax", "sparsemixer", "sigmoid")  # how the gate picks experts when ModelSpec.router is None
@@ -270,6 +291,7 @@ class ModelSpec:
                     f"unsupported architecture {archs or model_type!r}; supported: "
                     + ", ".join(SUPPORTED_ARCHITECTURES)
                 )
+        cfg = {**FAMILY_DEFAULTS.get(family, {}), **cfg}
         fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8 (and GPT-OSS's MXFP4)
         if family not in PARTIAL_ROTARY and _partial_rotary(cfg, 1.0) != 1.0:
             raise MoeserveError(f"partial rotary embeddings (partial_rotary_factor != 1) are not supported for "
