@@ -255,6 +255,15 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
     return torch.stack([torch.cat([reader.get(gate), reader.get(up)]) for gate, up, _ in names])  # [E, 2F, D]
 
 
+def read_as_stored(reader: CheckpointReader, name: str, family: str, num_experts: int) -> torch.Tensor:
+    """The tensor moeserve calls `name` in the form that read_tensor reads back unchanged from a copy written under
+    `name`: interleaved experts (GPT-OSS's float or MXFP4 ones, which read_tensor converts on every read) as stored,
+    the rest as read_tensor gives them (moeserve's layout, read as written)."""
+    if family in INTERLEAVED_EXPERTS and _EXPERT_TENSOR.match(name):
+        return reader.get(name)
+    return read_tensor(reader, name, family, num_experts)
+
+
 def read_expert_row(reader: CheckpointReader, family: str, layer: int, expert: int, projection: str, row: int,
                     ffn: int) -> torch.Tensor:
     """Row `row` of one expert's gate_up [2F, D] ("gate_up") or down [D, F] ("down") weight, read without the

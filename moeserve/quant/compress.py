@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir, checkpoint_expert_sample,
-                                  read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest, update_digest,
-                                  validate_safetensors)
+                                  read_as_stored, read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest,
+                                  update_digest, validate_safetensors)
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo, mxfp4
 from moeserve.quant.dense import layer_linears
@@ -331,13 +331,23 @@ def _quantize_layers(source: LayerSource, tensors: list[TensorInfo], num_layers:
 
 
 def _write_rest(reader: CheckpointReader, spec: ModelSpec, quantized_names: set[str], partial: Path) -> str:
-    """Copy the tensors left in full precision (embeddings, norms, routers, skipped kinds); returns their digest."""
-    with torch.device("meta"):
-        names = [n for n, _ in MoETransformer(spec).named_parameters()]
-    rest = {name: read_tensor(reader, name, spec.family, tensor_experts(spec, name)) for name in names
+    """Copy the tensors left in full precision (embeddings, norms, routers, skipped kinds), each in the form the
+    loader reads back as it reads the source (read_as_stored: skipped GPT-OSS experts as stored, MXFP4 ones packed);
+    returns their digest."""
+    rest = {name: read_as_stored(reader, name, spec.family, tensor_experts(spec, name)) for name in _model_tensors(spec)
             if name.rsplit(".", 1)[0] not in quantized_names and not _in_quantized_experts(name, quantized_names)}
     save_safetensors_atomic(rest, partial / "rest.safetensors")
     return tensors_digest(rest.values())
+
+
+def _model_tensors(spec: ModelSpec) -> list[str]:
+    """The names of the tensors the loader reads for a model of `spec`: every parameter once, and the packed buffers
+    of the modules that keep weights as stored (MXFP4 experts' blocks and scales)."""
+    with torch.device("meta"):
+        model = MoETransformer(spec)
+    packed = [f"{prefix}.{n}" for prefix, module in model.named_modules() if getattr(module, "PACKED_BUFFERS", False)
+              for n, _ in module.named_buffers(recurse=False)]
+    return [n for n, _ in model.named_parameters()] + packed
 
 
 def _safetensors_bytes(path: Path) -> int:
@@ -347,7 +357,7 @@ def _safetensors_bytes(path: Path) -> int:
 def frequency_from_text(src: str | Path, text: str, device, max_tokens: int = 32768) -> dict:
     """Expert routing counts of the float model reading `text` (for frequency rank policies)."""
     model = load_model(src, device=device)
-    ids = load_tokenizer(src, model.spec.bos_token_id).encode(text)[:max_tokens]
+    ids = load_tokenizer(src).encode(text)[:max_tokens]
     return expert_frequency(model, ids)
 
 
@@ -369,7 +379,8 @@ def _finish(partial: Path, out: Path, src: Path, manifest: dict, force: bool) ->
         if (src / name).is_file():
             shutil.copy(src / name, partial / name)
     config = json.loads((partial / "config.json").read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # its experts are ours now
+    experts_quantized = any(t["kind"] == "expert" for t in manifest["tensors"].values())  # not MXFP4 any more
+    if experts_quantized and (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         del config["quantization_config"]
         (partial / "config.json").write_text(json.dumps(config, indent=2))
     (partial / JOB_FILE).unlink()

@@ -3,6 +3,8 @@ the spec's quirks, a prefill across the sliding window, the server's slot cache,
 experts as shipped against their dequantized twin, and the commands that refuse its experts.
 GPU: tests/model/test_gpu_gpt_oss.py, tests/kernels/test_mxfp4.py."""
 
+import json
+
 import pytest
 import torch
 
@@ -157,6 +159,58 @@ def test_quantize_keeps_biases_and_clamped_swiglu_from_float_or_mxfp4(mxfp4_pair
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = [tokens[0, :9].tolist(), tokens[1, :4].tolist()]
     assert [r.token_ids for r in generate(a, prompts, params)] == [r.token_ids for r in generate(ref, prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def byte_gpt_oss(tmp_path_factory):
+    """source -> directory: the tiny GPT-OSS with the byte vocabulary, a byte tokenizer and a random held-out text,
+    as float ("float") and with MXFP4 experts ("mxfp4", hf_models.write_mxfp4_pair): what the CLI commands read."""
+    from hf_models import build_hf_model
+    from moeserve.tokenizer import ByteTokenizer
+
+    dirs = {name: tmp_path_factory.mktemp(f"byte_gpt_oss_{name}") for name in ("float", "mxfp4", "twin")}
+    build_hf_model("gpt_oss", seed=7, vocab_size=258, bos_token_id=256, eos_token_id=257).save_pretrained(dirs["float"])
+    write_mxfp4_pair(dirs["float"], dirs["mxfp4"], dirs["twin"])
+    letters = torch.randint(0, 27, (400,), generator=torch.Generator().manual_seed(7)).tolist()
+    text = "".join(" " if c == 26 else chr(97 + c) for c in letters)
+    for path in dirs.values():
+        ByteTokenizer().save(path)
+        (path / "heldout.txt").write_text(text)
+    return dirs
+
+
+@pytest.mark.parametrize("source", ["float", "mxfp4"])
+def test_quantize_skip_expert_keeps_the_experts_as_stored(byte_gpt_oss, source, tmp_path, capsys):
+    """`quantize --skip expert` copies the experts as the source stores them (MXFP4 blocks and scales with their
+    quantization_config): the written checkpoint computes the source with its dense layers quantized alike in memory,
+    and `eval ppl` prints that model's perplexity; `generate` and `info --explain` run on it."""
+    from moeserve.cli import main
+    from moeserve.evaluate import perplexity
+    from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_tensor
+    from moeserve.quant.dense import replace_module
+    from moeserve.tokenizer import load_tokenizer
+
+    src, out = byte_gpt_oss[source], tmp_path / "q"
+    cfg = QuantConfig(bits=4, group=16, method="hqq", skip=("expert",))
+    assert main(["quantize", "--model", str(src), "--out", str(out), "--bits", "4", "--group", "16", "--method", "hqq",
+                 "--skip", "expert"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--model", str(out), "--device", "cpu", "--window", "32"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model", str(out), "--device", "cpu", "--greedy", "--max-new-tokens", "4", "ab"]) == 0
+    assert main(["info", "--model", str(out), "--explain", "--device", "cpu"]) == 0
+    ref = moeserve.load_model(src, device="cpu")
+    for t in linear_tensors(ref.spec):
+        if t.kind not in cfg.skip:
+            linear = ref.get_submodule(t.name)
+            replace_module(ref, t.name, quantize_tensor(linear.weight, cfg, 0, linear.bias))
+    q = moeserve.load_model(out, device="cpu")
+    assert isinstance(q.model.layers[0].mlp.experts, Mxfp4Experts) == (source == "mxfp4")
+    tokens = torch.randint(3, 255, (2, 14))
+    with torch.no_grad():
+        assert torch.equal(q(tokens), ref(tokens))
+    ids = load_tokenizer(src).encode((src / "heldout.txt").read_text())
+    assert got["perplexity"] == round(perplexity(ref, ids, 32, progress=False)["perplexity"], 4)
 
 
 @pytest.mark.parametrize("argv,message", [
