@@ -36,7 +36,6 @@ from serve import add_request_args, make_requests, percentiles  # noqa: E402
 import moeserve  # noqa: E402
 from moeserve.engine.batching import ContinuousBatch, Request  # noqa: E402
 from moeserve.engine.sampling import SamplingParams  # noqa: E402
-from moeserve.spec import ModelSpec  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -107,8 +106,7 @@ def main() -> None:
 
 
 def measure(args, levels: list[int]) -> dict:
-    spec = ModelSpec.from_dir(args.model)
-    tokenizer = load_tokenizer(args.model, spec.bos_token_id, spec.eos_token_ids[0] if spec.eos_token_ids else None)
+    tokenizer = load_tokenizer(args.model)
     model = moeserve.load_model(args.model, device=args.device, dtype=args.dtype)
     extra = {} if args.prefill_chunk is None else {"prefill_tokens": args.prefill_chunk}
     batch = ContinuousBatch(model, tokenizer, max(levels), args.ctx_size, **extra)

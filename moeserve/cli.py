@@ -205,6 +205,14 @@ def _batch_parser(sub) -> None:
                           "attention, else 1)")
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: a comma list of origins, or `*`."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError("give a comma-separated list of origins, or *")
+    return origins
+
+
 def _serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                         description="Serve the model over HTTP in the OpenAI API's conventions: POST /v1/completions "
@@ -229,9 +237,12 @@ def _serve_parser(sub) -> None:
                     help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (default: none)")
     sv.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model's id in the API (default: the name of the --model directory)")
-    sv.add_argument("--metrics", action="store_true",
-                    help="expose Prometheus metrics at GET /metrics (requests running/waiting, tokens, time to "
-                         "first token, inter-token latency, KV slots used)")
+    sv.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                    help="Prometheus metrics at GET /metrics (requests running/waiting, tokens, time to first token, "
+                         "inter-token latency, KV slots used; default: on, --no-metrics hides them)")
+    sv.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+                    help="CORS: origins browsers may call the API from, comma-separated "
+                         "(https://a.example,http://localhost:3000), or * for any (default: none, CORS off)")
     sv.add_argument("--threads", type=int, default=None, metavar="N",
                     help="CPU threads the model runs on (default: torch's choice, one per core)")
     sv.add_argument("--no-cuda-graph", action="store_true",
@@ -660,9 +671,7 @@ def _tokenizer(model_dir: str):
     from moeserve.spec import ModelSpec
     from moeserve.tokenizer import load_tokenizer
 
-    spec = ModelSpec.from_dir(model_dir)
-    eos = spec.eos_token_ids[0] if spec.eos_token_ids else None
-    return spec, load_tokenizer(model_dir, spec.bos_token_id, eos)
+    return ModelSpec.from_dir(model_dir), load_tokenizer(model_dir)
 
 
 def _json_ready(value):

@@ -18,8 +18,9 @@ class ByteTokenizer:
         self.bos_id, self.eos_id = bos_id, eos_id
         self.vocab_size = max(bos_id, eos_id) + 1
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return ([self.bos_id] if add_bos else []) + list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's bytes, after a BOS when special tokens are added."""
+        return ([self.bos_id] if add_special_tokens else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -34,21 +35,30 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json (any HF fast tokenizer) with BOS/EOS from the model config."""
+    """A tokenizer.json (any HF fast tokenizer) that encodes as transformers' AutoTokenizer does.
 
-    def __init__(self, path: Path, bos_id: int | None, eos_id: int | None):
+    The special tokens a text gets are those of tokenizer.json's post-processor (none where it has none), never
+    the model config's bos_token_id: Qwen configs name a BOS their tokenizer never adds. transformers 5.x takes
+    the post-processor alone and drops add_bos_token / add_eos_token from tokenizer_config.json when a
+    tokenizer.json is present; its GPT-NeoX tokenizer class (OLMoE's) rebuilds the post-processor from those
+    dropped flags, so it adds nothing. Truncation and padding saved in tokenizer.json are off, as in a plain
+    `tokenizer(text)` call."""
+
+    def __init__(self, path: Path, adds_special_tokens: bool = True):
         from tokenizers import Tokenizer  # HF checkpoints only: the byte tokenizer and `--help` never load it
 
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise MoeserveError(f"cannot read tokenizer {path}: {e}") from None
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.adds_special_tokens = adds_special_tokens
         self.vocab_size = self._tok.get_vocab_size()
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids, with the special tokens transformers adds when add_special_tokens."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens and self.adds_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -58,15 +68,41 @@ class HFTokenizer:
         return self.decode([token]).encode("utf-8")
 
 
-def load_tokenizer(path: str | Path, bos_id: int | None = None, eos_id: int | None = None):
+# transformers' tokenizer classes that add no special tokens (see HFTokenizer), named in tokenizer_config.json
+# or chosen by config.json's model_type when it names none
+NO_SPECIAL_TOKEN_CLASSES = ("GPTNeoXTokenizer", "GPTNeoXTokenizerFast")
+NO_SPECIAL_TOKEN_MODEL_TYPES = ("olmoe",)
+
+
+def load_tokenizer(path: str | Path):
     """The tokenizer stored beside a checkpoint: byte_tokenizer.json or tokenizer.json."""
     path = Path(path)
     if (path / BYTE_TOKENIZER_FILE).is_file():
         return read_byte_tokenizer(path / BYTE_TOKENIZER_FILE)
     if (path / HF_TOKENIZER_FILE).is_file():
-        return HFTokenizer(path / HF_TOKENIZER_FILE, bos_id, eos_id)
+        return HFTokenizer(path / HF_TOKENIZER_FILE, applies_post_processor(path))
     raise MoeserveError(f"{str(path)!r} has no tokenizer: looked for {HF_TOKENIZER_FILE} (Hugging Face) and "
                         f"{BYTE_TOKENIZER_FILE} (byte-level) in it")
+
+
+def applies_post_processor(path: Path) -> bool:
+    """Whether transformers' AutoTokenizer applies tokenizer.json's post-processor for the checkpoint at `path`:
+    yes, unless its tokenizer class is one of NO_SPECIAL_TOKEN_CLASSES."""
+    tokenizer_class = _json_entry(path / "tokenizer_config.json", "tokenizer_class")
+    if tokenizer_class is None:
+        return _json_entry(path / "config.json", "model_type") not in NO_SPECIAL_TOKEN_MODEL_TYPES
+    return tokenizer_class not in NO_SPECIAL_TOKEN_CLASSES
+
+
+def _json_entry(file: Path, key: str):
+    """`key` of the JSON object in `file` (None when the file, or the key, is absent)."""
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoeserveError(f"cannot read {file}: {e}") from None
+    return data.get(key) if isinstance(data, dict) else None
 
 
 def read_byte_tokenizer(file: Path) -> ByteTokenizer:

@@ -167,3 +167,35 @@ def save_byte_model(path: Path, layers: int = 2, hidden: int = 32, ffn: int = 32
     ByteTokenizer().save(path)
     (path / "heldout.txt").write_text("Words, words, words. " * 20)
     return path
+
+
+TOKENIZER_SPECIALS = ["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0-4 of save_tokenizer's
+
+
+def random_words(rng, n: int) -> str:
+    """n random lowercase words, space-separated (text every byte-level tokenizer class splits alike)."""
+    return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(1, 7))) for _ in range(n))
+
+
+def save_tokenizer(path: Path, text: str, post_processor=None, tokenizer_config: dict | None = None,
+                   truncation: int | None = None, **config) -> Path:
+    """A byte-level BPE tokenizer.json trained on `text` (TOKENIZER_SPECIALS as special tokens, ids 0-4) with
+    `post_processor` (None: none) and a saved truncation to `truncation` tokens, beside `tokenizer_config` as
+    tokenizer_config.json and `config` as config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=TOKENIZER_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = post_processor
+    if truncation is not None:
+        tok.enable_truncation(truncation)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config or {}))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

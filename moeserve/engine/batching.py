@@ -8,7 +8,10 @@ new prompts are read. A request that finishes or is cancelled frees its row at o
 (first come, first served) takes it.
 
 Each request samples with its own SamplingParams and generator (a seed gives the tokens `generate` gives that
-prompt alone), ends on its own EOS, stop strings and limits, and reports every token through `on_update`.
+prompt alone), ends on its own EOS, stop strings and limits, and reports every token through `on_update`. The work
+of one request in a step (drawing its token, its logprobs, detokenizing, stop checks, its update) that raises fails
+that request alone: it ends with finish reason "error" and the exception. A forward pass that raises is shared by
+its rows: step() raises, and the caller drops the requests (drop_active).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.model.kv_cache import SlotKVCache
 
 DEFAULT_PREFILL_TOKENS = 512
+FAILED = -1  # the token of a request whose sampling raised (under torchrun: what rank 0 sends for it)
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,13 @@ class TokenLogprob:
 @dataclass
 class Update:
     """What one step did for a request: text that became final, the tokens it added (EOS is not added), their
-    logprobs (when asked) and, on its last update, why it finished: eos, stop, length or context."""
+    logprobs (when asked) and, on its last update, why it finished: eos, stop, length, context, or error (its own
+    work in the step raised `error`)."""
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    error: Exception | None = None
 
 
 @dataclass
@@ -232,29 +238,47 @@ class ContinuousBatch:
         return len(chunks), width
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
-        """Each request's next token from its row of logits [B, V], with its own sampling parameters."""
+        """Each request's next token from its row of logits [B, V], with its own sampling parameters; a request
+        whose own part raises (its token, logprobs, text, stop checks, update) fails alone (_fail)."""
         logits = logits.float()
-        tokens = [0] * len(requests)
+        errors: dict[int, Exception] = {}
+        tokens = self._draw(requests, logits, errors)
+        if self.sync_tokens is not None:  # rank 0's: a request it failed fails on every rank
+            tokens = self.sync_tokens(tokens)
+        want = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
+        logp = dict(zip(want, torch.log_softmax(logits[want], dim=-1).cpu())) if want else {}  # i -> [V]
+        for i, r in enumerate(requests):
+            try:
+                if tokens[i] == FAILED:
+                    raise errors.get(i, RuntimeError("this request's sampling failed on rank 0"))
+                self._record(r, tokens[i], self._logprob(r, tokens[i], logp.get(i)))
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                self._fail(r, e)
+
+    def _draw(self, requests: list[Request], logits: torch.Tensor, errors: dict[int, Exception]) -> list[int]:
+        """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
+        exception in errors, by index)."""
+        tokens = [FAILED] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
                 tokens[i] = t
         for i, r in enumerate(requests):
             if not r.params.greedy:
-                tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
-        if self.sync_tokens is not None:
-            tokens = self.sync_tokens(tokens)
-        want = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
-        logprobs: dict[int, TokenLogprob] = {}
-        if want:
-            logp = torch.log_softmax(logits[want], dim=-1).cpu()  # [b, V]
-            for row, i in zip(logp, want):
-                k = requests[i].top_logprobs
-                top = torch.topk(row, k) if k else None
-                logprobs[i] = TokenLogprob(tokens[i], float(row[tokens[i]]),
-                                           list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
-        for i, r in enumerate(requests):
-            self._record(r, tokens[i], logprobs.get(i))
+                try:
+                    tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
+                except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only
+                    errors[i] = e
+        return tokens
+
+    @staticmethod
+    def _logprob(r: Request, token: int, logp: torch.Tensor | None) -> TokenLogprob | None:
+        """The token's logprob and the request's top_logprobs most likely tokens, from its log-softmax row [V]."""
+        if logp is None:
+            return None
+        top = torch.topk(logp, r.top_logprobs) if r.top_logprobs else None
+        return TokenLogprob(token, float(logp[token]),
+                            list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
 
     def _record(self, r: Request, token: int, logprob: TokenLogprob | None) -> None:
         r.sampled += 1
@@ -267,6 +291,12 @@ class ContinuousBatch:
         if r.gen.finish_reason is not None:
             self._release(r)
         r.on_update(r, Update("".join(texts), added, [logprob] if logprob and added else [], r.gen.finish_reason))
+
+    def _fail(self, r: Request, error: Exception) -> None:
+        """End a request whose own work in a step raised: free its row, report the error as its last update."""
+        if r in self.active:
+            self._release(r)
+        r.on_update(r, Update("", [], [], "error", error))
 
     def _release(self, r: Request) -> None:
         self.active.remove(r)

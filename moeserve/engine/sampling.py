@@ -10,12 +10,14 @@ import torch
 from moeserve.errors import MoeserveError
 
 SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes 64-bit seeds
+# temperatures below this are greedy (vLLM's epsilon): dividing logits by them overflows float32 to inf
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1 = no nucleus filter
     seed: int | None = None
@@ -39,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

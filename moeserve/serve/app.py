@@ -1,8 +1,9 @@
 """The HTTP app (FastAPI): OpenAI-compatible endpoints in front of the engine thread.
 
 POST /v1/completions, POST /v1/chat/completions (stream: server-sent events ending `data: [DONE]`),
-GET /v1/models, GET /health (503 while the model loads), GET /metrics (with --metrics), POST /tokenize,
-POST /detokenize. With --api-key, /v1/* and the tokenizer endpoints need `Authorization: Bearer KEY`.
+GET /v1/models, GET /health (503 while the model loads), GET /metrics (unless --no-metrics), POST /tokenize,
+POST /detokenize. With --api-key, /v1/* and the tokenizer endpoints need `Authorization: Bearer KEY` (the scheme in
+any case). With --allowed-origins, browsers on those origins may call it (CORS, preflights answered).
 Every error is OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
+from moeserve import __version__
 from moeserve.engine.batching import Update
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
@@ -40,14 +43,19 @@ class ServerState:
     context: int
     vocab_size: int
     metrics: Metrics
-    expose_metrics: bool = False
+    expose_metrics: bool = True
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any); none: CORS off
+    fingerprint: str = f"moeserve-{__version__}"  # system_fingerprint of every answer
     engine: Engine | None = None  # set once the model is loaded
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="moeserve", docs_url=None, redoc_url=None, openapi_url=None)
+    if state.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -57,7 +65,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method
         return JSONResponse(APIError(e.status_code, str(e.detail), code=str(e.status_code)).body(),
-                            status_code=e.status_code)
+                            status_code=e.status_code, headers=e.headers)  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception):
@@ -73,7 +81,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         if not state.expose_metrics:
-            raise APIError(404, "metrics are off: start the server with --metrics", "not_found")
+            raise APIError(404, "metrics are off: the server was started with --no-metrics", "not_found")
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -90,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
         if req.messages is not None:
             ids = _chat_ids(state, req.messages, req.add_generation_prompt)
         else:
-            ids = state.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
+            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
 
     @app.post("/detokenize")
@@ -110,7 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompt = req.one_prompt()
         ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = _params(state, req, ids, req.max_tokens or COMPLETION_MAX_TOKENS)
-        fmt = CompletionFormat(state.tokenizer, state.model_name, req.include_usage)
+        fmt = CompletionFormat(state.tokenizer, state.model_name, state.fingerprint, req.include_usage)
         return await _answer(state, request, fmt, ids, params, req.logprobs, req.stream)
 
     @app.post("/v1/chat/completions")
@@ -120,17 +128,19 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         ids = _chat_ids(state, req.messages, req.add_generation_prompt)
         params = _params(state, req, ids, req.max_completion_tokens or req.max_tokens or state.context - len(ids))
-        fmt = ChatFormat(state.tokenizer, state.model_name, req.include_usage)
+        fmt = ChatFormat(state.tokenizer, state.model_name, state.fingerprint, req.include_usage)
         return await _answer(state, request, fmt, ids, params, req.requested_logprobs, req.stream)
 
     return app
 
 
 def _authorize(state: ServerState, request: Request) -> None:
-    """With --api-key: the request must carry `Authorization: Bearer KEY`."""
+    """With --api-key: the request must carry `Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key
+    compared in constant time."""
     if state.api_key:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        right_key = hmac.compare_digest(key.strip().encode(), state.api_key.encode())
+        if not (right_key and scheme.lower() == "bearer"):
             raise APIError(401, "Incorrect API key provided: send `Authorization: Bearer KEY` with the server's "
                                 "--api-key", "invalid_api_key")
 

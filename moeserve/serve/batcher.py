@@ -55,7 +55,8 @@ class QueueFull(Exception):
 
 
 class EngineFailed(Exception):
-    """The step this request was part of raised; the server goes on with the others."""
+    """This request's work in a step raised, or the step's shared forward pass did; the server goes on with the
+    others."""
 
 
 @dataclass(eq=False)
@@ -139,11 +140,10 @@ class Engine:
                 busy = self.batch.step()
                 if busy:
                     self._check_time(time.perf_counter() - start)
-            except Exception as e:  # noqa: BLE001 - a bad step fails its requests, not the server
+            except Exception as e:  # noqa: BLE001 - a failed forward pass fails its requests, not the server
                 traceback.print_exc(file=sys.stderr)
                 for r in self.batch.drop_active():
-                    self._close(r.tag, "error")
-                    self._send(r.tag, EngineFailed(f"the engine failed on this request: {type(e).__name__}: {e}"))
+                    self._fail(r.tag, e)
                 busy = True
             self._flush()
             self._update_load()
@@ -192,10 +192,20 @@ class Engine:
         b = self.batch
         self.metrics.set_load(len(b.active), len(b.waiting), b.slots - len(b.free))
 
+    def _fail(self, job: Job, error: Exception) -> None:
+        """End a job with the engine's error: counted as `error`, its handler answers 500."""
+        self._close(job, "error")
+        self._send(job, EngineFailed(f"the engine failed on this request: {type(error).__name__}: {error}"))
+
     def _on_update(self, request: Request, update: Update) -> None:
-        """Called by the batch for every sampled token: timings, counts, then the job's sink."""
+        """Called by the batch for every sampled token (timings, counts, then the job's sink) and for a request whose
+        own work in a step raised (its traceback to stderr, the job failed)."""
         job, m, now = request.tag, self.metrics, time.perf_counter()
         if job.closed:
+            return
+        if update.error is not None:
+            traceback.print_exception(update.error, file=sys.stderr)
+            self._fail(job, update.error)
             return
         m.generation_tokens.inc()
         if job.last_token is None:

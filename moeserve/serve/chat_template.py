@@ -5,8 +5,9 @@ The template comes from `chat_template.jinja` beside the weights, else `chat_tem
 It is rendered in jinja2's immutable sandbox with trim_blocks, lstrip_blocks and loop controls, the
 `raise_exception` and `strftime_now` globals, transformers' `tojson` filter, and the special tokens of
 `tokenizer_config.json` (bos_token, eos_token, ...). The rendered text holds the special tokens the template
-writes, so it is encoded without adding a BOS. A checkpoint with no template (the demo) gets FALLBACK: each
-message as a speaker heading and its lines, as the demo's plays are written, encoded with a BOS.
+writes, so it is encoded without adding the tokenizer's own, as transformers' apply_chat_template encodes it. A
+checkpoint with no template (the demo) gets FALLBACK: each message as a speaker heading and its lines, as the
+demo's plays are written, encoded with the tokenizer's special tokens (the demo's: a BOS).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed on these messages: {e}") from None
 
     def encode(self, messages: list[dict], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation (a BOS added only for the fallback, which writes none)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_bos=self.fallback)
+        """Token ids of the rendered conversation (special tokens added only for the fallback, which writes none)."""
+        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=self.fallback)
 
 
 def _raise_exception(message: str):

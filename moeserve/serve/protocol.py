@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API, validated strictly, and the errors the API answers with.
 
 Bodies are read as JSON and checked by pydantic in strict mode: a field of the wrong type (a string for
-`max_tokens`, a number for `stream`) is a 400 naming the field, not a silent conversion. Fields of the OpenAI
-API that this server does not implement are accepted at their neutral values (penalties 0, `n` 1, `best_of` 1,
-no `logit_bias`) and refused otherwise; fields it does not know are ignored, as OpenAI's own clients send some.
+`max_tokens`, a number for `stream`) is a 400 naming the field, not a silent conversion. `null` is the field's
+default (the openai client sends it for an explicit None). Fields of the OpenAI API that this server does not
+implement are accepted at their neutral values (penalties 0, `n` 1, `best_of` 1, no `logit_bias`, `tool_choice`
+"none", `response_format` text) and refused otherwise, so no answer pretends to honour them; fields it does not
+know are ignored, as OpenAI's own clients send some.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
@@ -23,20 +25,25 @@ PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "functio
 class APIError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             503: "unavailable_error"}
+    TYPES = {503: "unavailable_error"}  # else: invalid_request_error below 500, server_error from 500
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error")
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """A field given as null takes its default, as OpenAI's API reads it."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(Strict):
@@ -60,6 +67,14 @@ class Sampling(Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict) -> dict:
+        if value != {"type": "text"}:
+            raise ValueError(f"{value.get('type')!r} is not supported yet (only {{'type': 'text'}})")
+        return value
 
     @model_validator(mode="after")
     def _implemented(self):
@@ -127,6 +142,23 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list | None = None
+    functions: list | None = None  # the older name of tools
+    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict | None = None
+    function_call: str | dict | None = None  # the older name of tool_choice
+
+    @field_validator("tools", "functions", "parallel_tool_calls")
+    @classmethod
+    def _no_tools(cls, value):
+        raise ValueError("tool calls are not supported yet")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value != "none":
+            raise ValueError(f"{value!r} is not supported yet (tool calls are not; only 'none')")
+        return value
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -143,7 +175,7 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool = True  # with a prompt: a BOS first
+    add_special_tokens: bool = True  # with a prompt: those the tokenizer adds (the demo's: a BOS)
     add_generation_prompt: bool = True  # with messages
 
     @model_validator(mode="after")

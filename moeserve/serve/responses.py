@@ -1,7 +1,8 @@
 """OpenAI response objects for /v1/completions and /v1/chat/completions: whole, or as stream chunks.
 
-One `Format` per request holds what every chunk of it shares (id, created, model) and what differs between
-the two endpoints: object names, the shape of a choice (`text` or `message`/`delta`) and of logprobs.
+One `Format` per request holds what every chunk of it shares (id, created, model, system_fingerprint) and what
+differs between the two endpoints: object names, the shape of a choice (`text` or `message`/`delta`) and of
+logprobs.
 The engine's finish reasons map to OpenAI's: eos and stop -> "stop", length and context -> "length".
 """
 
@@ -29,14 +30,15 @@ def sse(obj: dict | str) -> str:
 class Format:
     object = chunk_object = id_prefix = ""
 
-    def __init__(self, tokenizer, model: str, include_usage: bool = False):
-        self.tokenizer, self.model, self.include_usage = tokenizer, model, include_usage
+    def __init__(self, tokenizer, model: str, fingerprint: str, include_usage: bool = False):
+        """fingerprint: the server's system_fingerprint (what it serves, and with which moeserve)."""
+        self.tokenizer, self.model, self.fingerprint, self.include_usage = tokenizer, model, fingerprint, include_usage
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, use: dict) -> dict:
         """The whole answer (stream: false); logprobs None when not asked for."""
@@ -68,8 +70,8 @@ class CompletionFormat(Format):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer, model: str, include_usage: bool = False):
-        super().__init__(tokenizer, model, include_usage)
+    def __init__(self, tokenizer, model: str, fingerprint: str, include_usage: bool = False):
+        super().__init__(tokenizer, model, fingerprint, include_usage)
         self.offset = 0  # characters of the completion before the next token (logprobs' text_offset)
 
     def _choice(self, text, logprobs, finish, final) -> dict:
@@ -101,7 +103,7 @@ class ChatFormat(Format):
     def _choice(self, text, logprobs, finish, final) -> dict:
         lp = None if logprobs is None else {"content": [self._entry(e) for e in logprobs], "refusal": None}
         if final:
-            message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            message = {"role": "assistant", "content": text, "refusal": None}
             return {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
         return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
 

@@ -8,6 +8,7 @@ torchrun (`--ep`/`--tp`) only rank 0 listens; the other ranks step the batch it 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from moeserve import __version__
 from moeserve.engine.batching import ContinuousBatch, WarmUp
 from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
@@ -26,6 +28,8 @@ from moeserve.serve.batcher import Engine
 from moeserve.serve.chat_template import ChatTemplate
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import StepMirror, follow
+
+SAFETENSORS_HEADER_LIMIT = 100 << 20  # bytes: the safetensors format's own bound on a header
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -44,6 +48,22 @@ def describe_decode(batch: ContinuousBatch, warm: WarmUp) -> str:
     eager = sorted(set(warm.decode_sizes) - set(warm.graphed_sizes))
     return (f"CUDA graphs for batch sizes {','.join(map(str, warm.graphed_sizes))}"
             + (f", eager at {','.join(map(str, eager))}" if eager else ""))
+
+
+def system_fingerprint(model_dir: str | Path) -> str:
+    """`moeserve-VERSION-HASH`: the same while the moeserve version and the checkpoint stay the same. HASH: 12 hex
+    digits of sha256 over the checkpoint's JSON files (config, tokenizer, quantization records) and each safetensors
+    file's name, size and header (tensor names, shapes, offsets, metadata), not its weights: read in milliseconds."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.suffix == ".json":
+            h.update(path.name.encode() + path.read_bytes())
+        elif path.suffix == ".safetensors":
+            with path.open("rb") as f:
+                header = f.read(8)
+                h.update(path.name.encode() + str(path.stat().st_size).encode() + header
+                         + f.read(min(int.from_bytes(header, "little"), SAFETENSORS_HEADER_LIMIT)))
+    return f"moeserve-{__version__}-{h.hexdigest()[:12]}"
 
 
 def serving_batch(args, model, tokenizer, context: int) -> ContinuousBatch:
@@ -76,7 +96,8 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
     name = args.served_model_name or Path(args.model).resolve().name
     template = ChatTemplate.from_dir(args.model)
     metrics = Metrics(name, args.parallel)
-    state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, args.metrics, args.api_key)
+    state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, args.metrics, args.api_key,
+                        args.allowed_origins, system_fingerprint(args.model))
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False,

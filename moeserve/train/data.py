@@ -62,5 +62,5 @@ def encode_documents(docs: list[str], tok: ByteTokenizer) -> torch.Tensor:
     """[N] int64: each document as BOS, its bytes, EOS (so an EOS separates documents)."""
     ids: list[int] = []
     for doc in docs:
-        ids += tok.encode(doc, add_bos=True) + [tok.eos_id]
+        ids += tok.encode(doc, add_special_tokens=True) + [tok.eos_id]
     return torch.tensor(ids, dtype=torch.int64)

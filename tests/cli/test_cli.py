@@ -1,6 +1,7 @@
 """The CLI: each command works, and every bad input gives one line on stderr and a non-zero exit."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -40,6 +41,59 @@ def test_eval_ppl_reports_a_plausible_perplexity(capsys, byte_model_dir):
     result = json.loads(out)
     assert code == 0 and result["tokens"] > 300
     assert 50 < result["perplexity"] < 1000  # random model over a 258-token vocabulary: near-uniform
+
+
+def test_eval_ppl_equals_transformers_where_config_names_a_bos_the_tokenizer_never_adds(capsys, tmp_path):
+    """Qwen3-MoE's setup: config.json's bos_token_id is <|endoftext|>, its tokenizer adds no BOS, so the text's ids
+    are AutoTokenizer's alone. Peaked weights (std 0.3) over text the model sampled: a perplexity far below the
+    vocabulary, which one extra BOS (a target, and every window shifted off its sample) moves far past 1e-4."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer
+
+    from hf_models import build_hf_model
+
+    model = build_hf_model("qwen3_moe", seed=7)  # vocabulary 97, bos_token_id 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    model.save_pretrained(tmp_path)
+    words = ["<unk>", "<|endoftext|>", "<|im_end|>"] + [f"w{i}" for i in range(3, model.config.vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens(words[:3])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "bos_token": None, "eos_token": "<|im_end|>"}))
+    # three windows of 32 words, each sampled afresh as `eval ppl --window 32` reads it: without context
+    sample = model.generate(torch.randint(3, len(words), (3, 1)), do_sample=True, top_k=0, min_new_tokens=31,
+                            max_new_tokens=31, suppress_tokens=[0, 1, 2], eos_token_id=None, pad_token_id=0)
+    (tmp_path / "text.txt").write_text(" ".join(words[i] for i in sample.flatten().tolist()))
+    ids = AutoTokenizer.from_pretrained(tmp_path)((tmp_path / "text.txt").read_text())["input_ids"]
+    assert ids == sample.flatten().tolist()
+
+    code, out, _ = run_cli(capsys, "eval", "ppl", "--model", tmp_path, "--text", tmp_path / "text.txt",
+                           "--window", 32, "--device", "cpu")
+    result = json.loads(out)
+    ppl, tokens = hf_perplexity(model, ids, 32)
+    assert code == 0 and result["tokens"] == tokens and ppl < len(words) / 4
+    assert result["perplexity"] == pytest.approx(ppl, rel=1e-4)
+
+
+def hf_perplexity(model, ids: list[int], window: int) -> tuple[float, int]:
+    """transformers' perplexity as `eval ppl` computes it: mean next-token NLL over non-overlapping windows, each
+    without context."""
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in (torch.tensor(ids[s:s + window]) for s in range(0, len(ids) - 1, window)):
+            if len(w) > 1:
+                logits = model(w[None]).logits[0, :-1].float()  # [S-1, V]
+                nll += torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum").item()
+                count += len(w) - 1
+    return math.exp(nll / count), count
 
 
 @pytest.mark.parametrize("argv,message", [

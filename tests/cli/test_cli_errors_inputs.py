@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models
 
 from moeserve.offload.trace import RoutingTrace
 
@@ -99,6 +100,8 @@ CASES = {
     "eval --ep outside torchrun": (["eval", "ppl", "--model", "{model}", "--ep", "2"],
                                    "torchrun --nproc-per-node 2 -m moeserve eval ppl --ep 2"),
     "no tokenizer": (["generate", "--model", "{tmp}/notok", "x"], "looked for tokenizer.json"),
+    "corrupt tokenizer_config.json": (["generate", "--model", "{tmp}/badcfg", "x"],
+                                      "cannot read {tmp}/badcfg/tokenizer_config.json"),
 }
 
 
@@ -114,6 +117,10 @@ def inputs(tmp_path, byte_model_dir, monkeypatch):
         (tmp_path / name / "config.json").write_text(config)
         if tokenizer is not None:
             (tmp_path / name / "byte_tokenizer.json").write_text(tokenizer)
+    (tmp_path / "badcfg").mkdir()  # an HF tokenizer whose tokenizer_config.json (read for its class) is cut off
+    (tmp_path / "badcfg" / "config.json").write_text(config)
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "badcfg" / "tokenizer.json"))
+    (tmp_path / "badcfg" / "tokenizer_config.json").write_text('{"tokenizer_class": ')
     ids = np.array([[0, 1], [2, 3], [1, 2], [0, 3]], np.int16)
     trace = RoutingTrace(np.array([0, 0, 1, 1], np.int32), np.array([0, 1, 0, 1], np.int16), ids,
                          np.full((4, 2), 0.5, np.float32), 2, 4)

@@ -107,7 +107,7 @@ def test_greedy_tokens_mostly_agree(demo_models):
     """Greedy continuations of the trained demo model: its 8-bit dense twin picks the float model's token at >= 90% of
     the steps of the float model's continuations (teacher-forced), and continues at least half the prompts alike."""
     ref, model = demo_models
-    tok = load_tokenizer(moeserve.DEMO_MODEL, ref.spec.bos_token_id)
+    tok = load_tokenizer(moeserve.DEMO_MODEL)
     prompts = [tok.encode(p) for p in ("HAMLET. To be, or not to be", "KING. What says", "OPHELIA. My lord,",
                                        "Enter HORATIO and")]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)

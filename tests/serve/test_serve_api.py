@@ -99,6 +99,20 @@ def test_greedy_completion_equals_moeserve_generate(client):
     assert r.usage.prompt_tokens == len(prompt.encode()) + 1  # bytes + BOS
 
 
+def test_explicit_none_from_the_openai_client_is_the_default(client, demo):
+    """The openai client sends null for a parameter given as None; the answer is the one without it."""
+    none = dict(top_p=None, n=None, presence_penalty=None, frequency_penalty=None, stop=None, seed=None, user=None,
+                logit_bias=None)
+    r = client.completions.create(model="demo", prompt="KING.", max_tokens=12, temperature=0, echo=None, **none)
+    assert r.choices[0].text == alone(demo, "KING.", 12)
+    assert r.system_fingerprint.startswith("moeserve-")
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=None, top_logprobs=None, tools=None,
+                                          tool_choice=None, response_format=None, stream=None, **none)
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].message.tool_calls is None
+    assert chat.system_fingerprint == r.system_fingerprint
+
+
 def test_streamed_completion_equals_whole_one(client, demo):
     prompt, kw = "KING.", dict(model="demo", max_tokens=30, temperature=0)
     whole = client.completions.create(prompt=prompt, **kw)

@@ -77,3 +77,44 @@ def test_a_slow_step_is_logged_with_what_it_computed(caplog, monkeypatch):
     steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow step: ")]
     assert steps[0].endswith(f" ms for prefill 1 x {len(prompt)} tokens")
     assert sum(s.endswith(" ms for decode 1 rows") for s in steps) == 2  # the tokens after the prefill's first
+
+
+def test_a_request_whose_own_work_raises_fails_alone(monkeypatch, capsys):
+    """Five requests in every step: one whose sampling raises, one whose logprobs raise (top_logprobs over the
+    vocabulary), one at temperature 1e-38 (greedy: dividing logits by it overflows to inf) and two greedy ones (one
+    with a stop string). The two that raise fail alone; the others finish with their solo text."""
+    from moeserve.engine import batching
+
+    model, tok = moeserve.load_model(moeserve.DEMO_MODEL, dtype=torch.float32), load_tokenizer(moeserve.DEMO_MODEL)
+    real = batching.sample_next
+
+    def sampler(logits, params, generator):
+        if params.temperature == 0.7:
+            raise RuntimeError("sampler broke")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(batching, "sample_next", sampler)
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    stop_solo = generate(model, [tok.encode("QUEEN.")], greedy, tokenizer=tok)[0].text
+    with_stop = SamplingParams(max_new_tokens=12, ignore_eos=True, stop=(stop_solo[5:7],))
+    requests = [("KING.", greedy, None), ("QUEEN.", with_stop, None), ("HAMLET.", SamplingParams(
+        max_new_tokens=12, temperature=0.7, seed=3), None), ("GHOST.", greedy, 10 ** 6),
+                ("ROMEO.", SamplingParams(max_new_tokens=12, temperature=1e-38, ignore_eos=True), None)]
+    metrics = Metrics("demo", 5)
+    engine = Engine(ContinuousBatch(model, tok, slots=5, context=64), metrics, max_queue=0, threads=1)
+    sinks = [queue.Queue() for _ in requests]
+    for (prompt, params, top), sink in zip(requests, sinks):  # queued before the thread starts: one batch
+        engine.submit(tok.encode(prompt), params, top, sink.put)
+    engine.start()
+    try:
+        got = [updates_until_done(s) for s in sinks]
+    finally:
+        engine.stop()
+    for i in (2, 3):
+        assert isinstance(got[i][-1], EngineFailed) and len(got[i]) == 1
+    assert "sampler broke" in str(got[2][-1]) and "RuntimeError: sampler broke" in capsys.readouterr().err
+    for i, params in ((0, greedy), (1, with_stop), (4, greedy)):
+        solo = generate(model, [tok.encode(requests[i][0])], params, tokenizer=tok)[0]
+        assert "".join(u.text for u in got[i]) == solo.text and got[i][-1].finish_reason == solo.finish_reason
+    assert got[1][-1].finish_reason == "stop"
+    assert 'request_success_total{finished_reason="error",model_name="demo"} 2.0' in metrics.exposition().decode()

@@ -6,7 +6,7 @@ import pytest
 
 from moeserve.errors import MoeserveError
 from moeserve.serve.chat_template import FALLBACK, ChatTemplate, TemplateError
-from moeserve.tokenizer import ByteTokenizer, HFTokenizer
+from moeserve.tokenizer import ByteTokenizer, load_tokenizer
 
 MISTRAL_LIKE = (  # the shape of Mistral's template: alternation enforced with raise_exception, BOS written by it
     "{{ bos_token }}{% for message in messages %}"
@@ -51,15 +51,20 @@ def test_fallback_and_bad_templates(tmp_path):
 
 
 def test_hf_tokenizer_reads_the_templates_special_tokens(tmp_path):
-    """The rendered text holds `<s>` as text: the tokenizer maps it to the BOS id, and no second BOS is added."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """The rendered text holds `<s>` as text: the tokenizer maps it to the BOS id, and its post-processor adds no
+    second BOS; the ids are transformers' apply_chat_template's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer
 
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "hi", "yo", "ok"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.add_special_tokens(["<s>", "</s>"])
     tok.add_tokens(["[INST]", "[/INST]"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    write_config(tmp_path, chat_template=MISTRAL_LIKE)
-    ids = ChatTemplate.from_dir(tmp_path).encode(MESSAGES, HFTokenizer(tmp_path / "tokenizer.json", 1, 2))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "bos_token_id": 1}))
+    write_config(tmp_path, chat_template=MISTRAL_LIKE, bos_token="<s>")  # transformers reads a dict as AddedToken's
+    ids = ChatTemplate.from_dir(tmp_path).encode(MESSAGES, load_tokenizer(tmp_path))
     assert ids == [1, 3, 5, 4, 6, 2, 3, 7, 4]
+    assert ids == AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(MESSAGES, return_dict=False)
