@@ -94,15 +94,21 @@ def applies_post_processor(path: Path) -> bool:
     return tokenizer_class not in NO_SPECIAL_TOKEN_CLASSES
 
 
-def _json_entry(file: Path, key: str):
-    """`key` of the JSON object in `file` (None when the file, or the key, is absent)."""
+def read_json_object(file: Path) -> dict | None:
+    """The JSON object in `file` (a checkpoint's config files): None when the file is absent or holds no object;
+    a file that does not parse raises, naming it."""
     if not file.is_file():
         return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MoeserveError(f"cannot read {file}: {e}") from None
-    return data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _json_entry(file: Path, key: str):
+    """`key` of the JSON object in `file` (None when the file, or the key, is absent)."""
+    return (read_json_object(file) or {}).get(key)
 
 
 def read_byte_tokenizer(file: Path) -> ByteTokenizer:

@@ -21,6 +21,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moeserve.errors import MoeserveError
+from moeserve.tokenizer import read_json_object
 
 FALLBACK = (
     "{% for message in messages %}"
@@ -54,13 +55,13 @@ class ChatTemplate:
     def from_dir(cls, path: str | Path) -> ChatTemplate:
         """The template stored with a checkpoint, or FALLBACK when it has none."""
         path = Path(path)
-        config = _read_json(path / "tokenizer_config.json") or {}
+        config = read_json_object(path / "tokenizer_config.json") or {}
         special = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
         if (path / "chat_template.jinja").is_file():
             return cls((path / "chat_template.jinja").read_text(encoding="utf-8"), special,
                        origin=str(path / "chat_template.jinja"))
         for file in ("chat_template.json", "tokenizer_config.json"):
-            source = _named_template((_read_json(path / file) or {}).get("chat_template"))
+            source = _named_template((read_json_object(path / file) or {}).get("chat_template"))
             if source:
                 return cls(source, special, origin=str(path / file))
         return cls(FALLBACK, special, fallback=True)
@@ -89,14 +90,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _read_json(file: Path) -> dict | None:
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoeserveError(f"cannot read {file}: {e}") from None
-    return data if isinstance(data, dict) else None
 
 
 def _token_text(token) -> str | None:
