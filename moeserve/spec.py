@@ -34,25 +34,29 @@ SUPPORTED_ARCHITECTURES = {
 }
 # What transformers' config class of each family puts in a field that config.json leaves out, where moeserve's reading
 # would otherwise fall back to another value (checked against the classes in tests/model/test_family_defaults.py).
-# Merged under the checkpoint's config before it is read, so a trimmed config.json means what it means to transformers.
+# with_family_defaults merges a family's table under the checkpoint's config before it is read, so a trimmed
+# config.json means what it means to transformers. rope_theta is the rope's base where rope_parameters name none;
+# rope_parameters is the family's rope when config.json gives neither rope_parameters nor rope_scaling.
 LONG_CONTEXT = {"max_position_embeddings": 131072}
-FAMILY_DEFAULTS = {
-    "mixtral": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
-    "qwen2_moe": {"max_position_embeddings": 32768, "shared_expert_intermediate_size": 5632},
-    "qwen3_moe": {"max_position_embeddings": 32768, "norm_topk_prob": False},
-    "olmoe": {"rms_norm_eps": 1e-5},
-    "deepseek_v2": {"max_position_embeddings": 2048, "q_lora_rank": 1536, "n_shared_experts": 2},
-    "deepseek_v3": {"q_lora_rank": 1536, "n_shared_experts": 1, "first_k_dense_replace": 3,
-                    "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "norm_topk_prob": True},
-    "glm4_moe": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "n_shared_experts": 1, "first_k_dense_replace": 1},
-    "phimoe": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
-    "granitemoe": {"max_position_embeddings": 2048},
-    "granitemoeshared": {"max_position_embeddings": 2048},
-    "gpt_oss": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "sliding_window": 128,
-                "rope_scaling": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}},
-    "llama4": {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_chunk_size": 8192},
-}
+MIXTRAL_DEFAULTS = {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6}
+QWEN2_MOE_DEFAULTS = {"max_position_embeddings": 32768, "shared_expert_intermediate_size": 5632}
+QWEN3_MOE_DEFAULTS = {"max_position_embeddings": 32768}
+OLMOE_DEFAULTS = {"rms_norm_eps": 1e-5}
+DEEPSEEK_V2_DEFAULTS = {"max_position_embeddings": 2048, "q_lora_rank": 1536, "n_shared_experts": 2}
+DEEPSEEK_V3_DEFAULTS = {"q_lora_rank": 1536, "n_shared_experts": 1, "first_k_dense_replace": 3,
+                        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "norm_topk_prob": True}
+GLM4_MOE_DEFAULTS = {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "norm_topk_prob": True}
+PHIMOE_DEFAULTS = {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 1e6}
+GRANITEMOE_DEFAULTS = {"max_position_embeddings": 2048}
+GPT_OSS_DEFAULTS = {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "sliding_window": 128, "rope_theta": 150000.0,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 4096}}
+LLAMA4_DEFAULTS = {**LONG_CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_chunk_size": 8192}
+FAMILY_DEFAULTS = {"mixtral": MIXTRAL_DEFAULTS, "qwen2_moe": QWEN2_MOE_DEFAULTS, "qwen3_moe": QWEN3_MOE_DEFAULTS,
+                   "olmoe": OLMOE_DEFAULTS, "deepseek_v2": DEEPSEEK_V2_DEFAULTS, "deepseek_v3": DEEPSEEK_V3_DEFAULTS,
+                   "glm4_moe": GLM4_MOE_DEFAULTS, "phimoe": PHIMOE_DEFAULTS, "granitemoe": GRANITEMOE_DEFAULTS,
+                   "granitemoeshared": GRANITEMOE_DEFAULTS, "gpt_oss": GPT_OSS_DEFAULTS, "llama4": LLAMA4_DEFAULTS}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 NORMS = ("rms", "layer", "layer_no_bias")  # RMSNorm; LayerNorm with a bias (Phi-MoE) or without (DBRX)
 ROUTINGS = ("softmax", "sparsemixer", "sigmoid")  # how the gate picks experts when ModelSpec.router is None
@@ -291,7 +295,7 @@ class ModelSpec:
                     f"unsupported architecture {archs or model_type!r}; supported: "
                     + ", ".join(SUPPORTED_ARCHITECTURES)
                 )
-        cfg = {**FAMILY_DEFAULTS.get(family, {}), **cfg}
+        cfg = with_family_defaults(cfg, family)
         fp8_block_size(cfg)  # refuses quantized formats other than block-scaled FP8 (and GPT-OSS's MXFP4)
         if family not in PARTIAL_ROTARY and _partial_rotary(cfg, 1.0) != 1.0:
             raise MoeserveError(f"partial rotary embeddings (partial_rotary_factor != 1) are not supported for "
@@ -331,6 +335,15 @@ def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise MoeserveError(f"quantization_config.weight_block_size {block!r} is not two positive integers")
     return block[0], block[1]
+
+
+def with_family_defaults(cfg: dict, family: str) -> dict:
+    """cfg over its family's FAMILY_DEFAULTS. A rope that cfg gives (rope_parameters or rope_scaling) is taken whole,
+    as transformers takes it: the family's default rope_parameters do not fill its gaps."""
+    defaults = FAMILY_DEFAULTS.get(family, {})
+    if _rope_params(cfg):
+        defaults = {k: v for k, v in defaults.items() if k != "rope_parameters"}
+    return {**defaults, **cfg}
 
 
 def read_config(path: str | Path) -> dict:
@@ -459,13 +472,13 @@ def _qwen2_windows(cfg: dict, L: int) -> tuple[int | None, ...]:
     return tuple(cfg["sliding_window"] if t == "sliding_attention" else None for t in types)
 
 
-def _qwen_sparse(cfg: dict, L: int, norm_topk_default: bool) -> dict:
+def _qwen_sparse(cfg: dict, L: int) -> dict:
     """The sparse part both Qwen MoE generations share: dense layers interleaved by sparse step."""
     return dict(
         num_experts=_num_experts(cfg),
         top_k=cfg["num_experts_per_tok"],
         expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_default)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         router_weights_fp32=False,
         moe_layers=_qwen_moe_layers(cfg, L),
         dense_ffn=cfg.get("intermediate_size", 0),
@@ -477,7 +490,7 @@ def _qwen2_moe(cfg: dict) -> ModelSpec:
     L = c["num_layers"]
     return ModelSpec(
         **c,
-        **_qwen_sparse(cfg, L, norm_topk_default=False),
+        **_qwen_sparse(cfg, L),
         qkv_bias=bool(cfg.get("qkv_bias", True)),
         sliding_windows=_qwen2_windows(cfg, L),
         shared_expert_ffn=cfg.get("shared_expert_intermediate_size", 0),
@@ -494,7 +507,7 @@ def _qwen3_moe(cfg: dict) -> ModelSpec:
         **c,
         qkv_bias=bias,
         o_bias=bias,
-        **_qwen_sparse(cfg, L, norm_topk_default=True),
+        **_qwen_sparse(cfg, L),
         qk_norm="head",
         sliding_windows=(window,) * L,
     )
@@ -582,7 +595,7 @@ def _deepseek_experts(cfg: dict) -> int:
     return n
 
 
-def _deepseek_sparse(cfg: dict, L: int, norm_topk_default: bool, router: RouterSpec) -> dict:
+def _deepseek_sparse(cfg: dict, L: int, router: RouterSpec) -> dict:
     """The sparse part DeepSeek-V2/V3 and GLM-4.5 share: first_k_dense_replace dense layers, then an MoE layer every
     moe_layer_freq (DeepSeek's own rule; transformers reads 1), n_shared_experts as one shared FFN."""
     first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
@@ -590,7 +603,7 @@ def _deepseek_sparse(cfg: dict, L: int, norm_topk_default: bool, router: RouterS
         num_experts=_deepseek_experts(cfg),
         top_k=cfg["num_experts_per_tok"],
         expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_default)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         router_weights_fp32=True,
         moe_layers=tuple(i >= first and i % freq == 0 for i in range(L)),
         dense_ffn=cfg["intermediate_size"],
@@ -621,7 +634,7 @@ def _deepseek(cfg: dict, family: str) -> ModelSpec:
     bias = bool(cfg.get("attention_bias", False))
     router = _router(cfg, "sigmoid" if v3 else "softmax", "noaux_tc" if v3 else "greedy", correction_bias=v3)
     return ModelSpec(**c, qkv_bias=bias, o_bias=bias, rotary_dim=mla.qk_rope_head_dim, mla=mla,
-                     **_deepseek_sparse(cfg, c["num_layers"], v3, router))
+                     **_deepseek_sparse(cfg, c["num_layers"], router))
 
 
 def _glm4_moe(cfg: dict) -> ModelSpec:
@@ -631,7 +644,7 @@ def _glm4_moe(cfg: dict) -> ModelSpec:
     return ModelSpec(**c, qkv_bias=bool(cfg.get("attention_bias", False)),
                      qk_norm="head" if cfg.get("use_qk_norm") else None,
                      rotary_dim=int(c["head_dim"] * _partial_rotary(cfg, 0.5)),
-                     **_deepseek_sparse(cfg, c["num_layers"], True, router))
+                     **_deepseek_sparse(cfg, c["num_layers"], router))
 
 
 def _phimoe(cfg: dict) -> ModelSpec:
@@ -711,7 +724,6 @@ def _llama4(cfg: dict) -> ModelSpec:
     interleave_moe_layer_step (or as moe_layers lists them) with a shared expert, dense layers between them; a
     sigmoid top-1 router whose weight scales the expert's input; attention as _llama4_attention reads it."""
     text = {**cfg, **(cfg.get("text_config") or {}), "architectures": cfg.get("architectures")}
-    text.setdefault("rms_norm_eps", 1e-5)
     c = _common(text, "llama4", _rope(text, interleave=True))
     L, k = c["num_layers"], text.get("num_experts_per_tok", 1)
     if k != 1:

@@ -112,7 +112,13 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
     import transformers
 
     cls_name, kw = family_configs()[family]
-    config = getattr(transformers, cls_name)(**{**kw, **overrides})
+    return random_hf_model(getattr(transformers, cls_name)(**{**kw, **overrides}), seed, dtype)
+
+
+def random_hf_model(config, seed: int = 0, dtype=torch.float32):
+    """A random HF model of `config`, every weight drawn (none of HF's constant inits)."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # HF inits some weights (router, norms) to constants: randomise everything
