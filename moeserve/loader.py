@@ -55,7 +55,7 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, is_buffer: bool
     setattr(module, leaf, value if keep else nn.Parameter(value, requires_grad=False))
 
 
-def _tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:
+def tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:
     """(names, meta tensor, is_buffer): every parameter once, under all the names it has (a tied head shares
     the embedding's, also after vocab-parallel surgery), plus the packed buffers of quantized layers."""
     names: dict[int, list[str]] = {}
@@ -96,7 +96,7 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     its slice, and the tensor's meta shape is that of the slice."""
     spec = model.spec
     manifest = read_manifest(reader.path)  # None for a float checkpoint
-    tensors = [t for t in _tensors_to_load(model) if skip is None or not skip(t[0][0])]
+    tensors = [t for t in tensors_to_load(model) if skip is None or not skip(t[0][0])]
     with tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0) as bar:
         for names, meta, is_buffer in bar:  # an error clears the bar (closed by `with`), so it prints on its own line
             name = names[0]

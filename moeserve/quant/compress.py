@@ -28,7 +28,7 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
 from moeserve.errors import MoeserveError
 from moeserve.quant import hqq, milo, mxfp4
 from moeserve.quant.dense import layer_linears
-from moeserve.loader import load_model
+from moeserve.loader import load_model, tensors_to_load
 from moeserve.model.transformer import MoETransformer
 from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
@@ -341,13 +341,11 @@ def _write_rest(reader: CheckpointReader, spec: ModelSpec, quantized_names: set[
 
 
 def _model_tensors(spec: ModelSpec) -> list[str]:
-    """The names of the tensors the loader reads for a model of `spec`: every parameter once, and the packed buffers
-    of the modules that keep weights as stored (MXFP4 experts' blocks and scales)."""
+    """The names of the tensors the loader reads for a model of `spec` (loader.tensors_to_load: every parameter once,
+    and the packed buffers of the modules that keep weights as stored, MXFP4 experts' blocks and scales)."""
     with torch.device("meta"):
         model = MoETransformer(spec)
-    packed = [f"{prefix}.{n}" for prefix, module in model.named_modules() if getattr(module, "PACKED_BUFFERS", False)
-              for n, _ in module.named_buffers(recurse=False)]
-    return [n for n, _ in model.named_parameters()] + packed
+    return [names[0] for names, _, _ in tensors_to_load(model)]
 
 
 def _safetensors_bytes(path: Path) -> int:

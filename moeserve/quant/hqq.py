@@ -133,8 +133,8 @@ def hqq_step(Wg, scale, zero, beta, p: float, qmax: int):
 def _compiled_step():
     """On CUDA the round is one fused kernel (torch.compile); 5x faster on a 14336 x 4096 matrix on the H100.
     Compiled in this process: inductor's default pool of compile workers (a process per core, each importing torch)
-    would outlive the compile and take cores from the pinned CPU-expert threads of the run that follows (on a fresh
-    machine's cold disk, well into the first timed steps)."""
+    would outlive the compile and burn CPU beside the run that follows (about 12 core-seconds on the H200 host's
+    16 cores, while the CPU experts' pinned threads ran)."""
     from torch._inductor import config as inductor_config  # CUDA only: CPU runs never import the compiler
 
     compiled = torch.compile(hqq_step, dynamic=True)

@@ -9,6 +9,7 @@ torchrun (`--ep`/`--tp`) only rank 0 listens; the other ranks step the batch it 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import torch
 import uvicorn
 
 from moeserve import __version__
+from moeserve.checkpoint import validate_safetensors
 from moeserve.engine.batching import ContinuousBatch, WarmUp
 from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
@@ -28,9 +30,6 @@ from moeserve.serve.batcher import Engine
 from moeserve.serve.chat_template import ChatTemplate
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import StepMirror, follow
-
-SAFETENSORS_HEADER_LIMIT = 100 << 20  # bytes: the safetensors format's own bound on a header
-
 
 def listen(host: str, port: int) -> socket.socket:
     """A bound TCP socket (IPv4 or IPv6, as `host` resolves); MoeserveError when the address is taken."""
@@ -59,10 +58,8 @@ def system_fingerprint(model_dir: str | Path) -> str:
         if path.suffix == ".json":
             h.update(path.name.encode() + path.read_bytes())
         elif path.suffix == ".safetensors":
-            with path.open("rb") as f:
-                header = f.read(8)
-                h.update(path.name.encode() + str(path.stat().st_size).encode() + header
-                         + f.read(min(int.from_bytes(header, "little"), SAFETENSORS_HEADER_LIMIT)))
+            header = json.dumps(validate_safetensors(path), sort_keys=True)
+            h.update(path.name.encode() + str(path.stat().st_size).encode() + header.encode())
     return f"moeserve-{__version__}-{h.hexdigest()[:12]}"
 
 
