@@ -152,7 +152,8 @@ def server_args(args, parallel: int) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--parallel", str(parallel),
            "--max-queue", str(max(64, parallel)), "--metrics"]
     out += ["--dtype", args.dtype] if args.dtype else []
-    return out + (["--threads", str(args.threads)] if args.threads else [])
+    out += ["--threads", str(args.threads)] if args.threads else []
+    return out + args.server_args.split()
 
 
 def client_procs(args, clients: int) -> int:
@@ -178,6 +179,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="device of the server started here (default cpu)")
     ap.add_argument("--dtype", default=None, help="dtype of the server started here (default: auto)")
     ap.add_argument("--device-label", default=None, help="device name for the result with --url")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more options of the server started here, e.g. '--cpu-moe' or '--offload STORE --high-slots 16 "
+                         "--all-high' (a placement)")
     ap.add_argument("--api-key", default=None, help="the running server's --api-key")
     add_request_args(ap)
     ap.add_argument("--client-procs", type=int, default=None,
@@ -207,7 +211,8 @@ def measure(args, levels: list[int], headers: dict | None) -> dict:
     """Start the server (unless --url), warm it up with one untimed round at the highest level, then time each
     level: concurrent, then the same requests one after another."""
     config = {k: getattr(args, k) for k in ("clients", "min_requests", "sequential_max", "prompt_min", "prompt_max",
-                                            "gen", "seed", "quick", "model", "dtype", "threads", "client_procs")}
+                                            "gen", "seed", "quick", "model", "dtype", "threads", "client_procs",
+                                            "server_args")}
     config["clients"] = levels
     os.environ.setdefault("MOESERVE_LOG", "info")  # the server started here logs its slow steps (serve/batcher.py)
     server = None if args.url else ServerProcess(*server_args(args, max(levels)))

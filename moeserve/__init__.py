@@ -1,12 +1,10 @@
 """moeserve: run Mixture-of-Experts language models fast and accurately."""
 
-from pathlib import Path
-
+from moeserve.demo import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec, SUPPORTED_ARCHITECTURES
 
 __version__ = "0.1.0"
-DEMO_MODEL = str(Path(__file__).parent / "demo")  # the built-in demo checkpoint's directory, wherever installed
 
 
 def load_model(path, device="cpu", dtype=None, progress=False, **options):
@@ -16,4 +14,18 @@ def load_model(path, device="cpu", dtype=None, progress=False, **options):
     return _load(path, device=device, dtype=dtype, progress=progress, **options)
 
 
-__all__ = ["DEMO_MODEL", "MoeserveError", "ModelSpec", "SUPPORTED_ARCHITECTURES", "load_model", "__version__"]
+def __getattr__(name):
+    """moeserve.LLM and moeserve.SamplingParams, imported on first use (they load torch)."""
+    if name == "LLM":
+        from moeserve.llm import LLM  # on first use: `import moeserve` stays torch-free
+
+        return LLM
+    if name == "SamplingParams":
+        from moeserve.engine.sampling import SamplingParams  # on first use, as LLM
+
+        return SamplingParams
+    raise AttributeError(f"module 'moeserve' has no attribute {name!r}")
+
+
+__all__ = ["DEMO_MODEL", "LLM", "MoeserveError", "ModelSpec", "SUPPORTED_ARCHITECTURES", "SamplingParams",
+           "load_model", "__version__"]

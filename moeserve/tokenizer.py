@@ -74,6 +74,11 @@ NO_SPECIAL_TOKEN_CLASSES = ("GPTNeoXTokenizer", "GPTNeoXTokenizerFast")
 NO_SPECIAL_TOKEN_MODEL_TYPES = ("olmoe",)
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint directory holds a tokenizer load_tokenizer reads."""
+    return any((Path(path) / name).is_file() for name in (BYTE_TOKENIZER_FILE, HF_TOKENIZER_FILE))
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer stored beside a checkpoint: byte_tokenizer.json or tokenizer.json."""
     path = Path(path)

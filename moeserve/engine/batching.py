@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeserve.engine.cuda_graph import SlotDecoder, graph_safe, padded_sizes
+from moeserve.engine.cuda_graph import SlotDecoder, padded_sizes
 from moeserve.engine.generate import (Generation, TextStream, append_token, check_request, limit_reason,
                                       token_limits)
 from moeserve.engine.sampling import SamplingParams, sample_next
@@ -120,8 +120,7 @@ class ContinuousBatch:
         self.model, self.tokenizer, self.context, self.prefill_tokens = model, tokenizer, context, prefill_tokens
         self.eos = set(model.spec.eos_token_ids if eos_ids is None else eos_ids)
         self.kv = SlotKVCache(model.spec, slots, context, model.device, model.dtype)
-        graph = cuda_graph and graph_safe(model, 1)
-        self.decoder = SlotDecoder(model, self.kv, graph=graph)
+        self.decoder = SlotDecoder(model, self.kv, graph=cuda_graph and model.device.type == "cuda")
         self.free = list(range(slots))  # a heap: the lowest free row first, so rows in use stay together
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # holding a row, in order of arrival

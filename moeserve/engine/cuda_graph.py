@@ -1,7 +1,8 @@
-"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token
-(StaticDecoder: a fixed batch over a KVCache; SlotDecoder: changing rows of a SlotKVCache, a graph per padded
-batch size; SegmentedDecoder: the GPU work between the layers whose experts read the routing on the host, as one
-graph per segment).
+"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token. One runner
+(StepRunner) runs the step at fixed shapes, whole or cut before the experts that read the routing on the host
+(hybrid CPU experts, offloading), each piece captured once; StaticDecoder drives it over a fixed batch's KVCache
+(SegmentedDecoder: with the cuts), SlotDecoder over the changing rows of a SlotKVCache, one runner per padded
+batch size (continuous batching: serve).
 
 At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
 launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
@@ -38,136 +39,119 @@ def graph_safe(model, batch: int) -> bool:
     return model.device.type == "cuda" and not host_layers(model, batch)
 
 
-class StaticDecoder:
-    """One decode step over a fixed KV cache: `model.decode_step`, eagerly or as a CUDA graph captured on the
-    first call (warm-up on a side stream, then capture) and replayed after, reading fresh inputs from static
-    buffers. Either way a call advances the cache by one slot, as `model(tokens, positions, kv=kv, ...)` does.
-    """
+class StepRunner:
+    """One decode step at fixed shapes (`model.decode_step`), cut before the experts of `cuts`: the MoE layers
+    whose experts read the routing on the host (hybrid CPU experts, offloading; host_layers). Each segment of GPU
+    work between two cuts (the first: embedding to the first cut's router; the last: after the last cut's experts
+    to the logits) runs eagerly or, with `graph`, is captured as a CUDA graph on the first call and replayed after;
+    between segments the host runs that layer's experts (MoEBlock.finish) and copies their output where the next
+    segment reads it. No cuts: the whole step is one graph. A capture that fails warns once and the same pieces run
+    eagerly from then on. `begin(inputs)` starts the step (model.decode_begin over the decoder's cache); the KV
+    bookkeeping around a call (reserve, commit) is the decoder's."""
 
-    def __init__(self, model, kv: KVCache, graph: bool, warmup: int = 2):
-        self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: list[torch.Tensor] = []  # static tokens, positions, valid [B, 1] (once captured)
-        self.logits: torch.Tensor | None = None  # [B, 1, V] static output, overwritten by every replay
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with a graph: valid until the next call)."""
-        self.kv.reserve_step()
-        if not self.use_graph or (self.graph is None and not self._captured(tokens, positions, valid)):
-            logits = self.model.decode_step(tokens, positions, valid, self.kv)
-        else:
-            for buf, x in zip(self.inputs, (tokens, positions, valid)):
-                buf.copy_(x)
-            self.graph.replay()
-            logits = self.logits
-        self.kv.commit()
-        return logits
-
-    def _captured(self, *inputs: torch.Tensor) -> bool:
-        """Capture the step; if that fails (a backend that claimed to be sync-free is not), say so once and
-        decode eagerly from then on rather than stop the generation."""
-        if captured(lambda: self._capture(*inputs), "the decode step"):
-            return True
-        self.use_graph, self.graph = False, None
-        return False
-
-    def _capture(self, *inputs: torch.Tensor) -> None:
-        """Warm-up runs (Triton compiles, allocator fills) write only the slot this step writes anyway."""
-        self.inputs = [x.clone() for x in inputs]
-        self.graph, self.logits = capture(lambda: self.model.decode_step(*self.inputs, self.kv), self.warmup,
-                                          self.kv.index.device)
-
-
-class SegmentedDecoder:
-    """Decode steps over a fixed KV cache when some MoE layers' experts read the routing on the host (the hybrid
-    backend's CPU experts, offloading): `model.decode_step` cut at those layers' experts. Each segment of GPU work
-    between two such layers (the first: embedding to the first layer's router; the last: after the last layer's
-    experts to the logits) is captured as a CUDA graph on the first call and replayed after; between replays the
-    host runs that layer's experts (MoEBlock.finish) eagerly and copies their output where the next segment reads
-    it. The host then pays a replay and the experts' own calls per layer instead of every launch of attention,
-    norms and router. A capture that fails warns once and the step runs as the dynamic forward after that.
-    graph=False runs the same pieces eagerly (the reference, and the CPU tests of the cut)."""
-
-    def __init__(self, model, kv: KVCache, layers: list[int], graph: bool = True, warmup: int = 1):
-        self.model, self.kv, self.layers, self.use_graph, self.warmup = model, kv, layers, graph, warmup
+    def __init__(self, model, kv: KVCache | SlotKVCache, cuts: list[int], begin: Callable[..., DecodeState],
+                 graph: bool, warmup: int, pool=None):
+        self.model, self.kv, self.cuts, self.begin, self.use_graph = model, kv, cuts, begin, graph
+        self.warmup, self.pool = warmup, pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list = []  # per segment, its static output (graphs)
-        self.inputs: list[torch.Tensor] = []  # tokens, positions, valid [B, 1] (static with graphs)
-        self.carried: list[torch.Tensor] = []  # per host layer: the residual stream [B, 1, D] after its attention
-        self.pending: list[torch.Tensor] = []  # per host layer: its experts' output [B, 1, D], read by the next segment
+        self.inputs: list[torch.Tensor] = []  # the step's inputs (static with graphs)
+        self.carried: list[torch.Tensor] = []  # per cut: the residual stream [B, 1, D] after its attention
+        self.pending: list[torch.Tensor] = []  # per cut: its experts' output [B, 1, D], read by the next segment
         self.begun: DecodeState | None = None  # the first segment's state: the step's rotary tables and masks
-        self.failed = False
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with graphs: valid until the next call)."""
-        if self.failed:
-            return self.model(tokens, positions, kv=self.kv, valid=valid, last_only=True)
-        self.kv.reserve_step()  # the slot the captures' warm-up runs write, then the real step
-        if self.use_graph and not self.graphs and not self._captured(tokens, positions, valid):
-            return self.model(tokens, positions, kv=self.kv, valid=valid, last_only=True)  # reserves the slot again
+    @property
+    def graphed(self) -> bool:
+        return bool(self.graphs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The step's inputs -> logits [B, 1, V] (with graphs: valid until the next call)."""
+        if self.use_graph and not self.graphs and not captured(lambda: self._capture(inputs), "the decode step"):
+            self.use_graph, self.graphs, self.outputs, self.carried, self.pending = False, [], [], [], []
         if self.use_graph:
-            for buf, x in zip(self.inputs, (tokens, positions, valid)):
+            for buf, x in zip(self.inputs, inputs):
                 buf.copy_(x)
         else:
-            self.inputs, self.carried, self.pending = [tokens, positions, valid], [], []
-        for i in range(len(self.layers) + 1):
+            self.inputs, self.carried, self.pending = list(inputs), [], []
+        for i in range(len(self.cuts) + 1):
             if self.use_graph:
                 self.graphs[i].replay()
                 out = self.outputs[i]
             else:
                 out = self._segment(i)()
-            if i == len(self.layers):
-                break
+            if i == len(self.cuts):
+                return out
             x, normed, routed = out
-            layer = self.model.model.layers[self.layers[i]]
+            layer = self.model.model.layers[self.cuts[i]]
             y = layer.residual(layer.mlp.finish(normed.reshape(-1, normed.shape[-1]), *routed))  # [B, D]
             if self.use_graph:
                 self.pending[i].copy_(y.reshape(normed.shape))  # [B, 1, D]
             else:
                 self.carried.append(x)
                 self.pending.append(y.reshape(normed.shape))
-        self.kv.commit()
-        return out
 
     def _segment(self, i: int) -> Callable:
-        """Segment i as a function of what the segments and host layers before it left: -> (residual stream,
-        the host layer's normed MLP input, MoEBlock.route's output), or the logits for the last segment."""
-        model, kv, layers = self.model, self.kv, self.layers
-        start = layers[i - 1] + 1 if i else 0
-        stop = layers[i] if i < len(layers) else len(model.model.layers)
+        """Segment i as a function of what the segments and cuts before it left: -> (residual stream, the cut
+        layer's normed MLP input, MoEBlock.route's output), or the logits for the last segment."""
+        model, kv, cuts = self.model, self.kv, self.cuts
+        start = cuts[i - 1] + 1 if i else 0
+        stop = cuts[i] if i < len(cuts) else len(model.model.layers)
 
         def run():
             if i == 0:
-                state = self.begun = model.decode_begin(*self.inputs, kv)
+                state = self.begun = self.begin(*self.inputs)
             else:
                 state = replace(self.begun, x=self.carried[i - 1], pending=self.pending[i - 1])
             state = model.decode_layers(state, start, stop, kv)
-            if i == len(layers):
+            if i == len(cuts):
                 return model.decode_end(state)
             state, normed = model.decode_to_mlp(state, stop, kv)
             return state.x, normed, model.model.layers[stop].mlp.route(normed.reshape(-1, normed.shape[-1]))
 
         return run
 
-    def _captured(self, *inputs: torch.Tensor) -> bool:
-        if captured(lambda: self._capture(*inputs), "the decode segments"):
-            return True
-        self.failed, self.graphs = True, []
-        return False
-
-    def _capture(self, *inputs: torch.Tensor) -> None:
+    def _capture(self, inputs) -> None:
         """Each segment after `warmup` eager runs on a side stream (Triton compiles, allocator fills; a segment's
         inputs are the static tensors of the segments before it, written by the real step that follows: the
         warm-up runs write only the KV slot that step writes anyway)."""
         self.inputs = [x.clone() for x in inputs]
-        device, pool = self.kv.index.device, torch.cuda.graph_pool_handle()
-        for i in range(len(self.layers) + 1):
-            graph, out = capture(self._segment(i), self.warmup, device, pool)
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        for i in range(len(self.cuts) + 1):
+            graph, out = capture(self._segment(i), self.warmup, self.model.device, pool)
             self.graphs.append(graph)
             self.outputs.append(out)
-            if i < len(self.layers):
+            if i < len(self.cuts):
                 self.carried.append(out[0])
                 self.pending.append(torch.zeros_like(out[1]))
+
+
+class StaticDecoder:
+    """Decode steps over a fixed KVCache: the static step (StepRunner), whole or cut before the experts of
+    `layers` (default: none; SegmentedDecoder: the host layers), eagerly or as CUDA graphs. A call advances the
+    cache by one slot, as `model(tokens, positions, kv=kv, ...)` does."""
+
+    def __init__(self, model, kv: KVCache, graph: bool, warmup: int = 2, layers: list[int] | None = None):
+        self.kv = kv
+        self.runner = StepRunner(model, kv, list(layers or []), lambda *inputs: model.decode_begin(*inputs, kv),
+                                 graph, warmup)
+
+    @property
+    def use_graph(self) -> bool:
+        return self.runner.use_graph
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with a graph: valid until the next call)."""
+        self.kv.reserve_step()
+        logits = self.runner(tokens, positions, valid)
+        self.kv.commit()
+        return logits
+
+
+def SegmentedDecoder(model, kv: KVCache, layers: list[int], graph: bool = True, warmup: int = 1) -> StaticDecoder:
+    """Decode steps cut at `layers`, the MoE layers whose experts read the routing on the host (host_layers): the
+    host pays a replay and those experts' own calls per layer instead of every launch of attention, norms and
+    router. graph=False runs the same pieces eagerly (the reference, and the CPU tests of the cut)."""
+    return StaticDecoder(model, kv, graph, warmup, layers)
 
 
 def captured(capture_fn: Callable[[], None], what: str) -> bool:
@@ -195,37 +179,31 @@ def padded_sizes(slots: int) -> list[int]:
 class SlotDecoder:
     """Decode steps over a SlotKVCache whose rows change from step to step (continuous batching).
 
-    Dynamic (off CUDA, and wherever a graph cannot serve): the forward over the rows in use, attending over the
-    columns up to the furthest position. Static: `model.decode_step` at a padded batch size (padded_batch; pad
-    entries write the cache's spare row) over all columns, the shapes a CUDA graph needs; with `graph`, each padded
-    size is captured on first use (one memory pool for all) and replayed after. A size the experts cannot run
-    sync-free decodes dynamically; a capture that fails warns once and every later step decodes dynamically.
+    Dynamic (off CUDA unless `static`): the forward over the rows in use, attending over the columns up to the
+    furthest position. Static: the step at a padded batch size (padded_batch; pad entries write the cache's spare
+    row) over all columns, the shapes a CUDA graph needs: one StepRunner per padded size, cut before the experts
+    that read the routing on the host at that size (hybrid CPU experts, offloading), each captured on first use
+    with `graph` (one memory pool for all) and replayed after. A capture that fails warns once and that size runs
+    its pieces eagerly.
     """
 
     def __init__(self, model, kv: SlotKVCache, graph: bool, static: bool | None = None, warmup: int = 2):
         """static: run the static step even without graphs (eagerly; tests use it on the CPU)."""
         self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
         self.static = graph if static is None else static
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
-        self.dynamic_sizes: set[int] = set()  # padded sizes graph_safe refused
+        self.runners: dict[int, StepRunner] = {}  # padded size -> its step
         self.pool = None
 
     def __call__(self, tokens: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
         """One token for each of the cache rows `rows`, at `positions` -> logits [B, V]."""
         device, B = self.model.device, len(rows)
-        size = padded_batch(B, self.kv.slots)
-        if self.static and (not self.use_graph or self._capturable(size)):
+        if self.static:
+            size = padded_batch(B, self.kv.slots)
             pad = size - B
-            inputs = [torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
-                      torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
-                      torch.tensor(rows + [self.kv.spare] * pad, device=device)]  # rows [Bp]
-            if self.use_graph and (size in self.graphs or self._captured(size, inputs)):
-                graph, buffers, logits = self.graphs[size]
-                for buf, x in zip(buffers, inputs):
-                    buf.copy_(x)
-                graph.replay()
-            else:  # static without graphs, or the capture just failed
-                logits = self._step(*inputs)
+            logits = self._runner(size)(
+                torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
+                torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
+                torch.tensor(rows + [self.kv.spare] * pad, device=device))  # rows [Bp]
             self.kv.commit()
             return logits[:B, -1]
         self.kv.use(rows, max(positions) + 1)
@@ -233,31 +211,21 @@ class SlotDecoder:
         return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
 
     def graphed_sizes(self) -> list[int]:
-        """The padded sizes whose step is a captured graph."""
-        return sorted(self.graphs)
+        """The padded sizes whose step is captured (whole, or in segments)."""
+        return sorted(size for size, runner in self.runners.items() if runner.graphed)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def cut_sizes(self) -> list[int]:
+        """The padded sizes whose step is cut at host layers."""
+        return sorted(size for size, runner in self.runners.items() if runner.cuts)
+
+    def _begin(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> DecodeState:
         self.kv.use(rows, None)
-        return self.model.decode_step(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), self.kv)
+        return self.model.decode_begin(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), self.kv)
 
-    def _capturable(self, size: int) -> bool:
-        """Whether the step at `size` rows is captured or can be: the experts run it sync-free (asked once)."""
-        if size not in self.graphs and size not in self.dynamic_sizes and not graph_safe(self.model, size):
-            self.dynamic_sizes.add(size)
-        return size not in self.dynamic_sizes
-
-    def _captured(self, size: int, inputs: list[torch.Tensor]) -> bool:
-        """Capture the step at `size` rows (its warm-up runs write what this step writes anyway); on failure, warn
-        and decode dynamically from now on."""
-        buffers = [x.clone() for x in inputs]
-
-        def capture_size():
-            if self.pool is None:
+    def _runner(self, size: int) -> StepRunner:
+        if size not in self.runners:
+            if self.use_graph and self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph, logits = capture(lambda: self._step(*buffers), self.warmup, self.model.device, self.pool)
-            self.graphs[size] = (graph, buffers, logits)
-
-        if captured(capture_size, "the decode step"):
-            return True
-        self.use_graph = self.static = False
-        return False
+            self.runners[size] = StepRunner(self.model, self.kv, host_layers(self.model, size), self._begin,
+                                            self.use_graph, self.warmup, self.pool)
+        return self.runners[size]

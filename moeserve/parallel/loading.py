@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import moeserve
+
 from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part
 from moeserve.errors import MoeserveError
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
@@ -28,6 +28,7 @@ from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tens
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.quant.manifest import refuse_quantized
 from moeserve.quant.mxfp4 import BLOCK
+from moeserve.spec import ModelSpec
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -94,7 +95,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
     device = resolve_device(device)
     grid = RankGrid(world=world, tp=tp, ep=ep)
-    spec = moeserve.ModelSpec.from_dir(path)
+    spec = ModelSpec.from_dir(path)
     refuse_quantized(Path(path), "--ep/--tp")  # ranks read float (or MXFP4) tensors shard-wise
     if ep > 1:
         for i in spec.moe_layer_indices():

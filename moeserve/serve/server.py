@@ -2,8 +2,9 @@
 
 The socket is bound before the model loads (a port in use is an error at once, and `--port 0` picks a free
 port, which the first status line names); /health answers 503 until the engine thread runs. The caller (the CLI)
-has checked the options and passes `load`, the same code path `moeserve generate` loads models with. Under
-torchrun (`--ep`/`--tp`) only rank 0 listens; the other ranks step the batch it leads (serve/mirror.py).
+has checked the options and planned the run, and passes `load`: the run path every command loads models with
+(moeserve/runtime.py). Under torchrun (`--ep`/`--tp`) only rank 0 listens; the other ranks step the batch it
+leads (serve/mirror.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uvicorn
 
 from moeserve import __version__
 from moeserve.checkpoint import validate_safetensors
+from moeserve.config import RunConfig, ServeConfig
 from moeserve.engine.batching import ContinuousBatch, WarmUp
 from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
@@ -41,11 +43,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def describe_decode(batch: ContinuousBatch, warm: WarmUp) -> str:
-    """How decode steps run, for the ready line: graphs (and which batch sizes), or eager."""
+    """How decode steps run, for the ready line: graphs (and which batch sizes; in segments where experts read the
+    routing on the host), or eager."""
     if not batch.decoder.use_graph:
         return "eager decode"
     eager = sorted(set(warm.decode_sizes) - set(warm.graphed_sizes))
+    cut = batch.decoder.cut_sizes()
     return (f"CUDA graphs for batch sizes {','.join(map(str, warm.graphed_sizes))}"
+            + (" (in segments between the layers whose experts run on the host)" if cut else "")
             + (f", eager at {','.join(map(str, eager))}" if eager else ""))
 
 
@@ -63,39 +68,40 @@ def system_fingerprint(model_dir: str | Path) -> str:
     return f"moeserve-{__version__}-{h.hexdigest()[:12]}"
 
 
-def serving_batch(args, model, tokenizer, context: int) -> ContinuousBatch:
+def serving_batch(config: RunConfig, serve: ServeConfig, model, tokenizer) -> ContinuousBatch:
     """The continuous batch the serve options describe (every rank builds the same one)."""
-    return ContinuousBatch(model, tokenizer, args.parallel, context, args.prefill_chunk,
-                           cuda_graph=not args.no_cuda_graph)
+    return ContinuousBatch(model, tokenizer, serve.parallel, serve.ctx_size, serve.prefill_chunk,
+                           cuda_graph=config.cuda_graph)
 
 
-def follow_rank_0(args, tokenizer, context: int, load: Callable[[], object]) -> int:
+def follow_rank_0(config: RunConfig, serve: ServeConfig, tokenizer, load: Callable[[], object]) -> int:
     """A rank other than 0 under torchrun: no socket; load this rank's part of the model, warm up as rank 0 does,
     then step the batch rank 0 leads (serve/mirror.py) until it stops. Signals are left to rank 0 (torchrun sends
     them to every rank): this rank ends on rank 0's stop, not before it."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     model = load()
-    batch = serving_batch(args, model, tokenizer, context)
+    batch = serving_batch(config, serve, model, tokenizer)
     batch.warm_up()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if serve.threads:
+        torch.set_num_threads(serve.threads)
     follow(batch, StepMirror(model.device))
     return 0
 
 
-def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
-    """Serve until interrupted. args: the serve command's options (parallel, prefill_chunk, max_queue, tp, ep, ...).
-    Under torchrun rank 0 serves and leads; the other ranks follow (follow_rank_0)."""
-    ranks = getattr(args, "tp", 1) * getattr(args, "ep", 1)
+def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[], object]) -> int:
+    """Serve until interrupted; `load` builds the model the run config places (runtime.load). Under torchrun rank 0
+    serves and leads; the other ranks follow (follow_rank_0)."""
+    ranks = config.parallel.ranks
     if ranks > 1 and os.environ.get("RANK", "0") != "0":
-        return follow_rank_0(args, tokenizer, context, load)
-    name = args.served_model_name or Path(args.model).resolve().name
-    template = ChatTemplate.from_dir(args.model)
-    metrics = Metrics(name, args.parallel)
-    state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, args.metrics, args.api_key,
-                        args.allowed_origins, system_fingerprint(args.model))
-    sock = listen(args.host, args.port)
+        return follow_rank_0(config, serve, tokenizer, load)
+    name = serve.served_model_name or Path(config.model).resolve().name
+    template = ChatTemplate.from_dir(config.model)
+    metrics = Metrics(name, serve.parallel)
+    context = serve.ctx_size
+    state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, serve.metrics, serve.api_key,
+                        serve.allowed_origins, system_fingerprint(config.model))
+    sock = listen(serve.host, serve.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=3))
@@ -104,26 +110,26 @@ def run(args, spec, tokenizer, context: int, load: Callable[[], object]) -> int:
     def start() -> None:
         try:
             model = load()
-            batch = serving_batch(args, model, tokenizer, context)
+            batch = serving_batch(config, serve, model, tokenizer)
             if model.device.type == "cuda":
                 print("[warming up: a decode step at every batch size, prefill passes]", file=sys.stderr,
                       flush=True)
             warm = batch.warm_up()
             mirror = StepMirror(model.device) if ranks > 1 else None
-            engine = Engine(batch, metrics, args.max_queue, args.threads, mirror)
+            engine = Engine(batch, metrics, serve.max_queue, serve.threads, mirror)
             engine.start()
             state.engine = engine
             graphs = describe_decode(batch, warm)
             across = f", {ranks} ranks (rank 0 serving)" if ranks > 1 else ""
             print(f"[ready: {name} on {model.device.type} {str(model.dtype).removeprefix('torch.')}, "
-                  f"{args.parallel} slots x {context} tokens, {graphs}{across}]", file=sys.stderr, flush=True)
+                  f"{serve.parallel} slots x {context} tokens, {graphs}{across}]", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
             failure.append(e)
             server.should_exit = True
 
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     template_note = "fallback chat template" if template.fallback else f"chat template from {template.origin}"
-    print(f"[listening on {url}; {template_note}; loading {args.model}]", file=sys.stderr, flush=True)
+    print(f"[listening on {url}; {template_note}; loading {config.model}]", file=sys.stderr, flush=True)
     threading.Thread(target=start, name="moeserve-load", daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: with the default one the

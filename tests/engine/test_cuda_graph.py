@@ -103,10 +103,10 @@ def test_a_failed_capture_falls_back_to_eager_steps(hf_checkpoints, monkeypatch)
     def capture(*inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphed, "_capture", capture)
+    monkeypatch.setattr(graphed.runner, "_capture", capture)
     tok = torch.randint(3, 97, (1, 1))
     with torch.inference_mode():
         with pytest.warns(UserWarning, match="capture of the decode step failed"):
             torch.testing.assert_close(graphed(tok, tok * 0, tok.bool()), eager(tok, tok * 0, tok.bool()))
         torch.testing.assert_close(graphed(tok, tok * 0 + 1, tok.bool()), eager(tok, tok * 0 + 1, tok.bool()))
-    assert not graphed.use_graph and graphed.graph is None
+    assert not graphed.use_graph and not graphed.runner.graphed

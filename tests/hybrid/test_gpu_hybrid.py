@@ -214,6 +214,38 @@ def test_gpu_linked_serving_graphs_give_solo_tokens(hf_checkpoints):
             batch.add(requests[3])
         if not batch.step() and n > 2:
             break
-    assert batch.decoder.graphs, "no decode step was captured"
+    assert batch.decoder.graphed_sizes() and not batch.decoder.cut_sizes(), "no decode step was captured whole"
     assert [got[id(r)] for r in requests] == alone
     runtime.close()
+
+
+@pytest.mark.parametrize("family,slots", [("mixtral", 0), ("qwen2_moe", 3)])
+def test_gpu_serving_batch_decodes_hybrid_layers_in_graph_segments(hf_checkpoints, family, slots):
+    """Continuous batching (serve's engine) over float CPU experts: each padded batch size's decode step is
+    captured in segments between the CPU layers and replayed; requests joining and leaving get the tokens of the
+    same batch decoded eagerly (fp32)."""
+    from moeserve.engine.batching import ContinuousBatch, Request
+
+    path = hf_checkpoints[family][1]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 2)]
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    outputs = []
+    for graph in (True, False):
+        model, _ = hybrid_model(path, HybridPlacement.choose(moe_layers(path), cpu_moe=True, cache_slots=slots,
+                                                             num_experts=8), "float32")
+        batch = ContinuousBatch(model, None, slots=4, context=32, prefill_tokens=8, cuda_graph=graph)
+        warm = batch.warm_up()
+        if graph:
+            assert warm.graphed_sizes == warm.decode_sizes == [1, 2, 4] and batch.decoder.cut_sizes() == [1, 2, 4]
+        requests = [Request(p, params, lambda *_: None) for p in prompts]
+        for r in requests[:3]:
+            batch.add(r)
+        steps = 0
+        while batch.step():
+            steps += 1
+            if steps == 2:
+                for r in requests[3:]:
+                    batch.add(r)
+        outputs.append([r.gen.token_ids for r in requests])
+    assert outputs[0] == outputs[1]

@@ -301,7 +301,7 @@ def test_gpu_memory_errors_before_loading(expect_cli_error, byte_model_dir, quic
     expect_cli_error(gen + ["--mixed-precision"], "--mixed-precision applies to experts on the CPU")
     expect_cli_error(gen + ["--experts-bits", "16", "--cpu-threads", "2"], "--cpu-threads applies to experts on")
     expect_cli_error(gen + ["--experts-bits", "5"], "--experts-bits 5 is not one of")
-    monkeypatch.setattr("moeserve.offload.budget.available_ram", lambda: 1000)
+    monkeypatch.setattr("moeserve.runtime.available_ram", lambda: 1000)
     line = expect_cli_error(gen, "not enough host RAM for the experts")
     assert "needs" in line and "1000 B is available" in line
     monkeypatch.undo()

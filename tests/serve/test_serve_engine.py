@@ -134,13 +134,14 @@ def test_padded_batch_sizes():
     assert [padded_batch(b, 12) for b in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
 
 
-@pytest.mark.parametrize("safe_up_to", [5, 2])
-def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch, safe_up_to):
-    """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records the step and replays it eagerly
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "segments"])
+def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypatch, cut):
+    """The CUDA-graph path's plumbing, on the CPU: a stand-in `capture` records each piece and replays it eagerly
     from the same static buffers, so every replay must see the inputs copied into them (rows, positions, tokens
-    of a changing batch, padded to 1, 2, 4 or 5 rows). Sizes the experts cannot run sync-free (above
-    `safe_up_to`) decode dynamically. The server's warm-up captures every size first and its prefill passes write
-    rows that requests then take."""
+    of a changing batch, padded to 1, 2, 4 or 5 rows). `cut`: the step in segments between the MoE layers whose
+    experts read the routing on the host (on the CPU every MoE layer's loop does: the hybrid and offload case on a
+    GPU), the host running those experts between replays; else one graph per size. The server's warm-up captures
+    every size first and its prefill passes write rows that requests then take."""
     from moeserve.engine import cuda_graph
 
     class Replay:
@@ -148,30 +149,38 @@ def test_graph_replays_read_their_static_buffers(demo, mixed_requests, monkeypat
             self.step, self.out = step, out
 
         def replay(self):
-            self.out.copy_(self.step())
+            fresh = self.step()
+            for buf, x in zip(self.out if isinstance(self.out, tuple) else (self.out,),
+                              fresh if isinstance(fresh, tuple) else (fresh,)):
+                if isinstance(buf, torch.Tensor):
+                    buf.copy_(x)
+                else:  # the router's output: (expert ids, weights, mix or None)
+                    for b, y in zip(buf, x):
+                        if b is not None:
+                            b.copy_(y)
 
     def capture(step, warmup, device, pool=None):
         out = step()
         return Replay(step, out), out
 
     monkeypatch.setattr(cuda_graph, "capture", capture)
-    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: batch <= safe_up_to)
+    if not cut:
+        monkeypatch.setattr(cuda_graph, "host_layers", lambda model, batch: [])
     model, tok = demo
     prompts, params, alone = mixed_requests
     batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
     batch.decoder = SlotDecoder(model, batch.kv, graph=True)
     batch.decoder.pool = "shared"  # no CUDA memory pool on the CPU
     warm = batch.warm_up(on_cpu=True)
-    assert warm.decode_sizes == [1, 2, 4, 5] and warm.graphed_sizes == [s for s in (1, 2, 4, 5) if s <= safe_up_to]
+    assert warm.decode_sizes == warm.graphed_sizes == [1, 2, 4, 5]
+    assert batch.decoder.cut_sizes() == ([1, 2, 4, 5] if cut else [])
     assert warm.prefill_passes == 14  # one row of 1, 2, 3, 4, 6, 7, 8, 12, 15, 16, 24, 31, 32 tokens; two of 1
     requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
     updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
     assert_alone(model, tok, requests, updates, alone)
-    graphs, dynamic = set(batch.decoder.graphs), batch.decoder.dynamic_sizes
-    assert graphs | dynamic == {1, 2, 4, 5} and graphs == {s for s in (1, 2, 4, 5) if s <= safe_up_to}
 
 
-def test_a_failed_capture_or_an_unsafe_size_decodes_dynamically(demo, mixed_requests, monkeypatch):
+def test_a_failed_capture_runs_the_pieces_eagerly(demo, mixed_requests, monkeypatch):
     from moeserve.engine import cuda_graph
 
     def capture(step, warmup, device, pool=None):
@@ -179,7 +188,6 @@ def test_a_failed_capture_or_an_unsafe_size_decodes_dynamically(demo, mixed_requ
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graph, "capture", capture)
-    monkeypatch.setattr(cuda_graph, "graph_safe", lambda model, batch: True)
     model, tok = demo
     prompts, params, alone = mixed_requests
     batch = ContinuousBatch(model, tok, slots=5, context=128, prefill_tokens=32)
@@ -189,4 +197,5 @@ def test_a_failed_capture_or_an_unsafe_size_decodes_dynamically(demo, mixed_requ
     with pytest.warns(UserWarning, match="capture of the decode step failed"):
         updates = run(batch, requests, {0: requests[:6], 3: requests[6:9], 7: requests[9:]})
     assert_alone(model, tok, requests, updates, alone)
-    assert not batch.decoder.use_graph and not batch.decoder.static and not batch.decoder.graphs
+    assert batch.decoder.runners and not batch.decoder.graphed_sizes()
+    assert not any(runner.use_graph for runner in batch.decoder.runners.values())

@@ -1,0 +1,61 @@
+"""`moeserve batch`: throughput generation for a JSONL of prompts with the CGOPipe pipeline (resumable)."""
+
+from __future__ import annotations
+
+import sys
+
+from moeserve.cli.common import check_output_path
+from moeserve.engine.sampling import SamplingParams
+from moeserve.errors import MoeserveError
+from moeserve.loader import load_model, resolve_device, resolve_dtype
+from moeserve.plan.batch import (BadLines, auto_policy, finished_ids, policy_for_budget, read_requests, run_batch,
+                                 tokenize_requests)
+from moeserve.plan.layer_weights import host_weight_bytes
+from moeserve.plan.pipeline import Pipeline
+from moeserve.plan.policy import ThroughputPolicy
+from moeserve.plan.roofline import check_modelled
+from moeserve.spec import ModelSpec
+from moeserve.tokenizer import load_tokenizer
+from moeserve.units import parse_bytes
+
+
+def _manual_policy(args):
+    """batch's policy from its options (before --gpu-memory fits the resident weights to the budget)."""
+    gpu_attention = not args.cpu_attention
+    kv = args.kv_gpu_fraction if args.kv_gpu_fraction is not None else float(gpu_attention)
+    return ThroughputPolicy(args.batch_size, args.micro_batch, gpu_attention, not args.cpu_ffn,
+                            1.0 if args.weights_gpu_fraction is None else args.weights_gpu_fraction, kv)
+
+
+def run(args) -> int:
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    budget = None if args.gpu_memory is None else parse_bytes(args.gpu_memory)
+    if args.gpu_memory is not None and budget is None:
+        raise MoeserveError(f"--gpu-memory {args.gpu_memory!r} is not a size like 16GiB")
+    check_output_path(args.output, "--output")
+    finished_ids(args.output)  # an output that is not ours fails now, not after the model loads
+    bad = BadLines(args.input, args.on_bad_line == "stop", lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
+    spec, tok = ModelSpec.from_dir(args.model), load_tokenizer(args.model)
+    check_modelled(spec)
+    requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    policy = None if args.auto else _manual_policy(args)
+    model = load_model(args.model, device="cpu", dtype=dtype, progress=True)
+    prompt_len = max((len(r.prompt_ids) for r in requests), default=1)
+    if args.auto:
+        pinned = device.type == "cuda"
+        policy = auto_policy(model.spec, prompt_len, args.max_new_tokens, dtype.itemsize, budget, args.profile,
+                             host_weight_bytes(model, pinned))
+    elif budget is not None and args.weights_gpu_fraction is None:
+        policy = policy_for_budget(model.spec, policy, prompt_len, args.max_new_tokens, dtype.itemsize, budget)
+    print(f"[policy: {policy.as_dict()}]", file=sys.stderr)
+    pipeline = Pipeline(model, policy, device)
+    try:
+        st = run_batch(pipeline, tok, requests, params, args.output, progress=True)
+    finally:
+        pipeline.close()
+    print(f"[{st['requests']} requests ({st['skipped']} already done), {st['tokens']} tokens in {st['seconds']:.2f} s, "
+          f"{st['tokens'] / max(st['seconds'], 1e-9):.1f} tokens/s]", file=sys.stderr)
+    return 0

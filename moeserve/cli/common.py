@@ -1,0 +1,103 @@
+"""What several commands share: input checks made before anything loads, and the run path's status lines."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+from moeserve import runtime
+from moeserve.config import RunConfig
+from moeserve.errors import MoeserveError
+from moeserve.spec import ModelSpec
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a torchrun launch, or a single process: the one that prints status lines."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def prepare(config: RunConfig, spec: ModelSpec, kv_batch: int, kv_tokens: int) -> runtime.RunPlan:
+    """runtime.prepare, and the planner's one line on stderr (rank 0) when it chose the placement."""
+    plan = runtime.prepare(config, spec, kv_batch, kv_tokens)
+    if plan.plan_line and is_main_rank():
+        print(plan.plan_line, file=sys.stderr, flush=True)
+    return plan
+
+
+def load(plan: runtime.RunPlan) -> runtime.Runtime:
+    """runtime.load with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
+    run = runtime.load(plan, progress=True)
+    if plan.config.parallel.ranks > 1 and not is_main_rank():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
+    line = runtime.describe_hybrid(run)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return run
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """A file the command will write: not a directory, in an existing writable directory, writable itself."""
+    out = Path(path)
+    parent = out.parent
+    if out.is_dir():
+        raise MoeserveError(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise MoeserveError(f"cannot write {flag} {path}: {parent} {problem}")
+    if not os.access(out if out.exists() else parent, os.W_OK):
+        raise MoeserveError(f"cannot write {flag} {path}: permission denied")
+
+
+def check_utf8(texts: list[str]) -> None:
+    """Prompts from the command line hold undecodable bytes as surrogates (PEP 383); name the first one."""
+    for n, text in enumerate(texts, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            char = ord(text[e.start])
+            byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"character U+{char:04X}"
+            raise MoeserveError(f"prompt {n} is not valid UTF-8 ({byte} at position {e.start})") from None
+
+
+def read_text(path: str | None, model: str, flag: str) -> tuple[Path, str]:
+    """A UTF-8 text file, by default the model directory's heldout.txt."""
+    text_path = Path(path) if path else Path(model) / "heldout.txt"
+    if not text_path.is_file():
+        raise MoeserveError(f"text file {str(text_path)!r} not found" + ("" if path else f"; pass {flag} FILE"))
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise MoeserveError(f"{text_path} is not UTF-8 text") from None
+    if not text.strip():
+        raise MoeserveError(f"{text_path} is empty")
+    return text_path, text
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    """--tokens: comma-separated positive token counts."""
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise MoeserveError(f"--tokens must be positive integers separated by commas, got {text!r}")
+    return counts
+
+
+def json_ready(value):
+    """`value` with every non-finite float (a ratio over zero, an unbounded rate) as None: JSON has no Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
