@@ -46,7 +46,7 @@ from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
 from moeserve.offload.budget import kv_cache_bytes, plan_slots  # noqa: E402
 from moeserve.offload.experts import enable_offload  # noqa: E402
-from moeserve.offload.store import ExpertStore, layer_tensors, store_meta  # noqa: E402
+from moeserve.offload.store import ExpertStore, SourceExperts, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
 from moeserve.spec import MLASpec, ModelSpec, RopeSpec, RouterSpec  # noqa: E402
 GiB = 1 << 30
@@ -109,7 +109,7 @@ def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 
         g = torch.Generator(device).manual_seed(1000 + i)
         gate_up = torch.randn(E, 2 * F, D, device=device, dtype=dtype, generator=g) * STD
         down = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD
-        t = layer_tensors(gate_up, down, low_bits, group)
+        t = layer_tensors(SourceExperts(gate_up, down), low_bits, group)
         layers.append({k: v.pin_memory() if torch.cuda.is_available() else v for k, v in t.items()})
     return ExpertStore(store_meta(spec, spec.moe_layer_indices(), low_bits, group), lambda i: layers[i % distinct])
 

@@ -148,8 +148,6 @@ class RunConfig:
             raise MoeserveError("--tp and --ep must be >= 1")
         if p.ranks == 1:
             return
-        if self.dense_bits not in (None, 16):
-            raise MoeserveError(f"--dense-bits {self.dense_bits} and --tp/--ep cannot be combined yet")
         if self.hybrid.requested or self.offload or self.planning:
             raise MoeserveError("--ep/--tp and experts off the GPU (--offload, --cpu-moe, --n-cpu-moe, --gpu-memory) "
                                 "cannot be combined yet")

@@ -244,6 +244,14 @@ class ModelSpec:
             return 1, self.mla.latent_dim, False
         return self.num_kv_heads, self.head_dim, True
 
+    def attention_core(self) -> tuple[int, int]:
+        """(query values, output values) per head of the attention core, the part that reads the KV cache
+        (Attention.core_attention): GQA head_dim and head_dim; MLA, which attends in the latent space (absorbed),
+        the latent entry's width and kv_lora_rank."""
+        if self.mla is not None:
+            return self.mla.latent_dim, self.mla.kv_lora_rank
+        return self.head_dim, self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token takes over all layers at dtype_bytes per value."""
         heads, dim, separate = self.kv_cache_entry()
@@ -308,15 +316,6 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelSpec":
         return cls.from_hf_config(read_config(path))
-
-
-def refuse_special_experts(spec: ModelSpec, what: str) -> None:
-    """Expert stores and the batch planner compute experts as silu(x Wg) * (x Wu) Wd from float weights; GPT-OSS's
-    (biases, the clamped SwiGLU, MXFP4) they do not take yet: refused by name rather than run wrong."""
-    if spec.expert_bias or spec.expert_act is not None or spec.experts_mxfp4:
-        raise MoeserveError(f"{what} cannot take {spec.family}'s experts yet (biases, clamped SwiGLU"
-                            f"{', MXFP4 blocks' if spec.experts_mxfp4 else ''}); generate, serve, eval and bench run "
-                            f"them resident, or over ranks with --ep/--tp")
 
 
 def fp8_block_size(cfg: dict) -> tuple[int, int] | None:

@@ -14,7 +14,6 @@ COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_
 FAMILIES = ["mixtral", "mixtral_sliding", "qwen2_moe", "qwen3_moe", "olmoe",  # + sliding window, rope scaling
             "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_qk_norm", "phimoe",
             "granitemoe", "granitemoeshared", "dbrx", "gpt_oss", "llama4"]
-STORE_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # those whose experts expert stores take (hybrid, offload)
 # families whose transformers generation of a left-padded batch differs from that of each prompt alone, and why:
 # the greedy reference for them is each prompt alone (moeserve's batches give what each prompt gives alone)
 UNPADDED_REFERENCE = {"llama4": "transformers' attention temperature of the NoPE layers counts left pads as positions"}

@@ -4,8 +4,11 @@ One spawn per world size runs every case in one process group (a spawn costs sec
 case names itself in the error."""
 
 import datetime
+import os
 import re
+from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -151,6 +154,48 @@ def model_case(rank: int, world: int, paths: dict, families: list, tp: int, ep: 
         assert [r.token_ids for r in generate(model, prompts, params)] == ref_tokens
 
 
+def quantized_case(rank: int, world: int, paths: dict, name: str, tp: int, ep: int, dense_bits: int = 16) -> None:
+    """A moeserve quantized checkpoint (or --dense-bits on a float one) under TP and/or EP: logits, greedy tokens and
+    perplexity as the quantized model in one process. Under EP a rank reads the low-bit layers of its own experts
+    only. The generated CPU kernels are off: both sides take the PyTorch path (the kernels have their own tests,
+    and compiling them in a fresh cache costs tens of seconds)."""
+    from moeserve.evaluate import perplexity
+
+    with mock.patch.dict(os.environ, {"MOESERVE_CPU_KERNELS": "0"}):
+        path = paths[name]
+        g = torch.Generator().manual_seed(500 + rank // tp)  # a TP group shares its tokens
+        tokens = torch.randint(3, 97, (2, 6), generator=g)
+        prompts = [torch.randint(3, 97, (3 + rank // tp,), generator=g).tolist()]
+        params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        ref = moeserve.load_model(path, dense_bits=dense_bits)
+        reader = CountingReader(path)
+        model = load_parallel_model(path, rank, world, tp=tp, ep=ep, reader=reader, dense_bits=dense_bits)
+        if ep > 1:
+            _check_own_experts_read(reader, rank // tp % ep, ep)  # EP groups: the ranks of one TP rank (groups.py)
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), ref(tokens), atol=1e-5, rtol=1e-5)
+        assert [r.token_ids for r in generate(model, prompts, params)] == [
+            r.token_ids for r in generate(ref, prompts, params)]
+        ids = tokens.flatten().tolist()
+        assert perplexity(model, ids, 5, progress=False)["perplexity"] == pytest.approx(
+            perplexity(ref, ids, 5, progress=False)["perplexity"], rel=1e-5)
+
+
+def _check_own_experts_read(reader: CountingReader, ep_rank: int, ep: int) -> None:
+    """Of the experts' low-bit layers (...experts.gate_up.3.qweight), if the checkpoint has them, only those of this
+    rank's share were read, and all of them (float experts: model_case checks their shares)."""
+    found = {}
+    for name in reader.shapes:
+        m = re.search(r"\.mlp\.experts\.(gate_up|down)\.(\d+)\.", name)
+        if m:
+            found.setdefault(int(m.group(2)), []).append(name)
+    per = len(found) // ep
+    mine = range(ep_rank * per, (ep_rank + 1) * per)
+    for e, names in found.items():
+        read = [n for n in names if n in reader.bytes_read]
+        assert read == (names if e in mine else []), (e, read)
+
+
 def hierarchical_case(rank: int, world: int, paths: dict) -> None:
     """2 nodes x 2 ranks simulated: the hierarchical exchange returns what all_to_all_single does, and the
     EP model with it matches the single-process model."""
@@ -188,5 +233,5 @@ def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
         raise AssertionError("loading a checkpoint without an expert succeeded")
 
 
-CASES = {"layer": layer_case, "model": model_case, "hierarchical": hierarchical_case,
+CASES = {"layer": layer_case, "model": model_case, "quantized": quantized_case, "hierarchical": hierarchical_case,
          "bad_checkpoint": bad_checkpoint_case}

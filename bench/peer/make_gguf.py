@@ -1,17 +1,22 @@
 """Write a random-weight GGUF of a benchmark MoE shape for llama.cpp, directly in quantized form, tensor by tensor.
 
 It extends the peer kit's writer (.peer/make_gguf.py: Mixtral as llama.cpp arch `llama` with experts) to Qwen3-MoE
-(arch `qwen3moe`: per-head q/k RMSNorm, 128 experts, expert_feed_forward_length) and writes the GGUF v3 file itself,
-so it needs numpy only (no gguf-py). Tensors and metadata follow llama.cpp's loaders (src/models/llama.cpp,
-src/models/qwen3moe.cpp); shapes are listed in ggml order (ne0, the row length, first).
+(arch `qwen3moe`: per-head q/k RMSNorm, 128 experts, expert_feed_forward_length) and GPT-OSS-20B as shipped (arch
+`gpt-oss`, llama.cpp's LLM_ARCH_OPENAI_MOE: MXFP4 experts, q/k/v/o, router and expert biases, attention sinks, a
+post-attention RMSNorm in place of ffn_norm, sliding window 128 on even layers, YaRN rope) and writes the GGUF v3
+file itself, so it needs numpy only (no gguf-py). Tensors and metadata follow llama.cpp's loaders
+(src/models/llama.cpp, qwen3moe.cpp, openai-moe.cpp); shapes are listed in ggml order (ne0, the row length, first).
 
-Types: experts --experts-type (default Q4_0), attention/embeddings/output Q8_0, norms and router F32. Quantized
-blocks hold random codes with a random-sign fp16 scale sized so a row dotted with a unit-RMS input gives a unit-RMS
-output (zero mean weights, finite activations through every layer). The tokenizer is a minimal SentencePiece-style
-vocabulary (<unk>, <s>, </s>, 256 byte tokens, dummy pieces): llama-bench feeds token ids, never text. CHUNK_ELEMS
-weights are generated at a time, so RAM stays ~150 MB whatever the model size.
+Types: experts --experts-type (default the shape's: Q4_0, MXFP4 for gpt-oss), attention/embeddings/output Q8_0,
+norms, router, biases and sinks F32. Quantized blocks hold random codes with a scale sized so a row dotted with a
+unit-RMS input gives a unit-RMS output (zero mean weights, finite activations through every layer): a random-sign
+fp16 scale for Q4_0/Q8_0, an E8M0 exponent for MXFP4 (one of two neighbouring powers of two, drawn so the mean
+square is right). The tokenizer is a minimal SentencePiece-style vocabulary (<unk>, <s>, </s>, 256 byte tokens,
+dummy pieces), for gpt-oss too (its loader asks nothing of the tokenizer): llama-bench feeds token ids, never text.
+CHUNK_ELEMS weights are generated at a time, so RAM stays ~150 MB whatever the model size.
 
     python bench/peer/make_gguf.py --dims qwen3 -o /tmp/qwen3.gguf            # full depth, 16.8 GiB (mixtral 25.2)
+    python bench/peer/make_gguf.py --dims gpt-oss-20b -o /tmp/gpt-oss-20b.gguf  # MXFP4 experts, 11.3 GiB
     python bench/peer/make_gguf.py --dims tiny-mixtral --layers 2 -o /tmp/t.gguf
 """
 
@@ -46,14 +51,23 @@ class Dims:
     rope_theta: float
     rms_eps: float
     dense_ffn: int  # feed_forward_length (the expert FFN for `llama` arch, the dense FFN of the family otherwise)
+    experts_type: str = "q4_0"  # the experts' default type (--experts-type)
+    sliding_window: int = 0  # attention.sliding_window (gpt-oss: on even layers, llama.cpp's pattern 2)
+    yarn_factor: float = 0.0  # rope.scaling.type yarn with this factor (0: no rope scaling keys)
+    yarn_orig_ctx: int = 0  # rope.scaling.original_context_length
 
 
 SHAPES = {  # bench/hybrid.py's mixtral and qwen3 shapes (tests/bench/test_peer_gguf.py checks they agree; its
-    # deepseek shape has no GGUF here) and tiny local ones
+    # deepseek shape has no GGUF here), GPT-OSS-20B (openai/gpt-oss-20b's config.json, MXFP4 experts as shipped) and
+    # tiny local ones
     "mixtral": Dims("llama", 32, 4096, 32, 8, 128, 14336, 8, 2, 32000, 32768, 1e6, 1e-5, 14336),
     "qwen3": Dims("qwen3moe", 48, 2048, 32, 4, 128, 768, 128, 8, 151936, 40960, 1e6, 1e-6, 6144),
+    "gpt-oss-20b": Dims("gpt-oss", 24, 2880, 64, 8, 64, 2880, 32, 4, 201088, 131072, 150000.0, 1e-5, 2880,
+                        experts_type="mxfp4", sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     "tiny-mixtral": Dims("llama", 2, 256, 4, 2, 64, 512, 8, 2, 1000, 4096, 1e6, 1e-5, 512),
     "tiny-qwen3": Dims("qwen3moe", 2, 256, 4, 2, 64, 128, 8, 2, 1000, 4096, 1e6, 1e-6, 384),
+    "tiny-gpt-oss": Dims("gpt-oss", 2, 256, 8, 2, 64, 384, 8, 4, 1000, 4096, 150000.0, 1e-5, 384,
+                         experts_type="mxfp4", sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=128),
 }
 
 
@@ -67,12 +81,17 @@ class GGMLType:
     code_rms: float
 
 
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml-common.h: twice the E2M1 values
 TYPES = {
     "f32": GGMLType(0, 1, 4, 0.0),
     "q4_0": GGMLType(2, 32, 18, math.sqrt(sum(k * k for k in range(-8, 8)) / 16)),  # w = d * (nibble - 8)
     "q8_0": GGMLType(8, 32, 34, math.sqrt(sum(k * k for k in range(-128, 128)) / 256)),  # w = d * int8
+    # ggml's block_mxfp4: one E8M0 byte e, then 16 bytes of 4-bit E2M1 codes (value j in the low nibble of byte j,
+    # value j + 16 in its high nibble); w = KVALUES_MXFP4[code] * 2^(e - 128)
+    "mxfp4": GGMLType(39, 32, 17, math.sqrt(sum(k * k for k in KVALUES_MXFP4) / 16)),
 }
-FILE_TYPE = {"q4_0": 2, "q8_0": 7}  # llama_ftype: MOSTLY_Q4_0, MOSTLY_Q8_0 (the experts' type names the file)
+FILE_TYPE = {"q4_0": 2, "q8_0": 7, "mxfp4": 38}  # llama_ftype: MOSTLY_Q4_0, MOSTLY_Q8_0, MOSTLY_MXFP4_MOE (the
+# experts' type names the file)
 ALIGNMENT = 32  # GGUF's default general.alignment
 CHUNK_ELEMS = 1 << 24  # weights generated per write (~9 MiB of Q4_0)
 
@@ -106,8 +125,13 @@ def is_expert(name: str) -> bool:
     return "_exps." in name
 
 
+BIAS_STD = 0.02  # gpt-oss's biases: small, random
+
+
 def tensors(d: Dims, layers: int, experts_type: str = "q4_0", dense_type: str = "q8_0") -> list[Tensor]:
     """The file's tensors in llama.cpp's names, as its loader for d.arch creates them."""
+    if d.arch == "gpt-oss":
+        return gpt_oss_tensors(d, layers, experts_type, dense_type)
     D, F, X, hd = d.hidden, d.expert_ffn, d.experts, d.head_dim
     out = [Tensor("token_embd.weight", (D, d.vocab), dense_type, std=1.0)]
     for i in range(layers):
@@ -129,6 +153,39 @@ def tensors(d: Dims, layers: int, experts_type: str = "q4_0", dense_type: str = 
                   Tensor("output.weight", (D, d.vocab), dense_type)]
 
 
+def gpt_oss_tensors(d: Dims, layers: int, experts_type: str, dense_type: str) -> list[Tensor]:
+    """llama.cpp's gpt-oss loader (src/models/openai-moe.cpp: every tensor required, the q/k/v biases optional but
+    shipped, so written): no ffn_norm but post_attention_norm, attention sinks (one logit per head), biases on the
+    attention projections, the router and each expert's three matrices."""
+    D, F, X, hd = d.hidden, d.expert_ffn, d.experts, d.head_dim
+    Q, KV = d.heads * hd, d.kv_heads * hd
+    out = [Tensor("token_embd.weight", (D, d.vocab), dense_type, std=1.0),
+           Tensor("output_norm.weight", (D,), "f32", ones=True),
+           Tensor("output.weight", (D, d.vocab), dense_type)]
+    for i in range(layers):
+        p = f"blk.{i}."
+        out += [Tensor(p + "attn_norm.weight", (D,), "f32", ones=True),
+                Tensor(p + "post_attention_norm.weight", (D,), "f32", ones=True),
+                Tensor(p + "attn_q.weight", (D, Q), dense_type),
+                Tensor(p + "attn_k.weight", (D, KV), dense_type),
+                Tensor(p + "attn_v.weight", (D, KV), dense_type),
+                Tensor(p + "attn_q.bias", (Q,), "f32", std=BIAS_STD),
+                Tensor(p + "attn_k.bias", (KV,), "f32", std=BIAS_STD),
+                Tensor(p + "attn_v.bias", (KV,), "f32", std=BIAS_STD),
+                Tensor(p + "attn_output.weight", (Q, D), dense_type),
+                Tensor(p + "attn_sinks.weight", (d.heads,), "f32", std=1.0),
+                Tensor(p + "ffn_gate_inp.weight", (D, X), "f32"),
+                Tensor(p + "ffn_gate_exps.weight", (D, F, X), experts_type),
+                Tensor(p + "ffn_down_exps.weight", (F, D, X), experts_type),
+                Tensor(p + "ffn_up_exps.weight", (D, F, X), experts_type),
+                Tensor(p + "attn_output.bias", (D,), "f32", std=BIAS_STD),
+                Tensor(p + "ffn_gate_inp.bias", (X,), "f32", std=BIAS_STD),
+                Tensor(p + "ffn_gate_exps.bias", (F, X), "f32", std=BIAS_STD),
+                Tensor(p + "ffn_down_exps.bias", (D, X), "f32", std=BIAS_STD),
+                Tensor(p + "ffn_up_exps.bias", (F, X), "f32", std=BIAS_STD)]
+    return out
+
+
 def metadata(d: Dims, layers: int, experts_type: str, name: str) -> list[tuple[str, int, object]]:
     """(key, GGUF value type, value) of the hyperparameters llama.cpp reads for d.arch, then the vocabulary."""
     a = d.arch
@@ -141,8 +198,15 @@ def metadata(d: Dims, layers: int, experts_type: str, name: str) -> list[tuple[s
           (f"{a}.attention.value_length", UINT32, d.head_dim), (f"{a}.rope.dimension_count", UINT32, d.head_dim),
           (f"{a}.rope.freq_base", FLOAT32, d.rope_theta), (f"{a}.attention.layer_norm_rms_epsilon", FLOAT32, d.rms_eps),
           (f"{a}.expert_count", UINT32, d.experts), (f"{a}.expert_used_count", UINT32, d.top_k)]
-    if a == "qwen3moe":
+    if a in ("qwen3moe", "gpt-oss"):
         kv.append((f"{a}.expert_feed_forward_length", UINT32, d.expert_ffn))
+    if d.sliding_window:
+        kv.append((f"{a}.attention.sliding_window", UINT32, d.sliding_window))
+    if d.yarn_factor:  # as convert_hf_to_gguf writes gpt-oss's rope_scaling (beta_fast 32, beta_slow 1)
+        kv += [(f"{a}.rope.scaling.type", STRING, "yarn"), (f"{a}.rope.scaling.factor", FLOAT32, d.yarn_factor),
+               (f"{a}.rope.scaling.original_context_length", UINT32, d.yarn_orig_ctx),
+               (f"{a}.rope.scaling.yarn_beta_fast", FLOAT32, 32.0),
+               (f"{a}.rope.scaling.yarn_beta_slow", FLOAT32, 1.0)]
     return kv + vocabulary(d.vocab)
 
 
@@ -206,6 +270,19 @@ def chunks(s: Tensor, rng: np.random.Generator):
             yield rng.standard_normal(min(CHUNK_ELEMS, n - start), dtype=np.float32) * np.float32(s.weight_std)
         return
     blocks, per = n // t.block, CHUNK_ELEMS // t.block
+    if s.type == "mxfp4":
+        # codes uniform over the 16 (symmetric: zero mean); exponent f or f + 1 with f = floor(log2(target scale)),
+        # f + 1 with probability p so that the mean of the squared scale is target^2: (1 - p) 4^f + p 4^(f+1)
+        target = s.weight_std / t.code_rms
+        f = math.floor(math.log2(target))
+        p = (target * target / 4.0 ** f - 1) / 3
+        assert 0 < 128 + f < 254, (s.name, target)
+        for start in range(0, blocks, per):
+            m = min(per, blocks - start)
+            buf = np.frombuffer(rng.bytes(m * t.block_bytes), dtype=np.uint8).reshape(m, t.block_bytes).copy()
+            buf[:, 0] = 128 + f + (rng.random(m) < p)
+            yield buf
+        return
     for start in range(0, blocks, per):
         m = min(per, blocks - start)
         buf = np.frombuffer(rng.bytes(m * t.block_bytes), dtype=np.uint8).reshape(m, t.block_bytes).copy()
@@ -220,10 +297,12 @@ def file_size(kv, specs: list[Tensor]) -> int:
     return len(header(kv, specs)) + sum(padded(s.nbytes) for s in specs)
 
 
-def plan(shape: str, layers: int | None = None, experts_type: str = "q4_0"):
-    """(metadata, tensors) of a shape at `layers` layers (default: its full depth)."""
+def plan(shape: str, layers: int | None = None, experts_type: str | None = None):
+    """(metadata, tensors) of a shape at `layers` layers (default: its full depth), experts of `experts_type`
+    (default: the shape's)."""
     d = SHAPES[shape]
     layers = d.layers if layers is None else layers
+    experts_type = experts_type or d.experts_type
     kv = metadata(d, layers, experts_type, f"random-{shape}-{layers}L-{experts_type}")
     return kv, tensors(d, layers, experts_type)
 
@@ -249,13 +328,15 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--out", required=True, help="GGUF file to write")
     ap.add_argument("--dims", choices=sorted(SHAPES), default="mixtral")
     ap.add_argument("--layers", type=int, default=None, help="default: the shape's full depth")
-    ap.add_argument("--experts-type", choices=sorted(FILE_TYPE), default="q4_0")
+    ap.add_argument("--experts-type", choices=sorted(FILE_TYPE), default=None,
+                    help="default: the shape's (mxfp4 for gpt-oss, q4_0 otherwise)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
-    kv, specs = plan(args.dims, args.layers, args.experts_type)
+    experts_type = args.experts_type or SHAPES[args.dims].experts_type
+    kv, specs = plan(args.dims, args.layers, experts_type)
     expected = file_size(kv, specs)
     print(f"[make_gguf] {args.dims} ({SHAPES[args.dims].arch}) {args.layers or SHAPES[args.dims].layers} layers, "
-          f"{args.experts_type} experts, {len(specs)} tensors, {expected / 2**30:.2f} GiB -> {args.out}", flush=True)
+          f"{experts_type} experts, {len(specs)} tensors, {expected / 2**30:.2f} GiB -> {args.out}", flush=True)
     t0 = time.time()
     last = [t0]
 

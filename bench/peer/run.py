@@ -1,14 +1,17 @@
 """llama.cpp's hybrid CPU/GPU experts beside bench/hybrid.py, in one command on the GPU machine.
 
 It builds llama-bench from .peer/llama.cpp (CUDA, sm_90, llama-bench target only), writes random full-depth GGUFs of
-bench/hybrid.py's shapes with Q4_0 experts (bench/peer/make_gguf.py; in the background while the build runs) and
-runs tg and pp at batch 1 per shape, llama-bench -ngl 99 -t <physical cores> -r <reps>, in the columns of
-bench/hybrid.py:
+bench/hybrid.py's shapes with Q4_0 experts, and on request (PEER_SHAPES=gpt-oss-20b) GPT-OSS-20B as shipped (arch
+gpt-oss, MXFP4 experts) (bench/peer/make_gguf.py; in the background while the build runs) and runs tg and pp at
+batch 1 per shape, llama-bench -ngl 99 -t <physical cores> -r <reps>, in the columns of bench/hybrid.py:
   hybrid           --n-cpu-moe N: the first N layers' experts on the CPU, N the fewest such that the dense part, the KV
                    cache for pp+tg tokens and the resident layers' experts fit budget * (1 - WORKSPACE_SHARE), counted
-                   in llama.cpp's bytes (the GGUF's Q8_0/F32 dense tensors and Q4_0 experts, f16 KV)
+                   in llama.cpp's bytes (the GGUF's Q8_0/F32 dense tensors and Q4_0/MXFP4 experts, f16 KV); the
+                   budget is bench/hybrid.py's, or PEER_BUDGETS' for a shape it lacks (gpt-oss-20b: 8 GiB)
   hybrid-moeserve  --n-cpu-moe N with N of bench/hybrid.py's hybrid column (moeserve's bf16 dense part and KV, 4-bit
-                   experts: the same layers on the CPU as moeserve); run when it differs from the one above
+                   experts: the same layers on the CPU as moeserve); run when it differs from the one above, and only
+                   for shapes bench/hybrid.py has (for gpt-oss-20b, until it has one, PEER_N_CPU_MOE=gpt-oss-20b=N
+                   runs the hybrid column at moeserve's N)
   cpu              -ot exps=CPU: every layer's experts on the CPU
 summary.md/summary.json (with the GPU's peak memory per run, the GPU, the CPU, both commits and the newest moeserve
 hybrid result beside) and env.txt go to $OUT; each run's llama-bench JSON, log and memory samples and the build logs
@@ -18,12 +21,14 @@ State lives in the work dir (source copy, build, GGUFs, finished runs): a call c
 the build and skips finished runs when the same command runs again on the same machine (exit status 3 says so).
 
     MOESERVE_GIT_COMMIT=<commit> python bench/peer/run.py                       # GPU machine, results in $OUT
-    PEER_CPU_ONLY=1 PEER_SHAPES=tiny-qwen3,tiny-mixtral python bench/peer/run.py  # CPU build, tiny models
+    MOESERVE_GIT_COMMIT=<commit> PEER_SHAPES=gpt-oss-20b python bench/peer/run.py  # GPT-OSS-20B, MXFP4 experts
+    PEER_CPU_ONLY=1 PEER_SHAPES=tiny-qwen3,tiny-mixtral,tiny-gpt-oss python bench/peer/run.py  # CPU build, tiny
 
-Knobs (environment): PEER_SHAPES (mixtral,qwen3), PEER_REPS (3), PEER_TG (128), PEER_PP (512), PEER_THREADS
-(physical cores), PEER_WORK (/tmp/peer), PEER_JOBS (CPUs), PEER_BUDGET_S (570: the whole call), PEER_BUILD_MAX_S
-(420: this call's build slice), PEER_N_CPU_MOE (override, e.g. mixtral=21,qwen3=35), PEER_CUDA_FA (ON),
-PEER_CPU_ONLY (0), PEER_LLAMA_SRC (.peer/llama.cpp), OUT (<work dir>/out).
+Knobs (environment): PEER_SHAPES (mixtral,qwen3; also gpt-oss-20b and the tiny-* ones), PEER_REPS (3), PEER_TG
+(128), PEER_PP (512), PEER_THREADS (physical cores), PEER_WORK (/tmp/peer), PEER_JOBS (CPUs), PEER_BUDGET_S (570: the
+whole call), PEER_BUILD_MAX_S (420: this call's build slice), PEER_N_CPU_MOE (override, e.g. mixtral=21,qwen3=35 or
+gpt-oss-20b=<moeserve's N>), PEER_CUDA_FA (ON), PEER_CPU_ONLY (0), PEER_LLAMA_SRC (.peer/llama.cpp), OUT (<work
+dir>/out).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E40
 GiB = 1 << 30
 T0 = time.time()
 TINY_BUDGET = "tiny shape: half its layers' experts on the CPU"
+# GPU budgets of shapes bench/hybrid.py does not have (yet); its own budget wins once it has the shape (same name).
+# gpt-oss-20b: 8 GiB, a consumer card, as qwen3's: 11.3 GiB of GGUF of which 9.5 GiB MXFP4 experts (0.39 GiB a
+# layer) and 1.8 GiB Q8_0/F32 dense, so llama.cpp's rule keeps 14 of 24 layers' experts resident (N = 10)
+PEER_BUDGETS = {"gpt-oss-20b": 8 * GiB}
 
 
 class Stop(Exception):
@@ -251,7 +260,7 @@ def build(cfg: Config) -> Path:
 
 
 def gguf_path(cfg: Config, shape: str) -> Path:
-    return cfg.work / f"{shape}-q4_0.gguf"
+    return cfg.work / f"{shape}-{make_gguf.SHAPES[shape].experts_type}.gguf"
 
 
 def start_ggufs(cfg: Config) -> dict[str, subprocess.Popen]:
@@ -307,11 +316,12 @@ def llama_cpu_layers(cfg: Config, shape: str, budget: int, share: float) -> tupl
     specs = make_gguf.plan(shape)[1]
     dense = sum(t.nbytes for t in specs if not make_gguf.is_expert(t.name))
     layer = sum(t.nbytes for t in specs if t.name.startswith("blk.0.") and make_gguf.is_expert(t.name))
-    kv = 2 * d.layers * d.kv_heads * d.head_dim * 2 * (cfg.pp + cfg.tg)
+    kv = 2 * d.layers * d.kv_heads * d.head_dim * 2 * (cfg.pp + cfg.tg)  # every layer full (an upper bound for SWA)
     n = fewest_cpu_layers(budget, dense + kv, layer, d.layers, share)
     return n, (f"{budget / GiB:.2f} GiB x {1 - share:.2f} - dense {dense / GiB:.2f} GiB (Q8_0/F32) - KV "
                f"{kv / GiB:.3f} GiB (f16, {cfg.pp + cfg.tg} tokens) = {(budget * (1 - share) - dense - kv) / GiB:.2f} "
-               f"GiB for experts at {layer / GiB:.3f} GiB a layer (Q4_0): {d.layers - n} resident, N = {n}")
+               f"GiB for experts at {layer / GiB:.3f} GiB a layer ({d.experts_type.upper()}): {d.layers - n} "
+               f"resident, N = {n}")
 
 
 def moeserve_cpu_layers(cfg: Config, hybrid, shape: str) -> tuple[int, str]:
@@ -331,6 +341,10 @@ def placements(cfg: Config, hybrid, shape: str) -> dict[str, tuple[int, str]]:
     """column -> (--n-cpu-moe N, how N was derived) for the shape's hybrid columns."""
     if shape in cfg.n_cpu_moe:
         return {"hybrid": (cfg.n_cpu_moe[shape], "PEER_N_CPU_MOE")}
+    if shape not in hybrid.SHAPES and shape in PEER_BUDGETS:  # llama.cpp's rule only: no moeserve N to compare
+        n, why = llama_cpu_layers(cfg, shape, PEER_BUDGETS[shape], WORKSPACE_SHARE)
+        why += f" (run.py's PEER_BUDGETS: bench/hybrid.py has no {shape} shape; PEER_N_CPU_MOE={shape}=N sets N)"
+        return {"hybrid": (n, why)}
     if shape not in hybrid.SHAPES:
         return {"hybrid": (make_gguf.SHAPES[shape].layers // 2, TINY_BUDGET)}
     out = {"hybrid": llama_cpu_layers(cfg, shape, hybrid.SHAPES[shape][1], WORKSPACE_SHARE)}

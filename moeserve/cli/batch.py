@@ -13,7 +13,6 @@ from moeserve.plan.batch import (BadLines, auto_policy, finished_ids, policy_for
 from moeserve.plan.layer_weights import host_weight_bytes
 from moeserve.plan.pipeline import Pipeline
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.plan.roofline import check_modelled
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer
 from moeserve.units import parse_bytes
@@ -37,7 +36,6 @@ def run(args) -> int:
     finished_ids(args.output)  # an output that is not ours fails now, not after the model loads
     bad = BadLines(args.input, args.on_bad_line == "stop", lambda m: print(f"moeserve: warning: {m}", file=sys.stderr))
     spec, tok = ModelSpec.from_dir(args.model), load_tokenizer(args.model)
-    check_modelled(spec)
     requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -11,7 +11,7 @@ from moeserve.cli.options import DEFAULT_PLAN_PROMPT
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile, load_or_measure
 from moeserve.plan.placement import PlanRequest, check_dense_budget, rate_placements
-from moeserve.plan.roofline import Workload, check_modelled, operator_table, plot_roofline, turning_points
+from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
 from moeserve.plan.search import search
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes, parse_bytes
@@ -99,7 +99,6 @@ def _plan_decode(args) -> int:
 
 def _plan_batch(args) -> int:
     spec = ModelSpec.from_dir(args.model)
-    check_modelled(spec)
     prompt_len, gen_len = _workload_lengths(args.prompt_len, args.gen_len, spec.max_position_embeddings)
     hw = HardwareProfile.load(args.profile) if args.profile else load_or_measure()
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory")

@@ -66,7 +66,7 @@ class SlotCache:
         parts = store.part_shapes(low)
         parts = parts if low else [(shape, dtype) for shape, _ in parts]
         self.pool = SlotPool(slots, parts, device, store.quantized_modules if low else tuple)
-        self.slots = SlotExperts([self.pool])
+        self.slots = SlotExperts([self.pool], store.act)
         self.copier = Copier(device)
         E = store.meta["num_experts"]
         self.layers = list(layers)

@@ -31,12 +31,14 @@ def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
 
 
 def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
-    """Bytes of one expert: float (bits 16) at dtype_bytes per weight, or a low-bit copy as the store holds it
-    (QuantizedLinear: packed int32 words, fp16 scale and zero per group) for gate_up [2F, D] and down [D, F]."""
+    """Bytes of one expert as the store holds it: float (bits 16) at dtype_bytes per weight, or a low-bit copy
+    (QuantizedLinear: packed int32 words, fp16 scale and zero per group) for gate_up [2F, D] and down [D, F]; and
+    its biases [2F] and [D] at dtype_bytes where the family has them (GPT-OSS)."""
     D, F = spec.hidden_size, spec.expert_ffn
+    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
     if bits == 16:
-        return 3 * D * F * dtype_bytes
-    return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F)))
+        return 3 * D * F * dtype_bytes + bias
+    return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F))) + bias
 
 
 def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: int, group: int,

@@ -28,13 +28,16 @@ def store_layers(placement: HybridPlacement) -> list[int]:
 def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
                 progress: bool = True) -> ExpertStore:
     """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
-    the compute dtype unless the experts run low-bit, low-bit copies (quantized on a GPU when there is one) for
-    low-bit experts or mixed precision; page-locked when a GPU cache or the prompt streamer copies from them."""
-    low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
+    the compute dtype unless the experts run low-bit, low-bit copies for low-bit experts or mixed precision (both
+    made on a GPU when there is one and there is work: quantizing, or dequantizing MXFP4 blocks, takes milliseconds
+    a layer there, seconds to minutes on a CPU); page-locked when a GPU cache or the prompt streamer copies from
+    them."""
+    spec = ModelSpec.from_dir(model_path)
+    low_bits, group = store_precision(spec, placement)
+    on_gpu = device.type == "cuda" and bool(low_bits or spec.experts_mxfp4)
+    pin = device.type == "cuda" and bool(placement.cache_slots or placement.stream_from)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
-                                       device=device if device.type == "cuda" and low_bits else None,
-                                       high=not placement.low,
-                                       pin=device.type == "cuda" and bool(placement.cache_slots or placement.stream_from),
+                                       device=device if on_gpu else None, high=not placement.low, pin=pin,
                                        progress=progress)
 
 
@@ -47,10 +50,11 @@ def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
 
 
 def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
-    """A resident layer of a low-bit run: the store's low-bit copies of its experts on the model device."""
+    """A resident layer of a low-bit run: the store's low-bit copies of its experts (with their biases, if any) on
+    the model device, computed with the store's gated activation."""
     pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
              for e in range(layer_experts(store.meta, layer))]
-    return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs])
+    return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs], store.act)
 
 
 def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,

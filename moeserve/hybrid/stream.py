@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.offload.slot_compute import SlotExperts, after_loads, grouped_pass, mark_read
+from moeserve.offload.slot_compute import after_loads, grouped_pass, mark_read, slot_ffn
 from moeserve.offload.slots import SlotPool
 from moeserve.offload.store import ExpertStore
 from moeserve.offload.transfer import Copier
@@ -52,6 +52,6 @@ class ExpertStreamer:
         self.experts_streamed += 1
         self.bytes_copied += self.store.expert_bytes(self.low)
         after_loads(x, [(self.pool, slot)])
-        y = SlotExperts.expert_ffn(self.pool.weights[slot], rows)  # [n, D]
+        y = slot_ffn(self.pool.weights[slot], rows, self.store.act)  # [n, D]
         mark_read(x, [(self.pool, slot)])
         return y

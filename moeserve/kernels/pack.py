@@ -42,6 +42,19 @@ def packed_length(n: int, bits: int) -> int:
     return n * bits // 32
 
 
+def packed_words(values: range, n: int, bits: int) -> list[slice]:
+    """The word ranges of a packed row of n values (padded to whole units) that hold `values`, a run of whole packing
+    units (it starts on a multiple of GROUP_VALUES and ends on one or at n): one range at 2/4/8 bits, one per word
+    plane at 3 bits. Joined in order they are the packed row of those values alone."""
+    if values.start % GROUP_VALUES or (values.stop % GROUP_VALUES and values.stop != n):
+        raise MoeserveError(f"values {values.start}..{values.stop - 1} cut a packing unit of {GROUP_VALUES} values")
+    first, end = values.start // GROUP_VALUES, padded_length(values.stop) // GROUP_VALUES
+    if bits == 3:  # word-planar: word k of every unit, for k = 0, 1, 2
+        units = padded_length(n) // GROUP_VALUES
+        return [slice(k * units + first, k * units + end) for k in range(3)]
+    return [slice(first * bits, end * bits)]  # a unit of 32 values is `bits` words
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., n] integers in [0, 2^bits) -> int32 [..., n * bits / 32]."""
     n = codes.shape[-1]

@@ -129,6 +129,14 @@ def glu(gate_up: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
+def gated_ffn(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """One float expert on rows [n, D]: glu(rows gate_up^T + gate_up_bias) down^T + down_bias -> [n, D]; gate_up
+    [2F, D], down [D, F], the biases [2F] and [D] (GPT-OSS) or None. Every backend that computes a float expert
+    calls this, so that their outputs equal the resident model's bit for bit."""
+    return F.linear(glu(F.linear(rows, gate_up, gate_up_bias), act), down, down_bias)
+
+
 def sorted_experts(table: RoutingTable, rows: int) -> torch.Tensor:
     """The expert of each of `rows` expert-sorted rows [rows] (no host sync: the length is given)."""
     ids = torch.arange(table.counts.shape[0], device=table.counts.device)
@@ -148,10 +156,8 @@ class ResidentExperts(LoopedExperts):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj_bias is None:
-            return F.linear(glu(F.linear(rows, self.gate_up_proj[e]), self.act), self.down_proj[e])
-        h = glu(F.linear(rows, self.gate_up_proj[e], self.gate_up_proj_bias[e]), self.act)  # [n, F]
-        return F.linear(h, self.down_proj[e], self.down_proj_bias[e])
+        biases = (None, None) if self.gate_up_proj_bias is None else (self.gate_up_proj_bias[e], self.down_proj_bias[e])
+        return gated_ffn(rows, self.gate_up_proj[e], self.down_proj[e], *biases, self.act)
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         """The path: "fused" (Triton, tuned), "grouped_mm", "tiles" (Triton row tiles with default configs, on GPUs

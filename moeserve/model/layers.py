@@ -218,7 +218,7 @@ class Attention(nn.Module):
             elif kv is not None:
                 k, v = kv.update(self.layer_idx, k, v)  # [B, Hkv, S_total, Dh]
             out = self.attend(q, k, v, mask, rows)
-        return linears(out, self.o_proj)[0]
+        return self.project_out(out)
 
     def decode_kernel(self, q, v, mask) -> bool:
         """Whether attention of this call runs the decode kernel (kernels/triton/decode_attention.py): one token,
@@ -235,7 +235,8 @@ class Attention(nn.Module):
 
     def qkv(self, x, cos, sin, q_scale=None):
         """Pre-attention: x [B, S, D] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh] (normed, clipped, rotated, q
-        tempered). A separate step so a pipeline can run attention itself on another device (plan/pipeline.py)."""
+        tempered): the query attend() takes and the new cache entry KVCache.update() takes. A step of its own, as
+        are attend() and project_out(), so a pipeline can place the cache and the attention (plan/pipeline.py)."""
         B, S, _ = x.shape
         q, k, v = linears(x, *self.input_projections())  # [B, S, H*Dh], [B, S, Hkv*Dh] x2
         if self.qk_norm == "full":
@@ -281,17 +282,37 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask, rows=None):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj). rows [B]: k/v
         are whole caches [R, Hkv, >= S_total, Dh] and sequence b reads row rows[b] (the decode kernel)."""
-        B, _, S, _ = q.shape
-        if rows is not None or (S == 1 and self.decode_kernel(q, v, mask)):
+        if rows is not None or (q.shape[2] == 1 and self.decode_kernel(q, v, mask)):
             from moeserve.kernels.triton.decode_attention import decode_attention
 
             return decode_attention(q, k, v, rows, mask, self.scale)
+        return self.core_attention(q, k, v, mask)
+
+    # attention in three steps around the part that reads the cache (the core), which needs no weights but the
+    # sinks, so that it can run on the device the cache lies on (plan/pipeline.py's CPU attention):
+    # attend = core_output(core_attention(core_query(q), keys, values, mask)); here the outer two are identities
+    def core_query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query the core reads the cache with: q [B, H, S, Dh] itself."""
+        return q
+
+    def core_attention(self, q, k, v, mask) -> torch.Tensor:
+        """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh], mask [B, 1, S, S_total] bool or additive -> [B, S, H*Dh]:
+        softmax attention, with the sinks where the family has them (model/sinks.py), on q's device."""
+        B, _, S, _ = q.shape
         if self.sinks is not None:
             return sink_attention(q, k, v, mask, self.sinks).transpose(1, 2).reshape(B, S, self.H * self.Dh)
         with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv,
                                                  scale=self.scale)
         return out.transpose(1, 2).reshape(B, S, self.H * self.Dh)
+
+    def core_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The core's output [B, S, H*Dh] as attend() gives it: itself."""
+        return out
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, S, H*Dh] -> [B, S, D] (o_proj)."""
+        return linears(out, self.o_proj)[0]
 
 
 class MLP(nn.Module):

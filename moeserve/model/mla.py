@@ -12,6 +12,8 @@ Two ways to attend over the cached latents, equal up to rounding:
   expanded: keys and values of every head from kv_b_proj over all S_total latents, then plain attention. Cost
             ~ S_total H r (nope + v) for the expansion, shared by all S query tokens.
 `absorbs(S)` picks the cheaper for a pass of S query tokens: decode (and short chunks) absorb; long prefills expand.
+The absorbed form runs in three steps, core_query -> core_attention -> core_output (as Attention's do), so that the
+middle one, which reads the cache and needs no weights, can run where the cache lies (plan/pipeline.py).
 Both have static shapes and no host syncs, so a decode step with either is CUDA-graph capturable.
 """
 
@@ -61,50 +63,80 @@ class MLAttention(nn.Module):
         """x [B, S, D]; cos/sin [B, S, rope]; mask [B, 1, S, S_total] bool (True = attend) or additive (static
         decode); kv: KVCache, SlotKVCache or None; q_scale: None (no MLA family has an attention temperature).
         -> [B, S, D]."""
+        q, entry, _ = self.qkv(x, cos, sin, q_scale)
+        if kv is not None:
+            entry = kv.update(self.layer_idx, entry, None)[0]  # [B, 1, S_total, r + rope]
+        return self.project_out(self.attend(q, entry, None, mask))
+
+    def qkv(self, x, cos, sin, q_scale=None):
+        """Pre-attention: x [B, S, D] -> (q [B, H, S, nope + rope], its rope part rotated; the new cache entry
+        [B, 1, S, r + rope], the normed latent and the rotated shared key; None: MLA caches no values), as
+        Attention.qkv gives the query attend() takes and the entry KVCache.update() takes."""
         B, S, _ = x.shape
         q, latent = linears(x, *self.input_projections())  # [B, S, H (nope + rope)] or [B, S, q_lora]; [B, S, r + rope]
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        q_nope, q_rope = q.view(B, S, self.H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        q_nope, q_rope = q.view(B, S, self.H, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], -1)
         c, k_rope = latent.split([self.rank, self.rope], dim=-1)  # [B, S, r], [B, S, rope]
-        q_rope = self._rotate(q_rope.transpose(1, 2), cos, sin)  # [B, H, S, rope]
-        k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # [B, S, rope]
-        entry = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)  # [B, S, r + rope]: what the cache keeps
-        if kv is not None:
-            entry = kv.update(self.layer_idx, entry[:, None], None)[0][:, 0]  # [B, S_total, r + rope]
-        attend = self._absorbed if self.absorbs(S) else self._expanded
-        return linears(attend(q_nope, q_rope, entry, mask), self.o_proj)[0]
+        q = torch.cat((q_nope, self._rotate(q_rope, cos, sin)), dim=-1)  # [B, H, S, nope + rope]
+        k_rope = self._rotate(k_rope[:, None], cos, sin)  # [B, 1, S, rope]
+        return q, torch.cat((self.kv_a_layernorm(c)[:, None], k_rope), dim=-1), None  # entry [B, 1, S, r + rope]
+
+    def attend(self, q, entry, values, mask):
+        """q [B, H, S, nope + rope], entry [B, 1, S_total, r + rope] (values: None) -> [B, S, H v], absorbed or
+        expanded as absorbs(S) says."""
+        if self.absorbs(q.shape[2]):
+            return self.core_output(self.core_attention(self.core_query(q), entry, None, mask))
+        return self._expanded(q, entry[:, 0], mask)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, S, H v] -> [B, S, D] (o_proj)."""
+        return linears(out, self.o_proj)[0]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, h, S, rope], DeepSeek's interleaved pairs deinterleaved first (transformers' interleaved rope gives
         this layout too)."""
         return apply_rotary(deinterleaved(x) if self.interleave else x, cos, sin)
 
-    def _absorbed(self, q_nope, q_rope, entry, mask):
-        """q_nope [B, S, H, nope], q_rope [B, H, S, rope], entry [B, S_total, r + rope] -> [B, S, H v]."""
-        B, S, H, _ = q_nope.shape
-        w = dense_weight(self.kv_b_proj, q_nope.dtype).view(H, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, v, r]
-        q_lat = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * S, self.nope), w_uk)  # [H, B S, r]
-        q_lat = q_lat.view(H, B, S, self.rank).transpose(0, 1)  # [B, H, S, r]
-        query = torch.cat((q_lat, q_rope), dim=-1).reshape(B, H * S, -1)  # [B, H S, r + rope]
-        scores = torch.bmm(query, entry.transpose(1, 2)).view(B, H, S, -1) * self.scale  # [B, H, S, S_total]
+    # absorbed attention in three steps around the part that reads the cache (the core), which needs no weights, so
+    # that it can run on the device the cache lies on (plan/pipeline.py's CPU attention), as Attention's
+    def core_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, nope + rope] -> the query over the latents [B, H, S, r + rope]: q_nope_h W_UK_h | q_rope."""
+        B, H, S, _ = q.shape
+        w_uk = self._kv_b_weight(q.dtype)[:, :self.nope]  # [H, nope, r]
+        q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1).reshape(H, B * S, self.nope), w_uk)  # [H, B S, r]
+        return torch.cat((q_lat.view(H, B, S, self.rank).transpose(0, 1), q[..., self.nope:]), dim=-1)
+
+    def core_attention(self, q_lat, entry, values, mask) -> torch.Tensor:
+        """q_lat [B, H, S, r + rope] (core_query), entry [B, 1, S_total, r + rope] (values: None), mask [B, 1, S,
+        S_total] bool or additive -> the latent outputs softmax(q_lat entry^T) c [B, H, S, r], on q_lat's device."""
+        B, H, S, _ = q_lat.shape
+        entry = entry[:, 0]  # [B, S_total, r + rope]: one key for every head
+        scores = torch.bmm(q_lat.reshape(B, H * S, -1), entry.transpose(1, 2)).view(B, H, S, -1) * self.scale
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(entry.dtype)
-        o_lat = torch.bmm(probs.view(B, H * S, -1), entry[..., :self.rank])  # [B, H S, r]
-        o_lat = o_lat.view(B, H, S, self.rank).transpose(0, 1).reshape(H, B * S, self.rank)  # [H, B S, r]
-        out = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, B S, v]
+        return torch.bmm(probs.view(B, H * S, -1), entry[..., :self.rank]).view(B, H, S, self.rank)
+
+    def core_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """The latent outputs [B, H, S, r] -> [B, S, H v]: o_lat_h W_UV_h^T."""
+        B, H, S, _ = o_lat.shape
+        w_uv = self._kv_b_weight(o_lat.dtype)[:, self.nope:]  # [H, v, r]
+        out = torch.bmm(o_lat.transpose(0, 1).reshape(H, B * S, self.rank), w_uv.transpose(1, 2))  # [H, B S, v]
         return out.view(H, B, S, self.v_dim).permute(1, 2, 0, 3).reshape(B, S, H * self.v_dim)
 
-    def _expanded(self, q_nope, q_rope, entry, mask):
-        """As _absorbed, with keys and values of every head expanded from the latents."""
-        B, S, H, _ = q_nope.shape
+    def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight per head [H, nope + v, r]: W_UK_h (rows :nope) and W_UV_h (rows nope:)."""
+        return dense_weight(self.kv_b_proj, dtype).view(self.H, self.nope + self.v_dim, self.rank)
+
+    def _expanded(self, q, entry, mask):
+        """q [B, H, S, nope + rope], entry [B, S_total, r + rope] -> [B, S, H v], with keys and values of every head
+        expanded from the latents."""
+        B, H, S, _ = q.shape
         S_total = entry.shape[1]
         c, k_rope = entry.split([self.rank, self.rope], dim=-1)  # [B, S_total, r], [B, S_total, rope]
         kv = self.kv_b_proj(c).view(B, S_total, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, S_total, nope+v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = k_rope[:, None].expand(B, H, S_total, self.rope)  # one rotary key for every head
         k = torch.cat((k_nope, k_rope), dim=-1)  # [B, H, S_total, nope + rope]
-        q = torch.cat((q_nope.transpose(1, 2), q_rope), dim=-1)  # [B, H, S, nope + rope]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, S, v]
         return out.transpose(1, 2).reshape(B, S, H * self.v_dim)

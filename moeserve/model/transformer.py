@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -46,14 +47,30 @@ class DecoderLayer(nn.Module):
         RMSNorm after it (RMSNorm.added), this layer's input norm or the next one's. q_scale [B, S]: the queries'
         attention temperature (Llama-4's NoPE layers) or None."""
         x, normed = self.pre_mlp(x, pending, cos, sin, mask, kv, q_scale)
-        return x, self.residual(self.mlp(normed))
+        return x, self.mlp_output(normed)
 
     def pre_mlp(self, x, pending, cos, sin, mask, kv, q_scale=None):
         """step() up to the MLP: (the residual stream after attention, the MLP's normed input)."""
-        normed, x = self.input_layernorm.added(x, pending) if pending is not None else (self.input_layernorm(x), x)
-        attn = self.self_attn(normed, cos, sin, mask, kv, q_scale)
+        normed, x = self.attention_input(x, pending)
+        return self.attention_output(x, self.self_attn(normed, cos, sin, mask, kv, q_scale))
+
+    # step() in pieces around self_attn, for a pipeline that places the KV cache and attention itself
+    # (plan/pipeline.py: self_attn.qkv, .attend or its core, .project_out between these)
+    def attention_input(self, x, pending) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x [B, S, D] plus pending (or None) -> (attention's normed input, the stream)."""
+        if pending is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.added(x, pending)
+
+    def attention_output(self, x, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream x [B, S, D] and attention's output attn [B, S, D] (after o_proj) -> (the stream with attn
+        added, the MLP's normed input)."""
         normed, x = self.post_attention_layernorm.added(x, self.residual(attn))
         return x, normed
+
+    def mlp_output(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP on its normed input [B, S, D] -> its branch as it joins the stream [B, S, D]."""
+        return self.residual(self.mlp(normed))
 
     def residual(self, out: torch.Tensor) -> torch.Tensor:
         """A residual branch's output [B, S, D] as it joins the stream (times residual_multiplier)."""
@@ -191,7 +208,7 @@ class MoETransformer(nn.Module):
         q_slots, key_valid = kv.static_pass_slots(positions, valid)
         masks = attention_masks(q_slots, positions, key_valid, self.spans())
         masks = {span: additive_mask(m, self.dtype) for span, m in masks.items()}
-        return self._start(tokens, positions, masks)
+        return self.start_state(tokens, positions, masks)
 
     def decode_layers(self, state: DecodeState, start: int, stop: int, kv: KVCache | SlotKVCache) -> DecodeState:
         """Layers [start, stop) of the step (forward's pass too)."""
@@ -223,6 +240,12 @@ class MoETransformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         return x if self.spec.embedding_multiplier == 1.0 else x * self.spec.embedding_multiplier
 
+    def without_layers(self) -> MoETransformer:
+        """A copy of the model without its decoder layers and step hooks (embedding, final norm, LM head, rotary
+        tables; nothing of the layers is copied): what a pipeline that places the layers itself computes with around
+        them (start_state, decode_end)."""
+        return copy.deepcopy(self, {id(self.model.layers): nn.ModuleList(), id(self.step_hooks): []})
+
     def spans(self) -> list[Span]:
         """Each layer's Span: the keys of its masks."""
         return [layer.span for layer in self.model.layers]
@@ -230,12 +253,12 @@ class MoETransformer(nn.Module):
     def _layers(self, tokens, positions, masks, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """Embed tokens [B, S] and run every decoder layer -> the hidden states [B, S, D] before the final norm as
         (residual stream, last MLP output): the norm adds them in its launch."""
-        state = self.decode_layers(self._start(tokens, positions, masks), 0, len(self.model.layers), kv)
+        state = self.decode_layers(self.start_state(tokens, positions, masks), 0, len(self.model.layers), kv)
         return state.x, state.pending if state.pending is not None else torch.zeros_like(state.x)
 
-    def _start(self, tokens, positions, masks) -> DecodeState:
-        """tokens [B, S] embedded, with the pass's rotary tables, masks and attention temperature: the state
-        before the first layer."""
+    def start_state(self, tokens, positions, masks) -> DecodeState:
+        """tokens [B, S] at positions [B, S] embedded, with the pass's rotary tables, masks ({Span: [B, 1, S,
+        S_total]}) and attention temperature: the state before the first layer."""
         x = self.embed(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
         t = self.spec.attention_temperature

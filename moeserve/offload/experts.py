@@ -183,7 +183,7 @@ class OffloadedExperts(ExpertBackend):
                  next_layers: list[int] = (), next_gates: torch.Tensor | None = None):
         super().__init__()
         self.layer, self.num_experts, self.top_k, self.cache = layer, num_experts, top_k, cache
-        self.slots = SlotExperts([cache.pools[HIGH], cache.pools[LOW]])  # virtual ids: high slots, then low
+        self.slots = SlotExperts([cache.pools[HIGH], cache.pools[LOW]], cache.store.act)  # virtual ids: high, then low
         self.next_layers = list(next_layers)
         self.next_gates = next_gates  # [sum of their E, D]: the routers of the next n MoE layers, stacked
         self.next_counts = [layer_experts(cache.store.meta, j) for j in self.next_layers]

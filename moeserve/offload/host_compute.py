@@ -1,13 +1,15 @@
 """Experts computed on the CPU straight from their store copies: the high (float) copy through torch in the
 model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
-dequantize + matmul). Shared by offload's cooperative mode and the hybrid backend.
+dequantize + matmul), each with the store's biases and gated activation (GPT-OSS) as the resident experts apply
+them. Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy and the generated kernels read its
-layout, that is one native call for the whole layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the
-weighted sum in one parallel region). Otherwise its (token, k) pairs are grouped per expert and precision in a
-routing table (kernels/routing.sorted_table), each float group runs through its expert, the low-bit groups through
-one batched kernel call per projection, and the weighted outputs are added back to their tokens by the resident
-backend's combine (same order, so the result matches it).
+A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy, the generated kernels read its
+layout and the experts are plain SwiGLU ones (no biases, silu(gate) * up), that is one native call for the whole
+layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the weighted sum in one parallel region).
+Otherwise its (token, k) pairs are grouped per expert and precision in a routing table (kernels/routing.sorted_table),
+each float group runs through its expert, the low-bit groups through one batched kernel call per projection (biases
+added and the activation applied in torch between the two), and the weighted outputs are added back to their tokens
+by the resident backend's combine (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.kernels.cpu.gemv import (LayerExperts, PendingLayer, applies, default_kernel, moe_layer, packed_weight,
                                        quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
-from moeserve.model.experts import swiglu
+from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.store import ExpertStore, layer_experts
 
 
@@ -45,8 +46,15 @@ class HostExperts:
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[int, LayerExperts | None] = {}  # a layer's low experts for moe_layer (None: not read)
 
-    def high(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2F, D], down [D, F]) in the compute dtype (the store's tensors when it matches: no copy)."""
+    @property
+    def fused(self) -> bool:
+        """Whether the native whole-layer call (moe_layer) computes this store's experts: it fuses silu(gate) * up
+        and adds no biases, so GPT-OSS's experts take the grouped path instead."""
+        return self.store.act is None and not self.store.biased
+
+    def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """(gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in the compute
+        dtype (the store's tensors when it matches: no copy)."""
         key = (layer, expert)
         if key not in self._high:
             parts = self.store.host_parts(layer, expert, low=False)
@@ -79,20 +87,20 @@ class HostExperts:
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
         if not low:
-            gate_up, down = self.high(layer, expert)
-            x = rows if rows.dtype == gate_up.dtype else rows.to(gate_up.dtype)
-            y = F.linear(swiglu(F.linear(x, gate_up)), down)
+            parts = self.high(layer, expert)
+            x = rows if rows.dtype == parts[0].dtype else rows.to(parts[0].dtype)
+            y = gated_ffn(x, *parts, act=self.store.act)
             return y if y.dtype == rows.dtype else y.to(rows.dtype)
         gate_up, down = self.low(layer, expert)
-        return down(swiglu(gate_up(rows.float()))).to(rows.dtype)
+        return down(glu(gate_up(rows.float()), self.store.act)).to(rows.dtype)
 
     def native_layer(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
         """Every low-bit expert of the layer repacked for the native MoE call (once per layer), or None where the
-        generated kernels do not read them."""
+        generated kernels do not read them or the experts are not plain SwiGLU ones (fused)."""
         if layer not in self._layers:
             mods = [self.low(layer, e) for e in range(layer_experts(self.store.meta, layer))]
             kernel = default_kernel(mods[0][0].bits)
-            ok = kernel is not None and all(applies(m, x, None) and m.rank == 0 and m.bias is None for m in mods[0])
+            ok = self.fused and kernel is not None and all(applies(m, x, None) and m.rank == 0 for m in mods[0])
             self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
                                                   [packed_weight(d, kernel) for _, d in mods]) if ok else None
         return self._layers[layer]
@@ -139,7 +147,7 @@ class HostExperts:
         rows = [n for _, n in groups]
         h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32
         if h is not None:
-            y = quantized_linear_batch([down for _, down in mods], swiglu(h), rows)  # [n, D] float32
+            y = quantized_linear_batch([down for _, down in mods], glu(h, self.store.act), rows)  # [n, D] float32
             if y is not None:
                 return y.to(x.dtype)
         out, start = torch.empty_like(x), 0

@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.kernels.cuda_graph import capture
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine, slot_order_pays
-from moeserve.model.experts import swiglu
+from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.slots import SlotPool
 from moeserve.quant.qlinear import QuantizedLinear, triton_applies
+from moeserve.spec import ClampedSwiGLU
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
@@ -43,6 +43,16 @@ def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
         done.record()
         for pool, slot in slots:
             pool.used[slot] = done
+
+
+def slot_ffn(weights, rows: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
+    """rows [n, D] through one slot's expert: its float parts (gate_up, down, and the biases of biased experts:
+    ExpertStore.part_names' order) or its (gate_up, down) QuantizedLinear modules (biases held on them); act: the
+    gated activation (model/experts.glu)."""
+    if isinstance(weights[0], torch.Tensor):
+        return gated_ffn(rows, *weights, act=act)
+    gate_up, down = weights
+    return down(glu(gate_up(rows), act))
 
 
 def grouped_pass(x: torch.Tensor, expert_weights: torch.Tensor, keys: torch.Tensor, none: int,
@@ -100,8 +110,9 @@ class OneTokenPass:
 
 
 class SlotExperts:
-    def __init__(self, pools: list[SlotPool]):
-        self.pools = pools
+    def __init__(self, pools: list[SlotPool], act: ClampedSwiGLU | None = None):
+        """act: the experts' gated activation (the store's: None for silu(gate) * up)."""
+        self.pools, self.act = pools, act
         self.starts = [sum(p.num_slots for p in pools[:i]) for i in range(len(pools))]  # first virtual id per pool
         self.num_slots = sum(p.num_slots for p in pools)
         self.none = self.num_slots  # the virtual id of a pair that is not in the pass
@@ -129,7 +140,7 @@ class SlotExperts:
             pool, slot = self._slot(v)
             after_loads(x, [(pool, slot)])
             read.append((pool, slot))
-            return self.expert_ffn(pool.weights[slot], rows)
+            return slot_ffn(pool.weights[slot], rows, self.act)
 
         out = grouped_pass(x, expert_weights, virtual, self.none, run)
         mark_read(x, read)
@@ -147,15 +158,18 @@ class SlotExperts:
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
 
     def stacks(self, pool: int):
-        """(gate_up, down) StackedLowbit over a low-bit pool's buffers [S, ...] (views, no copy)."""
+        """(gate_up, down) StackedLowbit over a low-bit pool's buffers [S, ...] (views, no copy): each projection's
+        qweight, scale and zero, and its biases [S, N] where the experts have them (the pool's last two buffers)."""
         if pool not in self._stacks:
             from moeserve.kernels.triton.lowbit import StackedLowbit
 
             p = self.pools[pool]
+            biases = p.buffers[6:8] or (None, None)  # [S, 2F], [S, D]
             self._stacks[pool] = tuple(
                 StackedLowbit(qweight=b[0], scale=b[1], zero=b[2], bits=m.bits, group=m.group,
-                              in_features=m.in_features, u=None, v=None)
-                for b, m in ((p.buffers[0:3], p.weights[0][0]), (p.buffers[3:6], p.weights[0][1])))
+                              in_features=m.in_features, u=None, v=None, bias=bias)
+                for b, m, bias in ((p.buffers[0:3], p.weights[0][0], biases[0]),
+                                   (p.buffers[3:6], p.weights[0][1], biases[1])))
         return self._stacks[pool]
 
     def fused(self, x: torch.Tensor, expert_weights: torch.Tensor, virtual: torch.Tensor) -> torch.Tensor:
@@ -193,15 +207,8 @@ class SlotExperts:
 
         weights = expert_weights * kept.to(expert_weights.dtype)  # [T, k]
         if slot_order_pays(x.shape[0]):
-            y = lowbit_experts(x, *self.stacks(pool), slots)  # [k, D] fp32, slot order
+            y = lowbit_experts(x, *self.stacks(pool), slots, act=self.act)  # [k, D] fp32, slot order
             return gather_combine(y, None, weights, slots.shape[1], x.dtype)
         table = build_routing_table(slots, weights, self.pools[pool].num_slots)
-        return combine(lowbit_experts(x[table.token_ids], *self.stacks(pool), table), table, x.shape[0], x.dtype)
-
-    @staticmethod
-    def expert_ffn(weights, rows: torch.Tensor) -> torch.Tensor:
-        """rows [n, D] through one slot's expert: (gate_up, down) tensors or QuantizedLinear modules."""
-        gate_up, down = weights
-        if isinstance(gate_up, torch.Tensor):
-            return F.linear(swiglu(F.linear(rows, gate_up)), down)
-        return down(swiglu(gate_up(rows)))
+        y = lowbit_experts(x[table.token_ids], *self.stacks(pool), table, act=self.act)  # [T*k, D] fp32
+        return combine(y, table, x.shape[0], x.dtype)

@@ -1,11 +1,11 @@
 """Fixed expert slots in fast memory for one precision tier: buffers allocated once, no allocation on
 the hot path.
 
-A slot holds one expert's parts (high: gate_up [2F, D], down [D, F]; low: the packed weight, scales and
-zeros of both projections). The cache's logical decisions (CacheState) are mapped onto physical slots
-here. A slot freed by an eviction while the current chunk of work still reads it goes to `pending`
-and is reused only after that chunk is computed; `reserve` slots beyond the logical capacity give room
-for the experts loaded and used once (streamed) and for those deferred frees.
+A slot holds one expert's parts (high: gate_up [2F, D], down [D, F]; low: the packed weight, scales and zeros of
+both projections; then, for biased experts, their biases gate_up [2F], down [D]). The cache's logical decisions
+(CacheState) are mapped onto physical slots here. A slot freed by an eviction while the current chunk of work still
+reads it goes to `pending` and is reused only after that chunk is computed; `reserve` slots beyond the logical
+capacity give room for the experts loaded and used once (streamed) and for those deferred frees.
 
 Each slot records two CUDA events: when its last load finished (compute waits on it) and when the last
 computation that read it was enqueued (the next load into it waits on that).

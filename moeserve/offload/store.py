@@ -2,6 +2,12 @@
 (HQQ-quantized, pack.py layout), held in slow memory - RAM, or safetensors files (one per layer) that are
 memory-mapped so a store larger than RAM can be used. Built once from a checkpoint or a loaded model.
 
+Experts shipped as MXFP4 blocks (GPT-OSS) are dequantized, one expert at a time, into the float copies (exact in
+bf16) and quantized from those into the low-bit ones. Experts with biases (GPT-OSS) keep them beside both copies
+(`<e>.bias.gate_up` [2F], `<e>.bias.down` [D]), and the meta records them and the family's gated activation
+(expert_bias, expert_act), which every backend computing from the store applies; stores of other families hold
+neither the tensors nor the fields.
+
 Provenance, so that a store never silently serves another model's experts:
   - each layer file records in its header the sha256 of the source experts it was made from and its
     low-precision settings; a rebuild reuses a file only when both match the source and settings it has now;
@@ -27,10 +33,10 @@ from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.kernels import pack
-from moeserve.quant import hqq
+from moeserve.quant import hqq, mxfp4
 from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
-from moeserve.spec import ModelSpec, refuse_special_experts
+from moeserve.spec import ClampedSwiGLU, ModelSpec
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
@@ -56,7 +62,23 @@ def store_meta(spec, layers: list[int], low_bits: int, group: int, source: dict 
             "pack_layout": pack.LAYOUT}
     if spec.layer_experts:  # layers differ (PR-MoE): each layer's own count
         meta["layer_experts"] = {str(i): spec.experts_at(i) for i in sorted(layers)}
+    meta.update(expert_form(spec))
     return meta if source is None else {**meta, "source": source}
+
+
+def expert_form(spec) -> dict:
+    """The meta fields that say how an expert computes beyond silu(x Wg) * (x Wu) Wd, as `spec` has it: biases
+    ("expert_bias": true) and GPT-OSS's clamped SwiGLU ("expert_act": {alpha, limit}); none for other families."""
+    form = {"expert_bias": True} if spec.expert_bias else {}
+    if spec.expert_act is not None:
+        form["expert_act"] = {"alpha": spec.expert_act.alpha, "limit": spec.expert_act.limit}
+    return form
+
+
+def meta_act(meta: dict) -> ClampedSwiGLU | None:
+    """The gated activation a store's meta records (None: silu(gate) * up)."""
+    act = meta.get("expert_act")
+    return None if act is None else ClampedSwiGLU(alpha=float(act["alpha"]), limit=float(act["limit"]))
 
 
 def layer_experts(meta: dict, layer: int) -> int:
@@ -93,9 +115,12 @@ def _well_formed(meta) -> bool:
     """The fields every store has, and the provenance a store of this moeserve has (older ones lack it)."""
     if not isinstance(meta, dict) or any(k not in meta for k in META_FIELDS):
         return False
-    layers, source = meta["layers"], meta.get("source", {})
+    layers, source, act = meta["layers"], meta.get("source", {}), meta.get("expert_act")
     return (isinstance(layers, list) and bool(layers) and all(isinstance(i, int) for i in layers)
-            and isinstance(source, dict) and isinstance(source.get("layers_sha256", {}), dict))
+            and isinstance(source, dict) and isinstance(source.get("layers_sha256", {}), dict)
+            and isinstance(meta.get("expert_bias", False), bool)
+            and (act is None or isinstance(act, dict) and all(isinstance(act.get(k), (int, float))
+                                                              for k in ("alpha", "limit"))))
 
 
 def check_layer_file(path: Path, layer: int, meta: dict) -> None:
@@ -110,7 +135,10 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
         raise MoeserveError(f"{e}; {_rebuild_hint(path)}") from None
     D, F = meta["hidden"], meta["ffn"]
     for e in range(layer_experts(meta, layer)):
-        for name, shape in ((f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])):
+        shapes = [(f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])]
+        if meta.get("expert_bias"):
+            shapes += [(f"{e}.bias.gate_up", [2 * F]), (f"{e}.bias.down", [D])]
+        for name, shape in shapes:
             if header.get(name, {}).get("shape") != shape:
                 raise MoeserveError(f"{f} does not hold the experts {META_FILE} describes ({name}: "
                                     f"{header.get(name, {}).get('shape')}, expected {shape}); {_rebuild_hint(path)}")
@@ -121,14 +149,91 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
                                 f"{_rebuild_hint(path)}")
 
 
+class SourceExperts:
+    """One MoE layer's routed experts as their source holds them: gate_up and down as float stacks [E, 2F, D] and
+    [E, D, F], or as MXFP4 (blocks, scales) pairs ([E, 2F, D/32, 16], [E, 2F, D/32] and [E, D, F/32, 16],
+    [E, D, F/32]; GPT-OSS as shipped) dequantized one expert at a time; and their biases gate_up [E, 2F], down
+    [E, D] (GPT-OSS), or None."""
+
+    def __init__(self, gate_up, down, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
+        self.gate_up, self.down = gate_up, down
+        self.bias = None if gate_up_bias is None else (gate_up_bias, down_bias)
+
+    @property
+    def mxfp4(self) -> bool:
+        return isinstance(self.gate_up, tuple)
+
+    @property
+    def num_experts(self) -> int:
+        return (self.gate_up[0] if self.mxfp4 else self.gate_up).shape[0]
+
+    def weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2F, D], down [D, F]) floats (MXFP4: dequantized to bf16, which holds them exactly)."""
+        if not self.mxfp4:
+            return self.gate_up[e], self.down[e]
+        return tuple(mxfp4.dequantize(blocks[e], scales[e], torch.bfloat16) for blocks, scales in (self.gate_up,
+                                                                                                     self.down))
+
+    def biases(self, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Expert e's (gate_up [2F], down [D]) biases, or None."""
+        return None if self.bias is None else (self.bias[0][e], self.bias[1][e])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors as read, in the order the layer's source digest hashes them."""
+        weights = [*self.gate_up, *self.down] if self.mxfp4 else [self.gate_up, self.down]
+        return weights + list(self.bias or ())
+
+    def digest(self) -> str:
+        return tensors_digest(self.tensors())
+
+    def to(self, device) -> "SourceExperts":
+        """These experts on `device` (None: where they are)."""
+        if device is None:
+            return self
+        moved = [tuple(t.to(device) for t in w) if self.mxfp4 else w.to(device) for w in (self.gate_up, self.down)]
+        biases = (None, None) if self.bias is None else tuple(t.to(device) for t in self.bias)
+        return SourceExperts(*moved, *biases)
+
+    @classmethod
+    def of_module(cls, experts) -> "SourceExperts":
+        """A loaded model's experts: ResidentExperts' stacks or Mxfp4Experts' blocks, with their biases."""
+        if hasattr(experts, "gate_up_proj_blocks"):
+            gate_up = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales)
+            down = (experts.down_proj_blocks, experts.down_proj_scales)
+        else:
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+        return cls(gate_up, down, experts.gate_up_proj_bias, experts.down_proj_bias)
+
+    def sample_row(self, e: int, projection: str, row: int) -> torch.Tensor:
+        """Row `row` of expert e's gate_up or down as checkpoint.read_expert_row reads it (MXFP4: the row's block and
+        scale bytes as numbers)."""
+        w = self.gate_up if projection == "gate_up" else self.down
+        if not self.mxfp4:
+            return w[e, row].detach().cpu()
+        return torch.cat([t[e, row].reshape(-1) for t in w]).cpu()
+
+
+def read_source_experts(reader: CheckpointReader, spec, layer: int) -> SourceExperts:
+    """The routed experts of one MoE layer as the checkpoint stores them (float or MXFP4), in moeserve's layout."""
+    def read(leaf: str) -> torch.Tensor:
+        return read_tensor(reader, f"model.layers.{layer}.mlp.experts.{leaf}", spec.family, spec.experts_at(layer))
+
+    if spec.experts_mxfp4:
+        gate_up, down = ((read(f"{p}_blocks"), read(f"{p}_scales")) for p in ("gate_up_proj", "down_proj"))
+    else:
+        gate_up, down = read("gate_up_proj"), read("down_proj")
+    biases = (read("gate_up_proj_bias"), read("down_proj_bias")) if spec.expert_bias else (None, None)
+    return SourceExperts(gate_up, down, *biases)
+
+
 def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
-    """(layer, [gate_up [E, 2F, D], down [E, D, F]], sha256 of the two) of each MoE layer in `layers`, read one
-    layer at a time from the checkpoint (peak memory: one layer's experts)."""
+    """(layer, its SourceExperts, their source digest) of each MoE layer in `layers`, read one layer at a time from
+    the checkpoint (peak memory: one layer's experts as stored)."""
     with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
         for i in bar:
-            stacks = [read_tensor(reader, f"model.layers.{i}.mlp.experts.{n}", spec.family, spec.experts_at(i))
-                      for n in ("gate_up_proj", "down_proj")]
-            yield i, stacks, tensors_digest(stacks)
+            experts = read_source_experts(reader, spec, i)
+            yield i, experts, experts.digest()
 
 
 def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
@@ -136,15 +241,21 @@ def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, grou
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    for i, stacks, digests[i] in _source_layers(reader, spec, spec.moe_layer_indices(), progress):
+    for i, experts, digests[i] in _source_layers(reader, spec, spec.moe_layer_indices(), progress):
         provenance = _provenance(digests[i], low_bits, group)
         f = _layer_file(out, i)
         if read_provenance(f) == provenance:
             continue  # built by an earlier run from these very experts and settings
         (out / META_FILE).unlink(missing_ok=True)  # incomplete until every layer matches the new meta
-        save_safetensors_atomic(layer_tensors(*stacks, low_bits, group), f,
+        save_safetensors_atomic(layer_tensors(experts, low_bits, group), f,
                                 metadata={PROVENANCE: json.dumps(provenance)})
     return digests
+
+
+def _form_text(form: dict) -> str:
+    act = form.get("expert_act")
+    return (f"{'with' if form.get('expert_bias') else 'without'} biases, "
+            f"{'silu(gate) * up' if act is None else 'clamped SwiGLU alpha {alpha} limit {limit}'.format(**act)}")
 
 
 def _shape_text(num_layers, layers, hidden, ffn, experts) -> str:
@@ -173,20 +284,22 @@ def read_provenance(f: Path, header: dict | None = None) -> dict | None:
         return None
 
 
-def layer_tensors(gate_up: torch.Tensor, down: torch.Tensor, low_bits: int, group: int,
-                  dtype: torch.dtype | None = None, high: bool = True) -> dict[str, torch.Tensor]:
-    """One layer's experts, stacks gate_up [E, 2F, D] and down [E, D, F], in both precisions, on the CPU
-    (quantized on the stacks' device: a GPU does it in milliseconds). A store for experts that never run at one
-    precision may leave it out: low_bits 0 (no low-bit copies) or high=False (no float copies). dtype: the float
-    copies' dtype (default: the stacks')."""
+def layer_tensors(experts: SourceExperts, low_bits: int, group: int, dtype: torch.dtype | None = None,
+                  high: bool = True) -> dict[str, torch.Tensor]:
+    """One layer's experts in both precisions, and their biases if they have any, on the CPU (quantized on the
+    source's device: a GPU does it in milliseconds). A store for experts that never run at one precision may leave
+    it out: low_bits 0 (no low-bit copies) or high=False (no float copies). dtype: the float copies' and the biases'
+    dtype (default: the source's floats')."""
     state = {}
-    for e in range(gate_up.shape[0]):
-        for name, w in zip(PROJECTIONS, (gate_up[e], down[e])):
+    for e in range(experts.num_experts):
+        for name, w in zip(PROJECTIONS, experts.weights(e)):
             if high:
                 state[f"{e}.high.{name}"] = w.detach().to("cpu", dtype or w.dtype).contiguous()
             if low_bits:
                 q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float(), low_bits, group))
                 state.update({f"{e}.low.{name}.{p}": getattr(q, p).cpu() for p in LOW_PARTS})
+        for name, b in zip(PROJECTIONS, experts.biases(e) or ()):
+            state[f"{e}.bias.{name}"] = b.detach().to("cpu", dtype or b.dtype).contiguous()
     return state
 
 
@@ -214,12 +327,13 @@ class ExpertStore:
     def from_model(cls, model, low_bits: int = 4, group: int = 64, progress: bool = False) -> "ExpertStore":
         """Quantize every routed expert of a loaded model to `low_bits` (HQQ) and keep both copies in RAM;
         its provenance is that of the model's weights as loaded (their dtype included)."""
-        moe = {i: l.mlp.experts for i, l in enumerate(model.model.layers) if hasattr(l.mlp, "experts")}
-        layers = {i: layer_tensors(ex.gate_up_proj, ex.down_proj, low_bits, group)
+        moe = {i: SourceExperts.of_module(l.mlp.experts) for i, l in enumerate(model.model.layers)
+               if hasattr(l.mlp, "experts")}
+        layers = {i: layer_tensors(ex, low_bits, group)
                   for i, ex in tqdm(moe.items(), desc="expert store", disable=not progress)}
-        digests = {i: tensors_digest([ex.gate_up_proj, ex.down_proj]) for i, ex in moe.items()}
-        sample = expert_sample_digest(model.spec, lambda layer, e, projection, row: getattr(
-            moe[layer], f"{projection}_proj")[e, row].detach().cpu())
+        digests = {i: ex.digest() for i, ex in moe.items()}
+        sample = expert_sample_digest(model.spec, lambda layer, e, projection, row: moe[layer].sample_row(
+            e, projection, row))
         return cls(store_meta(model.spec, list(layers), low_bits, group, store_source(digests, sample)),
                    layers.__getitem__)
 
@@ -229,22 +343,20 @@ class ExpertStore:
                         pin: bool = False, progress: bool = True) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
         offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
-        low-bit / float copies (layer_tensors); dtype: the float copies' dtype (the compute dtype: no conversion
-        when the CPU runs them); device: where the low-bit copies are quantized (a GPU takes milliseconds per
-        layer, a CPU seconds); pin: page-lock each layer as it is built (copies to a GPU are then DMA; pin() later
-        would hold two copies at once)."""
+        low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute dtype:
+        no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
+        dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
+        (copies to a GPU are then DMA; pin() later would hold two copies at once)."""
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "building an expert store")
-        refuse_special_experts(spec, "an expert store (--offload, --cpu-moe, --n-cpu-moe)")
         if low_bits:
             for inputs in (spec.hidden_size, spec.expert_ffn):
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
         tensors, digests = {}, {}
         chosen = spec.moe_layer_indices() if layers is None else sorted(layers)
-        for i, stacks, digests[i] in _source_layers(reader, spec, chosen, progress):
-            tensors[i] = layer_tensors(*(s.to(device) if device is not None else s for s in stacks), low_bits, group,
-                                       dtype, high)
+        for i, experts, digests[i] in _source_layers(reader, spec, chosen, progress):
+            tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high)
             if pin:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
                 pin = pinned is not None  # once refused, the rest stays pageable
@@ -263,7 +375,6 @@ class ExpertStore:
         out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "offload-prepare")
-        refuse_special_experts(spec, "offload-prepare")
         for inputs in (spec.hidden_size, spec.expert_ffn):  # gate_up and down: fail before writing anything
             hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
@@ -343,17 +454,33 @@ class ExpertStore:
         if ours != theirs:
             raise MoeserveError(f"expert store {where} was built for another model: {_shape_text(*ours)}; "
                                 f"{path} has {_shape_text(*theirs)}")
+        recorded = {k: m[k] for k in ("expert_bias", "expert_act") if k in m}
+        if recorded != expert_form(spec):
+            raise MoeserveError(f"expert store {where} holds experts computed otherwise than {path}'s "
+                                f"({_form_text(m)}; {path}: {_form_text(expert_form(spec))}); build one for it with "
+                                f"`moeserve offload-prepare --model {path} --out DIR`")
         if model_expert_sample(path, spec) != m["source"].get("experts_sample"):
             raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
                                 f"expert weights differ); build one for it with `moeserve offload-prepare "
                                 f"--model {path} --out DIR`")
 
     # ---- reading one expert ----------------------------------------------------------------------
+    @property
+    def act(self) -> ClampedSwiGLU | None:
+        """The experts' gated activation (model/experts.glu): None for silu(gate) * up."""
+        return meta_act(self.meta)
+
+    @property
+    def biased(self) -> bool:
+        """Whether each expert has biases (GPT-OSS): the last two parts of either precision."""
+        return bool(self.meta.get("expert_bias"))
+
     def part_names(self, expert: int, low: bool) -> list[str]:
-        """Tensor names of one expert, in the order of part_shapes()."""
-        if not low:
-            return [f"{expert}.high.{n}" for n in PROJECTIONS]
-        return [f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in LOW_PARTS]
+        """Tensor names of one expert, in the order of part_shapes(): high gate_up, down, or low gate_up's and
+        down's LOW_PARTS; then, for biased experts, gate_up's and down's biases."""
+        names = ([f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in LOW_PARTS] if low
+                 else [f"{expert}.high.{n}" for n in PROJECTIONS])
+        return names + ([f"{expert}.bias.{n}" for n in PROJECTIONS] if self.biased else [])
 
     def host_parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
         """One expert's tensors in slow memory (pinned, RAM or mapped), no copy."""
@@ -365,13 +492,16 @@ class ExpertStore:
         return [(tuple(p.shape), p.dtype) for p in self.host_parts(self.meta["layers"][0], 0, low)]
 
     def quantized_modules(self, parts: list[torch.Tensor]) -> tuple[QuantizedLinear, QuantizedLinear]:
-        """(gate_up, down) QuantizedLinear over a low-precision expert's parts (no copy)."""
+        """(gate_up, down) QuantizedLinear over a low-precision expert's parts, with their biases if any (no copy)."""
         D, F, bits, group = self.meta["hidden"], self.meta["ffn"], self.meta["low_bits"], self.meta["group"]
+        n = len(LOW_PARTS)
+        biases = parts[2 * n:] or (None, None)
         mods = []
         for i, (out_f, in_f) in enumerate(((2 * F, D), (D, F))):
             q = QuantizedLinear(in_f, out_f, bits, group)
-            for p, t in zip(LOW_PARTS, parts[3 * i:3 * i + 3]):
+            for p, t in zip(LOW_PARTS, parts[n * i:n * i + n]):
                 setattr(q, p, t)
+            q.bias = biases[i]  # a view of the part: a slot's module reads what is loaded into it
             mods.append(q)
         return tuple(mods)
 

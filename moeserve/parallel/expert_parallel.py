@@ -21,10 +21,11 @@ from moeserve.parallel.groups import check_experts, expert_share, split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.parallel.plan import DispatchPlan
+from moeserve.quant.qlinear import QuantizedExperts
 
 
 class ExpertParallelExperts(ExpertBackend):
-    """Expert backend over `local` (a backend holding this rank's experts: float or MXFP4). A layer with
+    """Expert backend over `local` (a backend holding this rank's experts: float, MXFP4 or low-bit). A layer with
     fewer experts than ranks is held by several copies of consecutive ranks (groups.expert_share); each rank
     dispatches within its own copy."""
 
@@ -139,9 +140,18 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
         if full is None:
             continue
         mine = expert_share(spec.experts_at(i), group_size, group_rank)[0]
-        with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
-            local = resident_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
-        for name, t in expert_tensors(full):
-            set_expert_tensor(local, name, t[mine.start:mine.stop].detach().clone())  # every expert tensor: [E, ...]
-        layer.mlp.experts = ExpertParallelExperts(local, spec.experts_at(i), group, group_rank, group_size,
-                                                  hierarchy, tp, plan)
+        layer.mlp.experts = ExpertParallelExperts(local_experts(full, spec, mine), spec.experts_at(i), group,
+                                                  group_rank, group_size, hierarchy, tp, plan)
+
+
+def local_experts(full: ExpertBackend, spec, mine: range) -> ExpertBackend:
+    """The experts `mine` of a layer's backend `full` (loaded or on the meta device): low-bit ones are its own
+    per-expert layers; float or MXFP4 ones a backend of copies of their slice of every stacked tensor."""
+    if isinstance(full, QuantizedExperts):
+        return QuantizedExperts(list(full.gate_up[mine.start:mine.stop]), list(full.down[mine.start:mine.stop]),
+                                full.act)
+    with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
+        local = resident_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
+    for name, t in expert_tensors(full):
+        set_expert_tensor(local, name, t[mine.start:mine.stop].detach().clone())  # every expert tensor: [E, ...]
+    return local

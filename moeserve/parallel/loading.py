@@ -4,19 +4,23 @@ under expert slicing), and under TP its slices of the dense weights (attention, 
 embedding, head; tensor_parallel.tp_index says which). The model is built and cut to this rank's part on the
 meta device first, then filled; replicated tensors (norms, routers, closing biases) are read whole.
 
+A moeserve quantized checkpoint loads alike: a rank reads the packed buffers of its own experts only (all of them
+under TP alone, which keeps low-bit experts whole, see tensor_parallel.py), and of each low-bit dense layer the parts
+that TP keeps (quant/slicing.py). dense_bits 8 (--dense-bits) quantizes each dense layer from its whole float weight
+on every rank, one layer at a time, and keeps this rank's part: HQQ's result depends on the whole matrix, so a slice
+quantized on its own would not equal one process's layer.
+
 Errors a user can cause surface on every rank as one line: layout errors are the same on all ranks, and
 loading ends with a collective in which the ranks that failed tell the others (see collectives.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-
-from moeserve.checkpoint import INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part
+from moeserve.checkpoint import (INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part,
+                                  read_tensor, tensor_experts)
 from moeserve.errors import MoeserveError
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
@@ -26,8 +30,12 @@ from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
-from moeserve.quant.manifest import refuse_quantized
+from moeserve.quant.defaults import DENSE_BITS
+from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
+from moeserve.quant.manifest import FORMAT, is_quantized_expert, read_manifest, stored_to_current
 from moeserve.quant.mxfp4 import BLOCK
+from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
+from moeserve.quant.slicing import Parts, join, slice_parts
 from moeserve.spec import ModelSpec
 
 
@@ -63,10 +71,47 @@ def read_interleaved_experts(reader: CheckpointReader, layer: int, experts: rang
     return out
 
 
-def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device, dtype) -> None:
+def set_linear(q: QuantizedLinear, name: str, buffers: dict[str, torch.Tensor], bias: torch.Tensor | None, device,
+               dtype) -> None:
+    """Put `buffers` (q's buffer name -> tensor, in their stored dtypes) and `bias` (in dtype) into the (meta) low-bit
+    layer q, whose stored name is `name`."""
+    for buf, t in buffers.items():
+        meta = getattr(q, buf)
+        if tuple(t.shape) != tuple(meta.shape):
+            raise MoeserveError(f"{name}.{buf} has shape {tuple(t.shape)} in the checkpoint, config.json implies "
+                                f"{tuple(meta.shape)}")
+        setattr(q, buf, t.to(device=device, dtype=meta.dtype))
+    if bias is not None:
+        q.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+
+
+def stored_parts(reader: CheckpointReader, manifest: dict, name: str, index: list[tuple[slice, ...]]) -> torch.Tensor:
+    """The parts `index` of the stored low-bit buffer `name`, joined: only they are read from a checkpoint of the
+    current format; an older one's buffer is read whole and converted first (its 3-bit rows lie in another order)."""
+    if manifest["format"] == FORMAT:
+        return torch.cat([reader.get_slice(name, i) for i in index], -1)
+    return join(stored_to_current(manifest, name, reader.get(name)), index)
+
+
+def fill_quantized_experts(leaf: QuantizedExperts, reader: CheckpointReader, manifest: dict, layer: int,
+                           experts: range, device, dtype) -> None:
+    """Read the low-bit layers of experts `experts` of `layer` whole into leaf's (meta) ones, leaf's j-th being expert
+    experts[j]; nothing of the other experts is read."""
+    for j, e in enumerate(experts):
+        for proj, linears in (("gate_up", leaf.gate_up), ("down", leaf.down)):
+            q, name = linears[j], f"model.layers.{layer}.mlp.experts.{proj}.{e}"
+            whole = slice_parts(q)
+            bias = None if q.bias is None else reader.get(f"{name}.bias")
+            set_linear(q, name, {buf: stored_parts(reader, manifest, f"{name}.{buf}", index)
+                                 for buf, index in whole.items()}, bias, device, dtype)
+
+
+def fill_experts(model, reader: CheckpointReader, manifest: dict | None, experts_of, ffn: range, device,
+                 dtype) -> None:
     """Read this rank's experts (experts_of(layer) -> range) into the (meta) expert backends the parallel wrappers
     hold, slices of their FFN rows `ffn` (for interleaved families with all their tensors: biases, MXFP4 blocks and
-    scales, such buffers in their stored dtype)."""
+    scales, such buffers in their stored dtype; low-bit experts whole, from the quantized checkpoint `manifest`
+    describes)."""
     spec = model.spec
     for i, layer in enumerate(model.model.layers):
         backend = getattr(layer.mlp, "experts", None)
@@ -74,6 +119,9 @@ def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device
             continue
         experts = experts_of(i)
         leaf = next(m for m in backend.modules() if isinstance(m, LoopedExperts))
+        if isinstance(leaf, QuantizedExperts):
+            fill_quantized_experts(leaf, reader, manifest, i, experts, device, dtype)
+            continue
         if spec.family in INTERLEAVED_EXPERTS:
             read = read_interleaved_experts(reader, i, experts, ffn, spec.expert_ffn, leaf)
         else:
@@ -88,15 +136,69 @@ def fill_experts(model, reader: CheckpointReader, experts_of, ffn: range, device
             set_expert_tensor(leaf, name, t.to(device=device, dtype=kept))
 
 
+def empty_dense_quantized(model, bits: int) -> list[str]:
+    """Replace the dense linear layers --dense-bits converts (quant/dense.py) by empty B-bit layers of their shapes on
+    the meta device, before TP cuts them; returns their names (fill_low_bit quantizes each from its float weight)."""
+    names = convertible(model)
+    for name in names:
+        linear = model.get_submodule(name)
+        with torch.device("meta"):
+            q = QuantizedLinear(linear.in_features, linear.out_features, bits, DENSE_GROUP,
+                                bias=linear.bias is not None)
+        replace_module(model, name, q)
+    return names
+
+
+def own_low_bit(model, dense: list[str], sliced: dict[str, tuple[QuantizedLinear, Parts]]
+                ) -> dict[str, tuple[QuantizedLinear, Parts]]:
+    """The low-bit dense layers fill_low_bit fills (read_weights, which reads tensors whole or as one slice, does
+    not): those TP cut (`sliced`) and the --dense-bits ones (`dense`); by the full layer's name, each with the parts
+    of the full layer's buffers it holds."""
+    own = dict(sliced)
+    for name in dense:
+        if name not in own:  # not cut: all of it
+            q = model.get_submodule(name)
+            own[name] = (q, slice_parts(q))
+    return own
+
+
+def tensor_names(model, modules) -> set[str]:
+    """The names in `model` of the buffers and parameters of `modules` (their own, not their children's)."""
+    ids = {id(m) for m in modules}
+    return {f"{prefix}.{n}" for prefix, m in model.named_modules() if id(m) in ids
+            for n, _ in [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]}
+
+
+def fill_low_bit(model, reader: CheckpointReader, manifest: dict | None, own: dict[str, tuple[QuantizedLinear, Parts]],
+                 dense: set[str], bits: int, device, dtype) -> None:
+    """Fill the layers of `own` (see own_low_bit): each buffer from its parts of the stored low-bit layer, or, for the
+    --dense-bits ones, of the layer quantized here from the whole float weight; the bias from its rows of the stored
+    one."""
+    spec = model.spec
+    for name, (q, parts) in own.items():
+        experts = tensor_experts(spec, name)
+        if name in dense:
+            weight = read_tensor(reader, f"{name}.weight", spec.family, experts).to(device)
+            full = quantize_linear(weight, None, bits, DENSE_GROUP)
+            buffers = {buf: join(getattr(full, buf), index) for buf, index in parts.items()}
+        else:
+            buffers = {buf: stored_parts(reader, manifest, f"{name}.{buf}", index) for buf, index in parts.items()}
+        rows = parts["qweight"][0][:1]  # the rows it keeps (a layer with a bias is never a column slice)
+        bias = None if q.bias is None else read_tensor(reader, f"{name}.bias", spec.family, experts, rows)
+        set_linear(q, name, buffers, bias, device, dtype)
+
+
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
                         hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
-                        reader: CheckpointReader | None = None):
-    """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both.
+                        reader: CheckpointReader | None = None, dense_bits: int = 16):
+    """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both. dense_bits 8:
+    the dense part's linear layers as 8-bit HQQ layers, equal to what loader.load_model makes of them.
     Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
     device = resolve_device(device)
+    if dense_bits not in DENSE_BITS:
+        raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = ModelSpec.from_dir(path)
-    refuse_quantized(Path(path), "--ep/--tp")  # ranks read float (or MXFP4) tensors shard-wise
     if ep > 1:
         for i in spec.moe_layer_indices():
             check_experts(spec.experts_at(i), ep)
@@ -113,18 +215,24 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     error, model = None, None
     try:
         reader = reader or CheckpointReader(path)
+        manifest = read_manifest(reader.path)  # None for a float checkpoint
         model = meta_model(path)
-        full = {name: p.shape for name, p in model.named_parameters()}  # before slicing: what the checkpoint holds
-        if tp > 1:
-            enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1)
-        read_weights(model, reader, device, resolve_dtype(dtype, device), is_routed_expert,
+        dense = empty_dense_quantized(model, dense_bits) if dense_bits != 16 else []
+        full = {name: t.shape for name, t in [*model.named_parameters(), *model.named_buffers()]}  # before slicing
+        sliced = enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1) if tp > 1 else {}
+        own = own_low_bit(model, dense, sliced)
+        filled = tensor_names(model, [q for q, _ in own.values()])
+        dtype = resolve_dtype(dtype, device)
+        read_weights(model, reader, device, dtype,
+                     lambda name: is_routed_expert(name) or is_quantized_expert(name) or name in filled,
                      lambda name: tp_index(name, full[name], tp_rank, tp, spec.qk_norm == "full"), progress)
+        fill_low_bit(model, reader, manifest, own, set(dense), dense_bits, device, dtype)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
         ffn = split_range(spec.expert_ffn, tp_rank, tp) if ep == 1 else range(spec.expert_ffn)  # as _slice_experts
-        fill_experts(model, reader, lambda i: expert_share(spec.experts_at(i), ep, ep_rank)[0], ffn, model.device,
-                     model.dtype)
+        fill_experts(model, reader, manifest, lambda i: expert_share(spec.experts_at(i), ep, ep_rank)[0], ffn,
+                     model.device, model.dtype)
     except MoeserveError as e:
         error = e
     raise_if_any_failed(error, device)

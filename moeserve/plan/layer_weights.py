@@ -8,29 +8,46 @@ direction (CPU attention outputs, FlexGen KV) would wait behind it; between page
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from moeserve.model.transformer import DecoderLayer
 from moeserve.offload.transfer import Copier
 
 PAGE_BYTES = 32 << 20  # bytes per copy of a streamed layer (~0.6 ms at 54 GB/s)
 
 
-def device_layer(host: DecoderLayer, spec, device, with_ffn: bool) -> DecoderLayer:
-    """An uninitialised GPU twin of a host layer (its FFN left out when the FFN runs on the CPU)."""
-    with torch.device("meta"):
-        layer = DecoderLayer(spec, host.self_attn.layer_idx).to(host.input_layernorm.weight.dtype)
+def layer_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and buffer of module (a tensor shared by two names once): what a layer's
+    compute reads besides its inputs, MXFP4 blocks and scales included."""
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def placed_tensors(host: nn.Module, with_ffn: bool) -> list[tuple[str, torch.Tensor]]:
+    """layer_tensors of a host decoder layer that its GPU twin holds: all, or all but the FFN's (mlp.*)."""
+    return [(name, t) for name, t in layer_tensors(host) if with_ffn or not name.startswith("mlp.")]
+
+
+def device_layer(host: nn.Module, device, with_ffn: bool) -> nn.Module:
+    """An uninitialised twin of a host decoder layer on `device`: the same modules, each parameter and buffer an
+    empty tensor of the host's shape and dtype (GPT-OSS keeps its norms in float32, MXFP4 blocks are uint8), the
+    FFN left out when it runs on the CPU. Made by copying the module tree with the tensors swapped, so the twin
+    computes as the host layer does, whatever its modules are."""
+    memo = {}
+    for _, t in placed_tensors(host, with_ffn):
+        empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+        memo[id(t)] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
     if not with_ffn:
-        layer.mlp = nn.Identity()
-    return layer.to_empty(device=device).eval()
+        memo[id(host.mlp)] = nn.Identity()
+    return copy.deepcopy(host, memo).eval()
 
 
-def param_pairs(dst: nn.Module, src: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(destination, source) tensors of every parameter of dst, matched by name."""
-    src_params = dict(src.named_parameters())
-    names = [n for n, _ in dst.named_parameters()]
-    return [dst.get_parameter(n).data for n in names], [src_params[n].data for n in names]
+def tensor_pairs(dst: nn.Module, src: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destination, source) tensors of every parameter and buffer of dst, matched by name."""
+    src_tensors = dict(layer_tensors(src))
+    pairs = [(t.data, src_tensors[name].data) for name, t in layer_tensors(dst)]
+    return [d for d, _ in pairs], [s for _, s in pairs]
 
 
 def paged(dst: list[torch.Tensor], src: list[torch.Tensor], page_bytes: int):
@@ -58,24 +75,30 @@ def host_weight_bytes(model: nn.Module, pinned: bool = True) -> int:
     """Host bytes the executor keeps for the model's weights: every layer (resident ones too: their host copies
     stay) plus embedding and head, each storage once (layers may share tensors), as torch pins them when
     `pinned` (only the layers are pinned: rounding the embedding too over-counts a little)."""
-    storages = {p.data.untyped_storage().data_ptr(): p.data.untyped_storage().nbytes() for p in model.parameters()}
+    storages = {t.data.untyped_storage().data_ptr(): t.data.untyped_storage().nbytes() for _, t in layer_tensors(model)}
     return sum(pinned_size(n, pinned) for n in storages.values())
 
 
 def pin_host_weights(layers: nn.ModuleList) -> None:
-    """Page-lock the host layers' parameters (once per storage: layers may share tensors) for async DMA."""
+    """Page-lock the host layers' parameters and buffers (once per storage: layers may share tensors) for async
+    DMA."""
     pinned: dict[int, torch.Tensor] = {}
-    for p in layers.parameters():
-        if not p.data.is_pinned():
-            key = p.data.data_ptr()
-            pinned.setdefault(key, p.data.pin_memory())
-            p.data = pinned[key]
+    for module in layers.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if not t.data.is_pinned():
+                if t.data.data_ptr() not in pinned:
+                    pinned[t.data.data_ptr()] = t.data.pin_memory()
+                page_locked = pinned[t.data.data_ptr()]
+                if isinstance(t, nn.Parameter):
+                    t.data = page_locked
+                else:
+                    setattr(module, name, page_locked)
 
 
 class LayerWeights:
-    def __init__(self, layers: nn.ModuleList, spec, resident: int, device, with_ffn: bool):
+    def __init__(self, layers: nn.ModuleList, resident: int, device, with_ffn: bool):
         """layers: the host model's decoder layers; the first `resident` of them stay on the GPU."""
-        self.host, self.spec, self.device, self.with_ffn = layers, spec, torch.device(device), with_ffn
+        self.host, self.device, self.with_ffn = layers, torch.device(device), with_ffn
         self.cuda = self.device.type == "cuda"
         self.copier = Copier(self.device)
         self.resident = {i: self._copy_now(i) for i in range(resident)}
@@ -83,9 +106,9 @@ class LayerWeights:
         self.buffers: dict[tuple, list] = {}  # (slot, kind) -> [module, layer held, loaded, freed]
         self.bytes_streamed = 0
 
-    def _copy_now(self, i: int) -> DecoderLayer:
-        layer = device_layer(self.host[i], self.spec, self.device, self.with_ffn)
-        for d, s in zip(*param_pairs(layer, self.host[i])):
+    def _copy_now(self, i: int) -> nn.Module:
+        layer = device_layer(self.host[i], self.device, self.with_ffn)
+        for d, s in zip(*tensor_pairs(layer, self.host[i])):
             d.copy_(s)
         return layer
 
@@ -93,15 +116,17 @@ class LayerWeights:
         slot = self.streamed.index(i) % 2
         kind = self._kind(i)
         if (slot, kind) not in self.buffers:
-            module = device_layer(self.host[i], self.spec, self.device, self.with_ffn)
+            module = device_layer(self.host[i], self.device, self.with_ffn)
             self.buffers[slot, kind] = [module, None, self._event(), self._event()]
         return self.buffers[slot, kind]
 
-    def _kind(self, i: int) -> tuple[str, bool]:
-        """What the layers streamed through one buffer share besides their weights' shapes: the FFN's kind (dense or
-        MoE) and whether attention rotates q and k (Llama-4's NoPE layers do not, and temper q instead)."""
+    def _kind(self, i: int) -> tuple:
+        """What the layers streamed through one buffer share: their tensors' names, shapes and dtypes (dense or MoE
+        FFN, experts per layer) and whether attention rotates q and k (Llama-4's NoPE layers do not, and temper q
+        instead; the pipeline gives each layer its own mask, so sliding windows may share)."""
         host = self.host[i]
-        return type(host.mlp).__name__, getattr(host.self_attn, "rotary", True)
+        tensors = tuple((name, t.shape, t.dtype) for name, t in placed_tensors(host, self.with_ffn))
+        return tensors, getattr(host.self_attn, "rotary", True)
 
     def _event(self):
         if not self.cuda:
@@ -115,12 +140,12 @@ class LayerWeights:
         buf = self._buffer(i)
         if buf[1] == i:
             return
-        dst, src = param_pairs(buf[0], self.host[i])
+        dst, src = tensor_pairs(buf[0], self.host[i])
         self.copier.load(*paged(dst, src, PAGE_BYTES), after=buf[3], done=buf[2])
         self.bytes_streamed += sum(s.nbytes for s in src)
         buf[1] = i
 
-    def get(self, i: int) -> DecoderLayer:
+    def get(self, i: int) -> nn.Module:
         """Layer i ready for the compute stream; starts copying the next streamed layer (cyclically)."""
         if i in self.resident:
             return self.resident[i]

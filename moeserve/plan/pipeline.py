@@ -1,12 +1,21 @@
 """CGOPipe (MoE-Lightning): throughput decoding of a batch larger than GPU memory allows, layer by layer.
 
+The pipeline is a schedule over the model's own layer steps; it decides where weights and KV caches live, when
+they are copied and where attention runs, and computes nothing itself. A layer of a micro-batch runs as
+DecoderLayer.attention_input (input norm), self_attn.qkv (pre-attention), attention over the KV cache
+(self_attn.attend, or on the CPU its core: model/layers.py, model/mla.py), self_attn.project_out and
+DecoderLayer.attention_output, then DecoderLayer.mlp_output (the MoE block: router, experts, shared expert), so every
+family computes as it does resident (MLA, sinks, sliding windows, Granite's multipliers, MXFP4 experts).
+
 A batch of N requests is split into balanced micro-batches (engine/scheduler.py). Every pass (the prefill,
 then each decode step) runs layer-major: for each layer, for each micro-batch, the GPU computes the
-pre-attention (norm + QKV), attention runs where the policy says, and the GPU computes the post-attention
-(O projection + FFN). With CPU attention the KV cache lives in page-locked host memory: the new token's
-k|v|q go to the host, a worker thread appends k/v to the cache and attends, and the output comes back.
-Layers not resident on the GPU are streamed from pinned host memory into two buffers while the previous
-layer computes (plan/layer_weights.py). The same executor runs the baselines:
+pre-attention, attention runs where the policy says, and the GPU computes the post-attention (O projection +
+FFN). With CPU attention the KV cache lives in page-locked host memory: the new token's cache entry and the
+query of the attention core go to the host, a worker thread appends the entry to the cache and attends
+(plan/cpu_attention.py), and the core's output comes back (MLA: the latent query, with W_UK absorbed, is made on
+the GPU, the CPU attends over the latents, and W_UV is applied on the GPU). Layers not resident on the GPU are
+streamed from pinned host memory into two buffers while the previous layer computes (plan/layer_weights.py).
+The same executor runs the baselines:
 
   cgopipe      attention_on_gpu=False, kv_gpu_fraction=0, several micro-batches
   zero         attention_on_gpu=True,  kv_gpu_fraction=1, one micro-batch (DeepSpeed ZeRO-Inference: weights
@@ -21,8 +30,8 @@ host run on a D2H stream and copies to the GPU on an H2D stream, ordered by CUDA
 waits, for the event of the copy it reads. Decode traffic goes through page-locked buffers reused every
 step (Staging); prefill KV is written into the host cache by DMA, whole rows at a time; attention masks are
 built once per pass on the device that attends. In a decode pass with CPU attention the main thread queues
-the pre-attention and the q/k/v copy of every micro-batch of a layer before it waits for the first
-attention output, so the worker attends them back to back while the GPU runs post-attentions.
+the pre-attention and the copy of every micro-batch of a layer before it waits for the first attention output,
+so the worker attends them back to back while the GPU runs post-attentions.
 
 On a CPU-only machine the CPU plays the GPU too (copies run at once, events are None), so the schedule, its
 buffers included, is tested against the plain engine (engine/generate.py) for equal outputs.
@@ -30,11 +39,10 @@ buffers included, is tested against the plain engine (engine/generate.py) for eq
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +51,8 @@ from moeserve.engine.generate import Generation, TextStream, check_request, left
 from moeserve.engine.sampling import SamplingParams, sample_next
 from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.model.kv_cache import KVCache
-from moeserve.model.layers import temperature_scale
-from moeserve.model.transformer import attention_masks
-from moeserve.plan.cpu_attention import gqa_attention
+from moeserve.model.transformer import DecodeState, attention_masks
+from moeserve.plan.cpu_attention import cpu_attention
 from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size
 from moeserve.plan.policy import ThroughputPolicy
 
@@ -58,18 +65,43 @@ SCHEDULES = {  # name -> the policy fields that make the schedule (batch, micro-
 }
 
 
+def staged_parts(spec, cpu_attends: bool) -> list[tuple[int, int]]:
+    """(heads, values per head) of what one decode token stages for a host cache, in order: its cache entry (GQA:
+    keys, values; MLA: the latent) and, when the CPU attends, the query of the attention core (spec.attention_core)."""
+    heads, dim, separate = spec.kv_cache_entry()
+    parts = [(heads, dim)] * (2 if separate else 1)
+    return parts + [(spec.num_heads, spec.attention_core()[0])] if cpu_attends else parts
+
+
 class Staging:
     """Page-locked host buffers of one host-KV micro-batch's decode traffic, one per layer, reused every step:
-    qkv[i] [n, (2 Hkv + H) Dh] receives the new token's k|v|q (DMA from the GPU; the worker reads it), out[i]
-    [n, H Dh] the CPU attention output (the worker writes it; DMA to the GPU). A pass never reuses a buffer.
-    The next pass refills qkv[i] only after this pass has waited for its worker jobs (Pipeline._forward does),
-    and out[i] only after out_read[i], the event of the DMA that last read it."""
+    qkv[i] [n, sum of staged_parts] receives the new token's cache entry and, with CPU attention, the core's query
+    (DMA from the GPU; the worker reads it); out[i] [n, H Dc] the CPU attention core's output (the worker writes it;
+    DMA to the GPU; None without CPU attention). A pass never reuses a buffer. The next pass refills qkv[i] only
+    after this pass has waited for its worker jobs (Pipeline._forward does), and out[i] only after out_read[i], the
+    event of the DMA that last read it."""
 
-    def __init__(self, spec, n: int, dtype, pin: bool):
-        L, H, Hkv, Dh = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.qkv = torch.empty(L, n, (2 * Hkv + H) * Dh, dtype=dtype, pin_memory=pin)
-        self.out = torch.empty(L, n, H * Dh, dtype=dtype, pin_memory=pin)
+    def __init__(self, spec, n: int, dtype, pin: bool, cpu_attends: bool):
+        L = spec.num_layers
+        self.parts, self.separate, self.cpu_attends = staged_parts(spec, cpu_attends), spec.mla is None, cpu_attends
+        self.qkv = torch.empty(L, n, sum(h * d for h, d in self.parts), dtype=dtype, pin_memory=pin)
+        out = spec.num_heads * spec.attention_core()[1]
+        self.out = torch.empty(L, n, out, dtype=dtype, pin_memory=pin) if cpu_attends else None
         self.out_read: list[torch.cuda.Event | None] = [None] * L
+
+    def unpack(self, i: int):
+        """Layer i's staged token -> views k [n, heads, 1, dim], v (None: MLA) and the core's query [n, H, 1, Dq]
+        (None without CPU attention)."""
+        flat = self.qkv[i]
+        n = flat.shape[0]
+        views = [t.view(n, 1, h, d).transpose(1, 2)
+                 for t, (h, d) in zip(flat.split([h * d for h, d in self.parts], dim=1), self.parts)]
+        return views[0], views[1] if self.separate else None, views[-1] if self.cpu_attends else None
+
+
+def pack(*tensors: torch.Tensor | None) -> torch.Tensor:
+    """Decode tensors [n, h, 1, d] (None: left out) -> one contiguous [n, sum h d], in order: one DMA."""
+    return torch.cat([t.transpose(1, 2).reshape(t.shape[0], -1) for t in tensors if t is not None], dim=1)
 
 
 @dataclass
@@ -86,50 +118,39 @@ class MicroBatch:
 def host_kv_bytes(spec, policy: ThroughputPolicy, max_len: int, dtype_bytes: int, pinned: bool) -> int:
     """Host memory the pipeline allocates for a batch of `policy` whose caches hold max_len slots: the KV caches
     and Staging of its host-KV micro-batches (pinned: as torch's page-locked allocator rounds them)."""
-    L, H, Hkv, Dh, n = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, policy.micro_batch
-    m = policy.num_micro_batches
+    L, n, m = spec.num_layers, policy.micro_batch, policy.num_micro_batches
+    heads, dim, separate = spec.kv_cache_entry()
+    cpu_attends = not policy.attention_on_gpu
     on_host = m - round(policy.kv_gpu_fraction * m)
-    elements = [L * n * Hkv * max_len * Dh] * 2 + [L * n * (2 * Hkv + H) * Dh, L * n * H * Dh]  # k, v, qkv, out
+    elements = [L * n * heads * max_len * dim] * (2 if separate else 1)  # k (MLA: latents), v
+    elements.append(L * n * sum(h * d for h, d in staged_parts(spec, cpu_attends)))  # Staging.qkv
+    if cpu_attends:
+        elements.append(L * n * spec.num_heads * spec.attention_core()[1])  # Staging.out
     return on_host * sum(pinned_size(e * dtype_bytes, pinned) for e in elements)
-
-
-def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Decode q [n, H, 1, Dh], k/v [n, Hkv, 1, Dh] -> one contiguous [n, (2 Hkv + H) Dh] (k|v|q): one DMA."""
-    n = q.shape[0]
-    return torch.cat([t.transpose(1, 2).reshape(n, -1) for t in (k, v, q)], dim=1)
-
-
-def unpack_qkv(flat: torch.Tensor, num_kv_heads: int, head_dim: int):
-    """[n, (2 Hkv + H) Dh] -> views k, v [n, Hkv, 1, Dh] and q [n, H, 1, Dh]."""
-    n, kv_width = flat.shape[0], num_kv_heads * head_dim
-    parts = flat.split([kv_width, kv_width, flat.shape[1] - 2 * kv_width], dim=1)
-    return tuple(t.view(n, 1, -1, head_dim).transpose(1, 2) for t in parts)
 
 
 class Pipeline:
     def __init__(self, model, policy: ThroughputPolicy, device):
-        """model: a MoETransformer in host memory (its layers are pinned on CUDA and never moved); the
-        embedding, final norm and LM head are copied to `device`, the layers handled by LayerWeights."""
+        """model: a MoETransformer in host memory (its layers are pinned on CUDA and never moved); its embedding,
+        final norm and LM head are copied to `device` (MoETransformer.without_layers), the layers handled by
+        LayerWeights."""
         self.host, self.policy, self.spec = model, policy, model.spec
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             pin_host_weights(model.model.layers)
-        self.embed = copy.deepcopy(model.model.embed_tokens).to(self.device)
-        self.norm = copy.deepcopy(model.model.norm).to(self.device)
-        self.lm_head = copy.deepcopy(model.lm_head).to(self.device)
-        self.rotary = copy.deepcopy(model.rotary).to(self.device)
+        self.edges = model.without_layers().to(self.device)
         L = self.spec.num_layers
-        self.weights = LayerWeights(model.model.layers, self.spec, round(policy.weights_gpu_fraction * L),
-                                    self.device, policy.ffn_on_gpu)
+        self.weights = LayerWeights(model.model.layers, round(policy.weights_gpu_fraction * L), self.device,
+                                    policy.ffn_on_gpu)
         self.spans = model.spans()
-        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None  # q/k/v and prefill KV to the host
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None  # staged tokens and prefill KV to the host
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None  # attention outputs, FlexGen KV to the GPU
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="cpu-attention")
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.edges.dtype
 
     # ---- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, tokenizer=None,
@@ -172,7 +193,8 @@ class Pipeline:
         pin = self.cuda and not kv_on_gpu
         kv = KVCache(self.spec, len(requests), tokens.shape[1] + max_new, self.device if kv_on_gpu else HOST,
                      self.dtype, pin_memory=pin)
-        staging = None if kv_on_gpu else Staging(self.spec, len(requests), self.dtype, pin)
+        staging = None if kv_on_gpu else Staging(self.spec, len(requests), self.dtype, pin,
+                                                 not self.policy.attention_on_gpu)
         return MicroBatch(requests, kv, kv_on_gpu, staging, tokens.to(self.device), positions.to(self.device), valid)
 
     # ---- one pass over every layer -------------------------------------------------------------------
@@ -183,26 +205,25 @@ class Pipeline:
         With CPU attention every micro-batch of a layer is queued ahead of the first post-attention; with GPU
         attention one is (the activations and FlexGen KV of two micro-batches live at a time, as the planner's
         memory model counts them)."""
-        x = [self.embed(mb.tokens) for mb in mbs]  # [n, S, D] each
-        rope = [self._position_tables(mb) for mb in mbs]  # (cos, sin, q_scale) each
-        masks = [self._masks(mb) for mb in mbs]  # Span -> [n, 1, S, S_total]
+        states = [self.edges.start_state(mb.tokens, mb.positions, self._masks(mb)) for mb in mbs]  # x [n, S, D]
         ahead = len(mbs) if any(self._cpu_attends(mb) for mb in mbs) else 1
         writes: list[Future] = []  # worker jobs appending FlexGen's decode KV to host caches
         for i in range(self.spec.num_layers):
             layer = self.weights.get(i)
-            queued: deque = deque()  # (micro-batch index, attention output or its Future)
+            queued: deque = deque()  # (micro-batch index, residual stream, attention output or its Future)
             for m, mb in enumerate(mbs):
-                queued.append((m, self._attention(layer, i, mb, x[m], rope[m], masks[m][self.spans[i]], writes)))
+                queued.append((m, *self._attention(layer, i, mb, states[m], writes)))
                 if len(queued) > ahead:
-                    self._post_attention(layer, i, x, *queued.popleft())
+                    self._post_attention(layer, i, states, *queued.popleft())
             while queued:
-                self._post_attention(layer, i, x, *queued.popleft())
+                self._post_attention(layer, i, states, *queued.popleft())
             self.weights.release(i)
         for job in writes:
             job.result()  # the host caches and Staging.qkv are free for the next pass
         for mb in mbs:
             mb.kv.commit()
-        logits = torch.cat([self.lm_head(self.norm(h[:, -1])) for h in x])  # [sum n, V]
+        last = [replace(s, x=s.x[:, -1:], pending=s.pending[:, -1:]) for s in states]
+        logits = torch.cat([self.edges.decode_end(s)[:, 0] for s in last])  # [sum n, V]
         if out is None:
             out = logits.new_empty(sum(len(mb.requests) for mb in mbs), logits.shape[-1])
         out[[r for mb in mbs for r in mb.requests]] = logits
@@ -222,83 +243,84 @@ class Pipeline:
         q_slots = torch.arange(start, start + S, device=key_valid.device)
         return attention_masks(q_slots, mb.positions.to(key_valid.device), key_valid, self.spans)
 
-    def _position_tables(self, mb: MicroBatch) -> tuple:
-        """qkv()'s position arguments for mb's tokens: the rotary tables and the queries' attention temperature
-        [n, S] (None: the family has none)."""
-        t = self.spec.attention_temperature
-        cos, sin = self.rotary(mb.positions, self.dtype)
-        return cos, sin, temperature_scale(t, mb.positions) if t is not None else None
-
-    def _attention(self, layer, i: int, mb: MicroBatch, x, rope, mask, writes: list[Future]):
-        """Pre-attention and attention of micro-batch mb at layer i -> its output [n, S, H*Dh] on the GPU, or a
-        Future of (output, event it is ready at) when the worker attends on the CPU."""
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), *rope)  # [n, H, S, Dh], [n, Hkv, S, Dh] x2
+    def _attention(self, layer, i: int, mb: MicroBatch, state: DecodeState, writes: list[Future]):
+        """Input norm, pre-attention and attention of micro-batch mb at layer i -> (its residual stream [n, S, D],
+        the attention output [n, S, H*Dv] on the GPU, or a Future of (the core's output, event it is ready at)
+        when the worker attends on the CPU)."""
+        attn, mask = layer.self_attn, state.masks[self.spans[i]]
+        normed, x = layer.attention_input(state.x, state.pending)
+        q, k, v = attn.qkv(normed, state.cos, state.sin, state.q_scale)  # the query; the new cache entry (v: None)
         if mb.kv_on_gpu:
-            return layer.self_attn.attend(q, *mb.kv.update(i, k, v), mask)
+            return x, attn.attend(q, *mb.kv.update(i, k, v), mask)
         if mb.kv.length == 0:  # prefill: attend on the GPU, KV rows to the host cache
             self._prefill_to_host(mb.kv, i, k, v)
-            return layer.self_attn.attend(q, k, v, mask)
-        copied = self._to_host([mb.staging.qkv[i]], [pack_qkv(q, k, v)])
+            return x, attn.attend(q, k, v, mask)
         if self.policy.attention_on_gpu:  # FlexGen
+            copied = self._to_host([mb.staging.qkv[i]], [pack(k, v)])
             keys, values, swapped = self._swap_in(mb.kv, i, k, v, copied)
             writes.append(self.worker.submit(self._host_kv, i, mb, swapped))
-            return layer.self_attn.attend(q, keys, values, mask)
-        return self.worker.submit(self._cpu_attention, i, mb, mask, copied)
+            return x, attn.attend(q, keys, values, mask)
+        copied = self._to_host([mb.staging.qkv[i]], [pack(k, v, attn.core_query(q))])
+        return x, self.worker.submit(self._cpu_attention, i, mb, mask, copied)
 
-    def _post_attention(self, layer, i: int, x: list[torch.Tensor], m: int, job) -> None:
-        """x[m] += O-proj(attention output); x[m] += FFN(norm(x[m])), the FFN on the GPU or the CPU."""
+    def _post_attention(self, layer, i: int, states: list[DecodeState], m: int, x: torch.Tensor, job) -> None:
+        """Micro-batch m's attention output (job) through O-proj into its residual stream x, then the FFN, on the GPU
+        or the CPU: states[m] holds the stream and the FFN's output, which the next layer's input norm adds."""
         out = job
         if isinstance(job, Future):
             out, done = job.result()
             self._use([out], done)
-        h = x[m] + layer.self_attn.o_proj(out)
-        y = layer.post_attention_layernorm(h)
+            out = layer.self_attn.core_output(out)
+        x, normed = layer.attention_output(x, layer.self_attn.project_out(out))
         if self.policy.ffn_on_gpu:
-            x[m] = h + layer.mlp(y)
+            pending = layer.mlp_output(normed)
         else:
-            x[m] = h + self.host.model.layers[i].mlp(y.to(HOST)).to(self.device)
+            pending = self.host.model.layers[i].mlp_output(normed.to(HOST)).to(self.device)
+        states[m] = replace(states[m], x=x, pending=pending)
 
     # ---- host KV ---------------------------------------------------------------------------------------
     def _prefill_to_host(self, kv: KVCache, i: int, k, v) -> None:
-        """Prefill k/v [n, Hkv, S, Dh] of layer i into the host cache, one DMA per tensor: padded on the GPU to
-        whole rows [n, Hkv, S_max, Dh], which are contiguous in the cache (the pad lands on slots the prefill
-        is the first to write, as the zeros they held)."""
-        rows = [F.pad(t, (0, 0, 0, kv.max_len - t.shape[2])) for t in (k, v)]  # [n, Hkv, S_max, Dh] each
-        self._to_host([kv.k[i], kv.v[i]], rows)
+        """Prefill cache entries k/v [n, heads, S, dim] (v: None for MLA) of layer i into the host cache, one DMA
+        per tensor: padded on the GPU to whole rows [n, heads, S_max, dim], which are contiguous in the cache (the
+        pad lands on slots the prefill is the first to write, as the zeros they held)."""
+        rows = [F.pad(t, (0, 0, 0, kv.max_len - t.shape[2])) for t in (k, v) if t is not None]
+        self._to_host([c[i] for c in (kv.k, kv.v) if c is not None], rows)
 
     def _swap_in(self, kv: KVCache, i: int, k, v, after):
         """FlexGen: layer i's host KV rows to the GPU (whole rows: one DMA per tensor) once event `after` fired
-        (a copy to the host queued after the prefill's into this cache), this pass's k/v [n, Hkv, S, Dh] written
-        in on the GPU -> keys, values [n, Hkv, S_total, Dh], and the event the host rows are read at (from then
-        on the worker may append k/v to them)."""
+        (a copy to the host queued after the prefill's into this cache), this pass's k/v [n, heads, S, dim] (v:
+        None for MLA) written in on the GPU -> keys, values [n, heads, S_total, dim] (values None for MLA), and the
+        event the host rows are read at (from then on the worker may append k/v to them)."""
         start, end = kv.length, kv.length + k.shape[2]
-        rows, swapped = self._to_device([kv.k[i], kv.v[i]], after)  # [n, Hkv, S_max, Dh] each
+        rows, swapped = self._to_device([c[i] for c in (kv.k, kv.v) if c is not None], after)  # [n, h, S_max, d]
         self._use(rows, swapped)
         for r, t in zip(rows, (k, v)):
             r[:, :, start:end] = t
-        return rows[0][:, :, :end], rows[1][:, :, :end], swapped
+        values = rows[1][:, :, :end] if len(rows) > 1 else None
+        return rows[0][:, :, :end], values, swapped
 
     def _host_kv(self, i: int, mb: MicroBatch, ready):
-        """Worker: once event `ready` fired (Staging.qkv[i] of mb filled; None: now), append layer i's new k/v
-        to the host cache -> q [n, H, 1, Dh] and the keys and values to attend [n, Hkv, S_total, Dh] (views)."""
+        """Worker: once event `ready` fired (Staging.qkv[i] of mb filled; None: now), append layer i's new cache
+        entry to the host cache -> the core's query [n, H, 1, Dq] (None under FlexGen) and the keys and values to
+        attend [n, heads, S_total, dim] (views; values None for MLA)."""
         with torch.inference_mode():
             if ready is not None:
                 ready.synchronize()
-            k, v, q = unpack_qkv(mb.staging.qkv[i], self.spec.num_kv_heads, self.spec.head_dim)
+            k, v, q = mb.staging.unpack(i)
             return (q, *mb.kv.update(i, k, v))
 
     def _cpu_attention(self, i: int, mb: MicroBatch, mask, copied):
-        """Worker: attention of mb at layer i on the CPU; the output [n, 1, H*Dh] to the GPU through layer i's
-        page-locked buffer -> (output on the GPU, event it is ready at)."""
+        """Worker: the attention core of mb at layer i on the CPU (the host layer's, plan/cpu_attention.py); its
+        output to the GPU through layer i's page-locked buffer -> (output on the GPU, event it is ready at)."""
         with torch.inference_mode():
-            result = gqa_attention(*self._host_kv(i, mb, copied), mask)  # [n, 1, H*Dh]
-            buffer = mb.staging.out[i]  # [n, H*Dh]
+            result = cpu_attention(self.host.model.layers[i].self_attn, *self._host_kv(i, mb, copied), mask)
+            buffer = mb.staging.out[i]  # [n, H*Dc]
             if mb.staging.out_read[i] is not None:
                 mb.staging.out_read[i].synchronize()  # the copy that last read it (previous pass) is done
-            buffer.copy_(result.view_as(buffer))
+            buffer.copy_(result.reshape(buffer.shape))
             (out,), done = self._to_device([buffer], None)
             mb.staging.out_read[i] = done
-            return out.view_as(result), done
+            return out.view(result.shape), done
 
     # ---- copies between the devices ---------------------------------------------------------------------
     def _to_host(self, dst: list[torch.Tensor], src: list[torch.Tensor]):

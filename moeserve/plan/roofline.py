@@ -28,24 +28,7 @@ import numpy as np
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.spec import ModelSpec, refuse_special_experts
-
-
-def check_modelled(spec: ModelSpec) -> None:
-    """The throughput planner (plan --for batch) and the CGOPipe pipeline it plans for (batch) model GQA attention:
-    q, k and v projections per head, CPU attention over a host cache of keys and values. MLA differs in more than
-    its cache's size (latent projections, attention absorbed into the latent space, no keys or values to stage),
-    and the pipeline has no CPU attention over latents: refused by name rather than planned or run wrong."""
-    refuse_special_experts(spec, "moeserve plan --for batch and batch")
-    if spec.mla is not None:
-        raise MoeserveError(f"moeserve plan --for batch and batch model GQA attention; {spec.family}'s multi-head "
-                            f"latent attention is not modelled yet (generate, serve, --offload, --cpu-moe and plan "
-                            f"--for decode run it)")
-    if (spec.embedding_multiplier, spec.residual_multiplier, spec.logits_scaling, spec.attention_scale) != (
-            1.0, 1.0, 1.0, None):
-        raise MoeserveError(f"moeserve plan --for batch and batch run a pipeline that does not apply {spec.family}'s "
-                            f"embedding, residual, attention and logits multipliers yet (generate, serve, --offload "
-                            f"and --cpu-moe do)")
+from moeserve.spec import ModelSpec
 
 
 OPERATORS = ("pre_attention", "attention", "post_attention")
@@ -134,38 +117,80 @@ def layer_kinds(spec: ModelSpec) -> Counter:
     return Counter(zip(moe, windows))
 
 
+def attention_weights(spec: ModelSpec) -> tuple[int, int]:
+    """(before the core, after it): weight elements of one layer's attention projections, biases included, as the
+    pipeline runs them: those that make the query and the cache entry (MLA: W_UK too, which absorbs the query into
+    the latent space) on the pre-attention side; o_proj (MLA: W_UV too, applied to the core's latent output) after.
+    Norms inside attention (qk-norm, MLA's latent norms) and GPT-OSS's sinks are left out (small)."""
+    pre = post = 0
+    for name, out_features, in_features, bias in spec.attention_projections():
+        elements = out_features * in_features + (out_features if bias else 0)
+        if name == "o_proj":
+            post += elements
+        elif name == "kv_b_proj":  # per head W_UK [nope, r] and W_UV [v, r]
+            m = spec.mla
+            pre += spec.num_heads * m.qk_nope_head_dim * m.kv_lora_rank
+            post += spec.num_heads * m.v_head_dim * m.kv_lora_rank
+        else:
+            pre += elements
+    return pre, post
+
+
+def qkv_width(spec: ModelSpec) -> int:
+    """Values the pre-attention hands on per token: the core's query of every head (spec.attention_core) and the
+    new cache entry (GQA: keys and values; MLA: one latent)."""
+    heads, dim, separate = spec.kv_cache_entry()
+    return spec.num_heads * spec.attention_core()[0] + heads * dim * (2 if separate else 1)
+
+
+MXFP4_BYTES = 17 / 32  # bytes per MXFP4 value: a block of 32 is 16 bytes of 4-bit values and one E8M0 scale
+
+
+def expert_bytes(spec: ModelSpec, weight_bytes: float) -> float:
+    """Bytes of one routed expert: its gate, up and down matrices at weight_bytes per value, or as MXFP4 blocks and
+    scales as shipped (GPT-OSS); its biases (GPT-OSS) at weight_bytes."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    per_value = MXFP4_BYTES if spec.experts_mxfp4 else weight_bytes
+    return 3 * D * F * per_value + ((2 * F + D) * weight_bytes if spec.expert_bias else 0.0)
+
+
 def layer_ops(spec: ModelSpec, wl: Workload, is_moe: bool, window: int | None, n, q, attended,
               kv_len) -> dict[str, Op]:
     """FLOPs and bytes of one decoder layer's operators for a micro-batch of n sequences, q new tokens
     each, every new token attending to `attended` positions on average, kv_len cached positions read
-    per sequence. Decode: q = 1, attended = kv_len = context. Small terms (biases, qk-norm, rotary,
-    writing the new KV entry, softmax) are left out."""
-    D, H, Hkv, Dh = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    per sequence. Decode: q = 1, attended = kv_len = context. MLA is counted as it decodes, in the latent space
+    (absorbed: model/mla.py), its cache one latent per token. Small terms (norms inside attention, rotary,
+    writing the new KV entry, softmax, sinks) are left out."""
+    D, H = spec.hidden_size, spec.num_heads
     wb, kb, ab = wl.weight_bytes, wl.kv_bytes, wl.act_bytes
     if window is not None:
         attended, kv_len = np.minimum(attended, window), np.minimum(kv_len, window)
     n = np.asarray(n, dtype=float)
     t = n * q  # tokens in the micro-batch
-    qkv = (H + 2 * Hkv) * Dh  # q, k, v outputs per token
-    pre_w = (D * qkv + D) * wb  # QKV projection + input norm
-    pre = Op(flops=2 * t * D * qkv + 4 * t * D, weights=pre_w, weights_read=pre_w, kv=0.0,
-             act_in=t * D * ab, act_out=t * qkv * ab)
-    attn = Op(flops=4 * t * H * Dh * attended,  # q.K^T and p.V
-              weights=0.0, weights_read=0.0, kv=n * kv_len * 2 * Hkv * Dh * kb,
-              act_in=t * qkv * ab, act_out=t * H * Dh * ab)
-    dense = H * Dh * D + D  # O projection + post-attention norm
+    heads, dim, separate = spec.kv_cache_entry()
+    entry = heads * dim * (2 if separate else 1)  # cache values per token
+    core_q, core_out = spec.attention_core()  # per head
+    attn_pre, attn_post = attention_weights(spec)
+    pre_w = (attn_pre + D) * wb  # query and cache entry projections + input norm
+    pre = Op(flops=2 * t * attn_pre + 4 * t * D, weights=pre_w, weights_read=pre_w, kv=0.0,
+             act_in=t * D * ab, act_out=t * qkv_width(spec) * ab)
+    attn = Op(flops=2 * t * H * attended * (core_q + core_out),  # q.K^T and p.V
+              weights=0.0, weights_read=0.0, kv=n * kv_len * entry * kb,
+              act_in=t * qkv_width(spec) * ab, act_out=t * H * core_out * ab)
+    dense = attn_post + D  # O projection (MLA: and W_UV) + post-attention norm
     if is_moe:
-        expert = 3 * D * spec.expert_ffn  # gate, up, down
+        E = spec.num_experts
+        router = D * E + (E if spec.router_bias else 0)
         shared = 3 * D * spec.shared_expert_ffn + (D if spec.shared_expert_gate else 0)
-        dense += D * spec.num_experts + shared  # router + shared expert
-        total = dense + spec.num_experts * expert
-        read = dense + expected_experts(spec.num_experts, spec.top_k, t) * expert
-        ffn_flops = 2 * t * (D * spec.num_experts + spec.top_k * expert + shared)
+        dense_bytes = (dense + router + shared) * wb
+        total = dense_bytes + E * expert_bytes(spec, wb)
+        read = dense_bytes + expected_experts(E, spec.top_k, t) * expert_bytes(spec, wb)
+        ffn_flops = 2 * t * (router + spec.top_k * 3 * D * spec.expert_ffn + shared)
     else:
-        total = read = dense + 3 * D * spec.dense_ffn
+        total = read = (dense + 3 * D * spec.dense_ffn) * wb
         ffn_flops = 2 * t * 3 * D * spec.dense_ffn
-    post = Op(flops=2 * t * H * Dh * D + ffn_flops + 4 * t * D, weights=total * wb, weights_read=read * wb, kv=0.0,
-              act_in=t * H * Dh * ab, act_out=t * D * ab)
+    post = Op(flops=2 * t * attn_post + ffn_flops + 4 * t * D, weights=total, weights_read=read, kv=0.0,
+              act_in=t * H * core_out * ab, act_out=t * D * ab)
     return {"pre_attention": pre, "attention": attn, "post_attention": post}
 
 

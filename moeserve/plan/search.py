@@ -16,8 +16,8 @@ import numpy as np
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.plan.roofline import (RESOURCES, Candidates, Rates, Workload, layer_kinds, layer_ops, throughput,
-                                    value_at)
+from moeserve.plan.roofline import (RESOURCES, Candidates, Rates, Workload, layer_kinds, layer_ops, qkv_width,
+                                    throughput, value_at)
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
@@ -58,7 +58,8 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
     experts) and fp32 logits of n sequences. Host: every layer's weights (the executor keeps the host copies
     of resident layers too; `host_weights`, when known from the loaded model, is the exact pinned figure:
     layer_weights.host_weight_bytes), the host share of the KV cache as the pipeline pins it (a k and a v
-    tensor per micro-batch, each rounded up to a power of two by torch's page-locked allocator).
+    tensor per micro-batch, MLA's one of latents, each rounded up to a power of two by torch's page-locked
+    allocator).
     """
     D, wb, ab = spec.hidden_size, wl.weight_bytes, wl.act_bytes
     ag, fg, fw = c.attention_on_gpu, c.ffn_on_gpu, c.weights_gpu_fraction
@@ -76,7 +77,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
     kv = c.batch_size * kv_per_seq
     kv_gpu = np.where(ag, c.kv_gpu_fraction, 0.0)
     ffn_width = max(spec.top_k * spec.expert_ffn + spec.shared_expert_ffn, spec.dense_ffn)
-    per_token = (4 * D + (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + 2 * ffn_width) * ab
+    per_token = (4 * D + qkv_width(spec) + 2 * ffn_width) * ab
     gpu = {
         "embedding + LM head": spec.vocab_size * D * (1 if spec.tie_word_embeddings else 2) * wb + D * wb,
         "resident weights": fw * gpu_weights,
@@ -85,10 +86,11 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
         "KV staging": np.where(ag, 2 * (1 - kv_gpu) * c.micro_batch * largest_kv, 0.0),
         "activations": c.micro_batch * (wl.prompt_len * per_token + spec.vocab_size * 4),
     }
-    host_kv_half = (1 - kv_gpu) * c.micro_batch * kv_per_seq / 2  # the k (or v) cache of one micro-batch
-    pinned = np.where(host_kv_half > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_half, 1.0))), 0.0)
+    parts = 2 if spec.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
+    host_kv_part = (1 - kv_gpu) * c.micro_batch * kv_per_seq / parts  # the k (or v) cache of one micro-batch
+    pinned = np.where(host_kv_part > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_part, 1.0))), 0.0)
     weights = gpu_weights + host_only if host_weights is None else np.full_like(gpu_weights + host_only, host_weights)
-    host = {"weights": weights, "KV cache": 2 * c.num_micro_batches * pinned}
+    host = {"weights": weights, "KV cache": parts * c.num_micro_batches * pinned}
     return gpu, host
 
 

@@ -44,6 +44,14 @@ def check_shape(W: torch.Tensor, bits: int, group: int) -> None:
         raise MoeserveError(f"group size {group} does not divide the input dimension {W.shape[1]}")
 
 
+def group_range(values: range, group: int) -> slice:
+    """The groups of `group` consecutive values that hold exactly `values` (a run that starts and ends on group
+    boundaries); MoeserveError when the run cuts a group."""
+    if values.start % group or values.stop % group:
+        raise MoeserveError(f"values {values.start}..{values.stop - 1} cut a group of {group}")
+    return slice(values.start // group, values.stop // group)
+
+
 def _grouped(W: torch.Tensor, group: int) -> torch.Tensor:
     return W.float().reshape(W.shape[0], W.shape[1] // group, group)  # [out, n_groups, G]
 

@@ -5,6 +5,7 @@ the conversion of older stored layouts. compress.py writes what this module read
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -26,6 +27,12 @@ def refuse_quantized(path: Path, command: str) -> None:
     if (path / MANIFEST).is_file():
         raise MoeserveError(f"{str(path)!r} is a moeserve quantized checkpoint (it has {MANIFEST}); {command} needs "
                             f"the original checkpoint it was made from")
+
+
+def is_quantized_expert(name: str) -> bool:
+    """A tensor of one routed expert's low-bit layer, as install_quantized_modules names them
+    (model.layers.0.mlp.experts.gate_up.3.qweight)."""
+    return re.search(r"\.mlp\.experts\.(gate_up|down)\.\d+\.\w+$", name) is not None
 
 
 def read_manifest(path: Path) -> dict | None:

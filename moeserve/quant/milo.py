@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from moeserve.errors import MoeserveError
-from moeserve.kernels.pack import pack, padded_length, unpack
-from moeserve.quant.hqq import QuantizedWeight, dequantize
+from moeserve.kernels.pack import pack, packed_words, padded_length, unpack
+from moeserve.quant.hqq import QuantizedWeight, dequantize, group_range
 
 COMPENSATOR_BITS = (3, 8, 16)
 COMPENSATOR_GROUP = 64
@@ -211,3 +211,26 @@ def compensator_from_buffers(bufs: dict[str, torch.Tensor], bits: int, out_featu
             codes = unpack(codes, 3, padded_length(cols))[:, :cols].to(torch.int8) - 3
         factors.append(dequantize_symmetric(codes, bufs[f"comp_{name}_scale"]))
     return factors[0].T, factors[1]
+
+
+def compensator_parts(bits: int, out_features: int, in_features: int, rows: range | None = None,
+                      cols: range | None = None) -> dict[str, list[tuple[slice, ...]]]:
+    """The parts of each compensator buffer (compensator_buffers' names) that hold the compensator of the weight's
+    rows `rows` or input columns `cols` (None: all of them): U's rows or V's columns, i.e. columns of the stored
+    U^T [r, out] and V [r, in] when they are integers. Each buffer's parts, joined along its last dimension, are that
+    slice's own buffer. Integer rows are exact when the run keeps whole groups of COMPENSATOR_GROUP (a row stored
+    with one scale keeps it) and, at 3 bits, whole packing units; else MoeserveError names the cut."""
+    whole = [(slice(None),)]
+    if bits == 16:
+        return {"comp_u": whole if rows is None else [(slice(rows.start, rows.stop),)],
+                "comp_v": whole if cols is None else [(slice(None), slice(cols.start, cols.stop))]}
+    parts = {}
+    for name, n, run in (("u", out_features, rows), ("v", in_features, cols)):
+        if run is None:
+            parts[f"comp_{name}_q"] = parts[f"comp_{name}_scale"] = whole
+            continue
+        words = packed_words(run, n, 3) if bits == 3 else [slice(run.start, run.stop)]
+        parts[f"comp_{name}_q"] = [(slice(None), w) for w in words]
+        g = _group(n)
+        parts[f"comp_{name}_scale"] = whole if g == n else [(slice(None), group_range(run, g))]
+    return parts

@@ -14,13 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.kernels import triton_serves
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
-from moeserve.model.experts import LoopedExperts, glu
+from moeserve.model.experts import LoopedExperts, gated_ffn
 from moeserve.spec import ClampedSwiGLU
 
 if TYPE_CHECKING:
@@ -91,9 +90,8 @@ class Mxfp4Experts(LoopedExperts):
                 dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], dtype))
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.weights(e, rows.dtype)  # one expert at a time
         bias = (None, None) if self.gate_up_proj_bias is None else (self.gate_up_proj_bias[e], self.down_proj_bias[e])
-        return F.linear(glu(F.linear(rows, gate_up, bias[0]), self.act), down, bias[1])
+        return gated_ffn(rows, *self.weights(e, rows.dtype), *bias, self.act)  # one expert dequantized at a time
 
     def kernel_path(self, x: torch.Tensor, num_tokens: int, expert_weights: torch.Tensor | None = None) -> str:
         """"mxfp4_triton" (CUDA, no autograd: the kernels have no backward) or "mxfp4_loop" (model/paths.py)."""

@@ -1,6 +1,7 @@
 """bench/peer/make_gguf.py writes GGUFs llama.cpp's loaders accept: read back with a reader of our own (GGUF v3, a
-few lines), a tiny `qwen3moe` and `llama` (Mixtral) file carry the architecture, the hyperparameters llama.cpp reads,
-and the tensor names, ggml shapes and types of its loaders; the benchmark shapes agree with bench/hybrid.py's."""
+few lines), a tiny `qwen3moe`, `llama` (Mixtral) and `gpt-oss` (MXFP4 experts) file carry the architecture, the
+hyperparameters llama.cpp reads, and the tensor names, ggml shapes and types of its loaders; the benchmark shapes agree
+with bench/hybrid.py's (and GPT-OSS-20B with its config.json)."""
 
 import math
 import struct
@@ -15,8 +16,8 @@ sys.path[:0] = [str(BENCH / "peer"), str(BENCH)]
 import make_gguf  # noqa: E402
 
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-TYPE_NAMES = {0: "f32", 2: "q4_0", 8: "q8_0"}
-BLOCK = {0: (1, 4), 2: (32, 18), 8: (32, 34)}  # ggml type -> (elements, bytes) per block
+TYPE_NAMES = {0: "f32", 2: "q4_0", 8: "q8_0", 39: "mxfp4"}
+BLOCK = {0: (1, 4), 2: (32, 18), 8: (32, 34), 39: (32, 17)}  # ggml type -> (elements, bytes) per block
 
 
 class Reader:
@@ -118,7 +119,7 @@ def test_tiny_gguf_reads_back_as_llama_cpp_expects(tmp_path, shape):
     end = start
     for name, (shape_, kind, offset) in tensors.items():
         assert offset % 32 == 0
-        elems, nbytes = BLOCK[{"f32": 0, "q4_0": 2, "q8_0": 8}[kind]]
+        elems, nbytes = BLOCK[{v: k for k, v in TYPE_NAMES.items()}[kind]]
         end = max(end, start + offset + math.prod(shape_) // elems * nbytes)
     assert len(data) == -(-end // 32) * 32 == make_gguf.file_size(*make_gguf.plan(shape, layers))
 
@@ -131,12 +132,88 @@ def test_tiny_gguf_reads_back_as_llama_cpp_expects(tmp_path, shape):
     assert (np.frombuffer(data, "<f4", d.hidden, start + offset) == 1).all()
 
 
+def gpt_oss_tensors(d, layers: int) -> dict:
+    """name -> (ggml shape, type) as llama.cpp's gpt-oss loader creates them (src/models/openai-moe.cpp)."""
+    D, F, X, Q, KV = d.hidden, d.expert_ffn, d.experts, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = {"token_embd.weight": ((D, d.vocab), "q8_0"), "output_norm.weight": ((D,), "f32"),
+           "output.weight": ((D, d.vocab), "q8_0")}
+    for i in range(layers):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": ((D,), "f32"), p + "post_attention_norm.weight": ((D,), "f32"),
+                    p + "attn_q.weight": ((D, Q), "q8_0"), p + "attn_k.weight": ((D, KV), "q8_0"),
+                    p + "attn_v.weight": ((D, KV), "q8_0"), p + "attn_q.bias": ((Q,), "f32"),
+                    p + "attn_k.bias": ((KV,), "f32"), p + "attn_v.bias": ((KV,), "f32"),
+                    p + "attn_output.weight": ((Q, D), "q8_0"), p + "attn_output.bias": ((D,), "f32"),
+                    p + "attn_sinks.weight": ((d.heads,), "f32"), p + "ffn_gate_inp.weight": ((D, X), "f32"),
+                    p + "ffn_gate_inp.bias": ((X,), "f32"), p + "ffn_gate_exps.weight": ((D, F, X), "mxfp4"),
+                    p + "ffn_up_exps.weight": ((D, F, X), "mxfp4"), p + "ffn_down_exps.weight": ((F, D, X), "mxfp4"),
+                    p + "ffn_gate_exps.bias": ((F, X), "f32"), p + "ffn_up_exps.bias": ((F, X), "f32"),
+                    p + "ffn_down_exps.bias": ((D, X), "f32")})
+    return out
+
+
+def dequantize_mxfp4(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, E8M0 exponents) of ggml's block_mxfp4 blocks: e, then 16 bytes of codes, low nibbles first."""
+    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 17)
+    kvalues = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # ggml-common.h
+    q = blocks[:, 1:]
+    codes = np.concatenate([kvalues[q & 0x0F], kvalues[q >> 4]], axis=1)
+    return (codes * np.ldexp(np.float32(1), blocks[:, :1].astype(np.int32) - 128)).ravel(), blocks[:, 0]
+
+
+def test_tiny_gpt_oss_gguf_reads_back_as_llama_cpp_expects(tmp_path):
+    d, layers = make_gguf.SHAPES["tiny-gpt-oss"], 2
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    assert make_gguf.main(["--dims", "tiny-gpt-oss", "-o", str(path)]) == 0  # experts MXFP4 by default
+    kv, tensors, data, start = read_gguf(path)
+
+    a = "gpt-oss"  # llama.cpp's LLM_ARCH_OPENAI_MOE
+    assert kv["general.architecture"] == d.arch == a and kv["general.file_type"] == 38  # MOSTLY_MXFP4_MOE
+    want = {"block_count": layers, "embedding_length": d.hidden, "attention.head_count": d.heads,
+            "attention.head_count_kv": d.kv_heads, "attention.key_length": d.head_dim,
+            "attention.value_length": d.head_dim, "expert_count": d.experts, "expert_used_count": d.top_k,
+            "expert_feed_forward_length": d.expert_ffn, "context_length": d.context,
+            "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": d.yarn_orig_ctx, "rope.freq_base": 150000.0}
+    assert {k: kv[f"{a}.{k}"] for k in want} == want
+    assert kv["tokenizer.ggml.model"] == "llama" and len(kv["tokenizer.ggml.tokens"]) == d.vocab
+
+    assert {n: t[:2] for n, t in tensors.items()} == gpt_oss_tensors(d, layers)
+    end = start
+    for shape_, kind, offset in tensors.values():
+        assert offset % 32 == 0
+        elems, nbytes = BLOCK[{v: k for k, v in TYPE_NAMES.items()}[kind]]
+        end = max(end, start + offset + math.prod(shape_) // elems * nbytes)
+    assert len(data) == -(-end // 32) * 32 == make_gguf.file_size(*make_gguf.plan("tiny-gpt-oss"))
+
+    shape_, _, offset = tensors["blk.1.ffn_down_exps.weight"]
+    w, e = dequantize_mxfp4(data[start + offset:start + offset + math.prod(shape_) // 32 * 17])
+    assert np.isfinite(w).all() and abs(w.mean()) < 0.1 * w.std() and len(set(e.tolist())) == 2
+    assert w.std() == pytest.approx(1 / math.sqrt(d.expert_ffn), rel=0.1)  # unit-RMS rows in, unit-RMS out
+    shape_, _, offset = tensors["blk.0.ffn_up_exps.bias"]
+    bias = np.frombuffer(data, "<f4", math.prod(shape_), start + offset)
+    assert 0 < bias.std() < 0.05
+    _, _, offset = tensors["blk.0.post_attention_norm.weight"]
+    assert (np.frombuffer(data, "<f4", d.hidden, start + offset) == 1).all()
+
+
+def test_gpt_oss_20b_is_the_shipped_shape():
+    """openai/gpt-oss-20b's config.json, MXFP4 experts: 12.1 GB (11.27 GiB) as the published MXFP4 GGUF."""
+    d = make_gguf.SHAPES["gpt-oss-20b"]
+    assert (d.arch, d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.expert_ffn, d.experts, d.top_k, d.vocab,
+            d.context, d.rope_theta, d.sliding_window, d.yarn_factor, d.yarn_orig_ctx, d.experts_type) == (
+        "gpt-oss", 24, 2880, 64, 8, 64, 2880, 32, 4, 201088, 131072, 150000.0, 128, 32.0, 4096, "mxfp4")
+    kv, specs = make_gguf.plan("gpt-oss-20b")
+    assert len(specs) == 3 + 24 * 19 and 12.0e9 < make_gguf.file_size(kv, specs) < 12.2e9
+
+
 def test_benchmark_shapes_are_bench_hybrid_shapes():
-    """The side-by-side covers bench/hybrid.py's mixtral and qwen3 shapes (not its deepseek one), with their dims."""
+    """The side-by-side covers bench/hybrid.py's mixtral and qwen3 shapes (not its deepseek one), with their dims (and
+    gpt-oss-20b's, should bench/hybrid.py get a shape of that name)."""
     import hybrid
 
     peer = [name for name in make_gguf.SHAPES if name in hybrid.SHAPES]
-    assert peer == ["mixtral", "qwen3"]
+    assert peer[:2] == ["mixtral", "qwen3"] and set(peer) <= {"mixtral", "qwen3", "gpt-oss-20b"}
     for name in peer:
         shape, d = hybrid.SHAPES[name][0], make_gguf.SHAPES[name]
         assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.expert_ffn, d.experts, d.top_k, d.vocab) == (
@@ -154,3 +231,9 @@ def test_llama_cpp_budget_rule_matches_recorded_placements():
     hybrid = run.import_hybrid()
     got = {s: {c: n for c, (n, _) in run.placements(cfg, hybrid, s).items()} for s in ("mixtral", "qwen3")}
     assert got == {"mixtral": {"hybrid": 19, "hybrid-moeserve": 21}, "qwen3": {"hybrid": 30, "hybrid-moeserve": 35}}
+    if "gpt-oss-20b" not in hybrid.SHAPES:  # run.py's own budget, llama.cpp's rule only; the override sets N
+        # 8 GiB x 0.95 - 1.79 GiB dense - 0.03 GiB KV = 5.78 GiB: 14 layers' MXFP4 experts at 0.395 GiB resident
+        assert {c: n for c, (n, _) in run.placements(cfg, hybrid, "gpt-oss-20b").items()} == {"hybrid": 10}
+        cfg.n_cpu_moe = {"gpt-oss-20b": 14}
+        assert run.placements(cfg, hybrid, "gpt-oss-20b") == {"hybrid": (14, "PEER_N_CPU_MOE")}
+    assert run.gguf_path(cfg, "gpt-oss-20b").name == "gpt-oss-20b-mxfp4.gguf"

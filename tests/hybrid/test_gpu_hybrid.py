@@ -31,7 +31,8 @@ def moe_layers(path) -> list[int]:
     return [i for i, moe in enumerate(spec.moe_layers) if moe]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4"])  # llama4: scaled expert input
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4", "gpt_oss"])  # llama4: scaled expert input;
+# gpt_oss: biases and the clamped SwiGLU
 @pytest.mark.parametrize("split,slots", [("all", 0), ("some", 0), ("all", 3), ("some", 5)])
 def test_gpu_hybrid_fp32_equals_resident(hf_checkpoints, family, split, slots):
     path = hf_checkpoints[family][1]
@@ -73,7 +74,7 @@ def test_gpu_hybrid_bf16_follows_resident(hf_checkpoints, family, slots):
     runtime.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("bits,slots", [(16, 0), (16, 4), (4, 0)])
 def test_gpu_streamed_prompt_equals_the_cpu_path(hf_checkpoints, family, bits, slots):
     """fp32: a prompt of 40 tokens (>= stream_from 32) streams its experts through the GPU ring, a 2-token call runs
@@ -102,9 +103,12 @@ def test_gpu_streamed_prompt_equals_the_cpu_path(hf_checkpoints, family, bits, s
     assert runs[1][2] == runs[0][2]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])  # qwen3_moe: its CPU layers over the device link
+# qwen3_moe: its CPU layers over the device link; gpt_oss: biases and the clamped SwiGLU in the Triton slots and the
+# resident QuantizedExperts, in torch around the CPU kernels (no device link)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints, family):
-    """--experts-bits 4: CPU kernels, GPU slots (Triton low-bit) and resident QuantizedExperts read the same copies."""
+    """--experts-bits 4: CPU kernels, GPU slots (Triton low-bit; one token: the fused slot-order pass) and resident
+    QuantizedExperts read the same copies."""
     path = hf_checkpoints[family][1]
     tokens = torch.randint(3, 97, (2, 7), device="cuda")
     layers, outs = moe_layers(path), []
@@ -112,12 +116,13 @@ def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints, family):
         model, runtime = hybrid_model(path, HybridPlacement.choose(layers, n_cpu_moe=n, cache_slots=slots, bits=4),
                                       "float32")
         for _ in range(3):
-            out = model(tokens)
+            out = (model(tokens), model(tokens[:1, :1]))
             torch.cuda.synchronize()
         outs.append(out)
         runtime.close()
     for out in outs[1:]:
-        torch.testing.assert_close(out, outs[0], atol=2e-3, rtol=2e-3)
+        for got, want in zip(out, outs[0]):
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
 def test_gpu_wait_for_host_holds_the_stream_and_gives_up():

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hf_models import STORE_FAMILIES
+from hf_models import FAMILIES
 
 import moeserve
 from moeserve.cli import main
@@ -47,7 +47,7 @@ def references(hf_checkpoints):
     """family -> (prompts, resident greedy tokens, tokens, resident logits)."""
     out = {}
     g = torch.Generator().manual_seed(0)
-    for fam in STORE_FAMILIES:
+    for fam in FAMILIES:
         resident = moeserve.load_model(hf_checkpoints[fam][1])
         prompts = [torch.randint(3, 97, (7,), generator=g).tolist(), torch.randint(3, 97, (4,), generator=g).tolist()]
         tokens = torch.randint(3, 97, (2, 9), generator=g)
@@ -55,7 +55,7 @@ def references(hf_checkpoints):
     return out
 
 
-@pytest.mark.parametrize("family", STORE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("slots", [0, 3])
 def test_hybrid_equals_resident_for_every_split(hf_checkpoints, references, family, slots):
     """fp32, mixed precision off: greedy tokens equal the resident model's, logits agree to fp32 rounding, with 0,
@@ -76,28 +76,30 @@ def test_hybrid_equals_resident_for_every_split(hf_checkpoints, references, fami
             assert st["gpu_pairs"] > 0 and 0 < st["admitted"] and len(runtime.cache.pool.slot_of) <= slots
 
 
-@pytest.mark.parametrize("family", STORE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("bits", [16, 4])
 def test_streamed_prompts_equal_the_cpu_path(hf_checkpoints, references, monkeypatch, family, bits):
     """Prompts of stream_from+ tokens stream their CPU layers' experts through the ring (on the CPU here: the same
     pass as on a GPU, copies are plain memcpys) and decode steps run on the CPU: fp32 greedy tokens and logits equal
     the resident model's (float experts) or the unstreamed hybrid run's (4-bit experts: same HQQ copies, the CPU's
     kernels against the slots' modules), with and without a slot cache; the ring (2 slots) is reused within a
-    layer."""
+    layer. One store serves every run."""
     monkeypatch.setattr(memory, "STREAM_RING_BYTES", 1)  # the smallest ring: 2 slots
     path = hf_checkpoints[family][1]
     prompts, expected, tokens, logits = references[family]
     spec = moeserve.load_model(path, routed_experts=False).spec
     layers = moe_layers(spec)
+    if bits != 16 and (spec.hidden_size % 16 or spec.expert_ffn % 16):
+        pytest.skip(f"{family}'s tiny shape has no HQQ group (low-bit experts are refused by name)")
+    unstreamed = HybridPlacement.choose(layers, cpu_moe=True, bits=bits, stream_from=0)
+    store = build_store(path, unstreamed, torch.float32, torch.device("cpu"), progress=False)
     if bits != 16:
-        if spec.hidden_size % 16 or spec.expert_ffn % 16:
-            pytest.skip(f"{family}'s tiny shape has no HQQ group (low-bit experts are refused by name)")
-        model, _ = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, bits=bits, stream_from=0))
+        model, _ = hybrid_model(path, unstreamed, store)
         expected, logits = greedy(model, prompts), model(tokens)
     for slots in (0, 2):
         placement = HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, bits=bits, stream_from=4,
                                            num_experts=8)
-        model, runtime = hybrid_model(path, placement, stream=True)
+        model, runtime = hybrid_model(path, placement, store, stream=True)
         assert runtime.streamer.pool.num_slots == 2
         assert greedy(model, prompts) == expected, (family, bits, slots)
         torch.testing.assert_close(model(tokens), logits, atol=2e-5, rtol=2e-5)
@@ -367,7 +369,7 @@ def test_cli_generate_with_an_8bit_dense_part(capsys, wide_byte_model_dir, expec
     assert main(base + ["--dense-bits", "8", "Hi"]) == 0  # resident experts, 8-bit dense part
     capsys.readouterr()
     expect_cli_error(base + ["--dense-bits", "4", "Hi"], "argument --dense-bits: invalid choice: 4")
-    expect_cli_error(base + ["--dense-bits", "8", "--tp", "2", "Hi"], "--dense-bits 8 and --tp/--ep cannot be combined")
+    expect_cli_error(base + ["--dense-bits", "8", "--tp", "2", "Hi"], "--tp 2 runs one process per rank: launch it under torchrun")
 
 
 def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsys):

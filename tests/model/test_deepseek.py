@@ -59,9 +59,10 @@ def test_absorbed_and_expanded_attention_agree_in_float64(hf_checkpoints, boolea
     mask[..., 0] = True  # every query sees a key
     if not boolean:
         mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, float("-inf"))
+    q = torch.cat((q_nope.transpose(1, 2), q_rope), dim=-1)  # [B, H, S, nope + rope]
     with torch.no_grad():
-        torch.testing.assert_close(attn._absorbed(q_nope, q_rope, entry, mask),
-                                   attn._expanded(q_nope, q_rope, entry, mask), rtol=1e-10, atol=1e-10)
+        absorbed = attn.core_output(attn.core_attention(attn.core_query(q), entry[:, None], None, mask))
+        torch.testing.assert_close(absorbed, attn._expanded(q, entry, mask), rtol=1e-10, atol=1e-10)
 
 
 def test_noaux_tc_bias_steers_the_choice_and_the_weights_stay_unbiased():
@@ -212,12 +213,6 @@ def test_expert_stores_take_fp8_checkpoints(fp8_pair, tmp_path):
         model = moeserve.load_model(fp8, routed_experts=False)
         enable_hybrid(model, build_store(fp8, placement, model.dtype, model.device, progress=False), placement)
         torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
-
-
-def test_plan_and_batch_refuse_mla_by_name(hf_checkpoints, tmp_path, expect_cli_error):
-    path = hf_checkpoints["deepseek_v2_lite"][1]
-    expect_cli_error(["plan", "--for", "batch", "--model", path, "--gpu-memory", "1GiB", "--profile",
-                      tmp_path / "none.json"], "multi-head latent attention is not modelled")
 
 
 def test_explain_names_the_paths_of_mla_layers(hf_checkpoints, capsys):

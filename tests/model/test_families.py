@@ -82,11 +82,6 @@ def test_granite_checkpoint_answers_for_moeserve_names(hf_checkpoints):
     assert "model.layers.1.mlp.gate.weight" in reader and "model.layers.1.mlp.shared_expert.gate_proj.weight" in reader
 
 
-def test_batch_pipeline_refuses_granite_multipliers_by_name(hf_checkpoints, tmp_path, expect_cli_error):
-    expect_cli_error(["plan", "--for", "batch", "--model", hf_checkpoints["granitemoe"][1], "--gpu-memory", "1GiB",
-                      "--profile", tmp_path / "none.json"], "granitemoe's embedding, residual, attention and logits")
-
-
 def test_dbrx_clip_qkv_clips_as_transformers(hf_checkpoints):
     """The tiny DBRX's fused qkv values reach well past clip_qkv (0.5); both clip them the same way, and without
     the clipping moeserve's logits would be others."""

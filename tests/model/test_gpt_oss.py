@@ -1,6 +1,6 @@
 """GPT-OSS beyond the generic family tests (hf parity, bf16, greedy, static decode iterate over its FAMILIES entry):
 the spec's quirks, a prefill across the sliding window, the server's slot cache, sink attention in query chunks, MXFP4
-experts as shipped against their dequantized twin, and the commands that refuse its experts.
+experts as shipped against their dequantized twin, and its experts in host RAM (hybrid) and offloaded from a store.
 GPU: tests/model/test_gpu_gpt_oss.py, tests/kernels/test_mxfp4.py."""
 
 import json
@@ -213,9 +213,35 @@ def test_quantize_skip_expert_keeps_the_experts_as_stored(byte_gpt_oss, source, 
     assert got["perplexity"] == round(perplexity(ref, ids, 32, progress=False)["perplexity"], 4)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["offload-prepare", "--out", "{tmp}/store"], "offload-prepare cannot take gpt_oss's experts yet"),
-])
-def test_commands_that_do_not_take_its_experts_say_so(gpt_oss, tmp_path, expect_cli_error, argv, message):
-    argv = [a.format(tmp=tmp_path) for a in argv] + ["--model", gpt_oss[1]]
-    expect_cli_error(argv, message)
+@pytest.mark.parametrize("source", ["float", "mxfp4"])
+def test_hybrid_and_offload_equal_the_resident_model(byte_gpt_oss, source, tmp_path, capsys):
+    """Experts in host RAM (--cpu-moe, --n-cpu-moe 1, the planner's --gpu-memory: read from the checkpoint, or from a
+    store) and offloaded from a store (offload-prepare, then generate --offload --high-slots 2 --all-high), float or
+    MXFP4 as shipped (the store's float copies dequantized): greedy tokens equal the resident model's and `eval ppl`
+    agrees to 1e-4; 4-bit experts (--experts-bits 4, mixed precision) run near it. The store records the biases and
+    the clamped SwiGLU, and is refused for a model whose experts compute otherwise."""
+    from moeserve.cli import main
+    from moeserve.offload.store import META_FILE, ExpertStore
+
+    src, store = byte_gpt_oss[source], tmp_path / "store"
+
+    def run(*argv) -> str:
+        assert main([str(a) for a in argv]) == 0
+        return capsys.readouterr().out
+
+    assert json.loads(run("offload-prepare", "--model", src, "--out", store, "--group", "32"))["layers"] == 4
+    meta = json.loads((store / META_FILE).read_text())
+    assert meta["expert_bias"] and meta["expert_act"] == {"alpha": 1.702, "limit": 1.0}
+    gen = ["generate", "--model", src, "--device", "cpu", "--greedy", "--max-new-tokens", "8", "--ignore-eos", "ab c"]
+    ppl = ["eval", "ppl", "--model", src, "--device", "cpu", "--max-tokens", "48"]
+    tokens, want = run(*gen), json.loads(run(*ppl))["perplexity"]
+    for extra in (["--cpu-moe"], ["--n-cpu-moe", "1"], ["--offload", store, "--high-slots", "2", "--all-high"],
+                  ["--gpu-memory", "1GiB", "--n-cpu-moe", "2"]):  # the planner's placement (no GPU here)
+        assert run(*gen, *extra) == tokens, extra
+    for extra in (["--cpu-moe"], ["--n-cpu-moe", "1", "--offload", store]):  # eval's --offload: the hybrid's store
+        assert json.loads(run(*ppl, *extra))["perplexity"] == pytest.approx(want, rel=1e-4), extra
+    for extra in (["--cpu-moe", "--offload", store, "--experts-bits", "4"], ["--n-cpu-moe", "2", "--mixed-precision"]):
+        assert json.loads(run(*ppl, *extra))["perplexity"] == pytest.approx(want, rel=0.1), extra
+    (store / META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "expert_act"}))
+    with pytest.raises(moeserve.MoeserveError, match="computed otherwise.*silu.*clamped SwiGLU alpha 1.702 limit 1.0"):
+        ExpertStore.open(store).check_model(moeserve.ModelSpec.from_dir(src), src)

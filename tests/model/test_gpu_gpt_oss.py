@@ -1,6 +1,7 @@
 """GPT-OSS on a CUDA GPU in bf16: the float checkpoint (grouped GEMMs with biases), the MXFP4 one (Triton kernels
-decoding in registers) and its HQQ 4-bit copy (the fused low-bit MoE with biases) take graph-safe paths, replay decode steps as CUDA graphs with the eager step's logits, and
-stay within bf16 rounding of transformers / the float32 CPU model. Skipped without a GPU."""
+decoding in registers) and its HQQ 4-bit copy (the fused low-bit MoE with biases) take graph-safe paths, replay
+decode steps as CUDA graphs with the eager step's logits, and stay within bf16 rounding of transformers / the float32
+CPU model; the MXFP4 one with some layers' experts on the CPU follows the resident model. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -72,3 +73,36 @@ def test_generate_with_cuda_graph_matches_eager_greedy(checkpoints):
     graph = [r.token_ids for r in generate(model, prompts, params)]
     eager = [r.token_ids for r in generate(model, prompts, params, cuda_graph=False)]
     assert [g[:12] for g in graph] == [e[:12] for e in eager]
+
+
+@pytest.mark.parametrize("n_cpu_moe,slots", [(2, 0), (4, 4)])
+def test_mxfp4_experts_on_the_cpu_follow_resident(checkpoints, n_cpu_moe, slots):
+    """GPT-OSS-120B on one GPU's case, in bf16: the MXFP4 checkpoint with its first MoE layers' experts on the CPU
+    (float copies dequantized from the blocks; the other layers MXFP4 resident, Triton), with and without a GPU slot
+    cache, a prompt of 40 tokens streamed through the GPU ring: the prompts' last logits within bf16 rounding of the
+    resident model's, and greedy decoding starts with the same token."""
+    from moeserve.hybrid.placement import HybridPlacement
+    from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
+
+    path = checkpoints[0]["mxfp4"]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (40, 7)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    resident = moeserve.load_model(path, device="cuda", dtype=torch.bfloat16)
+    placement = HybridPlacement.choose([0, 1, 2, 3], n_cpu_moe=n_cpu_moe, cache_slots=slots, threads=4,
+                                       num_experts=8)
+    stored = set(store_layers(placement))
+    model = moeserve.load_model(path, device="cuda", dtype=torch.bfloat16,
+                                routed_experts=[i for i in placement.moe_layers if i not in stored])
+    runtime = enable_hybrid(model, build_store(path, placement, model.dtype, model.device, progress=False), placement)
+    with torch.inference_mode():
+        for prompt in prompts:
+            tokens = torch.tensor([prompt], device="cuda")
+            want = resident(tokens)[0, -1].float()  # [V]
+            torch.testing.assert_close(model(tokens)[0, -1].float(), want, atol=0.03 * want.abs().max().item(),
+                                       rtol=0.0)
+    first = [[r.token_ids[0] for r in generate(m, prompts, params)] for m in (model, resident)]
+    assert first[0] == first[1]
+    st = runtime.summary()
+    assert st["cpu_pairs"] > 0 and st["streamed_pairs"] > 0 and (st["gpu_pairs"] > 0) == bool(slots)
+    runtime.close()

@@ -1,12 +1,15 @@
 """Expert, tensor and vocab parallelism on torch.distributed (gloo, CPU, spawned ranks) against the
-single-process model. One spawn per world size runs all cases (tests/parallel_worker.py)."""
+single-process model, float and quantized (`moeserve quantize`, --dense-bits). One spawn per world size runs all
+cases (tests/parallel_worker.py)."""
 
+import functools
 import json
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import parallel_worker
@@ -29,6 +32,9 @@ CASES = {
         ("model", ["gpt_oss", "gpt_oss_mxfp4"], 1, 2, 128),  # biases, clamped SwiGLU, sinks; MXFP4 blocks
         ("model", ["gpt_oss_mxfp4"], 1, 2, 0),
         ("model", ["gpt_oss", "gpt_oss_mxfp4_wide"], 2, 1, 128),  # TP: sinks by head, down's bias once, F slices
+        ("quantized", "q4", 1, 2), ("quantized", "q4", 2, 1),  # EP: own experts read; TP: low-bit dense slices
+        ("quantized", "q3", 2, 1),  # 3-bit word planes and compensators sliced, float experts beside them
+        ("quantized", "wide", 1, 2, 8), ("quantized", "wide", 2, 1, 8),  # --dense-bits 8, the head too
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
@@ -36,8 +42,53 @@ CASES = {
         ("model", ["prmoe", "pyramid"], 1, 4, 128), ("model", ["prmoe"], 1, 4, 0),  # 2 experts: 2 copies
         ("model", ["gpt_oss_mxfp4"], 1, 4, 128),  # two of its 8 experts a rank
         ("model", ["gpt_oss_mxfp4_wide"], 2, 2, 128),  # TP x EP
+        ("quantized", "mixtral_q4", 2, 2),  # TP x EP over a moeserve quantized checkpoint
         ("hierarchical",), ("bad_checkpoint",)],
 }
+
+# A Qwen2-MoE-shaped model (q/k/v biases, a shared expert, a dense FFN layer) wide enough that every TP slice of
+# 2 keeps whole packing units and groups of up to 64: hidden, heads x head dim, dense and shared FFN 128 (64 a rank).
+WIDE = dict(model_type="qwen2_moe", vocab_size=97, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=3, shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[1],
+            norm_topk_prob=False, rms_norm_eps=1e-6, max_position_embeddings=128, rope_theta=10000.0,
+            tie_word_embeddings=False)
+
+
+def write_wide_checkpoint(path):
+    """WIDE's model with random weights (as hf_models draws them), in moeserve's names: no transformers model."""
+    import moeserve
+    from moeserve.model.transformer import MoETransformer
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(WIDE))
+    torch.manual_seed(0)
+    model = MoETransformer(moeserve.ModelSpec.from_dir(path))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.08 + (1.0 if p.ndim == 1 else 0.0))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def quantized_paths(root, mixtral) -> dict[str, str]:
+    """wide: WIDE's float model; q4: it with every linear layer 4-bit RTN; q3: its dense FFN layer 3-bit with MiLo
+    compensators at 3 bits (one MiLo round: the default 20 take seconds here), the rest left float; mixtral_q4:
+    `mixtral` 4-bit RTN."""
+    from moeserve.quant import milo
+    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+
+    write_wide_checkpoint(root / "wide")
+    rtn = QuantConfig(bits=4, group=16, method="rtn")
+    quantize_checkpoint(root / "wide", root / "q4", rtn, progress=False)
+    quantize_checkpoint(mixtral, root / "mixtral_q4", rtn, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(milo, "fit", functools.partial(milo.fit, iters=1))
+        quantize_checkpoint(root / "wide", root / "q3",
+                            QuantConfig(bits=3, group=32, ranks="dense_ffn=4", compensator_bits=3,
+                                        skip=("attention", "shared_expert", "expert")), progress=False)
+    return {name: str(root / name) for name in ("wide", "q4", "q3", "mixtral_q4")}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +97,8 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     `fused_tied`: qwen3_moe in fused-expert names with the head tied to the embedding (no lm_head stored);
     `gpt_oss_mxfp4`: the tiny GPT-OSS with its experts in MXFP4 (hf_models.write_mxfp4_pair), `gpt_oss_mxfp4_wide`
     another with an FFN of 64 (tensor-parallel slices of whole blocks);
-    `prmoe` (top-1 + residual MLP) and `pyramid` (top-2): PR-MoE checkpoints with layers of 2, 4 and 8 experts."""
+    `prmoe` (top-1 + residual MLP) and `pyramid` (top-2): PR-MoE checkpoints with layers of 2, 4 and 8 experts;
+    the quantized checkpoints of quantized_paths."""
     import moeserve
     from hf_models import build_hf_model, write_mxfp4_pair
     from prmoe_models import save_prmoe_model, tiny_arch
@@ -76,7 +128,7 @@ def checkpoint_paths(hf_checkpoints, tmp_path_factory):
     paths["gpt_oss_mxfp4_wide"] = str(wide_packed)
     paths["prmoe"] = str(save_prmoe_model(tmp_path_factory.mktemp("prmoe"), tiny_arch((2, 4, 8), 1, True), seed=5))
     paths["pyramid"] = str(save_prmoe_model(tmp_path_factory.mktemp("pyramid"), tiny_arch((2, 4, 8), 2, False), seed=6))
-    return paths
+    return {**paths, **quantized_paths(tmp_path_factory.mktemp("quantized"), paths["mixtral"])}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -212,12 +264,17 @@ def test_tensor_parallel_refuses_to_cut_mxfp4_blocks(checkpoint_paths):
     check_tensor_parallel(moeserve.ModelSpec.from_dir(checkpoint_paths["gpt_oss_mxfp4_wide"]), 2)
 
 
-def test_a_quantized_checkpoint_is_refused_by_name(hf_checkpoints, tmp_path):
-    """Ranks read float tensors shard-wise: a moeserve-quantized checkpoint gets one line, before any group."""
-    from moeserve.parallel.loading import load_parallel_model
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+def test_a_tp_slice_that_cuts_a_group_is_refused_by_name():
+    """Inputs 0..31 of a layer quantized in groups of 64 (--dense-bits 8's) would cut each group in half; rows are
+    always exact."""
+    from moeserve.parallel.tensor_parallel import Slicer
+    from moeserve.quant import hqq
+    from moeserve.quant.qlinear import QuantizedLinear
 
-    quantize_checkpoint(hf_checkpoints["mixtral"][1], tmp_path / "q", QuantConfig(bits=4, group=16, method="rtn"),
-                        progress=False)
-    with pytest.raises(MoeserveError, match="quantized checkpoint.*--ep/--tp needs the original"):
-        load_parallel_model(tmp_path / "q", 0, 2, ep=2)
+    q = QuantizedLinear.from_quantized(hqq.quantize_rtn(torch.randn(32, 64), 8, 64))
+    with pytest.raises(MoeserveError, match=r"tensor-parallel size 2 cannot slice the low-bit layer "
+                                            r"model\.layers\.0\.self_attn\.o_proj exactly: values 0\.\.31 cut a "
+                                            r"group of 64"):
+        Slicer(rank=0, size=2).linear(q, "model.layers.0.self_attn.o_proj")
+    part = Slicer(rank=1, size=2).linear(q, "model.layers.0.self_attn.q_proj")
+    torch.testing.assert_close(part.weight(), q.weight()[16:], rtol=0, atol=0)

@@ -1,5 +1,6 @@
 """CGOPipe executor on a GPU (copy stream, pinned host KV, CPU-attention worker thread): the same greedy
-tokens and step logits as the plain engine under every schedule; skipped without a GPU."""
+tokens and step logits as the plain engine under every schedule, for every kind of attention and expert; skipped
+without a GPU."""
 
 import random
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 import moeserve
+from hf_models import write_mxfp4_pair
+from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.plan.pipeline import SCHEDULES, Pipeline
 from moeserve.plan.policy import ThroughputPolicy
@@ -50,3 +53,24 @@ def test_gpu_pipeline_reuses_buffers_safely(hf_checkpoints, schedule):
         for (_, a), b in zip(steps, ref_logits, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     pipeline.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "granitemoe", "gpt_oss", "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_gpu_pipeline_runs_each_family(hf_checkpoints, tmp_path_factory, family, schedule):
+    """MLA (latent query on the GPU, attention over the latents on the CPU), Granite's multipliers and GPT-OSS (sinks,
+    sliding windows, expert biases, clamped SwiGLU; MXFP4 blocks streamed as they are): greedy tokens as the plain
+    engine's on the GPU, half the layers streamed."""
+    path = hf_checkpoints[family.removesuffix("_mxfp4")][1]
+    if family.endswith("_mxfp4"):
+        packed = tmp_path_factory.mktemp("mxfp4")
+        write_mxfp4_pair(path, packed, tmp_path_factory.mktemp("twin"))
+        path = packed
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [g.token_ids for g in generate(moeserve.load_model(path, device="cuda", dtype="float32"), PROMPTS, params)]
+    host = moeserve.load_model(path, device="cpu", dtype="float32")
+    pipeline = Pipeline(host, ThroughputPolicy(batch_size=4, micro_batch=2, weights_gpu_fraction=0.5,
+                                               **SCHEDULES[schedule]), "cuda")
+    *_, (gens, _, _) = pipeline.generate(PROMPTS, params)
+    pipeline.close()
+    assert [g.token_ids for g in gens] == want

@@ -16,17 +16,18 @@ from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.plan import layer_weights
 from moeserve.plan import pipeline as pipeline_module
 from moeserve.plan.cpu_attention import gqa_attention
-from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes, pack_qkv, unpack_qkv
+from moeserve.plan.pipeline import SCHEDULES, Pipeline, Staging, host_kv_bytes, pack
 from moeserve.plan.policy import ThroughputPolicy
 
 PROMPTS = [[5, 9, 13, 7, 21, 3, 8], [11, 4], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [6, 17, 19, 23]]
 
 
 def plain(model, prompts, params):
-    """Greedy tokens and the logits [B, V] of every step from engine.generate."""
+    """Greedy tokens and the logits [B, V] of every step from engine.generate (eager: a CUDA graph's replays would
+    run no hook)."""
     logits = []
     hook = model.lm_head.register_forward_hook(lambda m, a, out: logits.append(out[:, -1].clone()))
-    for gens, _ in iterate(model, prompts, params):
+    for gens, _ in iterate(model, prompts, params, cuda_graph=False):
         pass
     hook.remove()
     return [g.token_ids for g in gens], logits
@@ -78,8 +79,8 @@ def test_pipeline_buffers_reused_across_steps_and_batches(hf_checkpoints, monkey
     buffer or cache slot reused too early would show): every step's logits equal the plain engine's."""
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    attention, host_kv = pipeline_module.gqa_attention, Pipeline._host_kv
-    monkeypatch.setattr(pipeline_module, "gqa_attention", lambda *a: (time.sleep(0.002), attention(*a))[1])
+    attention, host_kv = pipeline_module.cpu_attention, Pipeline._host_kv
+    monkeypatch.setattr(pipeline_module, "cpu_attention", lambda *a: (time.sleep(0.002), attention(*a))[1])
     monkeypatch.setattr(Pipeline, "_host_kv", lambda *a: (time.sleep(0.002), host_kv(*a))[1])
     rng = random.Random(7)
     for schedule in ("cgopipe", "flexgen"):
@@ -136,24 +137,33 @@ def test_host_kv_bytes_counts_what_the_pipeline_allocates(hf_checkpoints):
     assert [layer_weights.pinned_size(n) for n in (0, 1, 3, 4, 5, 4096)] == [0, 1, 4, 4, 8, 4096]
 
 
-def test_pack_unpack_qkv_round_trip():
-    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16)
-    flat = pack_qkv(q, k, v)
-    assert flat.shape == (3, (2 * 2 + 8) * 16) and flat.is_contiguous()
-    for a, b in zip(unpack_qkv(flat, 2, 16), (k, v, q)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_staging_pack_unpack_round_trip(hf_checkpoints, family):
+    """A decode token's cache entry (GQA: k and v; MLA: the latent, no v) and the core's query, packed into one row
+    of the Staging buffer and read back as views."""
+    spec = moeserve.ModelSpec.from_dir(hf_checkpoints[family][1])
+    staging = Staging(spec, 3, torch.float32, pin=False, cpu_attends=True)
+    heads, dim, separate = spec.kv_cache_entry()
+    k, q = torch.randn(3, heads, 1, dim), torch.randn(3, spec.num_heads, 1, spec.attention_core()[0])
+    v = torch.randn(3, heads, 1, dim) if separate else None
+    staging.qkv[1].copy_(pack(k, v, q))
+    got = staging.unpack(1)
+    assert (got[1] is None) == (v is None)
+    for a, b in zip(got, (k, v, q)):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("S", [1, 3])
-def test_gqa_attention_equals_sdpa(S):
+@pytest.mark.parametrize("S,scale", [(1, None), (3, None), (1, 0.2)])  # 0.2: Granite's attention multiplier
+def test_gqa_attention_equals_sdpa(S, scale):
     """Also over a strided slice of a cache, as the CPU attention reads it."""
     torch.manual_seed(0)
     q, cache = torch.randn(3, 8, S, 16), torch.randn(2, 3, 2, 12, 16)  # cache [kv, n, Hkv, S_max, Dh]
     k, v = cache[0, :, :, :9], cache[1, :, :, :9]
     mask = torch.rand(3, 1, S, 9) > 0.3
     mask[..., -1] = True
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref.transpose(1, 2).reshape(3, S, 128))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask, scale), ref.transpose(1, 2).reshape(3, S, 128))
 
 
 def test_balanced_micro_batches_bound():

@@ -296,13 +296,18 @@ def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor | None:
 
 def quantized_linear_batch(layers: list, x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     """Row blocks of x [sum(rows), in] (rows[b] rows each) through layers[b] (QuantizedLinear of one shape, no
-    compensator or bias) in one native call -> [sum(rows), out] float32; None when the kernel does not read these
-    layers (then each runs on its own). Blocks of any size: past a few rows the kernel is compute-bound, yet it
-    beats dequantizing a whole expert's weight per call by far (bench/hybrid.py's prefill)."""
+    compensator; all with biases or none) in one native call, each block's bias added after it in torch ->
+    [sum(rows), out] float32; None when the kernel does not read these layers (then each runs on its own). Blocks of
+    any size: past a few rows the kernel is compute-bound, yet it beats dequantizing a whole expert's weight per call
+    by far (bench/hybrid.py's prefill)."""
     first = layers[0]
-    if not (all(m.rank == 0 and m.bias is None and (m.bits, m.group, m.in_features, m.out_features) == (
-            first.bits, first.group, first.in_features, first.out_features) for m in layers)
+    if not (all(m.rank == 0 and (m.bias is None) == (first.bias is None)
+                and (m.bits, m.group, m.in_features, m.out_features) == (
+                    first.bits, first.group, first.in_features, first.out_features) for m in layers)
             and applies(first, x, None)):
         return None
     kernel = default_kernel(first.bits)
-    return kernel.batch(x.float(), rows, [packed_weight(m, kernel) for m in layers])
+    y = kernel.batch(x.float(), rows, [packed_weight(m, kernel) for m in layers])  # [sum(rows), out]
+    if first.bias is None:
+        return y
+    return y + torch.cat([m.bias.float().expand(n, -1) for m, n in zip(layers, rows)])  # [sum(rows), out]
