@@ -348,6 +348,17 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, d
                      req.dtype_name, problem or _problem(req, gpu, host), streams, req.rated_dense_bits)
 
 
+def resident_expert_bytes(spec: ModelSpec, bits: int, dtype_bytes: int, group: int = 64) -> int:
+    """Bytes of one expert resident on the model device: expert_bytes (what a store holds), except that an MXFP4
+    checkpoint's experts (bits 16: as shipped) stay packed there, 17 bytes per 32 weights (16 of 4-bit codes, one
+    scale) beside their biases, where the store keeps float copies."""
+    if bits != 16 or not spec.experts_mxfp4:
+        return expert_bytes(spec, bits, dtype_bytes, group)
+    D, F = spec.hidden_size, spec.expert_ffn
+    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
+    return 3 * D * F * 17 // 32 + bias
+
+
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     M, E = moe_layer_count(spec), spec.num_experts
     fixed = (dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
@@ -355,16 +366,17 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
-        eb = expert_bytes(spec, bits, req.dtype_bytes, group)
+        eb = expert_bytes(spec, bits, req.dtype_bytes, group)  # a slot's or the ring's copy (the store's)
+        rb = resident_expert_bytes(spec, bits, req.dtype_bytes, group)  # a resident layer's
         ring = ring_slots(eb, E) * eb  # the GPU ring prompts stream the CPU layers' experts through
         if req.cpu_layers is not None:
             splits = [req.cpu_layers]
         else:  # the fewest CPU layers that leave the rest (and the ring) room
-            fewest = 0 if room >= M * E * eb else min(max(M - int(max(room - ring, 0) // (E * eb)), 0), M)
+            fewest = 0 if room >= M * E * rb else min(max(M - int(max(room - ring, 0) // (E * rb)), 0), M)
             splits = sorted({0, fewest})
         for n in splits:
-            streams = n > 0 and room - (M - n) * E * eb >= ring  # else prompts run on the CPU too
-            left = room - (M - n) * E * eb - (ring if streams else 0)
+            streams = n > 0 and room - (M - n) * E * rb >= ring  # else prompts run on the CPU too
+            left = room - (M - n) * E * rb - (ring if streams else 0)
             slots = req.cache_slots if req.cache_slots is not None else int(max(left, 0) // eb)
             slots = min(slots, n * E)
             hit = slots / (n * E) if n else 0.0
@@ -374,7 +386,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
                                           linked_layers=n if linked else 0)
             host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
-                                  fixed + ((M - n) * E + slots) * eb + (ring if streams else 0), host, decode,
+                                  fixed + (M - n) * E * rb + slots * eb + (ring if streams else 0), host, decode,
                                   prefill, streams=streams))
     if req.bits is None and req.cpu_layers is None:
         out.append(_offload_candidate(spec, hw, req, costs, fixed))
@@ -410,7 +422,8 @@ def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     for bits, group in _bits(spec, req):
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
         eb = expert_bytes(spec, bits, req.dtype_bytes, group)
-        host = dense + (M * E * eb if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group))
+        resident = M * E * resident_expert_bytes(spec, bits, req.dtype_bytes, group)
+        host = dense + (resident if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group))
         decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
         out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))
     return out

@@ -14,7 +14,7 @@ from moeserve.hybrid import memory
 from moeserve.hybrid.memory import expert_bytes
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes
 from moeserve.plan.hardware import HardwareProfile
-from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose,
+from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose, resident_expert_bytes,
                                      dense_bytes, dense_minimum, plan_placement)
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
@@ -346,3 +346,24 @@ def test_serve_checks_the_plan_and_host_ram_before_listening(expect_cli_error, b
     expect_cli_error(serve + ["--gpu-memory", "1GiB", "--n-cpu-moe", "3"], "outside the model's 2 MoE layers")
     monkeypatch.setattr("moeserve.hybrid.memory.available_ram", lambda: 1000)
     expect_cli_error(serve + ["--cpu-moe"], "not enough host RAM for the experts on the CPU")
+
+
+def test_mxfp4_experts_count_packed_where_they_stay_resident():
+    """GPT-OSS-20B as shipped (MXFP4 experts, 9.5 GiB packed, 36 GiB as bf16): a 16 GiB budget holds every expert
+    packed on the GPU, so the plan keeps them resident rather than putting layers' experts on the CPU; the layers it
+    does put on the CPU (a smaller budget) are counted as the store's float copies."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32).to_dict()
+    spec = ModelSpec.from_hf_config({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
+    assert spec.experts_mxfp4
+    packed = resident_expert_bytes(spec, 16, 2)
+    assert packed == 3 * 2880 * 2880 * 17 // 32 + (3 * 2880) * 2 and packed < expert_bytes(spec, 16, 2) / 3.5
+    hw = HardwareProfile.from_dict(H100)
+    plan = plan_placement(spec, hw, mixtral_request(16, bits=16))
+    assert (plan.chosen.kind, plan.chosen.bits) == ("resident", 16)
+    assert plan.chosen.gpu_bytes > 24 * 32 * packed  # the experts, packed, and the dense part
+    small = plan_placement(spec, hw, mixtral_request(8, bits=16)).chosen
+    assert small.kind == "hybrid" and 0 < small.cpu_layers < 24
+    assert small.gpu_bytes <= 8 * GiB * (1 - WORKSPACE_SHARE)
+    assert small.gpu_bytes >= (24 - small.cpu_layers) * 32 * packed + small.cache_slots * expert_bytes(spec, 16, 2)
