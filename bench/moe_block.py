@@ -36,6 +36,7 @@ from kernels import random_layer  # noqa: E402
 from moeserve.kernels.triton.configs import fused_max_tokens, gpu_name  # noqa: E402
 from moeserve.model.experts import fused_moe_available, grouped_mm_available  # noqa: E402
 from moeserve.model.moe import MoEBlock  # noqa: E402
+from moeserve.quant.mxfp4 import stored_experts  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
 
@@ -76,6 +77,7 @@ def hf_and_ours_blocks(make_hf, spec: ModelSpec, device: torch.device, dtype: to
         hf = make_hf().eval()
         with torch.device("meta"):
             ours = MoEBlock(spec, 0).eval()
+            ours.experts = stored_experts(spec, spec.experts_at(0))  # MXFP4 kept packed where the spec says so
     return hf, ours
 
 

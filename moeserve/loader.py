@@ -17,6 +17,7 @@ from moeserve.model.transformer import MoETransformer
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import install_quantized_modules, read_manifest, stored_to_current
+from moeserve.quant.mxfp4 import use_stored_experts
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
 
@@ -82,6 +83,7 @@ def meta_model(path: str | Path) -> MoETransformer:
     manifest = read_manifest(Path(path))
     with torch.device("meta"):
         model = MoETransformer(spec)
+        use_stored_experts(model)  # MXFP4 experts as shipped
         if manifest:
             install_quantized_modules(model, manifest)
     return model

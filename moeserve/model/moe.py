@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from moeserve.model.experts import ExpertBackend, ResidentExperts
-from moeserve.quant.mxfp4 import Mxfp4Experts
 from moeserve.model.layers import MLP
 from moeserve.model.router import GroupedRouter, SigmoidTopKRouter, SparseMixerRouter, TopKRouter
 from moeserve.spec import ModelSpec
@@ -22,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def resident_experts(spec: ModelSpec, num_experts: int) -> ExpertBackend:
-    """The experts of an MoE layer as the checkpoint holds them: float (ResidentExperts) or MXFP4 kept packed."""
-    cls = Mxfp4Experts if spec.experts_mxfp4 else ResidentExperts
-    return cls(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
+    """The experts of an MoE layer in float (with the family's biases and activation). The model code knows no
+    storage format: the loader swaps in the kind a checkpoint stores (quant/mxfp4.py stored_experts: MXFP4 kept
+    packed; quant/manifest.py: low-bit) on the meta device, before it reads the weights."""
+    return ResidentExperts(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
 
 
 class MoEBlock(nn.Module):

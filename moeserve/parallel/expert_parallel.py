@@ -14,13 +14,13 @@ from torch import nn
 
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 from moeserve.model.experts import ExpertBackend, expert_tensors, set_expert_tensor
-from moeserve.model.moe import resident_experts
 from moeserve.parallel.collectives import all_gather_uneven
 from moeserve.parallel.dispatch import dynamic_rows, static_rows
 from moeserve.parallel.groups import check_experts, expert_share, split_range
 from moeserve.parallel.hierarchical import hierarchical_all_to_all
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.parallel.plan import DispatchPlan
+from moeserve.quant.mxfp4 import stored_experts
 from moeserve.quant.qlinear import QuantizedExperts
 
 
@@ -151,7 +151,7 @@ def local_experts(full: ExpertBackend, spec, mine: range) -> ExpertBackend:
         return QuantizedExperts(list(full.gate_up[mine.start:mine.stop]), list(full.down[mine.start:mine.stop]),
                                 full.act)
     with torch.device("meta"):  # shapes only: the weights are this rank's slice of the full ones
-        local = resident_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
+        local = stored_experts(spec, len(mine))  # float or MXFP4, with the family's biases and activation
     for name, t in expert_tensors(full):
         set_expert_tensor(local, name, t[mine.start:mine.stop].detach().clone())  # every expert tensor: [E, ...]
     return local

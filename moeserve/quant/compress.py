@@ -345,6 +345,7 @@ def _model_tensors(spec: ModelSpec) -> list[str]:
     and the packed buffers of the modules that keep weights as stored, MXFP4 experts' blocks and scales)."""
     with torch.device("meta"):
         model = MoETransformer(spec)
+        mxfp4.use_stored_experts(model)
     return [names[0] for names, _, _ in tensors_to_load(model)]
 
 

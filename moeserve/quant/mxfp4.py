@@ -19,7 +19,7 @@ from torch import nn
 from moeserve.errors import MoeserveError
 from moeserve.kernels import triton_serves
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
-from moeserve.model.experts import LoopedExperts, gated_ffn
+from moeserve.model.experts import ExpertBackend, LoopedExperts, ResidentExperts, gated_ffn
 from moeserve.spec import ClampedSwiGLU
 
 if TYPE_CHECKING:
@@ -119,3 +119,21 @@ class Mxfp4Experts(LoopedExperts):
         gate_up = Mxfp4Weights(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
         down = Mxfp4Weights(self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
         return mxfp4_experts(x, gate_up, down, table, self.act, self.kernel_config, token_ids)
+
+
+def stored_experts(spec, num_experts: int) -> ExpertBackend:
+    """A layer's experts as the checkpoint stores them: MXFP4 kept packed (Mxfp4Experts) where config.json says so
+    (GPT-OSS as shipped), else float (ResidentExperts); with the family's biases and activation."""
+    cls = Mxfp4Experts if spec.experts_mxfp4 else ResidentExperts
+    return cls(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
+
+
+def use_stored_experts(model: nn.Module) -> None:
+    """Give every MoE layer of `model` (built by the model code with float experts, on the meta device) the experts
+    its checkpoint stores (stored_experts): the loader's first step after building the model."""
+    spec = model.spec
+    if not spec.experts_mxfp4:
+        return
+    for i, layer in enumerate(model.model.layers):
+        if spec.moe_layers[i]:
+            layer.mlp.experts = stored_experts(spec, spec.experts_at(i))
