@@ -30,7 +30,7 @@ from moeserve.engine.sampling import SamplingParams  # noqa: E402
 from moeserve.kernels.cpu import gemv  # noqa: E402
 from moeserve.kernels.cpu.machine import cpu_info  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
-from moeserve.quant.compress import QuantConfig, quantize_checkpoint  # noqa: E402
+from moeserve.compress import QuantConfig, quantize_checkpoint  # noqa: E402
 from moeserve.quant.hqq import QuantizedWeight  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear  # noqa: E402
 

@@ -41,7 +41,7 @@ import moeserve  # noqa: E402
 from moeserve.cli import DEMO_DIR  # noqa: E402
 from moeserve.evaluate import perplexity  # noqa: E402
 from moeserve.quant import hqq, milo  # noqa: E402
-from moeserve.quant.compress import (QuantConfig, frequency_from_text, linear_tensors,  # noqa: E402
+from moeserve.compress import (QuantConfig, frequency_from_text, linear_tensors,  # noqa: E402
                                      quantize_checkpoint)
 from moeserve.spec import ModelSpec  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402

@@ -25,7 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]  # the repo
 from moeserve.checkpoint import save_safetensors_atomic  # noqa: E402
 from moeserve.cli import DEMO_DIR  # noqa: E402
 from moeserve.loader import meta_model  # noqa: E402
-from moeserve.quant.compress import QuantConfig, quantize_checkpoint  # noqa: E402
+from moeserve.compress import QuantConfig, quantize_checkpoint  # noqa: E402
 from moeserve.tokenizer import BYTE_TOKENIZER_FILE  # noqa: E402
 
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,

@@ -7,7 +7,7 @@ import sys
 
 from moeserve.cli.common import read_text
 from moeserve.loader import resolve_device
-from moeserve.quant.compress import QuantConfig, check_job, frequency_from_text, quantize_checkpoint
+from moeserve.compress import QuantConfig, check_job, frequency_from_text, quantize_checkpoint
 
 def run(args) -> int:
     cfg = QuantConfig(bits=args.bits, group=args.group, method=args.method, ranks=args.ranks,

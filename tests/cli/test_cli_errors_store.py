@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import save_byte_model
 from moeserve.offload.store import META_FILE, ExpertStore
-from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+from moeserve.compress import QuantConfig, quantize_checkpoint
 from moeserve.quant.manifest import MANIFEST
 
 

@@ -14,7 +14,7 @@ from moeserve.checkpoint import CheckpointReader, to_per_expert
 from moeserve.model.kv_cache import KVCache
 from moeserve.model.mla import MLAttention
 from moeserve.model.router import grouped_topk
-from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+from moeserve.compress import QuantConfig, quantize_checkpoint
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec, RouterSpec
 

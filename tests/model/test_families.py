@@ -197,7 +197,7 @@ def test_llama4_fused_experts_read_in_part_and_quantize(hf_checkpoints, tmp_path
     in part (an expert's row for the expert stores, slices for parallel loading); `moeserve quantize` reads them
     and its 8-bit checkpoint runs close to the float model."""
     from moeserve.checkpoint import CheckpointReader, read_expert_row
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+    from moeserve.compress import QuantConfig, quantize_checkpoint
     from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 
     _, path = hf_checkpoints["llama4"]

@@ -130,7 +130,7 @@ def test_mxfp4_checkpoint_computes_its_dequantized_twin(mxfp4_pair, gpt_oss):
 def test_quantize_keeps_biases_and_clamped_swiglu_from_float_or_mxfp4(mxfp4_pair, gpt_oss, tmp_path):
     """`quantize` of the MXFP4 checkpoint and of its float twin write the same model: HQQ experts with their biases
     and the clamped SwiGLU, equal to quantizing the twin's experts in memory; 8-bit RTN stays near the float model."""
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint, quantize_tensor
+    from moeserve.compress import QuantConfig, quantize_checkpoint, quantize_tensor
     from moeserve.quant.qlinear import QuantizedExperts
 
     packed, twin = mxfp4_pair
@@ -186,7 +186,7 @@ def test_quantize_skip_expert_keeps_the_experts_as_stored(byte_gpt_oss, source, 
     and `eval ppl` prints that model's perplexity; `generate` and `info --explain` run on it."""
     from moeserve.cli import main
     from moeserve.evaluate import perplexity
-    from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_tensor
+    from moeserve.compress import QuantConfig, linear_tensors, quantize_tensor
     from moeserve.quant.dense import replace_module
     from moeserve.tokenizer import load_tokenizer
 

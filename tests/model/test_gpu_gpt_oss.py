@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def checkpoints(tmp_path_factory):
     """{"float": HF save_pretrained dir, "mxfp4": its MXFP4 copy, "twin": the MXFP4 copy dequantized, "hqq": the
     float one's experts HQQ 4-bit (moeserve quantize)}, and the HF fp32 model."""
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+    from moeserve.compress import QuantConfig, quantize_checkpoint
 
     hf = build_hf_model("gpt_oss", seed=7)
     paths = {name: tmp_path_factory.mktemp(f"gpt_oss_{name}") for name in ("float", "mxfp4", "twin")}

@@ -203,7 +203,7 @@ def test_cli_offload(capsys, byte_model_dir, hf_checkpoints, tmp_path):
 def test_quantized_checkpoint_runs_with_the_store_of_its_source(capsys, byte_model_dir, tmp_path):
     """A moeserve quantized checkpoint stores its experts low-bit; its manifest records its source's sampled
     expert rows, so the store built from that source is accepted."""
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+    from moeserve.compress import QuantConfig, quantize_checkpoint
 
     quantize_checkpoint(byte_model_dir, tmp_path / "q", QuantConfig(bits=8, group=16, method="rtn"), progress=False)
     ExpertStore.build(byte_model_dir, tmp_path / "s", low_bits=4, group=32, progress=False)

@@ -77,7 +77,7 @@ def quantized_paths(root, mixtral) -> dict[str, str]:
     compensators at 3 bits (one MiLo round: the default 20 take seconds here), the rest left float; mixtral_q4:
     `mixtral` 4-bit RTN."""
     from moeserve.quant import milo
-    from moeserve.quant.compress import QuantConfig, quantize_checkpoint
+    from moeserve.compress import QuantConfig, quantize_checkpoint
 
     write_wide_checkpoint(root / "wide")
     rtn = QuantConfig(bits=4, group=16, method="rtn")

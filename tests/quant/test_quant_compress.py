@@ -10,8 +10,8 @@ import moeserve
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.kernels.pack import units_from_planar
-from moeserve.quant import compress
-from moeserve.quant.compress import QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
+from moeserve import compress
+from moeserve.compress import QuantConfig, linear_tensors, quantize_checkpoint, quantize_tensor
 from moeserve.quant.manifest import FORMAT, MANIFEST, UNITS_FORMAT
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 

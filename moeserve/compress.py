@@ -1,5 +1,6 @@
-"""Compressed checkpoints: quantize every linear weight of a checkpoint (RTN, HQQ or MiLo), write it
-with a manifest (quant/manifest.py reads it back into a runnable model).
+"""Compressed checkpoints (`moeserve quantize`): quantize every linear weight of a checkpoint (RTN, HQQ or MiLo)
+with quant/'s algorithms, write it with a manifest (quant/manifest.py reads it back into a runnable model). It
+loads models, so it sits above the loader, not inside quant/.
 
 Work goes one layer at a time (peak memory about one layer), into `OUT.partial/`, one shard per
 layer; an interrupted run resumes from the finished shards, and OUT appears only when complete. Each
@@ -26,10 +27,10 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
                                   read_as_stored, read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest,
                                   update_digest, validate_safetensors)
 from moeserve.errors import MoeserveError
-from moeserve.quant import hqq, milo, mxfp4
-from moeserve.quant.dense import layer_linears
 from moeserve.loader import load_model, tensors_to_load
 from moeserve.model.transformer import MoETransformer
+from moeserve.quant import hqq, milo, mxfp4
+from moeserve.quant.dense import layer_linears
 from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import (TensorInfo, assign_ranks, clamp_ranks, expert_frequency, parse_rank_policy,
