@@ -13,11 +13,13 @@ import sys
 
 from moeserve.cli.options import DEMO_DIR
 from moeserve.cli.parser import build_parser
+from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
 
 COMMANDS = {"generate": "generate", "info": "info", "eval": "eval", "quantize": "quantize", "trace": "trace",
             "batch": "batch", "offload-prepare": "offload_prepare", "profile": "profile", "plan": "plan",
             "serve": "serve", "bench": "bench", "train": "train", "tune": "tune"}  # command -> module in moeserve.cli
+RUNS = {"generate": "generate", "eval": "eval ppl", "serve": "serve", "bench": "bench"}  # commands with a RunConfig
 
 
 def cpu_wait_policy(args) -> None:
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_logging(os.environ.get("MOESERVE_LOG", ""))
         cpu_wait_policy(args)
+        if args.command in RUNS:  # before torch loads: each rank of a bad torchrun launch says why, at once
+            RunConfig.from_args(args, RUNS[args.command]).validate()
         command = importlib.import_module(f"moeserve.cli.{COMMANDS[args.command]}")
         status = command.run(args)
         return status
