@@ -170,10 +170,10 @@ def time_cuda_graph(fn: Callable, inputs: Sequence, reps: int = 20) -> float:
 
 def capture_graph(fn: Callable, inputs: Sequence) -> "torch.cuda.CUDAGraph":
     """One CUDA graph holding a call of fn per input, after a warm-up on a side stream (compilation, lazy
-    allocations), as capturing requires: the tuner's own (moeserve autotune.capture_graph)."""
-    from moeserve.kernels.triton.autotune import capture_graph as tuner_capture  # Triton: GPU runs only
+    allocations), as capturing requires: moeserve's one capture helper (kernels/cuda_graph.capture)."""
+    from moeserve.kernels.cuda_graph import capture
 
-    return tuner_capture(fn, inputs)
+    return capture(lambda: [fn(x) for x in inputs], 1, torch.device("cuda"))[0]
 
 
 def add_run_args(ap) -> None:

@@ -1,4 +1,4 @@
-"""Greedy decode speed of a whole model: moeserve (MoETransformer + KVCache, a plain greedy loop) vs
+"""Greedy decode speed of a whole model: moeserve (its engine loop, as `generate` runs it) vs
 transformers' `generate` (greedy, exactly as many new tokens), side by side, on the CPU and on CUDA.
 
 Per device and batch size: prefill time (prompt -> first token) and decode tokens/s (the remaining
@@ -31,9 +31,10 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import measure_hbm_bandwidth, result_record, sync, write_result  # noqa: E402
 
-from moeserve.engine.cuda_graph import StaticDecoder, graph_safe  # noqa: E402
+from moeserve.engine.cuda_graph import graph_safe  # noqa: E402
+from moeserve.engine.generate import iterate  # noqa: E402
+from moeserve.engine.sampling import SamplingParams  # noqa: E402
 from moeserve.loader import load_model  # noqa: E402
-from moeserve.model.kv_cache import KVCache  # noqa: E402
 
 DEMO_DIR = Path(__import__("moeserve").__file__).resolve().parent / "demo"
 
@@ -79,37 +80,17 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int, device) -> to
     return torch.randint(0, min(vocab, 256), (batch, length), generator=g).to(device)  # [B, S], byte range
 
 
-@torch.inference_mode()
 def ours_generate(model, prompt: torch.Tensor, new_tokens: int, graph: bool = False):
-    """Greedy: prefill (incl. KV cache allocation) -> first token, then new_tokens - 1 cached steps, through the
-    dynamic forward or (graph) the static step as a CUDA graph. Returns tokens [B, n] and the seconds of
+    """Greedy through the engine loop (engine/generate.iterate): prefill (incl. KV cache allocation) -> first token,
+    then new_tokens - 1 decode steps, eager or (graph) as CUDA graphs. Returns tokens [B, n] and the seconds of
     prefill, of all decode steps and of the first decode step (the graph's capture)."""
-    B, S = prompt.shape
-    device = prompt.device
-    out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
-    sync(device)
-    t0 = time.perf_counter()
-    kv = KVCache(model.spec, B, S + new_tokens, device, model.dtype)
-    tok = model(prompt, kv=kv, last_only=True)[:, -1].argmax(-1)  # [B]
-    out[:, 0] = tok
-    if graph:
-        step, valid = StaticDecoder(model, kv, graph=True), torch.ones(B, 1, dtype=torch.bool, device=device)
-        positions = torch.arange(S, S + new_tokens, device=device).expand(B, new_tokens)  # [B, n]
-    sync(device)
-    t1 = t_first = time.perf_counter()
-    for i in range(1, new_tokens):
-        if graph:
-            logits = step(tok[:, None], positions[:, i - 1:i], valid)
-        else:
-            logits = model(tok[:, None], kv=kv, last_only=True)
-        tok = logits[:, -1].argmax(-1)
-        out[:, i] = tok
-        if i == 1:
-            sync(device)
-            t_first = time.perf_counter()
-    sync(device)
-    t2 = time.perf_counter()
-    return out, t1 - t0, t2 - t1, t_first - t1
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    sync(prompt.device)
+    marks = [time.perf_counter()]
+    for gens, _ in iterate(model, prompt.tolist(), params, cuda_graph=graph):  # a step's tokens are on the host
+        marks.append(time.perf_counter())
+    t0, t1, t_first, t2 = marks[0], marks[1], marks[min(2, len(marks) - 1)], marks[-1]
+    return torch.tensor([g.token_ids for g in gens]), t1 - t0, t2 - t1, t_first - t1
 
 
 @torch.inference_mode()

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from dataclasses import fields
 
 from moeserve import runtime
-from moeserve.demo import DEMO_MODEL
 from moeserve.config import CacheConfig, HybridConfig, ParallelConfig, RunConfig
-from moeserve.engine.generate import Generation, iterate
+from moeserve.demo import DEMO_MODEL
+from moeserve.engine.generate import iterate
 from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.sequence import Generation
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import has_tokenizer, load_tokenizer

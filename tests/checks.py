@@ -96,3 +96,26 @@ def quantized_experts_as_float64(ex):
             if bias:
                 dense.gate_up_proj_bias[e], dense.down_proj_bias[e] = ex.gate_up[e].bias, ex.down[e].bias
     return dense
+
+
+def slot_decode(model, make_decoder, prompts: list[list[int]], steps: torch.Tensor,
+                leave: tuple[int, int] | None = None) -> torch.Tensor:
+    """Teacher-forced decode over a SlotKVCache of one row per prompt: the prompts read in one left-padded pass,
+    then one step per row of steps [N, B] (token ids) through make_decoder(kv) (a SlotDecoder); sequence leave[0]
+    leaves the batch after step leave[1]. -> logits [N, B, V] float32 on the CPU (NaN where a sequence had left)."""
+    from moeserve.engine.sequence import left_padded
+    from moeserve.model.kv_cache import SlotKVCache
+
+    B, device = len(prompts), model.device
+    kv = SlotKVCache(model.spec, B, max(map(len, prompts)) + len(steps), device, model.dtype)
+    decoder = make_decoder(kv)
+    tokens, valid, positions = (t.to(device) for t in left_padded(prompts, model.spec))  # [B, S] each
+    out = torch.full((len(steps), B, model.spec.vocab_size), float("nan"))
+    with torch.inference_mode():
+        kv.use(list(range(B)), tokens.shape[1])
+        model(tokens, positions, kv=kv, valid=valid, last_only=True)
+        for i, step in enumerate(steps.tolist()):
+            rows = [b for b in range(B) if leave is None or b != leave[0] or i <= leave[1]]
+            logits = decoder([step[b] for b in rows], [len(prompts[b]) + i for b in rows], rows)  # [len(rows), V]
+            out[i, rows] = logits.float().cpu()
+    return out

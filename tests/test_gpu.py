@@ -209,33 +209,20 @@ GRAPH_FAMILIES = ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4")
 
 @pytest.mark.parametrize("name", ["demo", *(f"tiny_{fam}" for fam in GRAPH_FAMILIES)])
 def test_cuda_graph_steps_match_eager_static_and_dynamic(name, graph_models):
-    """Teacher-forced decode of left-padded prompts (one sequence finishing at step 4) three ways: the dynamic
-    forward, the static step eagerly, and the static step replayed as a graph. The graph computes what the
+    """Teacher-forced decode of prompts in rows of a slot cache (one sequence leaving after step 4) three ways: the
+    dynamic forward, the static step eagerly, and the static step replayed as a graph. The graph computes what the
     eager static step computes; static vs dynamic differ only by bf16 rounding (attention over more slots)."""
-    from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
-    from moeserve.model.kv_cache import KVCache
-    from moeserve.engine.generate import left_padded
+    from checks import slot_decode
+    from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
 
     model = graph_models[name]
     assert graph_safe(model, 3)
     g = torch.Generator().manual_seed(0)
-    tokens, valid, positions = (t.cuda() for t in left_padded([torch.randint(3, 90, (n,), generator=g).tolist()
-                                                                  for n in (11, 5, 2)], model.spec))
-    steps = torch.randint(3, 90, (12, 3, 1), generator=g).cuda()
-    caches = [KVCache(model.spec, 3, tokens.shape[1] + 12, "cuda", torch.bfloat16) for _ in range(3)]
-    eager, graph = StaticDecoder(model, caches[1], graph=False), StaticDecoder(model, caches[2], graph=True)
-    alive = torch.ones(3, 1, dtype=torch.bool, device="cuda")
-    rows = []
-    with torch.inference_mode():
-        for kv in caches:
-            model(tokens, positions, kv=kv, valid=valid, last_only=True)
-        pos = positions[:, -1:] + 1
-        for i, tok in enumerate(steps):
-            alive[1] = i < 4
-            dynamic = model(tok, pos, kv=caches[0], valid=alive, last_only=True).float()
-            rows.append((dynamic, eager(tok, pos, alive).float(), graph(tok, pos, alive).float().clone()))
-            pos = pos + 1
-    dynamic, eager_out, graph_out = (torch.cat(x, dim=1) for x in zip(*rows))  # [B, steps, V]
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (11, 5, 2)]
+    steps = torch.randint(3, 90, (12, 3), generator=g)  # [N, B]
+    runs = [slot_decode(model, lambda kv: SlotDecoder(model, kv, graph=graph, static=static), prompts, steps, (1, 4))
+            for graph, static in ((False, False), (False, True), (True, True))]
+    dynamic, eager_out, graph_out = (r.nan_to_num() for r in runs)  # [N, B, V] each
     scale = dynamic.abs().max()
     graph_vs_eager = (graph_out - eager_out).abs().max() / scale
     static_vs_dynamic = (eager_out - dynamic).abs()

@@ -9,8 +9,9 @@ import time
 from moeserve.cli.common import check_utf8, is_main_rank, load, prepare
 from moeserve.cli.options import DEFAULT_PROMPT
 from moeserve.config import RunConfig
-from moeserve.engine.generate import check_request, iterate
+from moeserve.engine.generate import iterate
 from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.sequence import check_request
 from moeserve.progress import Progress
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer

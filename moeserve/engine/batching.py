@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.engine.cuda_graph import SlotDecoder, padded_sizes
-from moeserve.engine.generate import (Generation, TextStream, append_token, check_request, limit_reason,
-                                      token_limits)
 from moeserve.engine.sampling import SamplingParams, sample_next
+from moeserve.engine.sequence import (Generation, TextStream, append_token, check_request, limit_reason,
+                                      token_limits)
 from moeserve.model.kv_cache import SlotKVCache
 
 DEFAULT_PREFILL_TOKENS = 512

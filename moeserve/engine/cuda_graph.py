@@ -1,14 +1,13 @@
-"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once, replay it for every token. One runner
-(StepRunner) runs the step at fixed shapes, whole or cut before the experts that read the routing on the host
-(hybrid CPU experts, offloading), each piece captured once; StaticDecoder drives it over a fixed batch's KVCache
-(SegmentedDecoder: with the cuts), SlotDecoder over the changing rows of a SlotKVCache, one runner per padded
-batch size (continuous batching: serve).
+"""Decode steps as CUDA graphs: capture `MoETransformer.decode_step` once per padded batch size, replay it for every
+token. One runner (StepRunner) runs the step at fixed shapes, whole or cut before the experts that read the routing
+on the host (hybrid CPU experts, offloading), each piece captured once; SlotDecoder drives one runner per padded
+batch size over the changing rows of a SlotKVCache (the engine loop, engine/batching.py: generate, bench and serve).
 
 At small batch, GPU decode is launch-bound: hundreds of small kernels a token, each costing more to
 launch from Python than to run. A graph replays them all from one launch. Capturing needs a step of
-fixed shapes that never reads the device from the host: the static decode step over a KV cache (write
-slot and masks on the device), and expert paths in model/paths.py GRAPH_SAFE (the fused Triton and
-grouped-GEMM paths; not the CPU loop, nor offloading, which read routing on the host).
+fixed shapes that never reads the device from the host: the static decode step over a SlotKVCache (rows, positions
+and masks on the device), and expert paths in model/paths.py GRAPH_SAFE (the fused Triton and grouped-GEMM paths;
+not the CPU loop, nor offloading, which read routing on the host).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from moeserve.kernels.cuda_graph import capture
-from moeserve.model.kv_cache import KVCache, SlotKVCache
+from moeserve.model.kv_cache import SlotKVCache
 from moeserve.model.paths import GRAPH_SAFE
 from moeserve.model.transformer import DecodeState
 
@@ -49,7 +48,7 @@ class StepRunner:
     eagerly from then on. `begin(inputs)` starts the step (model.decode_begin over the decoder's cache); the KV
     bookkeeping around a call (reserve, commit) is the decoder's."""
 
-    def __init__(self, model, kv: KVCache | SlotKVCache, cuts: list[int], begin: Callable[..., DecodeState],
+    def __init__(self, model, kv: SlotKVCache, cuts: list[int], begin: Callable[..., DecodeState],
                  graph: bool, warmup: int, pool=None):
         self.model, self.kv, self.cuts, self.begin, self.use_graph = model, kv, cuts, begin, graph
         self.warmup, self.pool = warmup, pool
@@ -123,35 +122,6 @@ class StepRunner:
             if i < len(self.cuts):
                 self.carried.append(out[0])
                 self.pending.append(torch.zeros_like(out[1]))
-
-
-class StaticDecoder:
-    """Decode steps over a fixed KVCache: the static step (StepRunner), whole or cut before the experts of
-    `layers` (default: none; SegmentedDecoder: the host layers), eagerly or as CUDA graphs. A call advances the
-    cache by one slot, as `model(tokens, positions, kv=kv, ...)` does."""
-
-    def __init__(self, model, kv: KVCache, graph: bool, warmup: int = 2, layers: list[int] | None = None):
-        self.kv = kv
-        self.runner = StepRunner(model, kv, list(layers or []), lambda *inputs: model.decode_begin(*inputs, kv),
-                                 graph, warmup)
-
-    @property
-    def use_graph(self) -> bool:
-        return self.runner.use_graph
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """tokens/positions/valid [B, 1] -> logits [B, 1, V] (with a graph: valid until the next call)."""
-        self.kv.reserve_step()
-        logits = self.runner(tokens, positions, valid)
-        self.kv.commit()
-        return logits
-
-
-def SegmentedDecoder(model, kv: KVCache, layers: list[int], graph: bool = True, warmup: int = 1) -> StaticDecoder:
-    """Decode steps cut at `layers`, the MoE layers whose experts read the routing on the host (host_layers): the
-    host pays a replay and those experts' own calls per layer instead of every launch of attention, norms and
-    router. graph=False runs the same pieces eagerly (the reference, and the CPU tests of the cut)."""
-    return StaticDecoder(model, kv, graph, warmup, layers)
 
 
 def captured(capture_fn: Callable[[], None], what: str) -> bool:

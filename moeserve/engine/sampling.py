@@ -67,3 +67,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1).cpu()  # [B, V]
     return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def sample_each(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B], row b drawn with generators[b]: each sequence its own seeded stream, so it
+    samples the same tokens whatever it is batched with (as the engine loop samples each request)."""
+    if params.greedy:
+        return logits.float().argmax(dim=-1)
+    return torch.cat([sample_next(logits[b:b + 1], params, g) for b, g in enumerate(generators)])

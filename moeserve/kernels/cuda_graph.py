@@ -1,5 +1,6 @@
-"""Capturing a piece of GPU work as a CUDA graph: shared by the engine's decode graphs and the offload/hybrid slot
-pass, which both replay fixed-shape work whose launches cost the host more than the GPU's run."""
+"""Capturing a piece of GPU work as a CUDA graph, the one helper for it: the engine's decode graphs, the offload/hybrid
+slot pass (both replay fixed-shape work whose launches cost the host more than the GPU's run) and the kernel tuner's
+timings."""
 
 from __future__ import annotations
 

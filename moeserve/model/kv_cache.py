@@ -1,14 +1,11 @@
-"""Static KV cache: one preallocated [L, B, Hkv, S_max, Dh] buffer for keys and one for values; for MLA one
-[L, B, 1, S_max, kv_lora_rank + rope] buffer of latents and no values (ModelSpec.kv_cache_entry).
+"""KV caches: one preallocated [L, rows, Hkv, S_max, Dh] buffer for keys and one for values; for MLA one buffer of
+latents [L, rows, 1, S_max, kv_lora_rank + rope] and no values (ModelSpec.kv_cache_entry).
 
-Batched prompts are left-padded, so every sequence writes the same slot at each step; `valid`
-marks the slots that hold real tokens (pads never get attended to).
-
-Two ways to fill it. Dynamic (`begin` / `update` / `commit`): a pass of S tokens writes slots
-[length, length + S) and attends over the filled prefix; shapes grow every step (prefill, eager decode).
-Static (`reserve_step` / `begin_static` / `update` / `commit`): one decode token per sequence writes
-the slot held in the device tensor `index` and attends over all S_max slots, unwritten ones masked, so
-every step has the same shapes and reads nothing back to the host: a CUDA graph can capture it.
+KVCache: a batch of left-padded sequences that advance together (a forward pass of S tokens writes slots
+[length, length + S) of every row and attends over the filled prefix; `valid` marks the slots that hold real tokens,
+so pads are never attended to): prompt passes, the CGOPipe pipeline, tests.
+SlotKVCache: rows that sequences hold independently (continuous batching, the engine's decode steps), with a static
+step of fixed shapes that a CUDA graph captures.
 """
 
 from __future__ import annotations
@@ -23,15 +20,12 @@ class KVCache:
         """pin_memory: page-lock a host cache, so copies to and from a GPU are asynchronous DMA."""
         heads, dim, separate = spec.kv_cache_entry()
         shape = (spec.num_layers, batch, heads, max_len, dim)
-        # zeros, not empty: the static path multiplies unwritten (masked) slots by 0, and 0 * NaN = NaN
         self.k = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
         self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory) if separate else None
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # [B, S_max]
-        self.index = torch.zeros(1, dtype=torch.long, device=device)  # [1] slot the next static step writes
         self.length = 0  # slots filled by finished forward passes
         self.max_len = max_len
         self._pending = 0  # slots being written by the forward pass in flight
-        self._static = False  # whether the pass in flight writes at `index` (static) or after `length`
 
     def _reserve(self, S: int) -> None:
         if self.length + S > self.max_len:
@@ -42,35 +36,17 @@ class KVCache:
         """Reserve slots for the next forward pass; valid [B, S]. Returns key validity [B, S_total]."""
         S = valid.shape[1]
         self._reserve(S)
-        self._static = False
         self.valid[:, self.length:self.length + S] = valid
         return self.valid[:, :self.length + S]
 
-    def reserve_step(self) -> None:
-        """Host half of a static decode step (outside any graph): check room, point `index` at the next slot."""
-        self._reserve(1)
-        self.index.fill_(self.length)  # a kernel taking the value as an argument: no copy, no sync
-
     def pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start a dynamic pass: (query slots [S], key validity [B, S_total]) for attention_masks."""
+        """Start a pass: (query slots [S], key validity [B, S_total]) for attention_masks."""
         start = self.length
         return torch.arange(start, start + valid.shape[1], device=valid.device), self.begin(valid)
 
-    def static_pass_slots(self, positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start a static decode step: (query slot [1], key validity over all slots [B, S_max])."""
-        return self.index, self.begin_static(valid)
-
-    def begin_static(self, valid: torch.Tensor) -> torch.Tensor:
-        """Device half: mark slot `index` with valid [B, 1]; returns key validity over all slots [B, S_max]."""
-        self._static = True
-        return self.valid.index_copy_(1, self.index, valid)
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor | None):
         """Write this pass's k/v [B, Hkv, S, Dh] (MLA: latents [B, 1, S, r + rope], v None); return the keys/values
-        to attend over [B, Hkv, S_total, Dh] (static: all S_max slots; MLA: latents, None)."""
-        if self._static:
-            keys = self.k[layer].index_copy_(2, self.index, k)
-            return keys, None if self.v is None else self.v[layer].index_copy_(2, self.index, v)
+        to attend over [B, Hkv, S_total, Dh] (MLA: latents, None)."""
         end = self.length + self._pending
         self.k[layer, :, :, self.length:end] = k
         if self.v is None:
@@ -83,10 +59,9 @@ class KVCache:
         keys, values = self.update(layer, k, v)
         return keys, values, None
 
-    def static_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """In a static pass, (keys, values [B, Hkv, S_max, Dh], slot index [1]) of a layer, for a kernel that writes
-        the slot itself (what update() would write, then returns); None in a dynamic pass."""
-        return (self.k[layer], self.v[layer], self.index) if self._static else None
+    def static_slot(self, layer: int) -> None:
+        """No static pass here (SlotKVCache's): attention writes through update()."""
+        return None
 
     def commit(self) -> None:
         self.length += self._pending
@@ -168,9 +143,13 @@ class SlotKVCache:
             cache[layer][rows, :, positions] = t
         return caches
 
-    def static_slot(self, layer: int) -> None:
-        """No fused write-the-slot kernel for per-row positions: attention writes through update()."""
-        return None
+    def static_slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """In a static pass, (keys, values [slots + 1, Hkv, max_len, Dh], each sequence's column [B], its row [B]) of
+        a layer, for a kernel that writes the new entries itself (what update() would write) and attends over the
+        rows in place; None in a dynamic pass and for MLA's latents."""
+        if self._span is not None or self._write is None or self.v is None:
+            return None
+        return self.k[layer], self.v[layer], self._write[0].reshape(-1), self._rows
 
     def commit(self) -> None:
         self._write = None

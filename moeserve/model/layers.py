@@ -208,8 +208,10 @@ class Attention(nn.Module):
         each query (temperature_scale), applied on NoPE layers, or None."""
         qkv = self.qkv_into_cache(x, cos, sin, kv) if kv is not None else None
         if qkv is not None:
-            q, k, v = qkv
-            out = self.attend(q, k, v, mask, None)
+            q, k, v, rows = qkv  # k/v: the whole caches, sequence b's at row rows[b]
+            if not self.decode_kernel(q, v, mask):  # SDPA (sinks) reads the rows' own keys and values
+                k, v, rows = k.index_select(0, rows), v.index_select(0, rows), None
+            out = self.attend(q, k, v, mask, rows)
         else:
             q, k, v = self.qkv(x, cos, sin, q_scale)
             rows = None
@@ -261,11 +263,11 @@ class Attention(nn.Module):
         return apply_rotary(deinterleaved(x) if self.interleaved else x, cos, sin)
 
     def qkv_into_cache(self, x, cos, sin, kv):
-        """A static decode step's (q, keys, values) as qkv() and kv.update() give them, in two launches: the three
-        projections (side_by_side), then the rotary of q and k and the cache writes of k and v (rotary_into_cache)
-        instead of seven. None where that does not apply: a dynamic pass, several tokens, qk norms or clipping,
-        partial, interleaved or no rotary, the attention temperature, layers skinny does not take, dtypes that
-        differ."""
+        """A static decode step's (q, the caches' keys and values, each sequence's row [B]) with the new entries
+        written, in two launches: the three projections (side_by_side), then the rotary of q and k and the cache
+        writes of k and v (rotary_into_cache) instead of seven. None where that does not apply: a dynamic pass,
+        several tokens, qk norms or clipping, partial, interleaved or no rotary, the attention temperature, layers
+        skinny does not take, dtypes that differ."""
         cache = kv.static_slot(self.layer_idx)
         mods = self.input_projections()
         if (cache is None or x.shape[1] != 1 or self.qk_norm or self.clip_qkv is not None or self.Dh & (self.Dh - 1)
@@ -276,8 +278,8 @@ class Attention(nn.Module):
             return None
         from moeserve.kernels.triton.norm_rotary import rotary_into_cache
 
-        keys, values, slot = cache
-        return rotary_into_cache(side_by_side(x, mods), cos, sin, self.H, keys, values, slot), keys, values
+        keys, values, slots, rows = cache
+        return rotary_into_cache(side_by_side(x, mods), cos, sin, self.H, keys, values, slots, rows), keys, values, rows
 
     def attend(self, q, k, v, mask, rows=None):
         """q [B, H, S, Dh], k/v [B, Hkv, S_total, Dh] -> attention output [B, S, H*Dh] (before o_proj). rows [B]: k/v

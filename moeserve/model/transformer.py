@@ -190,34 +190,35 @@ class MoETransformer(nn.Module):
         return self.logits(self.model.norm.added(x, pending)[0])
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                    kv: KVCache | SlotKVCache) -> torch.Tensor:
-        """One token per sequence, tokens/positions/valid [B, 1] -> logits [B, 1, V], written at slot kv.index.
+                    kv: SlotKVCache) -> torch.Tensor:
+        """One token per sequence, tokens/positions/valid [B, 1] -> logits [B, 1, V], written in the rows kv.use()
+        named, at each sequence's position.
 
-        The static twin of forward() for decode: it attends over all kv.max_len slots (unwritten ones masked),
+        The static twin of forward() for decode: it attends over all kv.max_len columns (unwritten ones masked),
         so every step has the same shapes and nothing is read back to the host: a CUDA graph can capture it.
-        The host bookkeeping stays outside: kv.reserve_step() (KVCache) or kv.use() (SlotKVCache) before,
-        kv.commit() after.
+        The host bookkeeping stays outside: kv.use() before, kv.commit() after.
         """
         state = self.decode_begin(tokens, positions, valid, kv)
         return self.decode_end(self.decode_layers(state, 0, len(self.model.layers), kv))
 
     # decode_step in pieces, for decoders that run the host's part of some layers between captured segments
     def decode_begin(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                     kv: KVCache | SlotKVCache) -> DecodeState:
+                     kv: SlotKVCache) -> DecodeState:
         """Embed tokens [B, 1]; the step's masks and rotary tables."""
         q_slots, key_valid = kv.static_pass_slots(positions, valid)
         masks = attention_masks(q_slots, positions, key_valid, self.spans())
         masks = {span: additive_mask(m, self.dtype) for span, m in masks.items()}
         return self.start_state(tokens, positions, masks)
 
-    def decode_layers(self, state: DecodeState, start: int, stop: int, kv: KVCache | SlotKVCache) -> DecodeState:
+    def decode_layers(self, state: DecodeState, start: int, stop: int,
+                      kv: KVCache | SlotKVCache | None) -> DecodeState:
         """Layers [start, stop) of the step (forward's pass too)."""
         x, pending = state.x, state.pending
         for layer in self.model.layers[start:stop]:
             x, pending = layer.step(x, pending, state.cos, state.sin, state.masks[layer.span], kv, state.q_scale)
         return replace(state, x=x, pending=pending)
 
-    def decode_to_mlp(self, state: DecodeState, layer: int, kv: KVCache | SlotKVCache):
+    def decode_to_mlp(self, state: DecodeState, layer: int, kv: SlotKVCache):
         """Layer `layer` up to its MLP -> (the state with its residual stream, the MLP's normed input [B, 1, D]):
         the MLP's output becomes the next piece's pending."""
         block = self.model.layers[layer]

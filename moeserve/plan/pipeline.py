@@ -47,9 +47,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.generate import Generation, TextStream, check_request, left_padded, record_tokens, token_limits
-from moeserve.engine.sampling import SamplingParams, sample_next
+from moeserve.engine.sampling import SamplingParams, sample_each
 from moeserve.engine.scheduler import balanced_micro_batches
+from moeserve.engine.sequence import (Generation, TextStream, check_request, left_padded, record_tokens,
+                                      token_limits)
 from moeserve.model.kv_cache import KVCache
 from moeserve.model.transformer import DecodeState, attention_masks
 from moeserve.plan.cpu_attention import cpu_attention
@@ -170,14 +171,14 @@ class Pipeline:
 
     def _steps(self, prompts, mbs: list[MicroBatch], limits: list[int], params, tokenizer, eos_ids):
         eos = set(self.spec.eos_token_ids if eos_ids is None else eos_ids)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generators = [torch.Generator().manual_seed(params.seed) if params.seed is not None else None for _ in prompts]
         gens = [Generation(prompt_ids=list(p)) for p in prompts]
         streams = [TextStream(tokenizer.decode, params.stop) if tokenizer else None for _ in prompts]
         alive = torch.ones(len(prompts), dtype=torch.bool)  # host: read and cleared per sequence
         with torch.inference_mode():
             logits = self._forward(mbs)  # [N, V]
             for step in range(max(limits)):
-                new = sample_next(logits, params, generator)  # [N]
+                new = sample_each(logits, params, generators)  # [N]
                 record_tokens(gens, streams, new.to(HOST), alive, eos, params, step, limits)
                 yield gens, new, logits
                 if not alive.any():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import moeserve
-from moeserve.engine.generate import TextStream, generate
+from moeserve.engine.generate import generate
+from moeserve.engine.sequence import TextStream
 from moeserve.engine.sampling import SamplingParams, filter_logits, sample_next
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import ByteTokenizer

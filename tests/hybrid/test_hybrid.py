@@ -395,28 +395,24 @@ def test_help_explains_the_flags(capsys):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_segmented_decode_runs_the_hybrid_layers_between_the_pieces(hf_checkpoints, family):
-    """SegmentedDecoder (what a GPU captures as graphs between the host's layers) over a hybrid model with shared
-    experts (the backend computes them while the CPU works): the logits of the dynamic forward."""
-    from moeserve.engine.cuda_graph import SegmentedDecoder, host_layers
-    from moeserve.engine.generate import left_padded
-    from moeserve.model.kv_cache import KVCache
+    """The static step cut at the hybrid layers (what a GPU captures as graphs between the host's layers) over a
+    hybrid model with shared experts (the backend computes them while the CPU works): the logits of the dynamic
+    forward."""
+    from checks import slot_decode
+    from moeserve.engine.cuda_graph import SlotDecoder
 
     path = hf_checkpoints[family][1]
     layers = moe_layers(moeserve.ModelSpec.from_dir(path))
     model, runtime = hybrid_model(path, HybridPlacement.choose(layers, n_cpu_moe=1))
     g = torch.Generator().manual_seed(1)
-    tokens, valid, positions = left_padded([torch.randint(3, 97, (n,), generator=g).tolist() for n in (6, 3)],
-                                           model.spec)
-    caches = [KVCache(model.spec, 2, tokens.shape[1] + 5, "cpu", model.dtype) for _ in range(2)]
-    segmented = SegmentedDecoder(model, caches[1], host_layers(model, 2), graph=False)
-    with torch.inference_mode():
-        for kv in caches:
-            model(tokens, positions, kv=kv, valid=valid, last_only=True)
-        pos, alive = positions[:, -1:] + 1, torch.ones(2, 1, dtype=torch.bool)
-        for tok in torch.randint(3, 97, (5, 2, 1), generator=g):
-            dynamic = model(tok, pos, kv=caches[0], valid=alive, last_only=True)
-            torch.testing.assert_close(segmented(tok, pos, alive), dynamic, rtol=1e-5, atol=1e-5)
-            pos = pos + 1
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (6, 3)]
+    steps = torch.randint(3, 97, (5, 2), generator=g)  # [N, B]
+    dynamic = slot_decode(model, lambda kv: SlotDecoder(model, kv, graph=False, static=False), prompts, steps)
+    static = []  # the static decoder, to ask where it cut
+    segmented = slot_decode(model, lambda kv: static.append(SlotDecoder(model, kv, graph=False, static=True))
+                            or static[0], prompts, steps)
+    torch.testing.assert_close(segmented, dynamic, rtol=1e-5, atol=1e-5)
+    assert static[0].cut_sizes() == [2]
     assert runtime.stats.cpu_pairs > 0
     runtime.close()
 

@@ -71,8 +71,9 @@ def test_rotary_matches_apply_rotary_bitwise(poisoned_outputs, B, S, H, Dh, dtyp
 @pytest.mark.parametrize("B,H,Hkv,Dh", [(1, 4, 2, 16), (2, 6, 3, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rotary_into_cache_matches_rotary_and_the_cache_writes(poisoned_outputs, B, H, Hkv, Dh, dtype):
-    """One decode token: q rotated as apply_rotary does, k rotated and v copied into the caches at the slot the
-    device tensor holds, every other slot untouched; qkv rows strided (a view of wider rows)."""
+    """One decode token per sequence: q rotated as apply_rotary does, k rotated and v copied into the caches at each
+    sequence's own row and column (device tensors, rows out of order), every other entry untouched; qkv rows strided
+    (a view of wider rows)."""
     from moeserve.model.layers import apply_rotary
     from moeserve.kernels.triton.norm_rotary import rotary_into_cache
 
@@ -80,15 +81,19 @@ def test_rotary_into_cache_matches_rotary_and_the_cache_writes(poisoned_outputs,
     qkv = torch.randn(B, 1, N + 8, device=DEVICE).to(dtype)[..., :N]  # [B, 1, N], rows of stride N + 8
     angle = torch.rand(B, 1, Dh // 2, device=DEVICE) * 100
     cos, sin = (torch.cat((f(angle), f(angle)), -1).to(dtype) for f in (torch.cos, torch.sin))
-    keys, values = (torch.randn(B, Hkv, 5, Dh, device=DEVICE).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(B + 2, Hkv, 5, Dh, device=DEVICE).to(dtype) for _ in range(2))  # [R, Hkv, S, Dh]
     old_k, old_v = keys.clone(), values.clone()
-    q = rotary_into_cache(qkv, cos, sin, H, keys, values, torch.tensor([3], device=DEVICE))
+    rows, slots = torch.tensor([B + 1, 0][:B], device=DEVICE), torch.tensor([2, 4][:B], device=DEVICE)  # [B] each
+    q = rotary_into_cache(qkv, cos, sin, H, keys, values, slots, rows)
     heads = qkv.cpu().view(B, 1, H + 2 * Hkv, Dh).transpose(1, 2)  # [B, heads, 1, Dh]
     assert torch.equal(q.cpu(), apply_rotary(heads[:, :H], cos.cpu(), sin.cpu()))
-    assert torch.equal(keys[:, :, 3].cpu(), apply_rotary(heads[:, H:H + Hkv], cos.cpu(), sin.cpu())[:, :, 0])
-    assert torch.equal(values[:, :, 3].cpu(), heads[:, H + Hkv:, 0])
-    others = [0, 1, 2, 4]
-    assert torch.equal(keys[:, :, others], old_k[:, :, others])
-    assert torch.equal(values[:, :, others], old_v[:, :, others])
+    written = torch.zeros(B + 2, 5, dtype=torch.bool)  # [R, S]
+    for b, (r, c) in enumerate(zip(rows.tolist(), slots.tolist())):
+        assert torch.equal(keys[r, :, c].cpu(), apply_rotary(heads[b:b + 1, H:H + Hkv], cos[b:b + 1].cpu(),
+                                                             sin[b:b + 1].cpu())[0, :, 0])
+        assert torch.equal(values[r, :, c].cpu(), heads[b, H + Hkv:, 0])
+        written[r, c] = True
+    assert torch.equal(keys.transpose(1, 2)[~written], old_k.transpose(1, 2)[~written])
+    assert torch.equal(values.transpose(1, 2)[~written], old_v.transpose(1, 2)[~written])
     with pytest.raises(ValueError, match="rotary_into_cache"):
-        rotary_into_cache(qkv, cos, sin, H + 1, keys, values, torch.tensor([3], device=DEVICE))
+        rotary_into_cache(qkv, cos, sin, H + 1, keys, values, slots, rows)

@@ -11,7 +11,7 @@ import torch
 
 import moeserve
 from hf_models import LLAMA4, PHIMOE, longrope
-from moeserve.engine.generate import left_padded
+from moeserve.engine.sequence import left_padded
 from moeserve.model.kv_cache import KVCache
 from moeserve.model.transformer import Span
 

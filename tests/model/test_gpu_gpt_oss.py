@@ -8,10 +8,11 @@ import torch
 
 import moeserve
 from hf_models import build_hf_model, write_mxfp4_pair
-from moeserve.engine.cuda_graph import StaticDecoder, graph_safe
-from moeserve.engine.generate import generate, left_padded
+from checks import slot_decode
+from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
+from moeserve.engine.generate import generate
+from moeserve.engine.sequence import left_padded
 from moeserve.engine.sampling import SamplingParams
-from moeserve.model.kv_cache import KVCache
 from moeserve.model.paths import explain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,21 +49,16 @@ def test_paths_graph_steps_and_logits(checkpoints, kind, path):
     assert graph_safe(model, 3)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (11, 5, 2)]
-    tokens, valid, positions = (t.cuda() for t in left_padded(prompts, model.spec))
-    steps = torch.randint(3, 90, (12, 3, 1), generator=g).cuda()
-    caches = [KVCache(model.spec, 3, tokens.shape[1] + 12, "cuda", torch.bfloat16) for _ in range(2)]
-    eager, graph = StaticDecoder(model, caches[0], graph=False), StaticDecoder(model, caches[1], graph=True)
-    alive = torch.ones(3, 1, dtype=torch.bool, device="cuda")
+    steps = torch.randint(3, 90, (12, 3), generator=g)  # [N, B]
+    eager, graph = (slot_decode(model, lambda kv: SlotDecoder(model, kv, graph=graph, static=True), prompts, steps)
+                    for graph in (False, True))  # [N, B, V] each
+    assert (eager - graph).abs().max() <= 2.0 ** -8 * eager.abs().max()
+    tokens, valid, positions = (t.cuda() for t in left_padded(prompts, model.spec))  # [B, S] each
     with torch.inference_mode():
-        first = [model(tokens, positions, kv=kv, valid=valid, last_only=True) for kv in caches]
-        pos = positions[:, -1:] + 1
-        for tok in steps:
-            a, b = eager(tok, pos, alive).float(), graph(tok, pos, alive).float()
-            assert (a - b).abs().max() <= 2.0 ** -8 * a.abs().max()
-            pos = pos + 1
+        first = model(tokens, positions, valid=valid, last_only=True)
         reference = moeserve.load_model(paths["twin" if kind == "mxfp4" else kind], dtype=torch.float32)
         want = reference(tokens.cpu(), positions.cpu(), valid=valid.cpu(), last_only=True)
-    got = first[0].float().cpu()
+    got = first.float().cpu()
     assert ((got - want).norm() / want.norm()) < 2e-2
 
 

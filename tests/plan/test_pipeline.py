@@ -67,7 +67,7 @@ def test_pipeline_cpu_ffn_and_mixed_kv(hf_checkpoints):
 
 
 def test_pipeline_sampling_and_eos_match(hf_checkpoints):
-    """Seeded sampling draws over the whole batch in request order, as the plain engine does; EOS stops."""
+    """Seeded sampling: each sequence draws from its own generator, as the engine loop does; EOS stops."""
     model = moeserve.load_model(hf_checkpoints["mixtral"][1], device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
     policy = ThroughputPolicy(4, 2, False, True, 0.5, 0.0)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.errors import MoeserveError
+from moeserve.kernels.cuda_graph import capture
 from moeserve.kernels.triton import tune_cache
 from moeserve.kernels.triton.configs import ExpertsConfig, clear_lookups, stored, write_sections
 from moeserve.kernels.triton.device import DeviceInfo
@@ -118,28 +119,12 @@ def search(default: ExpertsConfig, candidates: dict[str, Sequence], measure: Cal
     return Outcome(best, best_ms, default_ms, timed, failed, clock() - start, complete)
 
 
-def capture_graph(fn: Callable[[object], object], items: Sequence) -> torch.cuda.CUDAGraph:
-    """A CUDA graph holding one call of fn per item, after a call per item on a side stream (Triton compiles, lazy
-    allocations) as capturing requires."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for item in items:
-            fn(item)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for item in items:
-            fn(item)
-    return graph
-
-
 def gpu_ms(fn: Callable[[object], object], items: Sequence, replays: int = 10) -> float:
     """Median GPU ms per call of fn over the rotating items: a CUDA graph holding one call per item, replayed (decode
     replays graphs, and eager times of 20-us kernels are host noise); CUDA events around eager calls where the
     capture fails."""
     try:
-        run = capture_graph(fn, items).replay
+        run = capture(lambda: [fn(item) for item in items], 1, torch.device("cuda"))[0].replay
     except RuntimeError:  # a launch that cannot be captured: eager calls, host time included
         def run():
             for item in items:

@@ -109,25 +109,25 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, S, stride_b, stride_h, s
 
 
 @triton.jit
-def _rotary_into_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, H, Hkv, stride_row,
-                              stride_cb, stride_ch, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+def _rotary_into_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, row_ptr, H, Hkv, stride_row,
+                              stride_cr, stride_ch, HALF: tl.constexpr, INTERPRET: tl.constexpr):
     """Head row pid = (b, j) of one decode token's projections qkv [B, (H + 2 Hkv) * 2 HALF] (q, k, v heads side by
     side): q heads rotated into q [B, H, 1, 2 HALF], k heads rotated and v heads copied into the caches
-    [B, Hkv, S_max, 2 HALF] (strides stride_cb, stride_ch) at slot slot_ptr[0]."""
+    [R, Hkv, S_max, 2 HALF] (strides stride_cr, stride_ch) at row row_ptr[b], column slot_ptr[b]."""
     pid = tl.program_id(0)
     heads = H + 2 * Hkv
     b = (pid // heads).to(tl.int64)
     j = pid % heads
     src = qkv_ptr + b * stride_row + j * 2 * HALF
     cs = b * 2 * HALF  # cos/sin [B, 1, 2 HALF]
-    slot = tl.load(slot_ptr).to(tl.int64) * 2 * HALF
+    dst = tl.load(row_ptr + b).to(tl.int64) * stride_cr + tl.load(slot_ptr + b).to(tl.int64) * 2 * HALF
     if j < H:
         _rotated_row(src, cos_ptr, sin_ptr, cs, q_ptr + (b * H + j) * 2 * HALF, HALF, INTERPRET)
     elif j < H + Hkv:
-        _rotated_row(src, cos_ptr, sin_ptr, cs, k_ptr + b * stride_cb + (j - H) * stride_ch + slot, HALF, INTERPRET)
+        _rotated_row(src, cos_ptr, sin_ptr, cs, k_ptr + dst + (j - H) * stride_ch, HALF, INTERPRET)
     else:
         lo = tl.arange(0, 2 * HALF)  # [2 HALF]
-        tl.store(v_ptr + b * stride_cb + (j - H - Hkv) * stride_ch + slot + lo, tl.load(src + lo))
+        tl.store(v_ptr + dst + (j - H - Hkv) * stride_ch + lo, tl.load(src + lo))
 
 
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -153,21 +153,25 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotary_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+                      v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """One decode token's projections qkv [B, 1, (heads + 2 Hkv) * Dh] (q, k, v side by side, rows of any stride)
-    -> q [B, heads, 1, Dh] rotated; k rotated and v written into the caches [B, Hkv, S_max, Dh] at slot [1] (a device
-    tensor): apply_rotary on q and k and the two cache writes in one launch, the same roundings."""
+    -> q [B, heads, 1, Dh] rotated; k rotated and v written into the caches [R, Hkv, S_max, Dh], sequence b's at row
+    rows[b], column slots[b] (device tensors [B]): apply_rotary on q and k and the two cache writes in one launch,
+    the same roundings."""
     B, S, N = qkv.shape
     _, Hkv, _, Dh = k_cache.shape
     if (S != 1 or N != (heads + 2 * Hkv) * Dh or qkv.stride(-1) != 1 or Dh < 2 or Dh & (Dh - 1)
             or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1
             or k_cache.stride(-2) != Dh or cos.shape != (B, 1, Dh) or sin.shape != cos.shape
+            or slots.shape != (B,) or rows.shape != (B,)
             or not cos.dtype == sin.dtype == qkv.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"rotary_into_cache takes qkv [B, 1, (heads + 2 Hkv) * Dh], caches [B, Hkv, S_max, Dh] and "
-                         f"cos/sin [B, 1, Dh] of one dtype, a power-of-two Dh; got qkv {tuple(qkv.shape)} {qkv.dtype}, "
-                         f"{heads} heads, cache {tuple(k_cache.shape)} {k_cache.dtype}, cos {tuple(cos.shape)}")
+        raise ValueError(f"rotary_into_cache takes qkv [B, 1, (heads + 2 Hkv) * Dh], caches [R, Hkv, S_max, Dh], "
+                         f"cos/sin [B, 1, Dh] of one dtype, a power-of-two Dh and slots/rows [B]; got qkv "
+                         f"{tuple(qkv.shape)} {qkv.dtype}, {heads} heads, cache {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)}, rows {tuple(rows.shape)}")
     q = torch.empty(B, heads, 1, Dh, dtype=qkv.dtype, device=qkv.device)
     _rotary_into_cache_kernel[(B * (heads + 2 * Hkv),)](
-        qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slot, heads, Hkv, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), HALF=Dh // 2, INTERPRET=triton_interpreting(), num_warps=1)
+        qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slots.contiguous(), rows.contiguous(), heads,
+        Hkv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), HALF=Dh // 2, INTERPRET=triton_interpreting(),
+        num_warps=1)
     return q
