@@ -15,7 +15,7 @@ from moeserve.tokenizer import load_tokenizer
 def run(args) -> int:
     if args.window < 2 or args.batch_size < 1 or args.max_tokens < 0:
         raise MoeserveError("--window must be >= 2, --batch-size >= 1 and --max-tokens >= 0")
-    config = RunConfig.from_args(args, "eval ppl").validate()
+    config = RunConfig.from_args(args, "eval ppl")  # validated by cli.main
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
     text_path, text = read_text(args.text, args.model, "--text")
     ids = tok.encode(text)

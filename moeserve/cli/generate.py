@@ -22,7 +22,7 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    config = RunConfig.from_args(args, "generate").validate()
+    config = RunConfig.from_args(args, "generate")  # validated by cli.main
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
     texts = args.prompts or [DEFAULT_PROMPT]
     check_utf8(texts)

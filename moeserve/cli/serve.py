@@ -16,15 +16,14 @@ def run(args) -> int:
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
         raise MoeserveError(f"`moeserve serve` needs {', '.join(missing)}: pip install 'moeserve[serve]'")
-    ServeConfig.from_args(args, 2).validate()  # the HTTP options, before the checkpoint is read
-    config = RunConfig.from_args(args, "serve").validate()
-    spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
+    config = RunConfig.from_args(args, "serve")  # validated by cli.main
+    spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)  # config.json and the tokenizer
     context = spec.max_position_embeddings
     if args.ctx_size is not None and not 2 <= args.ctx_size <= context:
         raise MoeserveError(f"--ctx-size {args.ctx_size} must be between 2 and the model's context of {context} "
                             f"tokens")
     serve = ServeConfig.from_args(args, min(context, DEFAULT_SERVE_CONTEXT) if args.ctx_size is None
-                                  else args.ctx_size)
+                                  else args.ctx_size).validate()  # the HTTP options, before any weight is read
     plan = prepare(config, spec, serve.parallel, serve.ctx_size)  # the store and RAM it needs: before listening
     from moeserve.serve.server import run as serve_until_stopped  # the web stack: only once the options are good
 
