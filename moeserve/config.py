@@ -22,9 +22,20 @@ from moeserve.units import parse_bytes
 OFFLOAD_POLICIES = ("lru", "lfu", "lhu", "fld", "hobbit")  # offload/policies.py's POLICIES, named without torch
 
 
-def flag(default, name: str):
-    """A dataclass field whose command-line option is `name` (errors name the option the user typed)."""
-    return field(default=default, metadata={"flag": name})
+def flag(default, name: str, inverted: bool = False):
+    """A dataclass field whose command-line option is `name` (errors name the option the user typed); inverted: the
+    option is a switch that turns the field off (--no-pin sets pin False)."""
+    return field(default=default, metadata={"flag": name, "inverted": inverted})
+
+
+def from_options(kind, args):
+    """A `kind` config from an argparse namespace: each field from its option's value (absent or None: default)."""
+    values = {}
+    for f in fields(kind):
+        given = getattr(args, f.metadata["flag"].removeprefix("--").replace("-", "_"), None)
+        if given is not None:
+            values[f.name] = not given if f.metadata["inverted"] else given
+    return kind(**values)
 
 
 def changed(config) -> list[str]:
@@ -57,7 +68,7 @@ class CacheConfig:
     t2: float = flag(0.9, "--t2")
     prefetch: int = flag(1, "--prefetch")  # MoE layers ahead whose predicted experts are prefetched
     cooperative: bool = flag(False, "--cooperative")
-    pin: bool = flag(True, "--no-pin")
+    pin: bool = flag(True, "--no-pin", inverted=True)
 
 
 @dataclass(frozen=True)
@@ -100,18 +111,11 @@ class RunConfig:
     @classmethod
     def from_args(cls, args, command: str) -> RunConfig:
         """The run an argparse namespace describes (options a command lacks keep their defaults)."""
-        def pick(kind):
-            given = {f.name: getattr(args, _dest(f.name), None) for f in fields(kind)}
-            values = {k: v for k, v in given.items() if v is not None or _dest(k) in vars(args)}
-            if "pin" in values:
-                values["pin"] = not getattr(args, "no_pin", False)
-            return kind(**{k: v for k, v in values.items() if k in {f.name for f in fields(kind)}})
-
         return cls(model=args.model, device=getattr(args, "device", "auto"), dtype=getattr(args, "dtype", "auto"),
                    gpu_memory=getattr(args, "memory", None), offload=getattr(args, "offload", None),
                    dense_bits=getattr(args, "dense_bits", None),
-                   cuda_graph=not getattr(args, "no_cuda_graph", False), parallel=pick(ParallelConfig),
-                   cache=pick(CacheConfig), hybrid=pick(HybridConfig), command=command)
+                   cuda_graph=not getattr(args, "no_cuda_graph", False), parallel=from_options(ParallelConfig, args),
+                   cache=from_options(CacheConfig, args), hybrid=from_options(HybridConfig, args), command=command)
 
     @property
     def planning(self) -> bool:
@@ -231,11 +235,6 @@ class ServeConfig:
 def check_cache_slots(high: int, low: int, t1: float, t2: float) -> None:
     if high < 0 or low < 0 or not 0 <= t1 <= t2:
         raise MoeserveError("slots must be >= 0 and thresholds 0 <= --t1 <= --t2")
-
-
-def _dest(name: str) -> str:
-    """The argparse dest of a config field (the option names that differ from the field's)."""
-    return {"per_layer": "per_layer_cache", "pin": "no_pin"}.get(name, name)
 
 
 __all__ = ["STREAM_FROM", "CacheConfig", "HybridConfig", "ParallelConfig", "RunConfig", "ServeConfig", "changed",
