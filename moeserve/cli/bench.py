@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeserve.cli.common import load, prepare
+from moeserve.cli.common import is_main_rank, load, prepare
 from moeserve.cli.options import DEFAULT_BENCH_GEN, DEFAULT_PLAN_PROMPT
 from moeserve.config import RunConfig
 from moeserve.engine.bench import check_bench, run_bench, table
@@ -23,13 +23,15 @@ def run(args) -> int:
     run = load(prepare(config, spec, 1, max(prompt_tokens, gen_tokens + 2)))
     model = run.model
     placement = run.placement_name()
-    with Progress(2 * (args.repetitions + 1), "bench", "runs") as bar:
+    with Progress(2 * (args.repetitions + 1), "bench", "runs", enabled=is_main_rank()) as bar:
         def on_run(test, rep, seconds):
             tokens = prompt_tokens if test.startswith("pp") else gen_tokens
             bar.update(1, note=f"{test} {'warm-up' if rep == 0 else f'{rep}/{args.repetitions}'}: "
                                f"{tokens / seconds:,.1f} tok/s")
 
         results = run_bench(model, prompt_tokens, gen_tokens, args.repetitions, args.seed, config.cuda_graph, on_run)
+    if not is_main_rank():  # every rank ran the same tests (--ep/--tp); rank 0 reports
+        return 0
     if args.json:
         print(json.dumps({"model": args.model, "placement": placement, "device": model.device.type,
                           "dtype": str(model.dtype).removeprefix("torch."), "results": [r.as_dict() for r in results]},

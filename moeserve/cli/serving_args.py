@@ -99,7 +99,8 @@ def bench_parser(sub) -> None:
                         description="Time prompt processing (ppP: one forward pass over P random tokens, batch 1) and "
                                     "text generation (tgN: N greedy decode steps, batch 1) of the model as the "
                                     "placement options place it (resident, a quantized checkpoint, --offload, "
-                                    "--cpu-moe/--n-cpu-moe, --gpu-memory's plan, --device cpu); each test runs once "
+                                    "--cpu-moe/--n-cpu-moe, --gpu-memory's plan, --device cpu, --ep/--tp under "
+                                    "torchrun); each test runs once "
                                     "untimed, then -r times. Prints a table: tokens/s mean ± std, peak GPU memory and "
                                     "peak host RSS.")
     model_args(bp)
@@ -115,3 +116,4 @@ def bench_parser(sub) -> None:
     bp.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on a GPU")
     offload_group(bp)
     hybrid_args(bp, store_option=False)
+    parallel_args(bp)

@@ -209,6 +209,13 @@ def test_cli_eval_ppl_under_torchrun_matches_single_process(byte_model_dir, caps
     assert json.loads(lines[0])["perplexity"] == pytest.approx(single["perplexity"], rel=1e-5)
 
 
+def test_cli_bench_under_torchrun_reports_once(byte_model_dir):
+    proc = _torchrun(["bench", "--model", str(byte_model_dir), "-p", "16", "-n", "4", "-r", "1", "--json", "--ep", "2"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)  # rank 0 alone prints
+    assert [r["test"] for r in report["results"]] == ["pp16", "tg4"] and "--ep 2" in report["placement"]
+
+
 def test_cli_bad_layout_under_torchrun_is_one_line_per_rank(byte_model_dir):
     """Each rank that reports says why in one line, before anything loads. The ranks check at once, but the first to
     exit makes torchrun stop the others, which may not have printed yet: one or two lines."""
