@@ -7,6 +7,15 @@ prompt (left-padded rows of at most `prefill_tokens` token slots in all), so run
 new prompts are read. A request that finishes or is cancelled frees its row at once; the next waiting request
 (first come, first served) takes it.
 
+Prefix reuse: a row keeps the KV of the tokens it read after its request ends. A request takes the free row whose
+tokens share the longest prefix with its prompt (else the row free the longest), and before each prefill pass a
+prompt's next tokens are copied from any row that holds them (another request's, running or done: a shared system
+prompt, earlier turns, the other choices of an `n > 1` request) instead of computed: a device copy of those columns
+(KVCache rows are the model's own entries, so every placement and CUDA graphs keep working). A request whose prompt
+shares at least PREFIX_MIN tokens beyond its own with a prompt still being read waits for that read rather than
+repeat it. At least the prompt's last token is always computed (its logits start the output). `Request.reused` counts
+the prompt tokens that were not computed.
+
 Each request samples with its own SamplingParams and generator (a seed gives the tokens `generate` gives that
 prompt alone), ends on its own EOS, stop strings and limits, and reports every token through `on_update`. The work
 of one request in a step (drawing its token, its logprobs, detokenizing, stop checks, its update) that raises fails
@@ -16,7 +25,6 @@ its rows: step() raises, and the caller drops the requests (drop_active).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +38,7 @@ from moeserve.engine.sequence import (Generation, TextStream, append_token, chec
 from moeserve.model.kv_cache import SlotKVCache
 
 DEFAULT_PREFILL_TOKENS = 512
+PREFIX_MIN = 16  # shared tokens worth waiting for another prompt's read (below: read them alongside)
 FAILED = -1  # the token of a request whose sampling raised (under torchrun: what rank 0 sends for it)
 
 
@@ -105,10 +114,15 @@ class Request:
     cached: int = field(init=False, default=0)  # tokens in its cache row (prompt first, then generated)
     sampled: int = field(init=False, default=0)  # tokens sampled so far (EOS included)
     last_token: int = field(init=False, default=0)  # the token the next decode step feeds
+    reused: int = field(init=False, default=0)  # prompt tokens whose KV came from another row or was already in its own
 
     @property
     def prefilled(self) -> bool:
         return self.cached >= len(self.prompt_ids)
+
+    def held(self) -> list[int]:
+        """The tokens whose KV its row holds, in order (the prompt, then the tokens fed back)."""
+        return (self.prompt_ids + self.gen.token_ids)[:self.cached]
 
 
 class ContinuousBatch:
@@ -121,7 +135,8 @@ class ContinuousBatch:
         self.eos = set(model.spec.eos_token_ids if eos_ids is None else eos_ids)
         self.kv = SlotKVCache(model.spec, slots, context, model.device, model.dtype)
         self.decoder = SlotDecoder(model, self.kv, graph=cuda_graph and model.device.type == "cuda")
-        self.free = list(range(slots))  # a heap: the lowest free row first, so rows in use stay together
+        self.free = list(range(slots))  # free rows, the one free the longest first
+        self.kept: list[list[int]] = [[] for _ in range(slots)]  # per free row: the tokens whose KV it still holds
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # holding a row, in order of arrival
         # the tokens a sampling drew -> the tokens to keep (serving under torchrun: rank 0's, serve/mirror.py)
@@ -184,14 +199,13 @@ class ContinuousBatch:
         dropped = list(self.active)
         for r in dropped:
             self._release(r)
+            self.kept[self.free[-1]] = []  # a failed pass may have left its rows half written
         return dropped
 
     def step(self) -> bool:
         """One decode step for the running requests and one prefill chunk; False when there was nothing to do."""
         while self.free and self.waiting:
-            r = self.waiting.popleft()
-            r.slot = heapq.heappop(self.free)
-            self.active.append(r)
+            self._admit(self.waiting.popleft())
         decoding = [r for r in self.active if r.prefilled]
         prefilling = [r for r in self.active if not r.prefilled]
         with torch.inference_mode():
@@ -206,17 +220,46 @@ class ContinuousBatch:
         self.last_step = StepShape(len(decoding), rows, width)
         return bool(decoding or prefilling)
 
+    def _admit(self, r: Request) -> None:
+        """Give r the free row whose kept tokens share the longest prefix with its prompt (else the one free the
+        longest); the shared tokens count as read."""
+        shared = [shared_prefix(self.kept[row], r.prompt_ids) for row in self.free]
+        best = max(range(len(self.free)), key=lambda i: (shared[i], -i))
+        r.slot = self.free.pop(best)
+        r.cached = r.reused = min(shared[best], len(r.prompt_ids) - 1)
+        self.kept[r.slot] = []
+        self.active.append(r)
+
+    def _reuse(self, r: Request, reading: list[Request]) -> bool:
+        """Copy into r's row the next tokens of its prompt that another row holds (the most of them); False when r
+        should wait instead: a prompt in `reading` (still being read, ahead of r) shares PREFIX_MIN more of them."""
+        want = len(r.prompt_ids) - 1  # its last token is computed: its logits start the output
+        rows = [(q.held(), q.slot) for q in self.active if q is not r and q.slot is not None]
+        rows += [(self.kept[row], row) for row in self.free]
+        best, src = max(((shared_prefix(held, r.prompt_ids), row) for held, row in rows), default=(0, None))
+        best = min(best, want)
+        if best > r.cached:
+            self.kv.copy_columns(src, r.slot, r.cached, best)
+            r.reused += best - r.cached
+            r.cached = best
+        ahead = max((shared_prefix(q.prompt_ids, r.prompt_ids) for q in reading), default=0)
+        return min(ahead, want) < r.cached + PREFIX_MIN
+
     def _prefill(self, requests: list[Request]) -> tuple[int, int]:
-        """Read the next chunk of the prompts of `requests` (as many as fit prefill_tokens, the first always);
-        those whose prompt is then complete sample their first token. -> the pass's (rows, padded width)."""
+        """Read the next chunk of the prompts of `requests` (as many as fit prefill_tokens, the first always; each
+        first takes what other rows hold, or waits for a prompt ahead of it that will); those whose prompt is then
+        complete sample their first token. -> the pass's (rows, padded width)."""
         chunks: list[tuple[Request, int]] = []
         width = 0
-        for r in requests:
+        ready = [r for i, r in enumerate(requests) if self._reuse(r, requests[:i])]
+        for r in ready:
             n = min(len(r.prompt_ids) - r.cached, self.prefill_tokens)
             if chunks and (len(chunks) + 1) * max(width, n) > self.prefill_tokens:
                 break
             chunks.append((r, n))
             width = max(width, n)
+        if not chunks:  # every prompt waits for one ahead of it: nothing to compute this step
+            return 0, 0
         tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # [B, W], left-padded
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
         valid = torch.zeros(len(chunks), width, dtype=torch.bool)
@@ -299,5 +342,18 @@ class ContinuousBatch:
 
     def _release(self, r: Request) -> None:
         self.active.remove(r)
-        heapq.heappush(self.free, r.slot)
+        self.free.append(r.slot)
+        self.kept[r.slot] = r.held()
         r.slot = None
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share (a binary search over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

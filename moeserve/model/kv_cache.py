@@ -93,6 +93,12 @@ class SlotKVCache:
         self._span: int | None = None
         self._write: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
+    def copy_columns(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Row dst's columns [start, stop) become row src's (every layer; keys and values, or MLA's latents): the KV of
+        tokens both rows hold, copied on the device instead of computed."""
+        for cache in (self.k, self.v) if self.v is not None else (self.k,):
+            cache[:, dst, :, start:stop] = cache[:, src, :, start:stop]
+
     def use(self, rows: list[int] | torch.Tensor, span: int | None) -> None:
         """The rows the next passes cover (a list, or a [B] device tensor that a CUDA graph reads) and the columns
         they attend over (None: all, static). Consecutive rows given as a list are sliced, not gathered."""

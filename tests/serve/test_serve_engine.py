@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moeserve
-from moeserve.engine.batching import ContinuousBatch, Request
+from moeserve.engine.batching import PREFIX_MIN, ContinuousBatch, Request
 from moeserve.engine.cuda_graph import SlotDecoder, padded_batch
 from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
@@ -89,6 +89,42 @@ def test_per_slot_positions_with_sliding_window_and_qk_norm(hf_checkpoints, fami
     requests = [Request(p, params, None) for p in prompts]
     updates = run(batch, requests, {0: requests[:3], 2: requests[3:]})
     assert_alone(model, None, requests, updates)
+
+
+def test_prompts_sharing_a_prefix_read_it_once(demo):
+    """Prompts sharing a 60-character system text, three of them identical (an n = 3 request), in 3 rows with
+    32-token prefill chunks: a prompt waits for the read of the one ahead of it, then copies the shared columns from
+    its row (running, or done and kept), computing what is left when that is under PREFIX_MIN tokens; the fourth
+    identical one takes the row its twin left. Each request still
+    gets what it gets alone (greedy and seeded), and the shared tokens are computed once."""
+    model, tok = demo
+    text = (Path(moeserve.DEMO_MODEL) / "heldout.txt").read_text()
+    tails = ("KING. Speak", "QUEEN. Go", "KING. Speak", "KING. Speak", text[500:530])
+    prompts = [tok.encode(text[:60] + tail) for tail in tails]
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(5)]
+    batch = ContinuousBatch(model, tok, slots=3, context=128, prefill_tokens=32)
+    requests = [Request(p, sp, None) for p, sp in zip(prompts, params)]
+    updates = run(batch, requests, {0: requests[:4], 5: requests[4:]})
+    assert_alone(model, tok, requests, updates)
+    system = len(tok.encode(text[:60]))
+    assert requests[0].reused == 0 and requests[1].reused >= system - 1
+    assert requests[2].reused > len(prompts[0]) - 1 - PREFIX_MIN  # the rest is read alongside, not waited for
+    assert requests[3].reused == len(prompts[0]) - 1  # its twin's kept row: only the last token is computed
+    assert requests[4].reused >= system - 1  # text[500:] follows the system text too: the kept rows hold it
+
+
+def test_a_kept_row_taken_by_another_prompt_is_overwritten(demo):
+    """A row's kept tokens are reused only as far as they match: a prompt differing after a few tokens reads the
+    rest into that row, and gets what it gets alone."""
+    model, tok = demo
+    batch = ContinuousBatch(model, tok, slots=1, context=96, prefill_tokens=16)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    requests = [Request(tok.encode(t), params, None) for t in ("KING. Speak to me of the war", "KING. Go away now")]
+    updates = run(batch, requests, {0: requests[:1], 12: requests[1:]})
+    assert_alone(model, tok, requests, updates)
+    assert requests[1].reused == len(tok.encode("KING. ")) and batch.kept[0][:requests[1].reused + 2] == \
+        requests[1].prompt_ids[:requests[1].reused + 2]
 
 
 def test_cancel_frees_the_slot_for_the_next_request(demo):
