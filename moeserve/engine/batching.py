@@ -124,6 +124,13 @@ class Request:
         """The tokens whose KV its row holds, in order (the prompt, then the tokens fed back)."""
         return (self.prompt_ids + self.gen.token_ids)[:self.cached]
 
+    def shares(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` its row holds (held() compared without building it)."""
+        n = min(shared_prefix(self.prompt_ids, tokens), self.cached)
+        if n < len(self.prompt_ids) or n == self.cached:
+            return n
+        return n + shared_prefix(self.gen.token_ids[:self.cached - n], tokens[n:])
+
 
 class ContinuousBatch:
     def __init__(self, model, tokenizer, slots: int, context: int, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
@@ -234,9 +241,9 @@ class ContinuousBatch:
         """Copy into r's row the next tokens of its prompt that another row holds (the most of them); False when r
         should wait instead: a prompt in `reading` (still being read, ahead of r) shares PREFIX_MIN more of them."""
         want = len(r.prompt_ids) - 1  # its last token is computed: its logits start the output
-        rows = [(q.held(), q.slot) for q in self.active if q is not r and q.slot is not None]
-        rows += [(self.kept[row], row) for row in self.free]
-        best, src = max(((shared_prefix(held, r.prompt_ids), row) for held, row in rows), default=(0, None))
+        found = [(q.shares(r.prompt_ids), q.slot) for q in self.active if q is not r and q.slot is not None]
+        found += [(shared_prefix(self.kept[row], r.prompt_ids), row) for row in self.free]
+        best, src = max(found, default=(0, None))
         best = min(best, want)
         if best > r.cached:
             self.kv.copy_columns(src, r.slot, r.cached, best)
@@ -348,12 +355,18 @@ class ContinuousBatch:
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two lists share (a binary search over slice comparisons, which run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+    """How many leading tokens two lists share, in time of that count: windows that double in size are compared
+    (slice comparisons run in C) until one differs, then that window is halved down to the first difference."""
+    n, lo, width = min(len(a), len(b)), 0, 16
+    while lo < n and a[lo:lo + width] == b[lo:lo + width]:
+        lo, width = lo + width, 2 * width
+    if lo >= n:
+        return n
+    hi = min(n, lo + width)  # a[lo:hi] != b[lo:hi]: the first difference is in there
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
-            hi = mid - 1
-    return lo
+            hi = mid
+    return lo if a[lo] != b[lo] else hi
