@@ -235,3 +235,17 @@ def test_a_failed_capture_runs_the_pieces_eagerly(demo, mixed_requests, monkeypa
     assert_alone(model, tok, requests, updates, alone)
     assert batch.decoder.runners and not batch.decoder.graphed_sizes()
     assert not any(runner.use_graph for runner in batch.decoder.runners.values())
+
+
+def test_shared_prefix_matches_a_plain_scan():
+    from moeserve.engine.batching import shared_prefix
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        common, la, lb = (int(x) for x in torch.randint(0, 200, (3,), generator=g))
+        base = torch.randint(0, 3, (common,), generator=g).tolist()
+        a = base + torch.randint(0, 3, (la,), generator=g).tolist()
+        b = base[:int(torch.randint(0, common + 1, (1,), generator=g))] if la % 3 == 0 else \
+            base + torch.randint(0, 3, (lb,), generator=g).tolist()
+        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared_prefix(a, b) == plain == shared_prefix(b, a)
