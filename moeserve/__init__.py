@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from moeserve.engine.sampling import SamplingParams  # on first use, as LLM
+        from moeserve.engine.params import SamplingParams  # on first use, as LLM
 
         return SamplingParams
     raise AttributeError(f"module 'moeserve' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from moeserve import runtime
 from moeserve.config import CacheConfig, HybridConfig, ParallelConfig, RunConfig
 from moeserve.demo import DEMO_MODEL
 from moeserve.engine.generate import iterate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.engine.sequence import Generation
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import moeserve
 from moeserve.checkpoint import CheckpointReader
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.model.experts import ResidentExperts
 from moeserve.parallel.expert_parallel import ExpertParallelExperts
 from moeserve.parallel.groups import split_range

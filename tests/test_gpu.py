@@ -164,7 +164,7 @@ def test_all_tokens_to_one_expert_and_empty_experts():
 
 def test_generation_on_gpu_matches_cpu_fp32(byte_model_dir):
     from moeserve.engine.generate import generate
-    from moeserve.engine.sampling import SamplingParams
+    from moeserve.engine.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = [[256, 72, 105], [256, 84, 111, 32, 98, 101]]
@@ -238,7 +238,7 @@ def test_generate_with_cuda_graph_matches_eager_greedy(name, graph_models):
     """Greedy tokens with and without the graph; bf16 rounding may flip a near-tie late, so the first 16 tokens
     must agree and the shared prefix is reported."""
     from moeserve.engine.generate import generate
-    from moeserve.engine.sampling import SamplingParams
+    from moeserve.engine.params import SamplingParams
 
     model = graph_models[name]
     prompts = [[72, 65, 77, 76, 69, 84, 46, 32, 84, 79], [75, 73, 78, 71, 46]]
@@ -561,7 +561,7 @@ def test_quantized_model_decodes_through_a_cuda_graph(tmp_path):
     from moeserve.cli import DEMO_DIR, main
     from moeserve.engine.cuda_graph import graph_safe
     from moeserve.engine.generate import generate
-    from moeserve.engine.sampling import SamplingParams
+    from moeserve.engine.params import SamplingParams
 
     assert main(["quantize", "--model", str(DEMO_DIR), "--out", str(tmp_path / "q4"), "--bits", "4",
                  "--method", "hqq"]) == 0

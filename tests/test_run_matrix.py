@@ -13,7 +13,7 @@ import torch
 import moeserve
 from hf_models import FAMILIES
 from moeserve.cli import main
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.offload.store import ExpertStore
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)

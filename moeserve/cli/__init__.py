@@ -11,10 +11,12 @@ import importlib
 import os
 import sys
 
-from moeserve.cli.options import DEMO_DIR
+from moeserve.cli.options import DEMO_DIR, sampling_params
 from moeserve.cli.parser import build_parser
 from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
+from moeserve.hub import resolve_model
+from moeserve.spec import ModelSpec
 
 COMMANDS = {"generate": "generate", "info": "info", "eval": "eval", "quantize": "quantize", "trace": "trace",
             "batch": "batch", "offload-prepare": "offload_prepare", "profile": "profile", "plan": "plan",
@@ -22,15 +24,34 @@ COMMANDS = {"generate": "generate", "info": "info", "eval": "eval", "quantize": 
 RUNS = {"generate": "generate", "eval": "eval ppl", "serve": "serve", "bench": "bench"}  # commands with a RunConfig
 
 
-def cpu_wait_policy(args) -> None:
-    """Runs that may put experts on the CPU: torch's OpenMP threads that finish a parallel region sleep rather than
-    spin (OMP_WAIT_POLICY=PASSIVE unless the user set it). The experts' native helper threads (kernels/cpu/pool.py),
-    torch's own ops and the thread that drives the GPU share the cores, and OpenMP threads spinning process-wide take
-    them from the others. Must be set before torch (and its OpenMP runtime) loads."""
-    hybrid = getattr(args, "cpu_moe", False) or getattr(args, "n_cpu_moe", None) is not None
-    planned = getattr(args, "memory", None) is not None and not getattr(args, "offload", None)
-    if hybrid or planned:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def cpu_threads(args) -> None:
+    """Torch's CPU threads, set before torch (and its OpenMP runtime) loads. Threads that finish a parallel region
+    sleep rather than spin (OMP_WAIT_POLICY=PASSIVE unless the user set a wait policy or GOMP_SPINCOUNT): spinning
+    threads take the cores from the process's other threads (the CPU experts' native helpers, the thread that drives
+    the GPU) and from the machine's other work, and a spinning team whose threads lose their cores to another
+    process slows every operation by an order of magnitude (bench/threads.py measures both). --threads N sets the
+    team's size."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise MoeserveError(f"--threads {threads} must be >= 1")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def check_before_torch(args) -> None:
+    """What needs no torch is checked before it loads (a second or more; under torchrun every rank of a bad launch
+    then says why at once): a hub name is resolved to its local snapshot, the run's options (RunConfig), the
+    checkpoint's config.json and architecture, generate's sampling options."""
+    if hasattr(args, "model"):
+        args.model = resolve_model(args.model)
+    if args.command in RUNS:
+        RunConfig.from_args(args, RUNS[args.command]).validate()
+    if hasattr(args, "model"):
+        ModelSpec.from_dir(args.model)
+    if args.command == "generate":
+        sampling_params(args)
 
 
 def configure_logging(level: str) -> None:
@@ -50,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     status = 1
     try:
         configure_logging(os.environ.get("MOESERVE_LOG", ""))
-        cpu_wait_policy(args)
-        if args.command in RUNS:  # before torch loads: each rank of a bad torchrun launch says why, at once
-            RunConfig.from_args(args, RUNS[args.command]).validate()
+        cpu_threads(args)
+        check_before_torch(args)
         command = importlib.import_module(f"moeserve.cli.{COMMANDS[args.command]}")
+        if getattr(args, "threads", None) is not None and "torch" in sys.modules:  # loaded before main() ran too
+            sys.modules["torch"].set_num_threads(args.threads)
         status = command.run(args)
         return status
     except MoeserveError as e:

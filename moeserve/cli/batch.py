@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from moeserve.cli.common import check_output_path
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.loader import load_model, resolve_device, resolve_dtype
 from moeserve.plan.batch import (BadLines, auto_policy, finished_ids, policy_for_budget, read_requests, run_batch,

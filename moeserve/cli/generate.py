@@ -7,10 +7,9 @@ import sys
 import time
 
 from moeserve.cli.common import check_utf8, is_main_rank, load, prepare
-from moeserve.cli.options import DEFAULT_PROMPT
+from moeserve.cli.options import DEFAULT_PROMPT, sampling_params
 from moeserve.config import RunConfig
 from moeserve.engine.generate import iterate
-from moeserve.engine.sampling import SamplingParams
 from moeserve.engine.sequence import check_request
 from moeserve.progress import Progress
 from moeserve.spec import ModelSpec
@@ -19,9 +18,7 @@ from moeserve.units import format_bytes
 
 
 def run(args) -> int:
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+    params = sampling_params(args)
     config = RunConfig.from_args(args, "generate")  # validated by cli.main
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
     texts = args.prompts or [DEFAULT_PROMPT]

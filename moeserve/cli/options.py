@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from moeserve.demo import DEMO_MODEL
+from moeserve.engine.params import SamplingParams
 from moeserve.hybrid.placement import STREAM_FROM
 from moeserve.parallel.defaults import STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
@@ -52,6 +53,13 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (GPU when present; default auto)")
     p.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on a CPU; default auto)")
+    threads_arg(p)
+
+
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads of torch's operations (default: one per core this process may use; with other "
+                        "work on the machine, fewer than its cores can be faster)")
 
 
 def parallel_args(p: argparse.ArgumentParser) -> None:
@@ -154,3 +162,10 @@ def offload_group(p: argparse.ArgumentParser) -> None:
                    help="expert store directory from offload-prepare (with --cpu-moe/--n-cpu-moe: the hybrid's store)")
     offload_args(o)
 
+
+
+def sampling_params(args) -> SamplingParams:
+    """generate's sampling options (checked: a one-line error names the bad one)."""
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moeserve.cli.options import (DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg, hybrid_args, model_args, offload_group, parallel_args, unescape)
+from moeserve.cli.options import (DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg, hybrid_args,
+                                  model_args, offload_group, parallel_args, threads_arg, unescape)
 from moeserve.cli.serving_args import batch_parser, bench_parser, serve_parser
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
@@ -12,7 +13,9 @@ from moeserve.train.options import add_train_args
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
-        prog="moeserve", description="Run Mixture-of-Experts language models (Mixtral, Qwen2/3-MoE, OLMoE).",
+        prog="moeserve",
+        description="Run Mixture-of-Experts language models: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, "
+                    "Kimi-K2, GLM-4.5, GPT-OSS, DBRX, Phi-MoE, Granite-MoE, Llama-4 (13 families).",
         epilog="Run `moeserve COMMAND --help` for the options of each command.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
@@ -88,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text to measure expert frequency on for frequency ranks (default: the model's heldout.txt)")
     q.add_argument("--device", default="auto", help="where to run the optimisation: cpu, cuda or auto (default)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    threads_arg(q)
 
     op = sub.add_parser("offload-prepare", help="build the expert store used by generate --offload",
                         description="Write every routed expert in high precision (as in the checkpoint) and low "

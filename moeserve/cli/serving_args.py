@@ -84,8 +84,6 @@ def serve_parser(sub) -> None:
     sv.add_argument("--allowed-origins", type=origins, default=(), metavar="ORIGINS",
                     help="CORS: origins browsers may call the API from, comma-separated "
                          "(https://a.example,http://localhost:3000), or * for any (default: none, CORS off)")
-    sv.add_argument("--threads", type=int, default=None, metavar="N",
-                    help="CPU threads the model runs on (default: torch's choice, one per core)")
     sv.add_argument("--no-cuda-graph", action="store_true",
                     help="decode eagerly on a GPU (default: a CUDA graph per padded batch size where the experts "
                          "allow it)")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.engine.cuda_graph import SlotDecoder, padded_sizes
-from moeserve.engine.sampling import SamplingParams, sample_next
+from moeserve.engine.params import SamplingParams
+from moeserve.engine.sampling import sample_next
 from moeserve.engine.sequence import (Generation, TextStream, append_token, check_request, limit_reason,
                                       token_limits)
 from moeserve.model.kv_cache import SlotKVCache

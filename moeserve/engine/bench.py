@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moeserve.engine.generate import iterate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.model.kv_cache import KVCache
 from moeserve.units import format_bytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from moeserve.engine.batching import ContinuousBatch, Request, Update
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.engine.sequence import Generation, check_request, token_limits
 
 

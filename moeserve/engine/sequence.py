@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 
 

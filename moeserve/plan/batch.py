@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.plan.hardware import HardwareProfile, load_or_measure
 from moeserve.plan.policy import ThroughputPolicy

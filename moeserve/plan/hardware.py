@@ -153,7 +153,7 @@ def micro_batch_overhead(device: str, steps: int = 6, micro_batches: int = 4) ->
     hand-offs to the CPU-attention worker, Python): decode steps of the shipped demo model (a Mixtral layer
     of a few MFLOP, so the time is nearly all overhead), one sequence per micro-batch, CPU attention,
     weights resident; the warm-up steps are not timed."""
-    from moeserve.engine.sampling import SamplingParams
+    from moeserve.engine.params import SamplingParams
     from moeserve.loader import load_model
     from moeserve.plan.pipeline import Pipeline
     from moeserve.plan.policy import ThroughputPolicy

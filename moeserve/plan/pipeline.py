@@ -47,7 +47,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.sampling import SamplingParams, sample_each
+from moeserve.engine.params import SamplingParams
+from moeserve.engine.sampling import sample_each
 from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.engine.sequence import (Generation, TextStream, check_request, left_padded, record_tokens,
                                       token_limits)

@@ -22,7 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from moeserve import __version__
 from moeserve.engine.batching import Update
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.serve.batcher import Engine, EngineFailed, Job, LoopSink, QueueFull
 from moeserve.serve.chat_template import ChatTemplate, TemplateError

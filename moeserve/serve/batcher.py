@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.engine.batching import ContinuousBatch, Request, Update
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import Added, Cancelled, StepMirror, Stop
 

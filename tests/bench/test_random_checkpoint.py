@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from random_checkpoint import MXFP4_SCALE, random_quantized_checkpoint  # noqa: E402
 
 import moeserve  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 
 
 def test_gpt_oss_shape_ships_mxfp4_experts_that_run_on_the_cpu_too(tmp_path):

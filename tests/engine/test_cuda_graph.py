@@ -11,7 +11,7 @@ from moeserve.cli import DEMO_DIR
 from moeserve.engine import batching, cuda_graph
 from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.engine.sequence import left_padded
 from moeserve.model.kv_cache import SlotKVCache
 from moeserve.model.paths import GRAPH_SAFE

@@ -6,7 +6,8 @@ import torch
 import moeserve
 from moeserve.engine.generate import generate
 from moeserve.engine.sequence import TextStream
-from moeserve.engine.sampling import SamplingParams, filter_logits, sample_next
+from moeserve.engine.params import SamplingParams
+from moeserve.engine.sampling import filter_logits, sample_next
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import ByteTokenizer
 

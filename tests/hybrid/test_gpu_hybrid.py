@@ -11,7 +11,7 @@ import torch
 
 import moeserve
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
 

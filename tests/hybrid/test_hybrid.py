@@ -12,7 +12,7 @@ from hf_models import FAMILIES
 import moeserve
 from moeserve.cli import main
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import expert_bytes, host_bytes
 from moeserve.hybrid import memory

@@ -12,7 +12,7 @@ import moeserve
 from hf_models import write_mxfp4_pair
 from moeserve.engine.batching import ContinuousBatch, Request
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.model import sinks
 from moeserve.model.kv_cache import KVCache
 from moeserve.quant.mxfp4 import Mxfp4Experts, dequantize, quantize

@@ -12,7 +12,7 @@ from checks import slot_decode
 from moeserve.engine.cuda_graph import SlotDecoder, graph_safe
 from moeserve.engine.generate import generate
 from moeserve.engine.sequence import left_padded
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.model.paths import explain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

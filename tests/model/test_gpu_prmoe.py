@@ -7,7 +7,7 @@ import torch
 import moeserve
 from moeserve.engine.cuda_graph import graph_safe
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.train.arch import ArchConfig
 from prmoe_models import save_prmoe_model
 

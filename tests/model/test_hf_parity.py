@@ -6,7 +6,7 @@ import torch
 import moeserve
 from hf_models import FAMILIES, UNPADDED_REFERENCE
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.model.kv_cache import KVCache
 
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import moeserve
 from moeserve.cli import main
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.kernels.pack import units_from_planar
 from moeserve.offload.budget import plan_slots

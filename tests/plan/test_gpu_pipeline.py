@@ -10,7 +10,7 @@ import torch
 import moeserve
 from hf_models import write_mxfp4_pair
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.plan.pipeline import SCHEDULES, Pipeline
 from moeserve.plan.policy import ThroughputPolicy
 from test_pipeline import PROMPTS, plain

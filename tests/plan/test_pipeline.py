@@ -11,7 +11,7 @@ import torch
 import moeserve
 from moeserve.cli import main
 from moeserve.engine.generate import iterate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.engine.scheduler import balanced_micro_batches
 from moeserve.plan import layer_weights
 from moeserve.plan import pipeline as pipeline_module

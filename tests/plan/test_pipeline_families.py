@@ -12,7 +12,7 @@ import moeserve
 from hf_models import write_mxfp4_pair
 from moeserve.cli import main
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes
 from moeserve.plan.policy import ThroughputPolicy
 from moeserve.plan.roofline import MXFP4_BYTES, Workload, layer_ops

@@ -17,7 +17,7 @@ from torch import nn
 
 import moeserve
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.loader import is_routed_expert
 from moeserve.parallel.tensor_parallel import RowParallelLinear
 from moeserve.plan.placement import dense_bytes

@@ -9,7 +9,7 @@ import torch
 
 import moeserve
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.loader import is_routed_expert
 from moeserve.plan.placement import dense_bytes
 from moeserve.quant.dense import dense_linears

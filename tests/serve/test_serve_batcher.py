@@ -8,7 +8,7 @@ import torch
 import moeserve
 from moeserve.engine.batching import ContinuousBatch
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.serve.batcher import Engine, EngineFailed, QueueFull
 from moeserve.serve.metrics import Metrics
 from moeserve.tokenizer import load_tokenizer

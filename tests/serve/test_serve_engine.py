@@ -9,7 +9,7 @@ import moeserve
 from moeserve.engine.batching import PREFIX_MIN, ContinuousBatch, Request
 from moeserve.engine.cuda_graph import SlotDecoder, padded_batch
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import load_tokenizer
 from single_thread import one_thread  # noqa: F401 - autouse fixture

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import moeserve
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.serve.process import ServerProcess
 from moeserve.tokenizer import load_tokenizer
 from single_thread import one_thread  # noqa: F401 - autouse fixture

@@ -9,7 +9,7 @@ import pytest
 import moeserve
 from moeserve.cli import main
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.serve.process import ServerProcess
 from moeserve.tokenizer import load_tokenizer
 from single_thread import one_thread  # noqa: F401 - autouse fixture
