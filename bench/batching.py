@@ -35,7 +35,7 @@ from serve import add_request_args, make_requests, percentiles  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.engine.batching import ContinuousBatch, Request  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 

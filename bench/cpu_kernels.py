@@ -26,7 +26,7 @@ from common import measure_dram_read_bandwidth, result_record, time_fn, write_re
 import moeserve  # noqa: E402
 from moeserve.cli import DEMO_DIR  # noqa: E402
 from moeserve.engine.generate import generate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.kernels.cpu import gemv  # noqa: E402
 from moeserve.kernels.cpu.machine import cpu_info  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402

@@ -33,7 +33,7 @@ from common import measure_hbm_bandwidth, result_record, sync, write_result  # n
 
 from moeserve.engine.cuda_graph import graph_safe  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.loader import load_model  # noqa: E402
 
 DEMO_DIR = Path(__import__("moeserve").__file__).resolve().parent / "demo"

@@ -61,7 +61,7 @@ from offload import (DEMO_DIR, DemoRouting, dense_bytes, dense_model, model_spec
                      replay_routing, run_method)
 
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.hybrid.memory import ring_slots  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402

@@ -25,7 +25,7 @@ from hybrid import BITS, GROUP, QUICK, SHAPES  # noqa: E402
 from offload import dense_model, model_spec, random_store  # noqa: E402
 
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.hybrid import experts as hybrid_experts  # noqa: E402
 from moeserve.hybrid.cache import SlotCache  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402

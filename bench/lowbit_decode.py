@@ -26,7 +26,7 @@ from common import add_run_args, measure_hbm_bandwidth, result_record, run_devic
 from offload import MIXTRAL, QUICK, dense_model, hf_accelerate, model_spec  # noqa: E402
 
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear  # noqa: E402
 
 STD = 0.02

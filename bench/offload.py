@@ -40,7 +40,7 @@ from common import add_run_args, result_record, run_device, sync, write_result  
 
 from moeserve.engine.cuda_graph import host_layers  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.loader import is_routed_expert, set_tensor, load_model  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402

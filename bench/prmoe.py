@@ -36,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import REPO, result_record, write_result  # noqa: E402
 
 from moeserve.engine.generate import iterate  # noqa: E402
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.loader import load_model  # noqa: E402
 from moeserve.train.plot import plot_curves  # noqa: E402
 

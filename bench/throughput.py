@@ -43,7 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
 from offload import MIXTRAL, QUICK, STD, model_spec  # noqa: E402
 
-from moeserve.engine.sampling import SamplingParams  # noqa: E402
+from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.errors import MoeserveError  # noqa: E402
 from moeserve.loader import set_tensor  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
