@@ -110,8 +110,10 @@ class DeviceView:
 
 class SlotCache:
     def __init__(self, store: ExpertStore, policy: CachePolicy, settings: CacheSettings, device, dtype: torch.dtype):
-        self.store, self.settings = store, settings
         tiers = settings.tiers
+        if settings.miss is Miss.CPU and len(tiers) != 1:
+            raise ValueError(f"a slot cache whose misses run on the CPU has one tier, got {len(tiers)}")
+        self.store, self.settings = store, settings
         self.state = CacheState(policy, tiers[HIGH].slots, tiers[LOW].slots if len(tiers) > LOW else 0,
                                 settings.per_layer, settings.victim_sample)
         self.pools = [SlotPool(t.slots + t.reserve, self._parts(t.low, dtype),
