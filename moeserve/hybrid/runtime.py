@@ -1,5 +1,6 @@
 """What the hybrid layers of one model share: the CPU worker, the CPU's view of the expert store, the optional
-dynamic slot cache (offload/slot_cache.py, Miss.CPU), the streamer of prompts' experts, the precision rule, and the counts a run reports."""
+dynamic slot cache (offload/slot_cache.py, misses on the CPU), the streamer of prompts' experts, the precision rule,
+and the counts a run reports."""
 
 from __future__ import annotations
 

@@ -111,8 +111,8 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
     reserve = model.spec.top_k
     tiers = (Tier(high_slots, low=False, reserve=reserve),
              Tier(low_slots, low=True, reserve=reserve) if mixed else Tier(0, low=True))
-    settings = CacheSettings(tiers, miss=Miss.CHOOSE if cooperative else Miss.COPY, per_layer=per_layer, mixed=mixed, t1=t1, t2=t2,
-                             prefetch_min_accuracy=prefetch_min_accuracy, bandwidth=bandwidth)
+    settings = CacheSettings(tiers, miss=Miss.CHOOSE if cooperative else Miss.COPY, per_layer=per_layer, mixed=mixed,
+                             t1=t1, t2=t2, prefetch_min_accuracy=prefetch_min_accuracy, bandwidth=bandwidth)
     cache = SlotCache(store, CachePolicy.named(policy, model.spec.num_layers, weights), settings, model.device,
                       model.dtype)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]

@@ -39,7 +39,8 @@ def test_copy_policy_loads_the_store_copies_and_computes_them(store):
     E = store.meta["num_experts"]
     settings = CacheSettings((Tier(2, low=False, reserve=2), Tier(2, low=True, reserve=2)), miss=Miss.COPY, mixed=True)
     cache = SlotCache(store, CachePolicy.named("lru", len(store.meta["layers"])), settings, "cpu", torch.float32)
-    asked = [(0, 0, 1, HIGH), (0, 1, 3, LOW), (1, 0, 3, HIGH), (1, 1, 1, LOW), (2, 0, E - 1, LOW)]  # (token, k, expert, precision)
+    # (token, k-slot, expert, precision)
+    asked = [(0, 0, 1, HIGH), (0, 1, 3, LOW), (1, 0, 3, HIGH), (1, 1, 1, LOW), (2, 0, E - 1, LOW)]
     cache.log(layer, [1, 3], [0.7, 0.3])
     virtual = torch.full((3, 2), cache.slots.none, dtype=torch.long)  # [T, k]
     served = []
