@@ -27,7 +27,7 @@ from offload import dense_model, model_spec, random_store  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.hybrid import experts as hybrid_experts  # noqa: E402
-from moeserve.hybrid.cache import SlotCache  # noqa: E402
+from moeserve.offload.slot_cache import SlotCache  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
 from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402

@@ -61,7 +61,7 @@ class Runtime:
     """A loaded run: the model, and the expert cache or hybrid runtime that serves its experts (for their stats)."""
     plan: RunPlan
     model: object
-    cache: object | None = None  # offload.experts.ExpertCache of an --offload run
+    cache: object | None = None  # offload.slot_cache.SlotCache of an --offload run
     hybrid: object | None = None  # hybrid.runtime.HybridRuntime of a hybrid run
     seed: int | None = None  # under --ep/--tp: a sampling seed every rank shares (rank 0's), when none was given
 

@@ -15,7 +15,7 @@ least the placement's stream_from) computes its missed experts on the model devi
 once (hybrid/stream.py): no CPU job. Where the runtime holds a device link (a GPU, every pair on the CPU's low-bit
 copy in one native call; cache slots looked up on the device), steps 1-5 are enqueued on the device instead and
 the host never waits (hybrid/link.py); mixed precision's skips are then chosen on the device too, and the cache is
-kept between steps (hybrid/cache.py).
+kept between steps (offload/slot_cache.py).
 """
 
 from __future__ import annotations

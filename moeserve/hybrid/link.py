@@ -12,7 +12,7 @@ Per layer call of T tokens, all enqueued on the current stream:
 The link serves layers whose every CPU pair runs from the low-bit copy in one native call (mixed precision can
 only skip pairs there: they go with expert id -1) and calls of at most `rows` tokens; others take the host path
 (hybrid/experts.py). With a GPU cache, the pairs its
-slots hold go to the CPU with expert id -1 (skipped there) and run on the device meanwhile (hybrid/cache.py).
+slots hold go to the CPU with expert id -1 (skipped there) and run on the device meanwhile (offload/slot_cache.py).
 """
 
 from __future__ import annotations

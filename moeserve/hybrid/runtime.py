@@ -1,5 +1,6 @@
 """What the hybrid layers of one model share: the CPU worker, the CPU's view of the expert store, the optional
-dynamic slot cache, the streamer of prompts' experts, the precision rule, and the counts a run reports."""
+dynamic slot cache (offload/slot_cache.py, misses on the CPU), the streamer of prompts' experts, the precision rule,
+and the counts a run reports."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from moeserve.hybrid.cache import SlotCache
 from moeserve.hybrid.link import LINK_ROWS, DeviceLink, link_wanted, start_link
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.memory import ring_slots
@@ -19,12 +19,14 @@ from moeserve.kernels.cpu.machine import physical_cores
 from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, SKIP, choose_precision
+from moeserve.offload.slot_cache import CacheSettings, Miss, SlotCache, Tier
 from moeserve.offload.store import ExpertStore
 
 # microseconds an idle native helper thread spins before it sleeps: with a GPU, longer than the GPU's part of a layer
 # between two CPU layers (the next layer's experts then start at once); on the CPU alone, short (torch's own threads
 # compute the attention in between, on the same cores). MOESERVE_SPIN_US overrides both.
 SPIN_US = {"cuda": 2000, "cpu": 50}
+VICTIM_SAMPLE = 32  # cached experts a background admission compares itself with (CacheState.victim_sample)
 
 
 def spin_us(device_type: str) -> int:
@@ -71,8 +73,10 @@ class HybridRuntime:
         self.cache = None
         if placement.cache_slots:
             policy = CachePolicy.named(CACHE_POLICIES[placement.policy], num_layers)
-            self.cache = SlotCache(store, placement.cache_slots, policy, list(placement.cpu_layers), device, dtype,
-                                   placement.low)
+            # one tier: a cached copy, at the run's precision, serves every precision a request asks for
+            settings = CacheSettings((Tier(placement.cache_slots, low=placement.low),), miss=Miss.CPU,
+                                     victim_sample=VICTIM_SAMPLE, layers=tuple(placement.cpu_layers))
+            self.cache = SlotCache(store, policy, settings, device, dtype)
         stream = device.type == "cuda" if stream is None else stream
         self.streamer = None
         if stream and placement.stream_from and placement.cpu_layers:

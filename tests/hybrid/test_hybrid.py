@@ -418,11 +418,11 @@ def test_segmented_decode_runs_the_hybrid_layers_between_the_pieces(hf_checkpoin
 
 
 def test_linked_cache_fills_with_the_most_used_experts_then_swaps(hf_checkpoints):
-    """The device-link cache's bookkeeping (hybrid/cache.py SlotCache.link; driven here on the CPU as the step hook
+    """The device-link cache's bookkeeping (offload/slot_cache.py SlotCache.link; driven here on the CPU as the step hook
     drives it on a GPU): uses counted per call fill the free slots with the most used experts, whose slots then hold
     the store's copies and join the map the calls read; once full, an expert used more than the coldest cached one by
     the margin replaces it, one swap a step; a prompt's uses (the host path) count too."""
-    from moeserve.hybrid import cache as cache_mod
+    from moeserve.offload import slot_cache as cache_mod
     path = hf_checkpoints["mixtral"][1]
     layers = moe_layers(moeserve.load_model(path, routed_experts=False).spec)
     model, runtime = hybrid_model(path, HybridPlacement.choose(layers, cpu_moe=True, cache_slots=3, bits=4))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import moeserve
-from moeserve.offload.experts import ExpertCache, enable_offload
+from moeserve.offload.experts import enable_offload
+from moeserve.offload.slot_cache import SlotCache
 from moeserve.offload.store import ExpertStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -26,7 +27,7 @@ def test_gpu_offload_equals_resident(hf_checkpoints, tmp_path, monkeypatch, fami
                            prefetch_layers=prefetch, cooperative=cooperative, pin=pin)
     if cooperative:  # every other miss on the CPU: both kinds, whatever the routing (GPT-OSS's tiny one: few experts)
         turns = itertools.count()
-        monkeypatch.setattr(ExpertCache, "_cpu_is_faster", lambda self, low, rows, busy: next(turns) % 2 == 0)
+        monkeypatch.setattr(SlotCache, "_cpu_is_faster", lambda self, low, rows, busy: next(turns) % 2 == 0)
     for _ in range(3):  # later passes hit slots that were reloaded while earlier work was in flight
         torch.testing.assert_close(model(tokens), expected, atol=1e-4, rtol=1e-4)
     assert cache.copier.stream is not None and cache.stats.high_misses > 0

@@ -231,7 +231,7 @@ def test_prefetch_never_changes_outputs(tiny, mixed):
 
 def test_cooperative_cpu_experts_give_the_same_outputs(tiny, monkeypatch):
     """Every miss computed on the CPU (forced): same logits as resident, no bytes moved for them."""
-    from moeserve.offload.experts import ExpertCache
+    from moeserve.offload.slot_cache import SlotCache
 
     path, store_dir = tiny
     tokens = torch.randint(3, 97, (2, 7))
@@ -239,7 +239,7 @@ def test_cooperative_cpu_experts_give_the_same_outputs(tiny, monkeypatch):
     model = moeserve.load_model(path, routed_experts=False)
     cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=2, policy="lru", mixed=False,
                            cooperative=True)
-    monkeypatch.setattr(ExpertCache, "_cpu_is_faster", lambda self, low, rows, busy: rows % 2 == 1)  # some of each
+    monkeypatch.setattr(SlotCache, "_cpu_is_faster", lambda self, low, rows, busy: rows % 2 == 1)  # some of each
     torch.testing.assert_close(model(tokens), expected, atol=1e-5, rtol=1e-5)
     st = cache.summary()
     assert 0 < st["cpu_experts"] < st["requests"] - st["hits"]
@@ -281,7 +281,7 @@ def test_prefetch_stops_when_predictions_are_mostly_wrong(tiny):
             ex.predict_next = lambda x, ex=ex: [(ex.next_layers[0], e) for e in range(ex.num_experts)] \
                 if ex.next_layers else []
         runs[min_accuracy] = (greedy(model, prompts, n=12), cache)
-        assert not cache.state.pinned - cache._unused_prefetches  # settled guesses are evictable
+        assert not cache.state.pinned - cache.unused_prefetches  # settled guesses are evictable
     assert runs[0.0][0] == runs[0.5][0]
     assert runs[0.5][1].prefetched < runs[0.0][1].prefetched / 2
 
