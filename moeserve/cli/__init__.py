@@ -18,10 +18,12 @@ from moeserve.errors import MoeserveError
 from moeserve.hub import resolve_model
 from moeserve.spec import ModelSpec
 
-COMMANDS = {"generate": "generate", "info": "info", "eval": "eval", "quantize": "quantize", "trace": "trace",
-            "batch": "batch", "offload-prepare": "offload_prepare", "profile": "profile", "plan": "plan",
-            "serve": "serve", "bench": "bench", "train": "train", "tune": "tune"}  # command -> module in moeserve.cli
-RUNS = {"generate": "generate", "eval": "eval ppl", "serve": "serve", "bench": "bench"}  # commands with a RunConfig
+COMMANDS = {"generate": "generate", "chat": "chat", "info": "info", "eval": "eval", "quantize": "quantize",
+            "trace": "trace", "batch": "batch", "offload-prepare": "offload_prepare", "profile": "profile",
+            "plan": "plan", "serve": "serve", "bench": "bench", "train": "train",
+            "tune": "tune"}  # command -> module in moeserve.cli
+RUNS = {"generate": "generate", "chat": "chat", "eval": "eval ppl", "serve": "serve",
+        "bench": "bench"}  # commands with a RunConfig
 
 
 def cpu_threads(args) -> None:
@@ -50,7 +52,7 @@ def check_before_torch(args) -> None:
         RunConfig.from_args(args, RUNS[args.command]).validate()
     if hasattr(args, "model"):
         ModelSpec.from_dir(args.model)
-    if args.command == "generate":
+    if args.command in ("generate", "chat"):
         sampling_params(args)
 
 

@@ -11,7 +11,9 @@ from moeserve.cli.options import DEFAULT_PROMPT, sampling_params
 from moeserve.config import RunConfig
 from moeserve.engine.generate import iterate
 from moeserve.engine.sequence import check_request
+from moeserve.errors import MoeserveError
 from moeserve.progress import Progress
+from moeserve.serve.chat_template import ChatTemplate
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer
 from moeserve.units import format_bytes
@@ -23,7 +25,10 @@ def run(args) -> int:
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
     texts = args.prompts or [DEFAULT_PROMPT]
     check_utf8(texts)
-    prompts = [tok.encode(t) for t in texts]
+    if args.system is not None and not args.chat:
+        raise MoeserveError("--system needs --chat (a system message is part of a chat)")
+    prompts = chat_turns(config.model, tok, texts, args.system) if args.chat else [tok.encode(t) for t in texts]
+    shown = [""] * len(texts) if args.chat else texts  # a chat prints the answer alone; plain text continues
     check_request(spec, prompts, params, tok)
     kv_tokens = min(spec.max_position_embeddings, max(map(len, prompts)) + params.max_new_tokens)
     run = load(prepare(config, spec, len(prompts), kv_tokens))
@@ -40,7 +45,7 @@ def run(args) -> int:
     steps = iterate(model, prompts, params, tokenizer=tok, on_text=on_text if stream else None,
                     cuda_graph=config.cuda_graph)  # validates
     if stream:
-        on_text(0, texts[0])
+        on_text(0, shown[0])
     with Progress(None, "generate", "tokens", enabled=not stream and is_main_rank()) as bar:
         for results, _ in steps:  # without streaming, the tokens so far on stderr
             tokens = sum(len(r.token_ids) for r in results)
@@ -50,7 +55,7 @@ def run(args) -> int:
     if stream:
         sys.stdout.write("\n")
     else:
-        for n, (text, r) in enumerate(zip(texts, results)):
+        for n, (text, r) in enumerate(zip(shown, results)):
             print(f"--- [{n}] ({r.finish_reason})\n{text}{r.text}")
     if not is_main_rank():
         return 0
@@ -80,3 +85,10 @@ def expert_lines(run) -> list[str]:
             + (f", {st['streamed_pairs']} of the prompt's on the GPU ({st['experts_streamed']} experts streamed, "
                f"{format_bytes(st['bytes_streamed'])})" if st.get("experts_streamed") else "") + "]")
     return lines
+
+
+def chat_turns(model: str, tok, texts: list[str], system: str | None) -> list[list[int]]:
+    """Each text as a user message (after `system`, if given), rendered by the checkpoint's chat template."""
+    template = ChatTemplate.from_dir(model)
+    start = [{"role": "system", "content": system}] if system else []
+    return [template.encode([*start, {"role": "user", "content": t}], tok) for t in texts]

@@ -169,3 +169,18 @@ def sampling_params(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                           ignore_eos=args.ignore_eos)
+
+
+def sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The sampling options of generate and chat (sampling_params reads them)."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"tokens to generate per answer (default {max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescape,
+                   help="stop when the output contains TEXT (repeatable; TEXT is not printed; the escapes \\n, "
+                        "\\t, \\r and \\\\ are read as a newline, tab, carriage return and backslash)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moeserve.cli.options import (DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg, hybrid_args,
-                                  model_args, offload_group, parallel_args, threads_arg, unescape)
+                                  model_args, offload_group, parallel_args, sampling_args, threads_arg)
 from moeserve.cli.serving_args import batch_parser, bench_parser, serve_parser
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
@@ -23,16 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text. With no prompt, uses a Shakespeare opening for the demo model.")
     g.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts (batched together)")
     model_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    g.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescape,
-                   help="stop when the output contains TEXT (repeatable; TEXT is not printed; the escapes \\n, "
-                        "\\t, \\r and \\\\ are read as a newline, tab, carriage return and backslash)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    sampling_args(g, max_new_tokens=200)
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message: one chat turn through the checkpoint's chat template")
+    g.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
     g.add_argument("--no-stream", action="store_true", help="print each result when done instead of streaming")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="decode eagerly on a GPU (default: replay each decode step as a CUDA graph where the "
@@ -40,6 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     parallel_args(g)
     offload_group(g)
     hybrid_args(g, store_option=False)
+
+    c = sub.add_parser("chat", help="talk to a model: interactive, multi-turn, streamed",
+                       description="An interactive conversation through the checkpoint's chat template (a plain "
+                                   "speaker layout for a checkpoint without one, like the demo). Type a message and "
+                                   "press Enter; /reset starts over, /exit (or Ctrl-D) ends. Earlier turns are dropped "
+                                   "from the oldest when the conversation outgrows --ctx-size.")
+    model_args(c)
+    sampling_args(c, max_new_tokens=512)
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
+    c.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="tokens of conversation kept (default: the model's context, at most 4096)")
+    c.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on a GPU")
+    offload_group(c)
+    hybrid_args(c, store_option=False)
 
     i = sub.add_parser("info", help="architecture, parameter counts and memory of a checkpoint",
                        description="Describe a checkpoint without loading its weights.")
