@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moeserve.config import RunConfig, changed, check_cache_slots
+from moeserve.engine.batching import DEFAULT_PREFILL_TOKENS
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import check_host_ram, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
@@ -136,7 +137,7 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
                       str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens, bits=h.experts_bits,
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
-                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits)
+                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan))
     placement_plan = choose_placement(spec, load_or_measure(), req)
     chosen = placement_plan.chosen
     hybrid = None
@@ -200,7 +201,13 @@ def dense_request(plan: RunPlan, budget: int) -> PlanRequest:
     offload cache's slots count it with plan/footprint.py)."""
     dtype = resolve_dtype(plan.config.dtype, resolve_device(plan.device))
     return PlanRequest(budget, available_ram(), dtype.itemsize, str(dtype).removeprefix("torch."), plan.kv_batch,
-                       plan.kv_tokens)
+                       plan.kv_tokens, pass_tokens=largest_pass(plan))
+
+
+def largest_pass(plan: RunPlan) -> int:
+    """Tokens of the run's largest forward pass (the footprint's workspace): the engine's prefill chunk, or every
+    token the KV cache holds when that is less."""
+    return min(plan.kv_batch * plan.kv_tokens, DEFAULT_PREFILL_TOKENS)
 
 
 def load(plan: RunPlan, progress: bool = True) -> Runtime:

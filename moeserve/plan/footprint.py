@@ -259,7 +259,8 @@ def hybrid_layout(spec: ModelSpec, placement: HybridPlacement, device: str, dtyp
     those when the dtypes differ; low-bit experts the CPU runs are also repacked once for its kernels. The GPU
     cache slots and the stream ring (streams) hold the precision the experts run at."""
     high = None if placement.low else Precision.float(dtype_bytes)
-    low = Precision.hqq(low_bits, group) if placement.needs_low_copies else None
+    low = (Precision.hqq(low_bits, group, mapped_float_bytes or dtype_bytes)  # biases as the store's floats
+           if placement.needs_low_copies else None)
     run_at = low if placement.low else Precision.float(dtype_bytes)
     cpu, stored = set(placement.cpu_layers), set(placement.moe_layers if placement.low else placement.cpu_layers)
     layers = []

@@ -93,6 +93,7 @@ class PlanRequest:
     cpu_layers: int | None = None  # --cpu-moe / --n-cpu-moe N: only candidates with these CPU layers
     cache_slots: int | None = None  # --gpu-cache-experts S
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
+    pass_tokens: int | None = None  # tokens of the run's largest forward pass (the workspace); None: prompt_len
 
     @property
     def rated_dense_bits(self) -> int:
@@ -204,10 +205,9 @@ def moe_layer_count(spec: ModelSpec) -> int:
 
 def dense_layout(spec: ModelSpec, req: PlanRequest, dense_bits: int, budget: int | None = None) -> RunLayout:
     """The request's run without a routed expert on the GPU: the dense part at dense_bits, the engine's KV cache for
-    kv_batch x kv_tokens, a prompt of prompt_len tokens as the largest pass (footprint.py)."""
-    return replace(resident_layout(spec, "cuda", req.dtype_bytes, engine_kv_rows(req.kv_batch), req.kv_tokens,
-                                   dense_bits, budget=budget, experts=False),
-                   pass_tokens=req.prompt_len, logit_rows=req.kv_batch)
+    kv_batch x kv_tokens, the request's largest pass (footprint.py)."""
+    return _sized(resident_layout(spec, "cuda", req.dtype_bytes, engine_kv_rows(req.kv_batch), req.kv_tokens,
+                                  dense_bits, budget=budget, experts=False), req)
 
 
 def dense_minimum(spec: ModelSpec, req: PlanRequest, dense_bits: int = 16) -> int:
@@ -337,8 +337,10 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
 
 
 def _sized(layout: RunLayout, req: PlanRequest) -> RunLayout:
-    """The layout with the request's workload as its largest pass: a prompt of prompt_len tokens, kv_batch logits."""
-    return replace(layout, pass_tokens=req.prompt_len, logit_rows=req.kv_batch)
+    """The layout with the request's largest pass (pass_tokens, else a prompt of prompt_len tokens), kv_batch logit
+    rows."""
+    return replace(layout, pass_tokens=req.prompt_len if req.pass_tokens is None else req.pass_tokens,
+                   logit_rows=req.kv_batch)
 
 
 def _hybrid(spec: ModelSpec, req: PlanRequest, device: str, bits: int, group: int, cpu_layers: int, slots: int = 0,
