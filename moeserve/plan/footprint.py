@@ -35,7 +35,6 @@ from moeserve.hybrid.memory import ring_slots
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.kernels.pack import padded_length
 from moeserve.offload.transfer import STAGING_CHUNK
-from moeserve.plan.roofline import qkv_width
 from moeserve.quant.dense import DENSE_GROUP, dense_linears
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
@@ -118,6 +117,13 @@ def engine_kv_rows(batch: int) -> int:
     """KV cache rows the engine allocates for `batch` sequences decoded together: SlotKVCache's rows and its spare
     row, which padded batch entries write to."""
     return batch + 1
+
+
+def qkv_width(spec: ModelSpec) -> int:
+    """Values the pre-attention hands on per token: the core's query of every head (spec.attention_core) and the
+    new cache entry (GQA: keys and values; MLA: one latent)."""
+    heads, dim, separate = spec.kv_cache_entry()
+    return spec.num_heads * spec.attention_core()[0] + heads * dim * (2 if separate else 1)
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, logit_rows: int, dtype_bytes: int) -> int:

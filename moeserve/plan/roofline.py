@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeserve.errors import MoeserveError
+from moeserve.plan.footprint import qkv_width
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
 from moeserve.spec import ModelSpec
@@ -134,13 +135,6 @@ def attention_weights(spec: ModelSpec) -> tuple[int, int]:
         else:
             pre += elements
     return pre, post
-
-
-def qkv_width(spec: ModelSpec) -> int:
-    """Values the pre-attention hands on per token: the core's query of every head (spec.attention_core) and the
-    new cache entry (GQA: keys and values; MLA: one latent)."""
-    heads, dim, separate = spec.kv_cache_entry()
-    return spec.num_heads * spec.attention_core()[0] + heads * dim * (2 if separate else 1)
 
 
 MXFP4_BYTES = 17 / 32  # bytes per MXFP4 value: a block of 32 is 16 bytes of 4-bit values and one E8M0 scale
