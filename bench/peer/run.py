@@ -52,7 +52,8 @@ import make_gguf  # noqa: E402
 from common import cpu_name, git_state  # noqa: E402
 from offload import model_spec  # noqa: E402
 
-from moeserve.plan.footprint import WORKSPACE_SHARE, dense_bytes, expert_bytes, expert_precision, kv_cache_bytes  # noqa: E402
+from moeserve.plan.footprint import (WORKSPACE_SHARE, dense_bytes, expert_bytes, expert_precision,  # noqa: E402
+                                     kv_cache_bytes)
 
 GiB = 1 << 30
 T0 = time.time()

@@ -199,12 +199,6 @@ class Footprint:
             rows += kept + ([(device, "total", sum(parts.values()))] if kept else [])
         return rows
 
-    def describe(self) -> str:
-        """One line per device: `gpu 1.2 GiB: dense weights 800 MiB, ...`."""
-        return "; ".join(f"{device} {format_bytes(sum(parts.values()))}: "
-                         + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
-                         for device, parts in (("GPU", self.gpu), ("host", self.host)) if any(parts.values()))
-
 
 def footprint(spec: ModelSpec, run: RunLayout) -> Footprint:
     """The bytes `run` takes (module docstring)."""
@@ -230,7 +224,7 @@ def minimum_budget(without_workspace: int, activations: int) -> int:
     return max(without_workspace + activations, int(without_workspace / (1 - WORKSPACE_SHARE)) + 1)
 
 
-def room(spec: ModelSpec, run: RunLayout) -> int:
+def gpu_room(spec: ModelSpec, run: RunLayout) -> int:
     """GPU bytes of run.budget left over by the run's footprint (negative: short by that much)."""
     return run.budget - footprint(spec, run).gpu_total
 
@@ -306,7 +300,7 @@ def plan_slots(spec: ModelSpec, base: RunLayout, high: int, low: int, reserve: i
     one slot of each pool (low 0: no low pool). An error naming the minimum if not even the reserve fits;
     max_slots: no pool gets more slots than there are experts to hold."""
     fixed = reserve * (high + low)
-    left = room(spec, base) - fixed
+    left = gpu_room(spec, base) - fixed
     if left < (0 if reserve else high):
         need = gpu_minimum(spec, base, fixed + (0 if reserve else high))
         raise MoeserveError(f"memory budget {format_bytes(base.budget)} is too small: non-expert weights, KV cache "

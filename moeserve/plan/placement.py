@@ -46,8 +46,8 @@ from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import ring_slots, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.plan.footprint import (Footprint, Precision, RunLayout, checkpoint_precision, dense_bytes,
-                                     engine_kv_rows, expert_bytes, expert_precision, footprint, gpu_minimum, hybrid_layout,
-                                     kv_cache_bytes, offload_layout, plan_slots, resident_layout)
+                                     engine_kv_rows, expert_bytes, expert_precision, footprint, gpu_minimum, gpu_room,
+                                     hybrid_layout, kv_cache_bytes, offload_layout, plan_slots, resident_layout)
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.roofline import expected_experts
 from moeserve.spec import ModelSpec
@@ -365,7 +365,7 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, layout, deco
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     M, E = moe_layer_count(spec), spec.num_experts
     base = _sized(dense_layout(spec, req, req.rated_dense_bits, req.budget), req)
-    room = req.budget - footprint(spec, base).gpu_total  # bytes left for experts on the GPU
+    room = gpu_room(spec, base)  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
         run_at = expert_precision(bits, req.dtype_bytes, group)

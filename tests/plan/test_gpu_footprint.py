@@ -64,6 +64,6 @@ def test_gpu_total_matches_the_peak(models, name, placement):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     need = footprint(run.model.spec, layout(run, placement))
-    assert need.gpu_total == pytest.approx(peak, rel=0.05), (name, placement, need.describe(), peak)
+    assert need.gpu_total == pytest.approx(peak, rel=0.05), (name, placement, need.table(), peak)
     del run
     torch.cuda.empty_cache()

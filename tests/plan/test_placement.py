@@ -274,7 +274,8 @@ def test_cli_plan_errors(expect_cli_error, mixtral, h100_json, tmp_path):
     expect_cli_error(base + ["--dense-bits", "4"], "argument --dense-bits: invalid choice: 4")
     expect_cli_error(base + ["--dense-bits", "eight"], "argument --dense-bits: invalid int value")
     line = expect_cli_error(base + ["--gpu-memory", "1GiB"], "the dense part of the model with 8-bit linear layers")
-    assert f"need {format_bytes(dense_minimum(ModelSpec.from_hf_config(MIXTRAL_CONFIG), mixtral_request(0), 8))}" in line
+    least = dense_minimum(ModelSpec.from_hf_config(MIXTRAL_CONFIG), mixtral_request(0), 8)
+    assert f"need {format_bytes(least)}" in line
 
 
 @pytest.fixture
