@@ -5,6 +5,8 @@ sizing. GPU totals against torch's peak: tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -204,3 +206,24 @@ def test_plan_slots_fill_the_budget_after_the_dense_part():
     with pytest.raises(MoeserveError, match="too small: .* need .*; give at least that"):
         dense = footprint(spec, base).gpu["dense weights"]
         plan_slots(spec, resident_layout(spec, "cuda", 2, 2, 64, budget=dense, experts=False), high, low, reserve=2)
+
+
+def test_cli_plan_prints_the_chosen_footprint(capsys, mixtral, h100_json):
+    """`moeserve plan`: the chosen candidate's bytes per device and part after the table (they add up to its GPU
+    and host columns), and each candidate's footprint in --json."""
+    from moeserve.cli import main
+    from moeserve.units import format_bytes
+
+    base = ["plan", "--model", mixtral, "--profile", h100_json, "--cpu-memory", "200GiB", "--gpu-memory", "12GiB"]
+    assert main([str(a) for a in base + ["--json"]]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chosen = report["candidates"][report["chosen"]]
+    parts = chosen["footprint"]
+    assert sum(parts["gpu"].values()) == chosen["gpu_bytes"] and sum(parts["host"].values()) == chosen["host_bytes"]
+    assert parts["gpu"]["resident experts"] > 0 and parts["host"]["expert store"] > 0
+    assert main([str(a) for a in base]) == 0
+    table = capsys.readouterr().out.split("\nmemory of *:\n")[1].splitlines()
+    assert table[0].split() == ["gpu", "dense", "weights", *format_bytes(parts["gpu"]["dense weights"]).split()]
+    totals = [line.split() for line in table if " total " in line]
+    assert totals == [["gpu", "total", *format_bytes(chosen["gpu_bytes"]).split()],
+                      ["host", "total", *format_bytes(chosen["host_bytes"]).split()]]
