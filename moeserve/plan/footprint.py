@@ -21,9 +21,8 @@ Counted once here:
                             WORKSPACE_SHARE of it, for the allocator's slack and the kernels' scratch, which no
                             shape formula sees
 
-Parts: gpu {dense weights, resident experts, cache slots, stream ring, KV cache, workspace}; host {dense weights,
-resident experts, KV cache and workspace on a CPU run; expert store; pinned staging}. Parts of zero bytes are left
-out of the table.
+Parts: gpu {dense weights, resident experts, KV cache, cache slots, stream ring, workspace}; host {expert store,
+pinned staging}, and on a CPU run the model device's parts too. Parts of zero bytes are left out of the table.
 """
 
 from __future__ import annotations
@@ -211,9 +210,9 @@ def footprint(spec: ModelSpec, run: RunLayout) -> Footprint:
     activations = activation_bytes(spec, run.pass_tokens, run.logit_rows, run.dtype_bytes)
     host = {"expert store": sum(spec.experts_at(e.layer) * sum(expert_bytes(spec, p) for p in e.host)
                                 for e in run.experts), "pinned staging": run.staging}
-    if run.device != "cuda":
-        return Footprint({}, {**main, "workspace": activations, **host})
     gpu = {**main, **slots}
+    if run.device != "cuda":  # the model device's parts are in host RAM
+        return Footprint({}, {**gpu, "workspace": activations, **host})
     floor = 0 if run.budget is None else int(run.budget * WORKSPACE_SHARE)
     return Footprint({**gpu, "workspace": max(activations, floor)}, host)
 

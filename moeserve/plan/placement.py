@@ -1,7 +1,8 @@
 """The placement planner for runs at batch 1 (generate, eval ppl, serve, bench) within a GPU memory budget: where
 the routed experts live and run, chosen from the model's shape and the measured hardware profile.
 
-Candidates, each with the GPU and host bytes it needs and its estimated decode (tg) and prefill (pp) tokens/s:
+Candidates, each with the GPU and host bytes it needs (its footprint: plan/footprint.py, the workspace included)
+and its estimated decode (tg) and prefill (pp) tokens/s:
   resident  every expert on the GPU, at the checkpoint's float precision or as B-bit HQQ copies
   hybrid    the routed experts of the first N MoE layers in host RAM, computed on the CPU where they lie (hybrid/),
             the other layers' experts resident; the GPU memory left over becomes S cache slots for the CPU layers'

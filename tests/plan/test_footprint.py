@@ -113,7 +113,7 @@ def test_hybrid_counts_resident_layers_store_and_slots(hf_checkpoints, family, o
     assert store_bytes(store, low=False) == need.host["expert store"] > 0
     cache = run.runtime.hybrid.cache
     slots = 0 if cache is None else tensor_bytes(cache.pool.buffers)
-    assert slots == placement.cache_slots * expert_bytes(spec, Precision.float(4))
+    assert slots == need.host["cache slots"] == placement.cache_slots * expert_bytes(spec, Precision.float(4))
     check_kv(spec, need)
 
 
