@@ -40,6 +40,7 @@ from moeserve.engine.cuda_graph import graph_safe  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.moe import MoEBlock  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
+from moeserve.plan.footprint import kv_cache_bytes  # noqa: E402
 from moeserve.plan.roofline import expected_experts  # noqa: E402
 from moeserve.quant.qlinear import QuantizedExperts  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
@@ -122,7 +123,7 @@ def decode_part(args, device, dtype, bw: float) -> dict:
         out = hf(random_prompts(spec.vocab_size, 2, S, 7, device), use_cache=True)
     hf_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     m = spec.mla
-    kv = {"moeserve_latent": spec.kv_bytes_per_token(2),
+    kv = {"moeserve_latent": kv_cache_bytes(spec, 1, 1, 2),
           "transformers_cache": cache_bytes(hf_cache) / (2 * S) / torch.finfo(dtype).bits * 16,
           "expanded_kv": spec.num_layers * spec.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
           * 2,

@@ -57,7 +57,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import (add_run_args, measure_dram_read_bandwidth, measure_hbm_bandwidth, result_record,  # noqa: E402
                     run_device, sync, write_result)
 from mixed_precision import mixed_precision_cost  # noqa: E402
-from offload import (DEMO_DIR, DemoRouting, dense_bytes, dense_model, model_spec, random_store,  # noqa: E402
+from offload import (DEMO_DIR, DemoRouting, dense_model, model_spec, random_store,  # noqa: E402
                      replay_routing, run_method)
 
 from moeserve.engine.generate import iterate  # noqa: E402
@@ -66,10 +66,10 @@ from moeserve.hybrid.memory import ring_slots  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
 from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
-from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
 from moeserve.offload.host_compute import HostExperts  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
-from moeserve.quant.dense import bytes_saved, quantize_dense  # noqa: E402
+from moeserve.plan.footprint import WORKSPACE_SHARE, dense_bytes, kv_cache_bytes  # noqa: E402
+from moeserve.quant.dense import quantize_dense  # noqa: E402
 
 GiB = 1 << 30
 SHAPES = {
@@ -211,11 +211,11 @@ def threshold_sweep(model, spec, runtime, device, args) -> list[dict]:
     return out
 
 
-def offload_column(spec, store, device, dtype, budget, args, resident, bandwidth) -> dict:
+def offload_column(spec, store, device, dtype, budget, args, bandwidth) -> dict:
     """bench/offload.py's `hobbit` method at this budget (decode only; --offload-tokens steps)."""
     opts = SimpleNamespace(prompt=args.prompt, new_tokens=args.offload_tokens + args.warmup, warmup=args.warmup)
     routing = DemoRouting(opts.prompt + opts.new_tokens + 1) if args.routing == "demo" else None
-    row = run_method(spec, store, device, dtype, budget, "hobbit", opts, bandwidth, routing, resident)
+    row = run_method(spec, store, device, dtype, budget, "hobbit", opts, bandwidth, routing, args.dense_bits)
     return {"column": "hobbit-offload", "tg_tokens_per_s": row["tokens_per_s"], "hit_rate": row["hit_rate"],
             "floor_tokens_per_s": row["floor_tokens_per_s"], "of_floor": row["of_floor"],
             "high_slots": row["high_slots"], "low_slots": row["low_slots"]}
@@ -278,14 +278,14 @@ def main(argv=None) -> int:
         args.routing = routing
         store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype, BITS,
                              32 if args.quick else GROUP)
-        resident = dense_bytes(spec, dtype) - bytes_saved(spec, args.dense_bits, dtype.itemsize)
+        resident = dense_bytes(spec, dtype.itemsize, args.dense_bits)
         kv = kv_cache_bytes(spec, 1, args.prefill + args.new_tokens + args.warmup + args.prompt, dtype.itemsize)
         budget = budget or quick_budget(resident, kv, store.expert_bytes(True))
         room = int(budget * (1 - WORKSPACE_SHARE)) - resident - kv
         rows, host = [], HostExperts(store, dtype)  # the CPU's view of the store, shared by the columns
         for column in args.columns.split(","):
             if column == "hobbit-offload":
-                rows.append(offload_column(spec, store, device, dtype, budget, args, resident, bandwidth))
+                rows.append(offload_column(spec, store, device, dtype, budget, args, bandwidth))
             else:
                 rows.append(hybrid_column(column, spec, store, host, device, dtype, room, args, rates, resident))
             print(f"{name} {column}: {rows[-1]['tg_tokens_per_s']:.2f} tok/s", flush=True)

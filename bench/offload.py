@@ -44,8 +44,8 @@ from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.loader import is_routed_expert, set_tensor, load_model  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
-from moeserve.offload.budget import kv_cache_bytes, plan_slots  # noqa: E402
 from moeserve.offload.experts import enable_offload  # noqa: E402
+from moeserve.plan.footprint import dense_bytes, plan_slots, resident_layout  # noqa: E402
 from moeserve.offload.store import ExpertStore, SourceExperts, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
 from moeserve.spec import MLASpec, ModelSpec, RopeSpec, RouterSpec  # noqa: E402
@@ -91,13 +91,6 @@ def dense_model(spec: ModelSpec, device, dtype) -> MoETransformer:
         set_tensor(model, name, t, False)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
-
-
-def dense_bytes(spec: ModelSpec, dtype) -> int:
-    """Bytes of the weights that stay on the GPU (all but the routed experts)."""
-    with torch.device("meta"):
-        model = MoETransformer(spec)
-    return sum(p.numel() for n, p in model.named_parameters() if not is_routed_expert(n)) * dtype.itemsize
 
 
 def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64) -> ExpertStore:
@@ -218,14 +211,15 @@ def replay_routing(model, routing: DemoRouting, layers: list[int] | None = None)
         model.step_hooks.insert(0, next_token)
 
 
-def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing, resident: int) -> dict:
+def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth, routing, dense_bits: int = 16) -> dict:
     """Decode args.new_tokens tokens after an args.prompt-token prompt; time the steps after the warm-up."""
     opts = dict(METHODS[method])
     naive = opts.pop("naive", False)
     model = dense_model(spec, device, dtype)
-    kv = kv_cache_bytes(spec, 1, args.prompt + args.new_tokens, dtype.itemsize)
+    base = resident_layout(spec, "cuda", dtype.itemsize, 1, args.prompt + args.new_tokens, dense_bits,
+                           budget=budget, experts=False)  # the dense part and a KV cache of one row
     low_bytes = store.expert_bytes(True) if opts["mixed"] else 0
-    high, low = (0, 0) if naive else plan_slots(budget, resident, kv, store.expert_bytes(False), low_bytes,
+    high, low = (0, 0) if naive else plan_slots(spec, base, store.expert_bytes(False), low_bytes,
                                                  reserve=spec.top_k)
     cache = enable_offload(model, store, high_slots=high, low_slots=low, bandwidth=bandwidth, pin=False, **opts)
     if routing is not None:
@@ -341,7 +335,7 @@ def main(argv=None) -> int:
     bandwidth = measure_h2d_bandwidth(device) if cuda else None
     routing = DemoRouting(args.prompt + args.new_tokens) if args.routing == "demo" else None
     high, low = store.expert_bytes(False), store.expert_bytes(True)
-    dense = dense_bytes(spec, dtype)
+    dense = dense_bytes(spec, dtype.itemsize)
     budgets = ([int(float(b) * GiB) for b in args.budgets.split(",")] if not args.quick
                else [dense + n * high for n in (6, 12)])  # the dense weights + 6 / 12 experts' worth
     rows = []
@@ -351,7 +345,7 @@ def main(argv=None) -> int:
             if method == "naive" and naive is not None:  # caches nothing: the same at every budget
                 rows.append(dict(naive, budget_bytes=budget))
                 continue
-            row = run_method(spec, store, device, dtype, budget, method, args, bandwidth, routing, dense)
+            row = run_method(spec, store, device, dtype, budget, method, args, bandwidth, routing)
             naive = row if method == "naive" else naive
             rows.append(row)
             print(f"{budget / GiB:6.2f} GiB {method:11s} {row['tokens_per_s']:7.2f} tok/s  hit {row['hit_rate']:.0%}  "

@@ -17,18 +17,20 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moeserve.config import RunConfig, changed, check_cache_slots
+from moeserve.engine.batching import DEFAULT_PREFILL_TOKENS
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import check_host_ram, host_bytes, store_precision
+from moeserve.hybrid.memory import check_host_ram, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.kernels.cpu.machine import physical_cores
 from moeserve.loader import load_model, resolve_device, resolve_dtype
-from moeserve.offload.budget import available_ram, check_budget, kv_cache_bytes, plan_slots
+from moeserve.offload.budget import available_ram, check_budget
 from moeserve.offload.experts import enable_offload as enable_cache
 from moeserve.offload.store import ExpertStore, layer_experts
 from moeserve.parallel.launch import init_from_env
 from moeserve.parallel.loading import load_parallel_model
+from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout, plan_slots
 from moeserve.plan.hardware import load_or_measure
-from moeserve.plan.placement import PlanRequest, check_dense_budget, moe_layer_count
+from moeserve.plan.placement import PlanRequest, check_dense_budget, dense_layout, moe_layer_count
 from moeserve.plan.placement import plan_placement as choose_placement
 from moeserve.quant.manifest import refuse_quantized
 from moeserve.spec import ModelSpec
@@ -135,7 +137,7 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
                       str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens, bits=h.experts_bits,
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
-                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits)
+                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan))
     placement_plan = choose_placement(spec, load_or_measure(), req)
     chosen = placement_plan.chosen
     hybrid = None
@@ -173,7 +175,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     else:
         refuse_quantized(Path(config.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
         low_bits, group = store_precision(spec, placement)
-    check_host_ram(host_bytes(spec, placement, dtype.itemsize, low_bits, group, mapped_bytes))
+    layout = hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
+                           plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes)
+    check_host_ram(footprint(spec, layout).host["expert store"])
     return replace(plan, store=store, low_bits=low_bits)
 
 
@@ -188,9 +192,22 @@ def open_offload_store(plan: RunPlan) -> RunPlan:
     budget = config.gpu_memory_bytes  # given: validate asks for it or --high-slots
     device = resolve_device(plan.device)
     check_budget(budget, device)
-    check_dense_budget(spec, budget, resolve_dtype(config.dtype, device).itemsize, plan.kv_batch, plan.kv_tokens,
-                       plan.dense_bits)
+    check_dense_budget(spec, dense_request(plan, budget), plan.dense_bits)
     return replace(plan, store=store, cache_budget=budget)
+
+
+def dense_request(plan: RunPlan, budget: int) -> PlanRequest:
+    """The plan's KV cache and compute dtype as a planner request for `budget` (the dense part's checks and the
+    offload cache's slots count it with plan/footprint.py)."""
+    dtype = resolve_dtype(plan.config.dtype, resolve_device(plan.device))
+    return PlanRequest(budget, available_ram(), dtype.itemsize, str(dtype).removeprefix("torch."), plan.kv_batch,
+                       plan.kv_tokens, pass_tokens=largest_pass(plan))
+
+
+def largest_pass(plan: RunPlan) -> int:
+    """Tokens of the run's largest forward pass (the footprint's workspace): the engine's prefill chunk, or every
+    token the KV cache holds when that is less."""
+    return min(plan.kv_batch * plan.kv_tokens, DEFAULT_PREFILL_TOKENS)
 
 
 def load(plan: RunPlan, progress: bool = True) -> Runtime:
@@ -242,10 +259,8 @@ def enable_offload(model, plan: RunPlan):
     if plan.cache_budget is None:
         high, low = c.high_slots, c.low_slots
     else:
-        resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
-                       if not t.is_meta)  # buffers: the packed weights of quantized layers
-        kv = kv_cache_bytes(model.spec, plan.kv_batch, plan.kv_tokens, model.dtype.itemsize)
-        high, low = plan_slots(plan.cache_budget, resident, kv, store.expert_bytes(low=False),
+        base = dense_layout(model.spec, dense_request(plan, plan.cache_budget), plan.dense_bits, plan.cache_budget)
+        high, low = plan_slots(model.spec, base, store.expert_bytes(low=False),
                                0 if c.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
                                max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
     check_cache_slots(high, low, c.t1, c.t2)

@@ -252,11 +252,6 @@ class ModelSpec:
             return self.mla.latent_dim, self.mla.kv_lora_rank
         return self.head_dim, self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV cache bytes one token takes over all layers at dtype_bytes per value."""
-        heads, dim, separate = self.kv_cache_entry()
-        return self.num_layers * heads * dim * (2 if separate else 1) * dtype_bytes
-
     def parameter_counts(self) -> dict[str, int]:
         """Parameters split into dense (always active) and sparse (routed experts)."""
         D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim

@@ -49,12 +49,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(REPO)]
 import make_gguf  # noqa: E402
-import torch  # noqa: E402
 from common import cpu_name, git_state  # noqa: E402
-from offload import dense_bytes, model_spec  # noqa: E402
+from offload import model_spec  # noqa: E402
 
-from moeserve.hybrid.memory import expert_bytes  # noqa: E402
-from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
+from moeserve.plan.footprint import (WORKSPACE_SHARE, dense_bytes, expert_bytes, expert_precision,  # noqa: E402
+                                     kv_cache_bytes)
 
 GiB = 1 << 30
 T0 = time.time()
@@ -327,8 +326,8 @@ def llama_cpu_layers(cfg: Config, shape: str, budget: int, share: float) -> tupl
 def moeserve_cpu_layers(cfg: Config, hybrid, shape: str) -> tuple[int, str]:
     """N of bench/hybrid.py's hybrid column (its own functions, moeserve's bytes) and its derivation."""
     spec, budget = model_spec(hybrid.SHAPES[shape][0]), hybrid.SHAPES[shape][1]
-    dense, kv = dense_bytes(spec, torch.bfloat16), kv_cache_bytes(spec, 1, cfg.pp + cfg.tg, 2)
-    experts = expert_bytes(spec, hybrid.BITS, group=hybrid.GROUP)
+    dense, kv = dense_bytes(spec, 2), kv_cache_bytes(spec, 1, cfg.pp + cfg.tg, 2)
+    experts = expert_bytes(spec, expert_precision(hybrid.BITS, 2, hybrid.GROUP))
     room = int(budget * (1 - WORKSPACE_SHARE)) - dense - kv
     n = len(hybrid.placement_of("hybrid", spec, room, experts, cfg.threads).cpu_layers)
     return n, (f"{budget / GiB:.2f} GiB x {1 - WORKSPACE_SHARE:.2f} - dense {dense / GiB:.2f} GiB (bf16) - KV "

@@ -13,6 +13,7 @@ from moeserve.cli.options import EXPLAIN_TOKENS
 from moeserve.engine.cuda_graph import graph_safe
 from moeserve.errors import MoeserveError
 from moeserve.model.paths import EXPERT_PATHS, LINEAR_PATHS, ROUTER_PATHS, explain
+from moeserve.plan.footprint import kv_cache_bytes
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
@@ -26,7 +27,7 @@ def run(args) -> int:
     counts = spec.parameter_counts()
     memory = {name: counts["total"] * bits / 8 for name, bits in (("float32", 32), ("bfloat16", 16), ("int8", 8),
                                                                    ("int4", 4), ("int3", 3))}
-    kv_bytes = {name: spec.kv_bytes_per_token(n) for name, n in (("float32", 4), ("bfloat16", 2))}
+    kv_bytes = {name: kv_cache_bytes(spec, 1, 1, n) for name, n in (("float32", 4), ("bfloat16", 2))}
     if args.json:
         print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory,
                           "kv_bytes_per_token": kv_bytes}, indent=2))

@@ -66,7 +66,7 @@ def _plan_decode(args) -> int:
     req = PlanRequest(None if gpu is None else int(gpu), int(host), dtype_bytes,
                       "bfloat16" if dtype_bytes == 2 else "float32", 1, prompt_len + gen_len, prompt_len, gen_len,
                       bits=args.experts_bits, dense_bits=args.dense_bits)
-    check_dense_budget(spec, req.budget, dtype_bytes, 1, prompt_len + gen_len, req.least_dense_bits)
+    check_dense_budget(spec, req, req.least_dense_bits)
     plan = rate_placements(spec, hw, req)
     cands, chosen = plan.candidates, plan.chosen
     if args.json:
@@ -94,7 +94,17 @@ def _plan_decode(args) -> int:
         print("\n*: what generate|eval ppl|serve|bench --gpu-memory SIZE runs"
               + (f" (dense part 8-bit, {plan.dense_reason})" if plan.dense_reason else "")
               + f"; by hand: {' '.join(chosen.flags()) or 'no placement flags'}")
+        print_footprint(chosen.footprint)
     return 0
+
+
+def print_footprint(need) -> None:
+    """The chosen placement's bytes per device and part (plan/footprint.py), a row each."""
+    rows = [(device, part, format_bytes(n)) for device, part, n in need.table()]
+    width = max(len(part) for _, part, _ in rows)
+    print("\nmemory of *:")
+    for device, part, size in rows:
+        print(f"  {device:<5} {part:<{width}}  {size:>10}")
 
 
 def _plan_batch(args) -> int:

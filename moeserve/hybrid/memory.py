@@ -1,12 +1,12 @@
-"""Memory a hybrid run needs for its experts, from the model's shape, checked before anything is allocated: host RAM
-(and the precision of the store it builds), and the GPU ring prompts stream experts through."""
+"""Sizing rules of a hybrid run's expert memory: the precision of the store it builds, the experts the GPU ring
+prompts stream through holds, and the check of host RAM against what the experts need (plan/footprint.py counts
+the bytes)."""
 
 from __future__ import annotations
 
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.offload.budget import available_ram
-from moeserve.quant.dense import quantized_bytes
 from moeserve.units import format_bytes
 
 MIXED_LOW_BITS = 4  # the low-bit copies a store built for mixed precision holds
@@ -28,35 +28,6 @@ def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
         raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
                             f"(here {D} and {F})")
     return (placement.bits if placement.low else MIXED_LOW_BITS if placement.mixed else 0), group or GROUPS[0]
-
-
-def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
-    """Bytes of one expert as the store holds it: float (bits 16) at dtype_bytes per weight, or a low-bit copy
-    (QuantizedLinear: packed int32 words, fp16 scale and zero per group) for gate_up [2F, D] and down [D, F]; and
-    its biases [2F] and [D] at dtype_bytes where the family has them (GPT-OSS)."""
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
-    if bits == 16:
-        return 3 * D * F * dtype_bytes + bias
-    return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F))) + bias
-
-
-def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: int, group: int,
-               mapped_float_bytes: int | None = None) -> int:
-    """RAM the experts take. A store built in RAM now (mapped_float_bytes None) holds every copy it is built with
-    (float ones in the compute dtype); a mapped store on disk costs the pages the CPU reads (its float copies at
-    mapped_float_bytes per weight) and a compute-dtype copy of those when the dtypes differ. Low-bit experts the CPU
-    runs are also repacked once for its kernels (a second copy)."""
-    high = 0 if placement.low else expert_bytes(spec, 16, compute_bytes)
-    low = expert_bytes(spec, low_bits, group=group) if placement.needs_low_copies else 0
-    cpu_experts = sum(spec.experts_at(i) for i in placement.cpu_layers)
-    if mapped_float_bytes is None:
-        stored_layers = placement.moe_layers if placement.low else placement.cpu_layers
-        total = sum(spec.experts_at(i) for i in stored_layers) * (high + low)
-    else:
-        read_high = 0 if placement.low else expert_bytes(spec, 16, mapped_float_bytes)
-        total = cpu_experts * (read_high + low + (high if mapped_float_bytes != compute_bytes else 0))
-    return total + cpu_experts * low
 
 
 def check_host_ram(needed: int) -> None:

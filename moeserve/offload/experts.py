@@ -100,7 +100,7 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
     """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
 
     high_slots / low_slots are the cache's capacities; each pool gets top_k more slots for experts used
-    once and for frees deferred while a chunk is in flight (budget.plan_slots counts them).
+    once and for frees deferred while a chunk is in flight (plan/footprint.py plan_slots counts them).
     prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
     input and prefetches the experts they would pick (HOBBIT's adaptive prefetch), while at least
     prefetch_min_accuracy of the recent predictions are used (0: always). per_layer: each layer gets its own

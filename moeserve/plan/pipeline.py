@@ -55,6 +55,7 @@ from moeserve.engine.sequence import (Generation, TextStream, check_request, lef
 from moeserve.model.kv_cache import KVCache
 from moeserve.model.transformer import DecodeState, attention_masks
 from moeserve.plan.cpu_attention import cpu_attention
+from moeserve.plan.footprint import kv_cache_bytes
 from moeserve.plan.layer_weights import LayerWeights, pin_host_weights, pinned_size
 from moeserve.plan.policy import ThroughputPolicy
 
@@ -121,14 +122,14 @@ def host_kv_bytes(spec, policy: ThroughputPolicy, max_len: int, dtype_bytes: int
     """Host memory the pipeline allocates for a batch of `policy` whose caches hold max_len slots: the KV caches
     and Staging of its host-KV micro-batches (pinned: as torch's page-locked allocator rounds them)."""
     L, n, m = spec.num_layers, policy.micro_batch, policy.num_micro_batches
-    heads, dim, separate = spec.kv_cache_entry()
+    parts = 2 if spec.kv_cache_entry()[2] else 1
     cpu_attends = not policy.attention_on_gpu
     on_host = m - round(policy.kv_gpu_fraction * m)
-    elements = [L * n * heads * max_len * dim] * (2 if separate else 1)  # k (MLA: latents), v
-    elements.append(L * n * sum(h * d for h, d in staged_parts(spec, cpu_attends)))  # Staging.qkv
+    tensors = [kv_cache_bytes(spec, n, max_len, dtype_bytes) // parts] * parts  # k (MLA: latents), v
+    tensors.append(L * n * sum(h * d for h, d in staged_parts(spec, cpu_attends)) * dtype_bytes)  # Staging.qkv
     if cpu_attends:
-        elements.append(L * n * spec.num_heads * spec.attention_core()[1])  # Staging.out
-    return on_host * sum(pinned_size(e * dtype_bytes, pinned) for e in elements)
+        tensors.append(L * n * spec.num_heads * spec.attention_core()[1] * dtype_bytes)  # Staging.out
+    return on_host * sum(pinned_size(t, pinned) for t in tensors)
 
 
 class Pipeline:

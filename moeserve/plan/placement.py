@@ -1,7 +1,8 @@
 """The placement planner for runs at batch 1 (generate, eval ppl, serve, bench) within a GPU memory budget: where
 the routed experts live and run, chosen from the model's shape and the measured hardware profile.
 
-Candidates, each with the GPU and host bytes it needs and its estimated decode (tg) and prefill (pp) tokens/s:
+Candidates, each with the GPU and host bytes it needs (its footprint: plan/footprint.py, the workspace included)
+and its estimated decode (tg) and prefill (pp) tokens/s:
   resident  every expert on the GPU, at the checkpoint's float precision or as B-bit HQQ copies
   hybrid    the routed experts of the first N MoE layers in host RAM, computed on the CPU where they lie (hybrid/),
             the other layers' experts resident; the GPU memory left over becomes S cache slots for the CPU layers'
@@ -43,12 +44,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import expert_bytes, host_bytes, ring_slots, store_precision
+from moeserve.hybrid.memory import ring_slots, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
-from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes, plan_slots
+from moeserve.plan.footprint import (Footprint, Precision, RunLayout, checkpoint_precision, dense_bytes,
+                                     engine_kv_rows, expert_bytes, expert_precision, footprint, gpu_minimum, gpu_room,
+                                     hybrid_layout, kv_cache_bytes, offload_layout, plan_slots, resident_layout)
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.roofline import expected_experts
-from moeserve.quant.dense import bytes_saved
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
@@ -92,6 +94,7 @@ class PlanRequest:
     cpu_layers: int | None = None  # --cpu-moe / --n-cpu-moe N: only candidates with these CPU layers
     cache_slots: int | None = None  # --gpu-cache-experts S
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
+    pass_tokens: int | None = None  # tokens of the run's largest forward pass (the workspace); None: prompt_len
 
     @property
     def rated_dense_bits(self) -> int:
@@ -121,6 +124,7 @@ class Candidate:
     problem: str | None = None  # why it cannot run here; None: it fits
     streams: bool = False  # prompts stream the CPU layers' experts to the GPU (the budget holds the ring)
     dense_bits: int = 16  # the dense part's linear layers: 16 = the compute dtype's float, 8 = HQQ copies
+    footprint: Footprint = field(default_factory=Footprint, compare=False)  # its bytes per device and part
 
     @property
     def fits(self) -> bool:
@@ -171,7 +175,7 @@ class Candidate:
                 "cache_slots": self.cache_slots, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
                 "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s, "fits": self.fits,
                 "problem": self.problem, "streams": self.streams, "dense_bits": self.dense_bits,
-                "flags": self.flags()}
+                "flags": self.flags(), "footprint": {"gpu": self.footprint.gpu, "host": self.footprint.host}}
 
 
 @dataclass(frozen=True)
@@ -200,31 +204,29 @@ def moe_layer_count(spec: ModelSpec) -> int:
     return sum(spec.moe_layers) if spec.moe_layers else spec.num_layers
 
 
-def dense_bytes(spec: ModelSpec, dtype_bytes: int, bits: int = 16) -> int:
-    """Bytes of everything but the routed experts: attention, embeddings, norms, routers, shared experts, dense
-    FFNs; bits 8: the linear layers among them that quant/dense.py converts as 8-bit HQQ copies (scales and zeros
-    included), the rest at dtype_bytes."""
-    return spec.parameter_counts()["dense"] * dtype_bytes - bytes_saved(spec, bits, dtype_bytes)
+def dense_layout(spec: ModelSpec, req: PlanRequest, dense_bits: int, budget: int | None = None) -> RunLayout:
+    """The request's run without a routed expert on the GPU: the dense part at dense_bits, the engine's KV cache for
+    kv_batch x kv_tokens, the request's largest pass (footprint.py)."""
+    return _sized(resident_layout(spec, "cuda", req.dtype_bytes, engine_kv_rows(req.kv_batch), req.kv_tokens,
+                                  dense_bits, budget=budget, experts=False), req)
 
 
-def dense_minimum(spec: ModelSpec, dtype_bytes: int, kv_batch: int, kv_tokens: int, dense_bits: int = 16) -> int:
-    """The smallest GPU budget any placement runs in: the dense part (at dense_bits) and a KV cache of kv_batch x
-    kv_tokens, plus the workspace."""
-    fixed = dense_bytes(spec, dtype_bytes, dense_bits) + kv_cache_bytes(spec, kv_batch, kv_tokens, dtype_bytes)
-    return int(fixed / (1 - WORKSPACE_SHARE)) + 1
+def dense_minimum(spec: ModelSpec, req: PlanRequest, dense_bits: int = 16) -> int:
+    """The smallest GPU budget any placement runs in: the dense part (at dense_bits), the KV cache and the
+    workspace (footprint.py)."""
+    return gpu_minimum(spec, dense_layout(spec, req, dense_bits))
 
 
-def check_dense_budget(spec: ModelSpec, budget: int | None, dtype_bytes: int, kv_batch: int, kv_tokens: int,
-                       dense_bits: int = 16) -> None:
-    """A MoeserveError naming the minimum when the budget cannot hold the dense part (at dense_bits) and the KV
-    cache."""
-    need = dense_minimum(spec, dtype_bytes, kv_batch, kv_tokens, dense_bits)
-    if budget is not None and budget < need:
+def check_dense_budget(spec: ModelSpec, req: PlanRequest, dense_bits: int = 16) -> None:
+    """A MoeserveError naming the minimum when the request's budget cannot hold the dense part (at dense_bits), the
+    KV cache and the workspace."""
+    need = dense_minimum(spec, req, dense_bits)
+    if req.budget is not None and req.budget < need:
         at = "" if dense_bits == 16 else f" with {dense_bits}-bit linear layers (--dense-bits {dense_bits})"
         raise MoeserveError(
-            f"--gpu-memory {format_bytes(budget)} cannot hold the dense part of the model{at}: attention, embeddings, "
-            f"norms, routers, shared experts and a KV cache of {kv_batch} x {kv_tokens} tokens need "
-            f"{format_bytes(need)}; give at least that")
+            f"--gpu-memory {format_bytes(req.budget)} cannot hold the dense part of the model{at}: attention, "
+            f"embeddings, norms, routers, shared experts and a KV cache of {req.kv_batch} x {req.kv_tokens} tokens "
+            f"need {format_bytes(need)}; give at least that")
 
 
 @dataclass(frozen=True)
@@ -307,12 +309,12 @@ def rates(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, decode: Work, 
 # ---- candidates ---------------------------------------------------------------------------------------
 
 
-def _problem(req: PlanRequest, gpu: float, host: float) -> str | None:
-    """Why a placement needing these bytes does not fit the request's memory (None: it fits)."""
-    if req.budget is not None and gpu > req.budget * (1 - WORKSPACE_SHARE):
-        return f"needs {format_bytes(gpu / (1 - WORKSPACE_SHARE))} of GPU memory"
-    if host > req.host_ram:
-        return f"needs {format_bytes(host)} of host RAM"
+def _problem(spec: ModelSpec, req: PlanRequest, layout: RunLayout, need: Footprint) -> str | None:
+    """Why a placement with this footprint does not fit the request's memory (None: it fits)."""
+    if req.budget is not None and need.gpu_total > req.budget:
+        return f"needs {format_bytes(gpu_minimum(spec, layout))} of GPU memory"
+    if need.host_total > req.host_ram:
+        return f"needs {format_bytes(need.host_total)} of host RAM"
     return None
 
 
@@ -335,39 +337,41 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
     return out
 
 
-def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, cpu_layers: int, bits: int, group: int) -> int:
-    """Host RAM of the hybrid backend's expert store for this split (hybrid/memory.py)."""
-    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=cpu_layers, bits=bits)
-    return host_bytes(spec, placement, req.dtype_bytes, bits if bits != 16 else 0, group)
+def _sized(layout: RunLayout, req: PlanRequest) -> RunLayout:
+    """The layout with the request's largest pass (pass_tokens, else a prompt of prompt_len tokens), kv_batch logit
+    rows."""
+    return replace(layout, pass_tokens=req.prompt_len if req.pass_tokens is None else req.pass_tokens,
+                   logit_rows=req.kv_batch)
 
 
-def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, decode, prefill,
+def _hybrid(spec: ModelSpec, req: PlanRequest, device: str, bits: int, group: int, cpu_layers: int, slots: int = 0,
+            streams: bool = False) -> RunLayout:
+    """The hybrid backend's layout for this split: the first cpu_layers MoE layers' experts in host RAM, slots GPU
+    cache slots, the stream ring when prompts stream (footprint.hybrid_layout)."""
+    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=cpu_layers, bits=bits, cache_slots=slots)
+    return _sized(hybrid_layout(spec, placement, device, req.dtype_bytes, engine_kv_rows(req.kv_batch),
+                                req.kv_tokens, bits if bits != 16 else 0, group, req.rated_dense_bits,
+                                streams=streams, budget=req.budget), req)
+
+
+def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, layout, decode, prefill,
                problem=None, streams=False) -> Candidate:
     tg, pp = rates(spec, hw, req, decode, prefill, graph=kind != "cpu" and not decode.host_layers, costs=costs)
-    return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, int(gpu), int(host), tg, pp,
-                     req.dtype_name, problem or _problem(req, gpu, host), streams, req.rated_dense_bits)
-
-
-def resident_expert_bytes(spec: ModelSpec, bits: int, dtype_bytes: int, group: int = 64) -> int:
-    """Bytes of one expert resident on the model device: expert_bytes (what a store holds), except that an MXFP4
-    checkpoint's experts (bits 16: as shipped) stay packed there, 17 bytes per 32 weights (16 of 4-bit codes, one
-    scale) beside their biases, where the store keeps float copies."""
-    if bits != 16 or not spec.experts_mxfp4:
-        return expert_bytes(spec, bits, dtype_bytes, group)
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
-    return 3 * D * F * 17 // 32 + bias
+    need = footprint(spec, layout)
+    return Candidate(kind, bits, cpu_layers, moe_layer_count(spec), slots, need.gpu_total, need.host_total, tg, pp,
+                     req.dtype_name, problem or _problem(spec, req, layout, need), streams, req.rated_dense_bits,
+                     need)
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     M, E = moe_layer_count(spec), spec.num_experts
-    fixed = (dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
-             + kv_cache_bytes(spec, req.kv_batch, req.kv_tokens, req.dtype_bytes))
-    room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
+    base = _sized(dense_layout(spec, req, req.rated_dense_bits, req.budget), req)
+    room = gpu_room(spec, base)  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
-        eb = expert_bytes(spec, bits, req.dtype_bytes, group)  # a slot's or the ring's copy (the store's)
-        rb = resident_expert_bytes(spec, bits, req.dtype_bytes, group)  # a resident layer's
+        run_at = expert_precision(bits, req.dtype_bytes, group)
+        eb = expert_bytes(spec, run_at)  # a slot's or the ring's copy (the store's)
+        rb = expert_bytes(spec, run_at if bits != 16 else checkpoint_precision(spec, req.dtype_bytes))  # resident
         ring = ring_slots(eb, E) * eb  # the GPU ring prompts stream the CPU layers' experts through
         if req.cpu_layers is not None:
             splits = [req.cpu_layers]
@@ -384,48 +388,49 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
             decode, prefill = _layer_work(spec, req, M - n + n * hit, n * (1 - hit), 0, eb,
                                           host_layers=0 if linked else n, stream=streams,
                                           linked_layers=n if linked else 0)
-            host = 0 if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group)
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
-                                  fixed + (M - n) * E * rb + slots * eb + (ring if streams else 0), host, decode,
-                                  prefill, streams=streams))
+                                  _hybrid(spec, req, "cuda", bits, group, n, slots, streams), decode, prefill,
+                                  streams=streams))
     if req.bits is None and req.cpu_layers is None:
-        out.append(_offload_candidate(spec, hw, req, costs, fixed))
+        out.append(_offload_candidate(spec, hw, req, costs, base))
     return out
 
 
-def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
+def _offload_candidate(spec, hw, req, costs, base: RunLayout) -> Candidate:
     """HOBBIT offload at this budget: float and 4-bit slots as `--offload STORE --gpu-memory` plans them."""
     M, E, k = moe_layer_count(spec), spec.num_experts, spec.top_k
-    high = expert_bytes(spec, 16, req.dtype_bytes)
+    high = Precision.float(req.dtype_bytes)
     try:
-        low = expert_bytes(spec, OFFLOAD_LOW_BITS, group=_group(spec, OFFLOAD_LOW_BITS))
+        low = Precision.hqq(OFFLOAD_LOW_BITS, _group(spec, OFFLOAD_LOW_BITS))
     except MoeserveError:
-        low = 0  # no group divides this shape: float copies only
-    dense, problem = dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits), None
+        low = None  # no group divides this shape: float copies only
+    hb, lb = expert_bytes(spec, high), expert_bytes(spec, low) if low else 0
+    problem = None
     try:
-        high_slots, low_slots = plan_slots(req.budget, dense, fixed - dense, high, low, reserve=k, max_slots=M * E)
+        high_slots, low_slots = plan_slots(spec, base, hb, lb, reserve=k, max_slots=M * E)
     except MoeserveError:
         high_slots = low_slots = 0
-        problem = f"needs {format_bytes((fixed + k * (high + low)) / (1 - WORKSPACE_SHARE))} of GPU memory"
+        problem = f"needs {format_bytes(gpu_minimum(spec, base, k * (hb + lb)))} of GPU memory"
     hit = min((high_slots + low_slots) / (M * E), 1.0)
-    decode, prefill = _layer_work(spec, req, M, 0, M * (1 - hit), high, host_layers=M)
-    gpu = fixed + (high_slots + k) * high + (low_slots + k) * low
-    return _candidate(spec, hw, req, costs, "offload", 16, M, high_slots + low_slots, gpu,
-                      M * E * (high + low), decode, prefill, problem)
+    decode, prefill = _layer_work(spec, req, M, 0, M * (1 - hit), hb, host_layers=M)
+    layout = _sized(offload_layout(spec, req.dtype_bytes, base.kv_rows, req.kv_tokens, high_slots + k,
+                                   low_slots + k, low, req.rated_dense_bits, req.budget), req)
+    return _candidate(spec, hw, req, costs, "offload", 16, M, high_slots + low_slots, layout, decode, prefill,
+                      problem)
 
 
 def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     """No GPU: the whole model in RAM, its experts at each precision (low-bit ones through --cpu-moe)."""
-    M, E = moe_layer_count(spec), spec.num_experts
-    dense = dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
+    M = moe_layer_count(spec)
     out = []
     for bits, group in _bits(spec, req):
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
-        eb = expert_bytes(spec, bits, req.dtype_bytes, group)
-        resident = M * E * resident_expert_bytes(spec, bits, req.dtype_bytes, group)
-        host = dense + (resident if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group))
+        eb = expert_bytes(spec, expert_precision(bits, req.dtype_bytes, group))
+        layout = (_sized(resident_layout(spec, "cpu", req.dtype_bytes, engine_kv_rows(req.kv_batch), req.kv_tokens,
+                                         req.rated_dense_bits), req) if bits == 16 and n == 0
+                  else _hybrid(spec, req, "cpu", bits, group, n))
         decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
-        out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))
+        out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, layout, decode, prefill))
     return out
 
 
@@ -490,12 +495,11 @@ def rate_placements(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, cost
 def plan_placement(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, costs: Costs = Costs()) -> PlacementPlan:
     """The rated candidates and the one to run; a MoeserveError when the budget cannot hold the dense part (at the
     fewest dense bits the request allows) or no candidate fits (naming the memory that is short and by how much)."""
-    check_dense_budget(spec, req.budget, req.dtype_bytes, req.kv_batch, req.kv_tokens, req.least_dense_bits)
+    check_dense_budget(spec, req, req.least_dense_bits)
     plan = rate_placements(spec, hw, req, costs)
     cands, chosen = plan.candidates, plan.chosen
     if chosen is None:
-        gpu_ok = [c for c in cands if c.kind != "offload" and (req.budget is None or c.gpu_bytes
-                                                                <= req.budget * (1 - WORKSPACE_SHARE))]
+        gpu_ok = [c for c in cands if c.kind != "offload" and (req.budget is None or c.gpu_bytes <= req.budget)]
         if gpu_ok:
             least = min(gpu_ok, key=lambda c: c.host_bytes)
             raise MoeserveError(f"not enough host RAM for the experts: the placement needing least ({least.where()}) "

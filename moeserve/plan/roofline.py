@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeserve.errors import MoeserveError
+from moeserve.plan.footprint import checkpoint_precision, expert_bytes, qkv_width
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
 from moeserve.spec import ModelSpec
@@ -136,24 +137,6 @@ def attention_weights(spec: ModelSpec) -> tuple[int, int]:
     return pre, post
 
 
-def qkv_width(spec: ModelSpec) -> int:
-    """Values the pre-attention hands on per token: the core's query of every head (spec.attention_core) and the
-    new cache entry (GQA: keys and values; MLA: one latent)."""
-    heads, dim, separate = spec.kv_cache_entry()
-    return spec.num_heads * spec.attention_core()[0] + heads * dim * (2 if separate else 1)
-
-
-MXFP4_BYTES = 17 / 32  # bytes per MXFP4 value: a block of 32 is 16 bytes of 4-bit values and one E8M0 scale
-
-
-def expert_bytes(spec: ModelSpec, weight_bytes: float) -> float:
-    """Bytes of one routed expert: its gate, up and down matrices at weight_bytes per value, or as MXFP4 blocks and
-    scales as shipped (GPT-OSS); its biases (GPT-OSS) at weight_bytes."""
-    D, F = spec.hidden_size, spec.expert_ffn
-    per_value = MXFP4_BYTES if spec.experts_mxfp4 else weight_bytes
-    return 3 * D * F * per_value + ((2 * F + D) * weight_bytes if spec.expert_bias else 0.0)
-
-
 def layer_ops(spec: ModelSpec, wl: Workload, is_moe: bool, window: int | None, n, q, attended,
               kv_len) -> dict[str, Op]:
     """FLOPs and bytes of one decoder layer's operators for a micro-batch of n sequences, q new tokens
@@ -183,8 +166,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, is_moe: bool, window: int | None, n
         router = D * E + (E if spec.router_bias else 0)
         shared = 3 * D * spec.shared_expert_ffn + (D if spec.shared_expert_gate else 0)
         dense_bytes = (dense + router + shared) * wb
-        total = dense_bytes + E * expert_bytes(spec, wb)
-        read = dense_bytes + expected_experts(E, spec.top_k, t) * expert_bytes(spec, wb)
+        expert = expert_bytes(spec, checkpoint_precision(spec, wb))  # as shipped: float at wb, or MXFP4 blocks
+        total = dense_bytes + E * expert
+        read = dense_bytes + expected_experts(E, spec.top_k, t) * expert
         ffn_flops = 2 * t * (router + spec.top_k * 3 * D * spec.expert_ffn + shared)
     else:
         total = read = (dense + 3 * D * spec.dense_ffn) * wb

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeserve.errors import MoeserveError
+from moeserve.plan.footprint import activation_bytes, kv_cache_bytes
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.plan.roofline import (RESOURCES, Candidates, Rates, Workload, layer_kinds, layer_ops, qkv_width,
+from moeserve.plan.roofline import (RESOURCES, Candidates, Rates, Workload, layer_kinds, layer_ops,
                                     throughput, value_at)
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
@@ -53,9 +54,9 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
 
     GPU: embedding + LM head; the resident share f_w of the weights of GPU-placed operators; two buffers
     for the streamed share of the largest layer (one in use, one being filled); the GPU share of the
-    KV cache, two staging buffers of one layer's host KV per micro-batch; activations of one prefill
-    micro-batch (n * prompt_len tokens: hidden states, q/k/v, the FFN intermediates of its top-k
-    experts) and fp32 logits of n sequences. Host: every layer's weights (the executor keeps the host copies
+    KV cache (every layer the whole context, as the pipeline's KVCache allocates it), two staging buffers of
+    one layer's host KV per micro-batch; activations of one prefill micro-batch (footprint.activation_bytes of
+    n * prompt_len tokens and n logit rows). Host: every layer's weights (the executor keeps the host copies
     of resident layers too; `host_weights`, when known from the loaded model, is the exact pinned figure:
     layer_weights.host_weight_bytes), the host share of the KV cache as the pipeline pins it (a k and a v
     tensor per micro-batch, MLA's one of latents, each rounded up to a power of two by torch's page-locked
@@ -63,7 +64,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
     """
     D, wb, ab = spec.hidden_size, wl.weight_bytes, wl.act_bytes
     ag, fg, fw = c.attention_on_gpu, c.ffn_on_gpu, c.weights_gpu_fraction
-    gpu_weights = host_only = largest = kv_per_seq = largest_kv = 0.0
+    gpu_weights = host_only = largest = 0.0
     for (is_moe, window), count in layer_kinds(spec).items():
         ops = layer_ops(spec, wl, is_moe, window, 1, 1, wl.context, wl.context)  # one sequence, full context
         post_w = ops["post_attention"].weights
@@ -71,20 +72,17 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
         gpu_weights = gpu_weights + count * on_gpu
         host_only = host_only + count * np.where(fg, 0.0, post_w)
         largest = np.maximum(largest, on_gpu)
-        kv_layer = float(ops["attention"].kv)  # bytes per sequence
-        kv_per_seq += count * kv_layer
-        largest_kv = max(largest_kv, kv_layer)
+    kv_per_seq = kv_cache_bytes(spec, 1, wl.context, wl.kv_bytes)  # every layer holds the whole context
+    largest_kv = kv_per_seq / spec.num_layers
     kv = c.batch_size * kv_per_seq
     kv_gpu = np.where(ag, c.kv_gpu_fraction, 0.0)
-    ffn_width = max(spec.top_k * spec.expert_ffn + spec.shared_expert_ffn, spec.dense_ffn)
-    per_token = (4 * D + qkv_width(spec) + 2 * ffn_width) * ab
     gpu = {
         "embedding + LM head": spec.vocab_size * D * (1 if spec.tie_word_embeddings else 2) * wb + D * wb,
         "resident weights": fw * gpu_weights,
         "streaming buffers": 2 * (1 - fw) * largest,
         "KV cache": kv_gpu * kv,
         "KV staging": np.where(ag, 2 * (1 - kv_gpu) * c.micro_batch * largest_kv, 0.0),
-        "activations": c.micro_batch * (wl.prompt_len * per_token + spec.vocab_size * 4),
+        "activations": activation_bytes(spec, c.micro_batch * wl.prompt_len, c.micro_batch, ab),
     }
     parts = 2 if spec.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
     host_kv_part = (1 - kv_gpu) * c.micro_batch * kv_per_seq / parts  # the k (or v) cache of one micro-batch

@@ -1,5 +1,5 @@
-"""The dense part's linear layers at 8 bits (`--dense-bits 8`): which layers, their bytes, and the HQQ
-QuantizedLinear that replaces each.
+"""The dense part's linear layers at 8 bits (`--dense-bits 8`): which layers and the HQQ
+QuantizedLinear that replaces each (plan/footprint.py counts their bytes).
 
 Converted: the attention projections (q/k/v/o, or MLA's q_a/q_b/kv_a/kv_b/o), the shared experts' and dense FFN
 layers' gate/up/down, and the LM head when it is not tied to the embeddings (a tied head would add an 8-bit copy
@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.kernels.pack import padded_length
 from moeserve.quant import hqq
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.quant.ranks import TensorInfo
@@ -52,21 +51,6 @@ def dense_linears(spec) -> list[TensorInfo]:
     if not spec.tie_word_embeddings:
         out.append(TensorInfo("lm_head", "lm_head", spec.num_layers, None, (spec.vocab_size, spec.hidden_size)))
     return [t for t in out if t.shape[1] % DENSE_GROUP == 0]
-
-
-def quantized_bytes(rows: int, cols: int, bits: int, group: int) -> int:
-    """Bytes of a QuantizedLinear [rows, cols] without bias: packed int32 codes of rows padded to whole packing units,
-    an fp16 scale and zero per group."""
-    return rows * padded_length(cols) * bits // 8 + 2 * rows * (cols // group) * 2
-
-
-def bytes_saved(spec, bits: int, dtype_bytes: int) -> int:
-    """Bytes the dense part loses when its linear layers are B-bit HQQ copies instead of dtype_bytes floats (0 at
-    16 bits)."""
-    if bits == 16:
-        return 0
-    return sum(out * inp * dtype_bytes - quantized_bytes(out, inp, bits, DENSE_GROUP)
-               for out, inp in (t.shape for t in dense_linears(spec)))
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int) -> QuantizedLinear:

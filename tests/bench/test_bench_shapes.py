@@ -13,12 +13,11 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "bench")]
 import hybrid  # noqa: E402
-from offload import dense_bytes, dense_model, model_spec, random_store  # noqa: E402
+from offload import dense_model, model_spec, random_store  # noqa: E402
 
-from moeserve.hybrid.memory import expert_bytes  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
-from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes  # noqa: E402
+from moeserve.plan.footprint import WORKSPACE_SHARE, Precision, dense_bytes, expert_bytes, kv_cache_bytes  # noqa: E402
 from moeserve.spec import ModelSpec  # noqa: E402
 
 # deepseek-ai/DeepSeek-V2-Lite's config.json (the fields moeserve reads)
@@ -56,7 +55,7 @@ def test_deepseek_shape_is_deepseek_v2_lite():
     assert timed(ours) == timed(theirs) and ours.rope.interleave
     assert ours.moe_layer_indices() == list(range(1, 27))
     assert ours.parameter_counts()["total"] == pytest.approx(15.7e9, rel=0.005)  # DeepSeek-V2-Lite's 15.7B
-    assert ours.kv_bytes_per_token(2) == 27 * (512 + 64) * 2  # the latent cache
+    assert kv_cache_bytes(ours, 1, 1, 2) == 27 * (512 + 64) * 2  # the latent cache
 
 
 def test_deepseek_budget_leaves_a_third_of_the_moe_layers_resident():
@@ -65,8 +64,8 @@ def test_deepseek_budget_leaves_a_third_of_the_moe_layers_resident():
     column."""
     shape, budget, _ = hybrid.SHAPES["deepseek"]
     spec = model_spec(shape)
-    room = int(budget * (1 - WORKSPACE_SHARE)) - dense_bytes(spec, torch.bfloat16) - kv_cache_bytes(spec, 1, 664, 2)
-    experts = expert_bytes(spec, hybrid.BITS, group=hybrid.GROUP)
+    room = int(budget * (1 - WORKSPACE_SHARE)) - dense_bytes(spec, 2) - kv_cache_bytes(spec, 1, 664, 2)
+    experts = expert_bytes(spec, Precision.hqq(hybrid.BITS, hybrid.GROUP))
     placement = hybrid.placement_of("hybrid", spec, room, experts, 1)
     assert placement.moe_layers == tuple(range(1, 27)) and placement.cpu_layers == tuple(range(1, 19))
     assert hybrid.placement_of("cpu", spec, room, experts, 1).cpu_layers == placement.moe_layers
@@ -98,7 +97,7 @@ def test_mla_quick_model_runs_its_experts_on_the_cpu_as_resident():
     spec = model_spec(hybrid.QUICK["quick-mla"][0])
     store = random_store(spec, 1, torch.device("cpu"), torch.float32, hybrid.BITS, 32)
     assert store.meta["layers"] == spec.moe_layer_indices() == [1, 2, 3] and spec.mla is not None
-    assert dense_bytes(spec, torch.float32) == 4 * spec.parameter_counts()["dense"]
+    assert dense_bytes(spec, 4) == 4 * spec.parameter_counts()["dense"]
     tokens = torch.randint(0, spec.vocab_size, (2, 9))
     on_cpu, resident = (moe_block_outputs(spec, store, n, tokens) for n in (3, 0))
     for i in spec.moe_layer_indices():

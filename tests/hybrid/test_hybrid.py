@@ -14,8 +14,8 @@ from moeserve.cli import main
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import expert_bytes, host_bytes
 from moeserve.hybrid import memory
+from moeserve.plan.footprint import Precision, expert_bytes, footprint, hybrid_layout
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
 from moeserve.hybrid.worker import CpuWorker
@@ -277,10 +277,11 @@ def test_host_bytes_match_the_store(hf_checkpoints):
     path = hf_checkpoints["mixtral"][1]
     spec = moeserve.load_model(path, routed_experts=False).spec
     store = ExpertStore.from_checkpoint(path, low_bits=4, group=16, progress=False)
-    assert expert_bytes(spec, 16, 4) == store.expert_bytes(False)
-    assert expert_bytes(spec, 4, group=16) == store.expert_bytes(True)
+    assert expert_bytes(spec, Precision.float(4)) == store.expert_bytes(False)
+    assert expert_bytes(spec, Precision.hqq(4, 16)) == store.expert_bytes(True)
     mixed = HybridPlacement.choose([0, 1, 2], n_cpu_moe=2, mixed=True)
-    assert host_bytes(spec, mixed, 4, 4, 16) == 2 * 8 * (store.expert_bytes(False) + 2 * store.expert_bytes(True))
+    need = footprint(spec, hybrid_layout(spec, mixed, "cpu", 4, 1, 1, 4, 16)).host["expert store"]
+    assert need == 2 * 8 * (store.expert_bytes(False) + 2 * store.expert_bytes(True))
 
 
 def test_only_the_named_layers_experts_are_read(hf_checkpoints):

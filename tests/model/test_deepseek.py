@@ -16,6 +16,7 @@ from moeserve.model.mla import MLAttention
 from moeserve.model.router import grouped_topk
 from moeserve.compress import QuantConfig, quantize_checkpoint
 from moeserve.quant.qlinear import QuantizedLinear
+from moeserve.plan.footprint import kv_cache_bytes
 from moeserve.spec import ModelSpec, RouterSpec
 
 
@@ -23,9 +24,9 @@ def test_latent_cache_holds_kv_lora_rank_plus_rope_values_per_token(hf_checkpoin
     spec = ModelSpec.from_dir(hf_checkpoints["deepseek_v3"][1])
     kv = KVCache(spec, 2, 10, "cpu", torch.float32)
     assert kv.k.shape == (spec.num_layers, 2, 1, 10, 32 + 8) and kv.v is None
-    assert spec.kv_bytes_per_token(2) == spec.num_layers * 40 * 2
+    assert kv_cache_bytes(spec, 1, 1, 2) == spec.num_layers * 40 * 2
     glm = ModelSpec.from_dir(hf_checkpoints["glm4_moe"][1])
-    assert glm.kv_bytes_per_token(2) == glm.num_layers * 2 * glm.num_kv_heads * glm.head_dim * 2
+    assert kv_cache_bytes(glm, 1, 1, 2) == glm.num_layers * 2 * glm.num_kv_heads * glm.head_dim * 2
 
 
 def test_long_prefill_expands_then_decode_absorbs_both_as_transformers(hf_checkpoints):

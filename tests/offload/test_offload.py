@@ -13,7 +13,6 @@ from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.kernels.pack import units_from_planar
-from moeserve.offload.budget import plan_slots
 from moeserve.offload.experts import enable_offload
 from moeserve.offload.policies import POLICIES, CachePolicy
 from moeserve.offload.simulate import simulate
@@ -116,15 +115,6 @@ def test_store_of_older_3bit_layouts(tiny, tmp_path):
     (tmp_path / "s" / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(MoeserveError, match="offload-prepare"):
         ExpertStore.open(tmp_path / "s")
-
-
-def test_budget_planner():
-    high, low = plan_slots(100_000, 20_000, 5_000, 4_000, 1_000)
-    assert high * 4_000 + low * 1_000 <= 100_000 * 0.95 - 25_000 and high > 0 and low > 0
-    with pytest.raises(MoeserveError, match="at least"):
-        plan_slots(20_000, 20_000, 5_000, 4_000, 1_000)
-    assert plan_slots(8 * 2**30, 20_000, 5_000, 4_000, 1_000, reserve=2, max_slots=48) == (48, 48)  # no more slots
-    # than there are experts to hold
 
 
 def store_parts(store: ExpertStore) -> dict:

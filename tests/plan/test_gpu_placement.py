@@ -10,8 +10,8 @@ import torch
 
 import moeserve
 from moeserve.cli import main
-from moeserve.hybrid.memory import expert_bytes
-from moeserve.plan.placement import dense_minimum
+from moeserve.plan.footprint import Precision, expert_bytes
+from moeserve.plan.placement import PlanRequest, dense_minimum
 from moeserve.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,7 +44,8 @@ def test_a_small_budget_puts_layers_on_the_cpu_with_the_same_tokens(capsys):
     buffers count too); greedy tokens equal the resident model's."""
     spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
     fp32 = GEN + ["--dtype", "float32"]
-    budget = dense_minimum(spec, 4, 1, len("KING.") + 16) + int(2.5 * 8 * expert_bytes(spec, 16, 4) / 0.95) + 1024
+    budget = (dense_minimum(spec, PlanRequest(None, 0, 4, "float32", 1, len("KING.") + 16))
+              + int(2.5 * 8 * expert_bytes(spec, Precision.float(4)) / 0.95) + 1024)
     assert main(fp32) == 0
     resident = capsys.readouterr().out
     assert main(fp32 + ["--gpu-memory", f"{budget}B", "--experts-bits", "16", "--dense-bits", "16"]) == 0

@@ -15,7 +15,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.plan.pipeline import SCHEDULES, Pipeline, host_kv_bytes
 from moeserve.plan.policy import ThroughputPolicy
-from moeserve.plan.roofline import MXFP4_BYTES, Workload, layer_ops
+from moeserve.plan.roofline import Workload, layer_ops
 
 FAMILIES = ["deepseek_v3", "granitemoe", "gpt_oss_mxfp4", "qwen3_moe"]
 # the 12-token prompt and 6 new tokens cross GPT-OSS's sliding window of 8
@@ -71,7 +71,7 @@ def test_roofline_counts_mla_latents_and_mxfp4_experts(checkpoints):
     post_mx = layer_ops(mx, wl, True, None, 1, 1, 8.5, 8.5)["post_attention"]
     post_float = layer_ops(dataclasses.replace(mx, experts_mxfp4=False), wl, True, None, 1, 1, 8.5, 8.5)["post_attention"]
     matrices = mx.num_experts * 3 * mx.hidden_size * mx.expert_ffn
-    assert post_float.weights - post_mx.weights == pytest.approx(matrices * (2 - MXFP4_BYTES))
+    assert post_float.weights - post_mx.weights == pytest.approx(matrices * (2 - 17 / 32))  # MXFP4: 16 bytes of codes and a scale per 32
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,11 +11,11 @@ from checks import GiB, H100, MIXTRAL_CONFIG, QWEN3_30B_CONFIG
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.hybrid import memory
-from moeserve.hybrid.memory import expert_bytes
-from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes
+from moeserve.plan.footprint import (WORKSPACE_SHARE, Precision, activation_bytes, checkpoint_precision, dense_bytes,
+                                     expert_bytes, kv_cache_bytes, minimum_budget)
 from moeserve.plan.hardware import HardwareProfile
-from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose, resident_expert_bytes,
-                                     dense_bytes, dense_minimum, plan_placement)
+from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose, dense_minimum,
+                                     plan_placement)
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
@@ -43,18 +43,25 @@ def test_tiny_hybrid_candidate_by_hand(monkeypatch, prompt):
     the CPU."""
     monkeypatch.setattr(memory, "STREAM_RING_BYTES", 1)  # the smallest ring: 2 experts
     eb = 3 * 64 * 128 * 2  # one bf16 expert
-    assert expert_bytes(TINY, 16, 2) == eb
+    assert expert_bytes(TINY, Precision.float(2)) == eb
     dense = TINY.parameter_counts()["dense"] * 2
     assert dense_bytes(TINY, 2) == dense
-    kv = 2 * 2 * 1 * 40 * 32 * 2  # k and v, 2 layers, 1 sequence of 40 tokens, 1 head of 32, bf16
-    assert kv_cache_bytes(TINY, 1, 40, 2) == kv
-    fixed = dense + kv
-    budget = int((fixed + 7.5 * eb) / (1 - WORKSPACE_SHARE))
+    kv = 2 * 2 * 2 * 40 * 32 * 2  # k and v, 2 layers, 1 sequence and the spare row of 40 tokens, 1 head of 32, bf16
+    assert kv_cache_bytes(TINY, 2, 40, 2) == kv
+    # the prompt's activations: per token 4 D, queries and the new k and v (2 x 32 + 2 x 32), gate and up of the
+    # 2 experts (2 x 2 x 128), bf16; fp32 logits of one row (more than WORKSPACE_SHARE of this budget)
+    workspace = prompt * (4 * 64 + 128 + 2 * 256) * 2 + 100 * 4
+    fixed = dense + kv + workspace
+    budget = int(fixed + 7.5 * eb)
+    assert workspace > WORKSPACE_SHARE * budget
     req = PlanRequest(budget, GiB, 2, kv_tokens=40, prompt_len=prompt, gen_len=8, bits=16)
     resident, hybrid = candidates(TINY, HW, req, COSTS)
     assert resident.kind == "resident" and not resident.fits and "GPU memory" in resident.problem
     assert (hybrid.kind, hybrid.cpu_layers, hybrid.cache_slots, hybrid.fits) == ("hybrid", 1, 1, True)
     assert hybrid.gpu_bytes == fixed + 7 * eb  # 4 resident experts, 1 slot, the ring's 2
+    assert hybrid.footprint.gpu == {"dense weights": dense, "resident experts": 4 * eb, "KV cache": kv,
+                                    "cache slots": eb, "stream ring": 2 * eb if prompt >= 32 else 0,
+                                    "workspace": workspace} or prompt < 32
 
     # decode: dense weights but the embedding table, KV of prompt + 4 positions; 1.25 layers' experts on the GPU (a
     # resident layer and a quarter of the CPU layer's picks hit the cache), 0.75 on the CPU
@@ -98,9 +105,9 @@ def test_choice_on_the_mixtral_shape():
     # budget as cache slots; the dense part 8-bit (it leaves fewer layers' experts on the CPU: test_dense_bits_*)
     plan = plan_placement(spec, hw, mixtral_request(12))
     c = plan.chosen
-    assert (c.kind, c.bits, c.dense_bits) == ("hybrid", 4, 8) and c.gpu_bytes <= 12 * GiB * (1 - WORKSPACE_SHARE)
-    eb = expert_bytes(spec, 4, group=64)
-    assert c.gpu_bytes + eb > 12 * GiB * (1 - WORKSPACE_SHARE)  # not one more slot
+    assert (c.kind, c.bits, c.dense_bits) == ("hybrid", 4, 8) and c.gpu_bytes <= 12 * GiB  # the workspace in it
+    eb = expert_bytes(spec, Precision.hqq(4, 64))
+    assert c.footprint.gpu["workspace"] == int(12 * GiB * WORKSPACE_SHARE) and c.gpu_bytes + eb > 12 * GiB  # no more
     assert c.cache_slots < spec.num_experts  # else one layer fewer on the CPU
     slots = ["--gpu-cache-experts", str(c.cache_slots)] if c.cache_slots else []
     assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", *slots, "--dense-bits", "8"]
@@ -127,7 +134,7 @@ def test_explicit_flags_narrow_the_candidates():
 def test_budget_and_host_ram_errors_name_what_is_needed():
     spec = ModelSpec.from_hf_config(MIXTRAL_CONFIG)
     hw = HardwareProfile.from_dict(H100)
-    need = dense_minimum(spec, 2, 1, 640)
+    need = dense_minimum(spec, mixtral_request(0))
     assert need > (dense_bytes(spec, 2) + kv_cache_bytes(spec, 1, 640, 2)) / (1 - WORKSPACE_SHARE)
     with pytest.raises(MoeserveError, match=r"cannot hold the dense part of the model: .* need 3\.\d GiB; give at "):
         plan_placement(spec, hw, mixtral_request(2, dense_bits=16))
@@ -155,7 +162,7 @@ def test_dense_bits_8_counts_its_bytes_and_puts_fewer_layers_on_the_cpu():
     q8 = plan_placement(spec, hw, qwen3_request(dense_bits=8))
     a, b = bf16.chosen, q8.chosen
     assert (a.kind, a.bits, a.dense_bits, b.kind, b.bits, b.dense_bits) == ("hybrid", 4, 16, "hybrid", 4, 8)
-    layer = spec.num_experts * expert_bytes(spec, 4, group=64)
+    layer = spec.num_experts * expert_bytes(spec, Precision.hqq(4, 64))
     assert b.cpu_layers <= a.cpu_layers - saved // layer and b.decode_tok_s > a.decode_tok_s
     assert b.flags()[-2:] == ["--dense-bits", "8"] and "--dense-bits" not in a.flags()
     assert "; dense part bfloat16; GPU " in bf16.describe() and "; dense part 8-bit; GPU " in q8.describe()
@@ -175,7 +182,7 @@ def test_minimum_budget_names_the_dense_bits_in_force():
     the 8-bit minimum refused, naming it."""
     spec = ModelSpec.from_hf_config(QWEN3_30B_CONFIG)
     hw = HardwareProfile.from_dict(H100)
-    least16, least8 = dense_minimum(spec, 2, 1, 640), dense_minimum(spec, 2, 1, 640, 8)
+    least16, least8 = dense_minimum(spec, qwen3_request(0)), dense_minimum(spec, qwen3_request(0), 8)
     assert least8 < least16
     between = (least8 + least16) / 2 / GiB
     with pytest.raises(MoeserveError, match=rf"model: attention, .* need {format_bytes(least16)}; give at least"):
@@ -210,7 +217,7 @@ def test_host_bytes_are_those_of_the_moe_layers_on_the_cpu():
     for n, experts in ((1, 4), (2, 12)):
         (c,) = candidates(spec, HW, PlanRequest(GiB, 64 * GiB, 2, bits=16, cpu_layers=n), COSTS)
         assert (c.kind, c.cpu_layers, c.moe_layers) == ("hybrid", n, 2)
-        assert c.host_bytes == experts * expert_bytes(spec, 16, 2)
+        assert c.host_bytes == experts * expert_bytes(spec, Precision.float(2))
 
 
 def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
@@ -222,18 +229,21 @@ def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
     spec = ModelSpec.from_dir(path)
     m, tokens = spec.mla, spec.max_position_embeddings  # prompt 128 + 128 generated
     dense = 2 * sum(p.numel() for name, p in hf.named_parameters() if ".mlp.experts." not in name)
-    kv = tokens * spec.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+    kv = 2 * tokens * spec.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2  # a sequence and the spare row
     expert = 3 * spec.hidden_size * spec.expert_ffn * 2
     layer = spec.num_experts * expert
-    budget = int((dense + kv + 1.5 * layer) / (1 - WORKSPACE_SHARE)) + 1
+    activations = activation_bytes(spec, 128, 1, 2)
+    budget = minimum_budget(dense + kv + int(1.5 * layer), activations)
+    workspace = max(activations, int(budget * WORKSPACE_SHARE))
     base = ["plan", "--model", path, "--profile", h100_json, "--cpu-memory", "1GiB", "--json", "--dense-bits", "16"]
     assert main([str(a) for a in base + ["--gpu-memory", f"{budget}B"]]) == 0
     report = json.loads(capsys.readouterr().out)
     resident, hybrid, offload = report["candidates"]  # float experts only: no group divides expert FFN 24
-    assert (resident["kind"], resident["fits"], resident["gpu_bytes"]) == ("resident", False, dense + kv + 2 * layer)
+    assert (resident["kind"], resident["fits"], resident["gpu_bytes"]) == ("resident", False,
+                                                                        dense + kv + 2 * layer + workspace)
     slots = int(0.5 * layer) // expert  # 1.5 layers' room less the ring of a layer's experts
     assert hybrid["where"] == f"2/2 MoE layers' experts on the CPU (bfloat16), {slots} GPU cache slots"
-    assert hybrid["gpu_bytes"] == dense + kv + (spec.num_experts + slots) * expert and hybrid["streams"]
+    assert hybrid["gpu_bytes"] == dense + kv + workspace + (spec.num_experts + slots) * expert and hybrid["streams"]
     assert hybrid["host_bytes"] == 2 * layer and report["chosen"] == 1
     assert hybrid["flags"] == ["--cpu-moe", "--gpu-cache-experts", str(slots)] and offload["kind"] == "offload"
 
@@ -264,7 +274,8 @@ def test_cli_plan_errors(expect_cli_error, mixtral, h100_json, tmp_path):
     expect_cli_error(base + ["--dense-bits", "4"], "argument --dense-bits: invalid choice: 4")
     expect_cli_error(base + ["--dense-bits", "eight"], "argument --dense-bits: invalid int value")
     line = expect_cli_error(base + ["--gpu-memory", "1GiB"], "the dense part of the model with 8-bit linear layers")
-    assert f"need {format_bytes(dense_minimum(ModelSpec.from_hf_config(MIXTRAL_CONFIG), 2, 1, 640, 8))}" in line
+    least = dense_minimum(ModelSpec.from_hf_config(MIXTRAL_CONFIG), mixtral_request(0), 8)
+    assert f"need {format_bytes(least)}" in line
 
 
 @pytest.fixture
@@ -357,13 +368,15 @@ def test_mxfp4_experts_count_packed_where_they_stay_resident():
     cfg = transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32).to_dict()
     spec = ModelSpec.from_hf_config({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
     assert spec.experts_mxfp4
-    packed = resident_expert_bytes(spec, 16, 2)
-    assert packed == 3 * 2880 * 2880 * 17 // 32 + (3 * 2880) * 2 and packed < expert_bytes(spec, 16, 2) / 3.5
+    packed = expert_bytes(spec, checkpoint_precision(spec, 2))
+    assert packed == 3 * 2880 * 2880 * 17 // 32 + (3 * 2880) * 2
+    assert packed < expert_bytes(spec, Precision.float(2)) / 3.5
     hw = HardwareProfile.from_dict(H100)
     plan = plan_placement(spec, hw, mixtral_request(16, bits=16))
     assert (plan.chosen.kind, plan.chosen.bits) == ("resident", 16)
     assert plan.chosen.gpu_bytes > 24 * 32 * packed  # the experts, packed, and the dense part
     small = plan_placement(spec, hw, mixtral_request(8, bits=16)).chosen
     assert small.kind == "hybrid" and 0 < small.cpu_layers < 24
-    assert small.gpu_bytes <= 8 * GiB * (1 - WORKSPACE_SHARE)
-    assert small.gpu_bytes >= (24 - small.cpu_layers) * 32 * packed + small.cache_slots * expert_bytes(spec, 16, 2)
+    assert small.gpu_bytes <= 8 * GiB  # the workspace included
+    float_slot = expert_bytes(spec, Precision.float(2))
+    assert small.gpu_bytes >= (24 - small.cpu_layers) * 32 * packed + small.cache_slots * float_slot

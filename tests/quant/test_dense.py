@@ -20,7 +20,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.loader import is_routed_expert
 from moeserve.parallel.tensor_parallel import RowParallelLinear
-from moeserve.plan.placement import dense_bytes
+from moeserve.plan.footprint import dense_bytes
 from moeserve.quant import hqq
 from moeserve.quant.dense import DENSE_GROUP, dense_linears, quantize_dense
 from moeserve.quant.qlinear import QuantizedLinear

@@ -11,7 +11,7 @@ import moeserve
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.loader import is_routed_expert
-from moeserve.plan.placement import dense_bytes
+from moeserve.plan.footprint import dense_bytes
 from moeserve.quant.dense import dense_linears
 from moeserve.quant.qlinear import triton_applies
 
