@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.engine.constraints import TokenConstraint, constrain
 from moeserve.engine.cuda_graph import SlotDecoder, padded_sizes
 from moeserve.engine.params import SamplingParams
 from moeserve.engine.sampling import sample_next
@@ -107,6 +108,7 @@ class Request:
     on_update: Callable[[Request, Update], None]
     top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k most likely
     tag: object = None  # the caller's own (the server keeps its job here)
+    constraint: TokenConstraint | None = None  # a grammar its tokens must follow (engine/constraints.py)
     gen: Generation = field(init=False)
     stream: TextStream | None = field(init=False, default=None)
     generator: torch.Generator | None = field(init=False, default=None)
@@ -307,18 +309,26 @@ class ContinuousBatch:
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, errors: dict[int, Exception]) -> list[int]:
         """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
-        exception in errors, by index)."""
+        exception in errors, by index). A request with a constraint draws from the tokens it allows, and its
+        constraint accepts the token drawn."""
         tokens = [FAILED] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        bound = [i for i, r in enumerate(requests) if r.constraint is not None]
+        if bound:
+            logits = constrain(logits, bound, [requests[i].constraint for i in bound], errors)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy and i not in errors]
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
                 tokens[i] = t
         for i, r in enumerate(requests):
-            if not r.params.greedy:
-                try:
+            if i in errors:
+                continue
+            try:
+                if not r.params.greedy:
                     tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
-                except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only
-                    errors[i] = e
+                if r.constraint is not None:
+                    r.constraint.accept(tokens[i])
+            except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only
+                errors[i], tokens[i] = e, FAILED
         return tokens
 
     @staticmethod
