@@ -15,6 +15,7 @@ over llguidance by bench/structured_mask.py: per-token masks of 1-3 us against l
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -122,7 +123,8 @@ class GrammarConstraint:
 
 class Grammars:
     """Grammars compiled for one tokenizer and model vocabulary (padded vocabularies: the extra ids never allowed),
-    cached by their text; each new constraint is a fresh matcher of a cached grammar."""
+    cached by their text; each new constraint is a fresh matcher of a cached grammar. Safe to use from several
+    threads (the server compiles off its event loop)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         """tokenizer: moeserve's (vocab_bytes); vocab_size: the model's logits width; stop_ids: the tokens that end
@@ -136,6 +138,7 @@ class Grammars:
         table = tokenizer.vocab_bytes() + [b""] * (vocab_size - tokenizer.vocab_size)
         self.keep = pack_mask(torch.tensor([not any(b < 0x20 and b != 0x0A for b in t) for t in table[:vocab_size]]))
         self.cache: OrderedDict[str, object] = OrderedDict()
+        self.lock = threading.Lock()
 
     def json_schema(self, schema: dict) -> GrammarConstraint:
         """Output that is one JSON value matching `schema` (JSON Schema; strict: no properties beyond it)."""
@@ -159,6 +162,11 @@ class Grammars:
 
     def _make(self, key, compile_fn) -> GrammarConstraint:
         text = json.dumps(key, sort_keys=True)
+        with self.lock:
+            compiled = self._compiled(text, compile_fn)
+        return GrammarConstraint(compiled, self.keep)
+
+    def _compiled(self, text: str, compile_fn):
         compiled = self.cache.get(text)
         if compiled is None:
             try:
@@ -170,4 +178,4 @@ class Grammars:
             while len(self.cache) > CACHED_GRAMMARS:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(text)
-        return GrammarConstraint(compiled, self.keep)
+        return compiled

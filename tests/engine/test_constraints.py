@@ -15,6 +15,7 @@ from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import ByteTokenizer, load_tokenizer
 from hf_models import random_words, save_tokenizer
+from json_schemas import random_schema
 
 pytest.importorskip("xgrammar")
 MAX_STEPS = 3000
@@ -107,29 +108,6 @@ def test_vocab_bytes_spell_the_text(tmp_path):
     assert len(table) == tok.vocab_size and table[4] == b""  # <|im_end|>: special
     for text in (random_words(rng, 12), "héllo wörld ✓ {\"a\": [1, 2]}", "日本語"):
         assert b"".join(table[i] for i in tok.encode(text, add_special_tokens=False)) == text.encode()
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict:
-    """An object schema of 1-4 fields: string, integer, number, boolean, enum, array, nested object."""
-    kinds = ["string", "integer", "number", "boolean", "enum", "array"] + (["object"] if depth < 2 else [])
-    props = {}
-    for n in range(rng.randint(1, 4)):
-        kind = rng.choice(kinds)
-        if kind == "string":
-            props[f"s{n}"] = {"type": "string", "maxLength": rng.randint(1, 8)}
-        elif kind == "integer":
-            props[f"i{n}"] = {"type": "integer", "minimum": -50, "maximum": 5000}
-        elif kind == "number":
-            props[f"x{n}"] = {"type": "number"}
-        elif kind == "boolean":
-            props[f"b{n}"] = {"type": "boolean"}
-        elif kind == "enum":
-            props[f"e{n}"] = {"enum": rng.sample(["red", "green", "blue", "cyan", "teal"], rng.randint(1, 3))}
-        elif kind == "array":
-            props[f"a{n}"] = {"type": "array", "items": {"type": rng.choice(["integer", "boolean"])}, "maxItems": 3}
-        else:
-            props[f"o{n}"] = random_schema(rng, depth + 1)
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
 def test_json_schemas_hold_on_a_rambling_model(tiny):
