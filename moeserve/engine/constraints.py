@@ -84,7 +84,7 @@ def constrain(logits: torch.Tensor, rows: list[int], constraints: list[TokenCons
 def require_xgrammar():
     """The xgrammar module, or a one-line error naming the extra that installs it."""
     try:
-        import xgrammar
+        import xgrammar  # the structured extra: only requests with a grammar need it
     except ImportError:
         raise MoeserveError("structured output and tool calls need xgrammar: pip install 'moeserve[structured]'") \
             from None
