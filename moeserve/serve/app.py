@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ from moeserve.serve.chat_output import ChatOutput
 from moeserve.serve.chat_template import ChatTemplate, TemplateError
 from moeserve.serve.metrics import CONTENT_TYPE, Metrics
 from moeserve.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ResponseFormat,
-                                     TokenizeRequest, parse)
+                                     ResponsesRequest, TokenizeRequest, parse)
 from moeserve.serve.reasoning import ThinkSplitter, opens_thinking, thinks
 from moeserve.serve.responses import ChatFormat, CompletionFormat, Format, sse, usage
+from moeserve.serve.responses_api import ResponsesFormat, responses_usage
 from moeserve.serve.tool_calls import SEPARATOR, ToolCallParser, knows_tools, tags
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
@@ -155,6 +157,36 @@ def build_app(state: ServerState) -> FastAPI:
         return await _answer(state, request, fmt, chat.ids, params, req.requested_logprobs, req.stream,
                              chat.constraint)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        _authorize(state, request)
+        req = parse(ResponsesRequest, await request.body())
+        _check_model(state, req.model)
+        tools = [(t.name, t.parameters, t.as_chat_tool()) for t in req.tools or []]
+        chat = await prepare_chat(state, req.messages(), True, tools, req.tool_mode, req.parallel_tool_calls,
+                                  req.response_format, {})
+        params = _params(state, req, chat.ids, req.max_output_tokens or state.context - len(chat.ids))
+        settings = req.model_dump(include={"instructions", "max_output_tokens", "temperature", "top_p",
+                                           "parallel_tool_calls"})
+        settings |= {"tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                     "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else
+                     req.tool_choice.model_dump() if req.tool_choice else "auto",
+                     "text": {"format": req.text.format.model_dump(exclude_none=True, by_alias=True)
+                              if req.text and req.text.format else {"type": "text"}}}
+        fmt = ResponsesFormat(state.model_name, settings, chat.output)
+        job, updates = _submit(state, chat.ids, params, None, chat.constraint)
+        events = _events(state.engine, job, updates, None if req.stream else request)
+        if req.stream:
+            return StreamingResponse(_stream_response(fmt, events, len(chat.ids)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, sampled, finish = [], 0, None
+        async for u in events:
+            text.append(u.text)
+            sampled, finish = sampled + 1, u.finish_reason
+        if finish is None:
+            return Response(status_code=499)
+        return fmt.whole("".join(text), finish, responses_usage(len(chat.ids), sampled))
+
     return app
 
 
@@ -243,7 +275,7 @@ def _params(state: ServerState, req, ids: list[int], max_tokens: int) -> Samplin
     if len(ids) >= state.context:
         raise APIError(400, f"This model's maximum context length is {state.context} tokens; the prompt has "
                             f"{len(ids)} tokens, which leaves no room for a completion", "context_length_exceeded",
-                       "messages" if isinstance(req, ChatRequest) else "prompt")
+                       {ChatRequest: "messages", CompletionRequest: "prompt"}.get(type(req), "input"))
     params = req.sampling_params(max(max_tokens, 1))
     if state.engine is None:
         raise APIError(503, "the model is loading; try again when GET /health answers 200", "model_loading")
@@ -257,12 +289,7 @@ def _params(state: ServerState, req, ids: list[int], max_tokens: int) -> Samplin
 async def _answer(state: ServerState, request: Request, fmt: Format, ids: list[int], params: SamplingParams,
                   top_logprobs: int | None, stream: bool, constraint: TokenConstraint | None = None):
     """Submit the request and answer: whole (JSON) or streamed (server-sent events)."""
-    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    try:
-        job = state.engine.submit(ids, params, top_logprobs, LoopSink(loop, updates), constraint)
-    except QueueFull:
-        raise APIError(503, f"the server is full ({state.engine.capacity} requests running or queued); try again "
-                            f"later", "queue_full") from None
+    job, updates = _submit(state, ids, params, top_logprobs, constraint)
     events = _events(state.engine, job, updates, None if stream else request)
     logprobs = top_logprobs is not None
     if stream:
@@ -276,6 +303,36 @@ async def _answer(state: ServerState, request: Request, fmt: Format, ids: list[i
     if finish is None:  # the client went away: nobody reads this
         return Response(status_code=499)
     return fmt.response("".join(text), entries if logprobs else None, finish, usage(len(ids), sampled))
+
+
+def _submit(state: ServerState, ids: list[int], params: SamplingParams, top_logprobs: int | None,
+            constraint: TokenConstraint | None) -> tuple[Job, asyncio.Queue]:
+    """Queue the request on the engine: its job and the queue its updates arrive in (a 503 when full)."""
+    updates = asyncio.Queue()
+    try:
+        job = state.engine.submit(ids, params, top_logprobs, LoopSink(asyncio.get_running_loop(), updates),
+                                  constraint)
+    except QueueFull:
+        raise APIError(503, f"the server is full ({state.engine.capacity} requests running or queued); try again "
+                            f"later", "queue_full") from None
+    return job, updates
+
+
+async def _stream_response(fmt: ResponsesFormat, events: AsyncIterator[Update], prompt_tokens: int):
+    """A Responses API stream: its typed events (an engine failure ends it with an `error` event)."""
+    for e in fmt.start():
+        yield e
+    sampled = 0
+    try:
+        async for u in events:
+            sampled += 1
+            for e in fmt.feed(u.text, u.finish_reason):
+                yield e
+            if u.finish_reason is not None:
+                for e in fmt.end(u.finish_reason, responses_usage(prompt_tokens, sampled)):
+                    yield e
+    except APIError as e:
+        yield f"event: error\ndata: {json.dumps({'type': 'error', 'code': e.code, 'message': e.message})}\n\n"
 
 
 async def _events(engine: Engine, job: Job, updates: asyncio.Queue, watch: Request | None) -> AsyncIterator[Update]:

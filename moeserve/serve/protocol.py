@@ -253,6 +253,155 @@ class ChatRequest(Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class InputText(Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(Strict):
+    """A Responses API message item (the openai client's easy form has no type)."""
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(Strict):
+    """A call the model made, fed back as input."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(Strict):
+    """A call's result."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class FunctionTool(Strict):
+    """A Responses API tool (the function's fields at the top level)."""
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> dict:
+        """The tool in chat completions' shape, as chat templates read it."""
+        function = self.model_dump(exclude_none=True, exclude={"type"})
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    """text.format: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "name", "schema", ...}."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        spec = JsonSchemaSpec.model_validate({"name": self.name or "output", "schema": self.schema_ or {},
+                                              "strict": self.strict})
+        return ResponseFormat(type="json_schema", json_schema=spec)
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Strict):
+    """POST /v1/responses: one answer to `input` (a string, or message and function-call items) after
+    `instructions` (a system message). Nothing is stored: previous_response_id and conversation are refused."""
+    model: str | None = None
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    store: bool | None = None  # nothing is stored, whatever it says
+    metadata: dict | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict | None = None
+    background: bool = False
+    reasoning: dict | None = None
+
+    @field_validator("previous_response_id", "conversation", "reasoning")
+    @classmethod
+    def _not_kept(cls, value):
+        raise ValueError("is not supported (this server keeps no responses and has no reasoning settings): send the "
+                         "whole conversation as input")
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value):
+        if value:
+            raise ValueError("background responses are not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self):
+        names = [t.name for t in self.tools or []]
+        if self.tool_choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in tools")
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or the name of the function the answer must call."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return self.tool_choice.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def response_format(self) -> ResponseFormat | None:
+        return self.text.format.response_format() if self.text and self.text.format else None
+
+    def messages(self) -> list[dict]:
+        """The conversation as chat templates read it: instructions as the system message, function calls as an
+        assistant message's tool_calls, their outputs as tool messages."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        for item in [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input:
+            if isinstance(item, InputMessage):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                if not (out and out[-1]["role"] == "assistant"):
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
+                    "name": item.name, "arguments": _json_object(item.arguments)}})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p)
+        except MoeserveError as e:
+            raise APIError(400, str(e), "invalid_value") from None
+
+
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None

@@ -144,3 +144,48 @@ def test_structured_output_holds_for_20_random_schemas(client):
     r = client.chat.completions.create(model="qwen", messages=USER, max_tokens=800, temperature=1.0, seed=3,
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_responses_api_whole_and_streamed(qwen, client):
+    """client.responses.create: instructions and input become the chat the template renders; the answer's thinking
+    is a reasoning item and its text a message item, whole and as typed events that add up to it."""
+    _, http = qwen
+    kw = dict(model="qwen", input="what is the weather", instructions="be brief", max_output_tokens=16, temperature=0)
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model="qwen", messages=[{"role": "system", "content": "be brief"},
+                                                                  {"role": "user", "content": "what is the weather"}],
+                                          max_tokens=16, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 16 and r.usage.input_tokens == chat.usage.prompt_tokens
+    reasoning = [i for i in r.output if i.type == "reasoning"]
+    assert reasoning[0].content[0].text == chat.choices[0].message.reasoning_content
+    assert r.output_text == (chat.choices[0].message.content or "")
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning[0].content[0].text
+    assert events[-1].response.output[0].content[0].text == reasoning[0].content[0].text
+    r = http.post("/v1/responses", json={**kw, "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_responses_api_tools_and_structured_output(client):
+    call = {"type": "function_call", "call_id": "call_3", "name": "search", "arguments": '{"query": "sun", "top": true}'}
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, SEARCH)]
+    kw = dict(model="qwen", input=[{"role": "user", "content": "weather?"}, call,
+                                   {"type": "function_call_output", "call_id": "call_3", "output": "sunny"}],
+              tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=300, temperature=1.0)
+    r = client.responses.create(**kw)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    events = list(client.responses.create(stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert len(done) == 1 and events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(done[0].arguments), SCHEMAS[done[0].name])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.responses.create(model="qwen", input="json please", max_output_tokens=300, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
