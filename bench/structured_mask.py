@@ -3,8 +3,10 @@
 For a vocabulary of `--vocab` tokens (the demo's 258 byte tokens, or a synthetic byte-level vocabulary of word
 pieces the size of Qwen's, 151k) it reports each library's tokenizer-info build time, grammar compile time and
 per-token mask time while a greedy walk through a valid document consumes tokens (one matcher, and `--batch`
-matchers filled one after another as the engine's _draw fills them). CPU only; run:
-    python bench/structured_mask.py --vocab 258 --vocab 151000 --batch 16
+matchers filled one after another as the engine's _draw fills them). Then the engine's own cost: what
+engine/constraints.py's `constrain` adds to a decode step of `--rows` rows (fill, unpack on `--device`, mask) with 1
+and `--batch` constrained requests, the chosen library's. Run:
+    python bench/structured_mask.py --vocab 258 --vocab 151000 --batch 16 [--device cuda]
 """
 
 from __future__ import annotations
@@ -117,10 +119,46 @@ def bench_xgrammar(tokens, ids, batch):
     return t1 - t0, t2 - t1, one, many
 
 
+class Vocab:
+    """A tokenizer as engine/constraints.py's Grammars reads it."""
+
+    def __init__(self, tokens):
+        self.tokens, self.vocab_size = tokens, len(tokens)
+
+    def vocab_bytes(self):
+        return [b"" if t == b"<eos>" else t for t in self.tokens]
+
+
+def bench_engine(tokens, ids, batch, rows, device):
+    """Per decode step: constrain() over logits [rows, V] with n constrained rows, n = 1 and `batch`."""
+    from moeserve.engine.constraints import Grammars, constrain
+
+    grammars = Grammars(Vocab(tokens), len(tokens), {len(tokens) - 1})
+    logits = torch.randn(rows, len(tokens), device=device)
+    out = {}
+    for n in (1, batch):
+        constraints = [grammars.json_schema(SCHEMA) for _ in range(n)]
+        times = []
+        for t in ids:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            s = time.perf_counter()
+            constrain(logits, list(range(n)), constraints, {})
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - s)
+            for c in constraints:
+                c.accept(t)
+        out[n] = sorted(times)[len(times) // 2] * 1e6
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, action="append")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rows", type=int, default=64, help="decode rows of the step the engine's cost is measured in")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
     for size in args.vocab or [258, 151000]:
@@ -132,6 +170,9 @@ def main():
             print(f"vocab {size:>6} {name:<10} tokenizer info {setup * 1e3:7.1f} ms  compile {compile_s * 1e3:7.1f} ms"
                   f"  mask/token: 1 request {med(one):7.1f} us (max {max(one) * 1e6:7.0f}),"
                   f" {args.batch} requests {med(many):8.1f} us per step ({len(ids)} tokens)")
+        cost = bench_engine(tokens, ids, args.batch, args.rows, args.device)
+        print(f"vocab {size:>6} engine constrain() in a {args.rows}-row step on {args.device}: "
+              + ", ".join(f"{n} constrained {us:7.1f} us" for n, us in cost.items()))
 
 
 if __name__ == "__main__":

@@ -309,22 +309,24 @@ class ContinuousBatch:
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, errors: dict[int, Exception]) -> list[int]:
         """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
-        exception in errors, by index). A request with a constraint draws from the tokens it allows, and its
-        constraint accepts the token drawn."""
+        exception in errors, by index). A request with a constraint draws from the tokens it allows (its row of
+        the masked rows), and its constraint accepts the token drawn."""
         tokens = [FAILED] * len(requests)
         bound = [i for i, r in enumerate(requests) if r.constraint is not None]
-        if bound:
-            logits = constrain(logits, bound, [requests[i].constraint for i in bound], errors)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy and i not in errors]
-        if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                tokens[i] = t
+        masked = constrain(logits, bound, [requests[i].constraint for i in bound], errors) if bound else None
+        rows = {i: masked[j:j + 1] for j, i in enumerate(bound)}  # index -> its masked logits [1, V]
+        plain = [i for i, r in enumerate(requests) if r.params.greedy and i not in rows]
+        held = [j for j, i in enumerate(bound) if requests[i].params.greedy and i not in errors]
+        for picked, picks in ((plain, logits[plain]), ([bound[j] for j in held], masked[held] if held else None)):
+            if picked:
+                for i, t in zip(picked, picks.argmax(-1).tolist()):
+                    tokens[i] = t
         for i, r in enumerate(requests):
             if i in errors:
                 continue
             try:
                 if not r.params.greedy:
-                    tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
+                    tokens[i] = int(sample_next(rows.get(i, logits[i:i + 1]), r.params, r.generator))
                 if r.constraint is not None:
                     r.constraint.accept(tokens[i])
             except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only

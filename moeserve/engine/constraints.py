@@ -63,9 +63,10 @@ def pack_mask(allowed: torch.Tensor) -> torch.Tensor:
 
 def constrain(logits: torch.Tensor, rows: list[int], constraints: list[TokenConstraint],
               errors: dict[int, Exception]) -> torch.Tensor:
-    """logits [B, V] with each of `rows` masked by its constraint (disallowed tokens at -inf), as a new tensor: the
-    input stays as the model gave it (logprobs report the model's own). A constraint that raises, or allows no
-    token, fails its row alone: the exception goes into errors under the row."""
+    """The rows `rows` of logits [B, V] masked by their constraints (disallowed tokens at -inf): [len(rows), V], a
+    new tensor (logits stay as the model gave them: logprobs report the model's own, and no [B, V] copy is made). A
+    constraint that raises, or allows no token, fails its row alone: the exception goes into errors under the
+    row."""
     vocab = logits.shape[-1]
     bits = torch.zeros(len(rows), mask_words(vocab), dtype=torch.int32)  # [n, W]
     for j, (row, c) in enumerate(zip(rows, constraints)):
@@ -73,12 +74,10 @@ def constrain(logits: torch.Tensor, rows: list[int], constraints: list[TokenCons
             c.fill(bits[j])
         except Exception as e:  # noqa: BLE001 - reported for this request only
             errors[row] = e
-    allowed = unpack_mask(bits.to(logits.device), vocab)  # [n, V]
-    for j in (~allowed.any(-1)).nonzero().flatten().tolist():
+    for j in (bits == 0).all(-1).nonzero().flatten().tolist():
         errors.setdefault(rows[j], MoeserveError("the request's grammar allows no token here"))
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return out
+    allowed = unpack_mask(bits.to(logits.device, non_blocking=True), vocab)  # [n, V]
+    return logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def require_xgrammar():

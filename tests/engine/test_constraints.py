@@ -11,6 +11,7 @@ import torch
 import moeserve
 from moeserve.engine.batching import ContinuousBatch, Request
 from moeserve.engine.constraints import Grammars, Tag, constrain, mask_words, pack_mask, unpack_mask
+from moeserve.engine.generate import generate
 from moeserve.engine.sampling import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import ByteTokenizer, load_tokenizer
@@ -85,17 +86,19 @@ def test_constraint_forces_text_greedy_and_sampled_and_fails_alone(tiny):
     for r in forced:
         assert "".join(u.text for u in updates[id(r)]) == target and updates[id(r)][-1].finish_reason == "eos"
         assert r.constraint.done
-    assert updates[id(free)][-1].finish_reason == "length" and len(updates[id(free)]) == 8
+    alone = generate(model, [prompt], free.params, tokenizer=tok)[0]  # unconstrained rows: as if alone
+    assert [t for u in updates[id(free)] for t in u.token_ids] == alone.token_ids and len(alone.token_ids) == 8
     assert updates[id(broken)][-1].finish_reason == "error" and "broken" in str(updates[id(broken)][-1].error)
 
 
-def test_constrain_masks_only_its_rows_and_keeps_the_input():
+def test_constrain_masks_its_rows_and_keeps_the_input():
     logits = torch.randn(3, 70, dtype=torch.float64)
     before = logits.clone()
     errors = {}
-    out = constrain(logits, [1, 2], [Forced([5], 0), Forced([], 69)], errors)
-    assert torch.equal(logits, before) and torch.equal(out[0], before[0]) and not errors
-    assert out[1].argmax() == 5 and torch.isinf(out[1]).sum() == 69 and out[2].argmax() == 69
+    out = constrain(logits, [1, 2], [Forced([5], 0), Forced([], 69)], errors)  # [2, V]
+    assert torch.equal(logits, before) and out.shape == (2, 70) and not errors
+    assert out[0].argmax() == 5 and torch.isinf(out[0]).sum() == 69 and out[0, 5] == before[1, 5]
+    assert out[1].argmax() == 69 and out[1, 69] == before[2, 69]
     constrain(logits, [0], [Broken([], 0)], errors)
     assert "broken" in str(errors[0])
 
