@@ -125,6 +125,8 @@ class Sampling(Strict):
             given = getattr(self, name, None)
             if given is not None and given != value:
                 raise ValueError(f"{name} = {given!r} is not supported (only {value!r})")
+        if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("ignore_eos cannot be combined with a JSON response_format (the grammar ends the answer)")
         return self
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -233,6 +235,8 @@ class ChatRequest(Sampling):
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         if len(set(names)) != len(names):
             raise ValueError("tools: two tools have the same name")
+        if self.ignore_eos and self.tool_mode not in ("none", "auto"):
+            raise ValueError("ignore_eos cannot be combined with a forced tool call (the grammar ends the answer)")
         return self
 
     @property

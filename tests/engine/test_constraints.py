@@ -148,3 +148,16 @@ def test_tags_and_json_object(tiny):
     assert isinstance(json.loads(obj), dict)
     with pytest.raises(MoeserveError, match="cannot compile"):
         grammars.json_schema({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrain_on_cuda_matches_cpu():
+    """The masks unpacked on the GPU mask the GPU's logits as the CPU's do (fresh random logits and masks)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 151_000, generator=g)
+    tokens = torch.randint(0, 151_000, (3,), generator=g).tolist()
+    constraints = lambda: [Forced([t], 0) for t in tokens]  # noqa: E731
+    cpu = constrain(logits, [0, 3, 7], constraints(), {})
+    gpu = constrain(logits.cuda(), [0, 3, 7], constraints(), {})
+    assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
+    assert cpu.argmax(-1).tolist() == tokens

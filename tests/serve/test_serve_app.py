@@ -170,3 +170,10 @@ def test_cors_with_allowed_origins(engine):
     assert "access-control-allow-origin" not in r.headers
     r = serving(engine, allowed_origins=("*",)).get("/health", headers={"Origin": "https://elsewhere.example"})
     assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_ignore_eos_cannot_outrun_a_grammar(app):
+    body = {**CHAT, "max_tokens": 2, "ignore_eos": True, "response_format": {"type": "json_object"}}
+    r = app.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "ignore_eos" in r.json()["error"]["message"]
+
