@@ -52,8 +52,7 @@ class ResponsesFormat:
 
     def whole(self, text: str, finish: str, use: dict) -> dict:
         """The response to a non-streaming request."""
-        for _ in self._add(self.output.feed(text, final=True)):
-            pass
+        list(self._add(self.output.feed(text, final=True)))  # builds the items (the events go unsent)
         self._close()
         return self.response(self._status(finish), use)
 
