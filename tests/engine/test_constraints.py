@@ -12,7 +12,7 @@ import moeserve
 from moeserve.engine.batching import ContinuousBatch, Request
 from moeserve.engine.constraints import Grammars, Tag, constrain, mask_words, pack_mask, unpack_mask
 from moeserve.engine.generate import generate
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.tokenizer import ByteTokenizer, load_tokenizer
 from hf_models import random_words, save_tokenizer
