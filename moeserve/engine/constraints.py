@@ -49,8 +49,8 @@ def mask_words(vocab: int) -> int:
 def unpack_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Packed masks [B, W] int32 -> allowed [B, vocab] bool (on bits' device)."""
     shifts = torch.arange(32, device=bits.device, dtype=torch.int32)  # [32]
-    allowed = (bits[:, :, None] >> shifts) & 1  # [B, W, 32]
-    return allowed.reshape(bits.shape[0], -1)[:, :vocab].bool()
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool()  # [B, W, 32]
+    return allowed.reshape(bits.shape[0], -1)[:, :vocab]
 
 
 def pack_mask(allowed: torch.Tensor) -> torch.Tensor:

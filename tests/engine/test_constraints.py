@@ -3,6 +3,7 @@
 
 import json
 import random
+import sys
 
 import jsonschema
 import pytest
@@ -89,6 +90,13 @@ def test_constraint_forces_text_greedy_and_sampled_and_fails_alone(tiny):
     alone = generate(model, [prompt], free.params, tokenizer=tok)[0]  # unconstrained rows: as if alone
     assert [t for u in updates[id(free)] for t in u.token_ids] == alone.token_ids and len(alone.token_ids) == 8
     assert updates[id(broken)][-1].finish_reason == "error" and "broken" in str(updates[id(broken)][-1].error)
+
+
+def test_missing_grammar_library_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if not installed
+    with pytest.raises(MoeserveError, match=r"^structured output and tool calls need xgrammar: pip install "
+                                            r"'moeserve\[structured\]'$"):
+        Grammars(ByteTokenizer(), 258, {257})
 
 
 def test_constrain_masks_its_rows_and_keeps_the_input():
