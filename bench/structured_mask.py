@@ -7,6 +7,8 @@ matchers filled one after another as the engine's _draw fills them). Then the en
 engine/constraints.py's `constrain` adds to a decode step of `--rows` rows (fill, unpack on `--device`, mask) with 1
 and `--batch` constrained requests, the chosen library's. Run:
     python bench/structured_mask.py --vocab 258 --vocab 151000 --batch 16 [--device cuda]
+The figures go to bench/results/structured_mask-<device>-<date>.json. The 151k vocabulary is synthetic (random word
+pieces): a real tokenizer's may favour either library's precomputation differently.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import argparse
 import json
 import random
 import string
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
+from common import result_record, write_result  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "score": {"type": "number"},
@@ -161,18 +168,27 @@ def main():
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
+    record = result_record("structured_mask", {"vocab": args.vocab or [258, 151000], "batch": args.batch,
+                                               "rows": args.rows, "schema": SCHEMA}, args.device)
+    record["results"] = []
     for size in args.vocab or [258, 151000]:
         tokens = vocabulary(size)
         ids = greedy_ids(tokens, DOC.encode())
         for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
             setup, compile_s, one, many = fn(tokens, ids, args.batch)
             med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
+            record["results"].append({"vocab": size, "library": name, "tokenizer_info_ms": setup * 1e3,
+                                      "compile_ms": compile_s * 1e3, "mask_us_1": med(one),
+                                      f"mask_us_{args.batch}": med(many)})
             print(f"vocab {size:>6} {name:<10} tokenizer info {setup * 1e3:7.1f} ms  compile {compile_s * 1e3:7.1f} ms"
                   f"  mask/token: 1 request {med(one):7.1f} us (max {max(one) * 1e6:7.0f}),"
                   f" {args.batch} requests {med(many):8.1f} us per step ({len(ids)} tokens)")
         cost = bench_engine(tokens, ids, args.batch, args.rows, args.device)
+        record["results"].append({"vocab": size, "engine_constrain_us": cost, "rows": args.rows})
         print(f"vocab {size:>6} engine constrain() in a {args.rows}-row step on {args.device}: "
               + ", ".join(f"{n} constrained {us:7.1f} us" for n, us in cost.items()))
+
+    print(f"wrote {write_result(record)}")
 
 
 if __name__ == "__main__":
