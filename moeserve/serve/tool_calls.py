@@ -34,8 +34,11 @@ class Call:
 
 
 def knows_tools(template_source: str) -> bool:
-    """Whether a chat template teaches this format (then tools are rendered, calls parsed)."""
-    return OPEN in template_source
+    """Whether a chat template teaches this format (then tools are rendered, calls parsed): Qwen2, Qwen2.5, Qwen3
+    and Hermes templates show the model the JSON shape, `{"name": <function-name>, "arguments": ...}`, inside
+    <tool_call> tags. Templates whose <tool_call> blocks hold another shape (Qwen3-Coder's XML parameters,
+    GLM-4.5's arg_key/arg_value pairs) show no <function-name> placeholder and are not taken for it."""
+    return OPEN in template_source and "<function-name>" in template_source
 
 
 def tags(functions: list[tuple[str, dict]]) -> list[Tag]:

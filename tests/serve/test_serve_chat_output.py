@@ -7,7 +7,7 @@ import pytest
 
 from moeserve.serve.chat_output import ChatOutput
 from moeserve.serve.reasoning import ThinkSplitter, opens_thinking
-from moeserve.serve.tool_calls import ToolCallParser
+from moeserve.serve.tool_calls import ToolCallParser, knows_tools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CASES = [  # (answer, starts in thinking, reasoning, content, calls)
@@ -49,3 +49,9 @@ def test_pieces_add_up_to_the_whole(answer, in_thinking, reasoning, content, cit
 def test_prompt_that_opens_thinking():
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opens_thinking("hi")
+
+
+def test_only_templates_that_teach_the_json_shape_take_tools():
+    hermes = 'calls within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": {}}'
+    glm = "<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value></tool_call>"
+    assert knows_tools(hermes) and not knows_tools(glm) and not knows_tools("{{ messages }}")
