@@ -8,8 +8,8 @@ are allowed, which ends the request with "eos".
 
 `Grammars` compiles grammars for one tokenizer with xgrammar (the `structured` extra): JSON schemas, any JSON
 object, and tag sequences (tool calls: a fixed opening text, a JSON schema, a closing text). xgrammar was chosen
-over llguidance by bench/structured_mask.py: per-token masks of 1-3 us against llguidance's 10-220 us (258 and
-151k-token vocabularies), for a compile of 1-60 ms that Grammars caches per grammar.
+over llguidance by bench/structured_mask.py: per-token masks of 1-4 us against llguidance's 10-350 us (258 and
+a synthetic 151k-token vocabulary, one CPU thread), for a compile of 1-75 ms that Grammars caches per grammar.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from moeserve.errors import MoeserveError
 
-CACHED_GRAMMARS = 64  # compiled grammars kept per tokenizer (a compile of a JSON schema: 1-60 ms)
+CACHED_GRAMMARS = 64  # compiled grammars kept per tokenizer (a compile of a JSON schema: 1-75 ms)
 
 
 class TokenConstraint(Protocol):
