@@ -29,6 +29,10 @@ class ByteTokenizer:
         """The bytes one token stands for (none for BOS and EOS)."""
         return bytes([token]) if token < 256 else b""
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token id's bytes (b"" for BOS and EOS): the vocabulary a grammar library matches text against."""
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
+
     def save(self, path: str | Path) -> None:
         Path(path, BYTE_TOKENIZER_FILE).write_text(
             json.dumps({"type": "bytes", "bos_id": self.bos_id, "eos_id": self.eos_id}) + "\n")
@@ -66,6 +70,32 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         """The text one token decodes to, as UTF-8 (a piece of a character decodes to U+FFFD)."""
         return self.decode([token]).encode("utf-8")
+
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token id's exact bytes, pieces of characters included (b"" for special tokens, which stand for no
+        text): the vocabulary a grammar library matches text against. Read from the vocabulary as the decoder
+        reads it: byte-level BPE (GPT-2's byte-to-character map), or SentencePiece style (U+2581 a space,
+        <0xNN> byte fallback)."""
+        byte_level = "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        chars = {c: b for b, c in gpt2_byte_chars().items()}
+        out = [b""] * self.vocab_size
+        for piece, i in self._tok.get_vocab(with_added_tokens=False).items():
+            if byte_level:
+                out[i] = bytes(chars[c] for c in piece) if all(c in chars for c in piece) else piece.encode()
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out[i] = bytes([int(piece[3:5], 16)])
+            else:
+                out[i] = piece.replace("\u2581", " ").encode("utf-8")
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            out[i] = b"" if added.special else added.content.encode("utf-8")
+        return out
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level map: byte -> the printable character byte-level BPE vocabularies write it as."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
 # transformers' tokenizer classes that add no special tokens (see HFTokenizer), named in tokenizer_config.json

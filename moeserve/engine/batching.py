@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.engine.constraints import TokenConstraint, constrain
 from moeserve.engine.cuda_graph import SlotDecoder, padded_sizes
 from moeserve.engine.params import SamplingParams
 from moeserve.engine.sampling import sample_next
@@ -107,6 +108,7 @@ class Request:
     on_update: Callable[[Request, Update], None]
     top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k most likely
     tag: object = None  # the caller's own (the server keeps its job here)
+    constraint: TokenConstraint | None = None  # a grammar its tokens must follow (engine/constraints.py)
     gen: Generation = field(init=False)
     stream: TextStream | None = field(init=False, default=None)
     generator: torch.Generator | None = field(init=False, default=None)
@@ -307,18 +309,28 @@ class ContinuousBatch:
 
     def _draw(self, requests: list[Request], logits: torch.Tensor, errors: dict[int, Exception]) -> list[int]:
         """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
-        exception in errors, by index)."""
+        exception in errors, by index). A request with a constraint draws from the tokens it allows (its row of
+        the masked rows), and its constraint accepts the token drawn."""
         tokens = [FAILED] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                tokens[i] = t
+        bound = [i for i, r in enumerate(requests) if r.constraint is not None]
+        masked = constrain(logits, bound, [requests[i].constraint for i in bound], errors) if bound else None
+        rows = {i: masked[j:j + 1] for j, i in enumerate(bound)}  # index -> its masked logits [1, V]
+        plain = [i for i, r in enumerate(requests) if r.params.greedy and i not in rows]
+        held = [j for j, i in enumerate(bound) if requests[i].params.greedy and i not in errors]
+        for picked, picks in ((plain, logits[plain]), ([bound[j] for j in held], masked[held] if held else None)):
+            if picked:
+                for i, t in zip(picked, picks.argmax(-1).tolist()):
+                    tokens[i] = t
         for i, r in enumerate(requests):
-            if not r.params.greedy:
-                try:
-                    tokens[i] = int(sample_next(logits[i:i + 1], r.params, r.generator))
-                except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only
-                    errors[i] = e
+            if i in errors:
+                continue
+            try:
+                if not r.params.greedy:
+                    tokens[i] = int(sample_next(rows.get(i, logits[i:i + 1]), r.params, r.generator))
+                if r.constraint is not None:
+                    r.constraint.accept(tokens[i])
+            except Exception as e:  # noqa: BLE001 - reported by _sample, for this request only
+                errors[i], tokens[i] = e, FAILED
         return tokens
 
     @staticmethod

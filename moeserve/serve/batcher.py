@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.engine.batching import ContinuousBatch, Request, Update
+from moeserve.engine.constraints import TokenConstraint
 from moeserve.engine.params import SamplingParams
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import Added, Cancelled, StepMirror, Stop
@@ -96,13 +97,14 @@ class Engine:
         self._thread.join(timeout=10)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int | None,
-               sink: Callable[[Update | Exception], None]) -> Job:
-        """Queue a checked request (batch.check) or raise QueueFull."""
+               sink: Callable[[Update | Exception], None], constraint: TokenConstraint | None = None) -> Job:
+        """Queue a checked request (batch.check) or raise QueueFull; constraint: the grammar its tokens follow
+        (under torchrun rank 0 alone holds it: the other ranks take its tokens)."""
         with self._lock:
             if self._open >= self.capacity:
                 raise QueueFull
             self._open += 1
-        job = Job(Request(prompt_ids, params, self._on_update, top_logprobs), sink)
+        job = Job(Request(prompt_ids, params, self._on_update, top_logprobs, constraint=constraint), sink)
         job.request.tag = job
         self._put(("add", job))
         return job

@@ -46,6 +46,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
+            self.source = source  # its text: what it can write (thinking sections, tool-call blocks)
         except JinjaError as e:
             raise MoeserveError(f"cannot read the chat template in {origin}: {e}") from None
         self.special_tokens = special_tokens or {}
@@ -66,19 +67,28 @@ class ChatTemplate:
                 return cls(source, special, origin=str(path / file))
         return cls(FALLBACK, special, fallback=True)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """The conversation as the model reads it; TemplateError when the template refuses it."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **extra) -> str:
+        """The conversation as the model reads it; TemplateError when the template refuses it. tools: OpenAI's
+        tool objects, as transformers' apply_chat_template passes them; extra: more template variables (a request's
+        chat_template_kwargs: enable_thinking), which never replace the conversation, its tools or the special
+        tokens."""
+        variables = {**extra, **self.special_tokens, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt, "tools": tools or None, "documents": None}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special_tokens, **extra)
+            return self.template.render(**variables)
         except TemplateError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure inside the user's template is a bad conversation
             raise TemplateError(f"the chat template failed on these messages: {e}") from None
 
-    def encode(self, messages: list[dict], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation (special tokens added only for the fallback, which writes none)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=self.fallback)
+    def encode(self, messages: list[dict], tokenizer, add_generation_prompt: bool = True, **render) -> list[int]:
+        """Token ids of the rendered conversation (render: render()'s tools and extra variables)."""
+        return self.tokens(self.render(messages, add_generation_prompt, **render), tokenizer)
+
+    def tokens(self, text: str, tokenizer) -> list[int]:
+        """Token ids of a rendered conversation (special tokens added only for the fallback, which writes none)."""
+        return tokenizer.encode(text, add_special_tokens=self.fallback)
 
 
 def _raise_exception(message: str):

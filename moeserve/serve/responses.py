@@ -3,7 +3,8 @@
 One `Format` per request holds what every chunk of it shares (id, created, model, system_fingerprint) and what
 differs between the two endpoints: object names, the shape of a choice (`text` or `message`/`delta`) and of
 logprobs.
-The engine's finish reasons map to OpenAI's: eos and stop -> "stop", length and context -> "length".
+The engine's finish reasons map to OpenAI's: eos and stop -> "stop" ("tool_calls" for a chat answer that called a
+tool), length and context -> "length".
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import uuid
 
 from moeserve.engine.batching import TokenLogprob
+from moeserve.serve.chat_output import ChatOutput
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -49,6 +51,13 @@ class Format:
         """One stream chunk: new text (and its tokens' logprobs), the finish reason on the last."""
         choice = self._choice(text, logprobs, FINISH_REASONS.get(finish), final=False)
         return self._envelope(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}))
+
+    @staticmethod
+    def empty(chunk: dict) -> bool:
+        """Whether a stream chunk says nothing (its text is held back: a possible stop string or tag)."""
+        choice = chunk["choices"][0]
+        return choice["finish_reason"] is None and not choice["logprobs"] and not (choice.get("delta") or
+                                                                                   choice.get("text"))
 
     def usage_chunk(self, use: dict) -> dict:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
@@ -93,8 +102,16 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """Chat answers: the text split by `output` (reasoning_content, content, tool_calls; finish reason
+    "tool_calls" when the answer called a tool)."""
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(self, tokenizer, model: str, fingerprint: str, include_usage: bool = False,
+                 output: ChatOutput | None = None):
+        super().__init__(tokenizer, model, fingerprint, include_usage)
+        self.output = output or ChatOutput()
+        self.calls = 0  # tool calls streamed so far (a delta's tool call index)
 
     def start_chunk(self) -> dict:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -102,10 +119,26 @@ class ChatFormat(Format):
 
     def _choice(self, text, logprobs, finish, final) -> dict:
         lp = None if logprobs is None else {"content": [self._entry(e) for e in logprobs], "refusal": None}
+        piece = self.output.feed(text, final or finish is not None)
+        if finish == "stop" and self.output.called:
+            finish = "tool_calls"
         if final:
-            message = {"role": "assistant", "content": text, "refusal": None}
+            message = {"role": "assistant", "content": piece.content or (None if piece.calls else ""),
+                       "refusal": None}
+            if self.output.thinks:
+                message["reasoning_content"] = piece.reasoning or None
+            if piece.calls:
+                message["tool_calls"] = [c.as_dict() for c in piece.calls]
             return {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
+        delta = {}
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.calls:
+            delta["tool_calls"] = [{"index": self.calls + i, **c.as_dict()} for i, c in enumerate(piece.calls)]
+            self.calls += len(piece.calls)
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     def _entry(self, e: TokenLogprob) -> dict:
         text, raw = self.piece(e.token)

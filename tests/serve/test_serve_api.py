@@ -266,3 +266,21 @@ def test_a_non_streaming_client_that_goes_away_is_dropped(server, http):
     while metrics(http).get(aborted, 0) == before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metrics(http).get(aborted, 0) == before + 1 and metrics(http)["moeserve:kv_slots_used", ()] == 0
+
+
+def test_structured_output_over_http(client):
+    """A real server holds a JSON schema (the grammar built on the first request that needs one), streamed too."""
+    pytest.importorskip("xgrammar")
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"speaker": {"type": "string", "maxLength": 10},
+                                               "act": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["speaker", "act"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "line", "schema": schema, "strict": True}}
+    kw = dict(model="demo", messages=[{"role": "user", "content": "Who speaks?"}], max_tokens=200, temperature=0.8,
+              seed=4, response_format=fmt)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+    assert streamed == r.choices[0].message.content
