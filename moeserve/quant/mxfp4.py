@@ -18,6 +18,7 @@ from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.kernels import triton_serves
+from moeserve.kernels.mxfp4_format import BLOCK, E2M1_VALUES, SCALE_BIAS
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 from moeserve.model.experts import ExpertBackend, LoopedExperts, ResidentExperts, gated_ffn
 from moeserve.spec import ClampedSwiGLU
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
-BLOCK = 32  # values per E8M0 scale
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
-SCALE_BIAS = 127
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

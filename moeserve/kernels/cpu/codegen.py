@@ -1,6 +1,7 @@
 """Emit the C source of a low-bit GEMV/GEMM kernel y = x W^T for one (ISA, bits, register tile).
 
-Weights come in the pack.py codes, repacked once so that each SIMD lane is one output row: the words of
+Weights come in the pack.py codes (or as MXFP4: E2M1 codes, one E8M0 exponent per 32 values, no zero point;
+the code -> value table is one register permute on AVX-512, 8 magnitudes plus the sign bit on AVX2), repacked once so that each SIMD lane is one output row: the words of
 output rows o..o+V-1 are interleaved ([out / V, words per row, V] int32, see gemv.py). One unit of 32
 input values is `bits` consecutive words per lane for every width (3-bit: 10 + 10 + 10 values and the last
 two from the top bit pairs; gemv.py puts pack.py's word-planar 3-bit rows unit after unit, word k of unit u at
@@ -19,6 +20,7 @@ and row chunks of `rows`. The batched driver makes every output tile of every pr
 from __future__ import annotations
 
 from moeserve.kernels.cpu.machine import ISAS
+from moeserve.kernels.mxfp4_format import E2M1_VALUES
 
 _PRELUDE = {
     "avx512": """#include <immintrin.h>
@@ -39,6 +41,7 @@ typedef __m512 VF; typedef __m512i VI;
 #define MUL(a, b) _mm512_mul_ps((a), (b))
 #define LUT(v, table) _mm512_permutexvar_ps((v), (table))
 #define LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define LOADE8(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p))), 23))
 """,
     "avx2": """#include <immintrin.h>
 typedef __m256 VF; typedef __m256i VI;
@@ -58,6 +61,8 @@ typedef __m256 VF; typedef __m256i VI;
 #define MUL(a, b) _mm256_mul_ps((a), (b))
 #define LUT(v, table) _mm256_permutevar8x32_ps((table), (v))
 #define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define LOADE8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p))), 23))
+#define SIGNED(m, v) _mm256_xor_ps((m), _mm256_castsi256_ps(_mm256_slli_epi32(ANDI((v), SET1I(8)), 28)))
 """,
     "portable": """#include <string.h>
 typedef float VF __attribute__((vector_size(32)));
@@ -84,6 +89,13 @@ static inline float half_to_float(uint16_t h) {
 }
 static inline VF LOADH(const uint16_t* p) {
   VF v; for (int i = 0; i < 8; i++) v[i] = half_to_float(p[i]); return v;
+}
+static inline VF LOADE8(const uint8_t* p) {
+  VI b; for (int i = 0; i < 8; i++) b[i] = (uint32_t)p[i] << 23;
+  VF v; memcpy(&v, &b, sizeof v); return v;
+}
+static inline VF LUT16(VI v, const float* table) {
+  VF r; for (int i = 0; i < 8; i++) r[i] = table[v[i] & 15]; return r;
 }
 """,
 }
@@ -124,16 +136,39 @@ def _extract(bits: int, i: int, t: int, lut: bool) -> str:
     return f"LUT({shifted}, lut)" if lut else f"CVT(ANDI({shifted}, mask))"
 
 
-def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> str:
+def _mxfp4_extract(isa: str, i: int, t: int) -> str:
+    """Float expression for E2M1 code i (0..31) of the current 32-value block, lane-wise, for output vector t: the
+    16-entry value table by one permute (AVX-512), the 8 magnitudes by one permute and the sign bit xor-ed in (AVX2),
+    a table read per lane (portable)."""
+    source, shift = _code_source(4, i, t)
+    shifted = source if shift == 0 else f"SRLI({source}, {shift})"
+    return {"avx512": f"LUT({shifted}, lut)", "avx2": f"SIGNED(LUT({shifted}, lut), {shifted})"}.get(
+        isa, f"LUT16({shifted}, lut)")
+
+
+def _lut_declaration(isa: str, bits: int, mxfp4: bool) -> list[str]:
+    """The code -> float table of a tile function: E2M1's values (MXFP4; AVX2 holds the 8 magnitudes), else the
+    codes themselves (uses_lut); none where codes convert by mask + convert."""
+    if mxfp4:
+        values = E2M1_VALUES if isa != "avx2" else E2M1_VALUES[:8]
+        entries = ", ".join(f"{v!r}f" for v in values)
+        if isa == "portable":
+            return [f"  static const float lut[16] = {{{entries}}};"]
+        return [f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});"]
+    if not uses_lut(isa, bits):
+        return []
+    entries = ", ".join(f"{float(i % (1 << bits))}f" for i in range(LUT_LANES[isa]))
+    return [f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});"]
+
+
+def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int, mxfp4: bool) -> str:
     R, T = range(rows), range(vectors)
     lut = uses_lut(isa, bits)
     L = [f"static void tile_r{rows}(const float* x, int ldx, const float* xsum, int n_groups,",
-         "                         const uint32_t* w, const uint16_t* s, const uint16_t* z, int W,",
+         "                         const uint32_t* w, const scale_t* s, const scale_t* z, int W,",
          "                         float* y, int ldy, int ob, int g0, int g1, int group, int first) {",
-         f"  const VI mask = SET1I({(1 << bits) - 1}); (void)mask;"]
-    if lut:
-        entries = ", ".join(f"{float(i % (1 << bits))}f" for i in range(LUT_LANES[isa]))
-        L.append(f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});")
+         f"  const VI mask = SET1I({(1 << bits) - 1}); (void)mask; (void)xsum; (void)z;"]
+    L += _lut_declaration(isa, bits, mxfp4)
     for r in R:
         for t in T:
             L.append(f"  VF acc{r}_{t} = first ? ZERO() : LOADF(y + {r} * ldy + (ob + {t}) * {lanes});")
@@ -154,13 +189,19 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
         L.append(f"      const float* x{r} = x + {r} * ldx + k;")
     for i in range(32):
         L.append("      {")
-        L += [f"        const VF w{t} = {_extract(bits, i, t, lut)};" for t in T]
+        L += [f"        const VF w{t} = {_mxfp4_extract(isa, i, t) if mxfp4 else _extract(bits, i, t, lut)};"
+              for t in T]
         for r in R:
             L.append(f"        const VF xb{r} = SET1F(x{r}[{i}]);")
             L += [f"        ga{r}_{t} = FMA(xb{r}, w{t}, ga{r}_{t});" for t in T]
         L.append("      }")
     L.append("    }")
     for t in T:
+        if mxfp4:  # one E8M0 exponent per block: the scale, no zero point
+            L.append(f"    {{ const VF sv = LOADE8(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});")
+            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});" for r in R]
+            L.append("    }")
+            continue
         L += [f"    {{ const VF sv = LOADH(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});",
               f"      const VF zv = MUL(sv, LOADH(z + ((size_t)(ob + {t}) * n_groups + g) * {lanes}));"]
         for r in R:
@@ -173,18 +214,21 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
     return "\n".join(L)
 
 
-def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
+def generate(isa: str, bits: int, rows: int, vectors: int, mxfp4: bool = False) -> str:
     """C source exporting `qgemm` (one product), `qgemm_batch` (several of one shape, e.g. a layer's experts, in
     one parallel region) and `moe_layer` (a layer's routed experts on a few tokens, grouped, both projections, the
-    SwiGLU and the weighted sum in one parallel region) for this ISA, bit width and register tile (rows x vectors)."""
+    SwiGLU and the weighted sum in one parallel region) for this ISA, bit width and register tile (rows x vectors).
+    mxfp4: the weights are MXFP4 (4-bit E2M1 codes, one uint8 E8M0 exponent per 32-value group, no zero point)
+    instead of affine codes with fp16 scales and zeros."""
     lanes = ISAS[isa][0]
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"no CPU kernel for {bits}-bit weights")
-    tiles = "\n\n".join(_tile_function(isa, bits, r, vectors, lanes) for r in range(1, rows + 1))
+    if bits not in (2, 3, 4, 8) or (mxfp4 and bits != 4):
+        raise ValueError(f"no CPU kernel for {bits}-bit {'MXFP4 ' if mxfp4 else ''}weights")
+    tiles = "\n\n".join(_tile_function(isa, bits, r, vectors, lanes, mxfp4) for r in range(1, rows + 1))
     cases = "\n".join(f"        case {r}: tile_r{r}(x + (size_t)r0 * ldx, ldx, xsum + (size_t)r0 * n_groups, n_groups, "
                       f"w, s, z, W, y + (size_t)r0 * ldy, ldy, ob, g0, g1, group, g0 == 0); break;"
                       for r in range(1, rows + 1))
-    return f"""// generated by moeserve.kernels.cpu.codegen: isa={isa} bits={bits} tile={rows}x{vectors} lanes={lanes}
+    return f"""// generated by moeserve.kernels.cpu.codegen: isa={isa} bits={bits}{' mxfp4' if mxfp4 else ''} \
+tile={rows}x{vectors} lanes={lanes}
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -207,6 +251,7 @@ def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
 #define LINK_LAYER_SHIFT {LINK_LAYER_SHIFT}
 #define LINK_MAX_LAYERS {LINK_MAX_LAYERS}
 #define LINK_MAX_ROWS {LINK_MAX_ROWS}
+typedef {'uint8_t' if mxfp4 else 'uint16_t'} scale_t;  /* a group's scale (and zero): {'E8M0' if mxfp4 else 'fp16'} */
 
 {tiles}
 
@@ -222,7 +267,7 @@ static void row_sums(const float* x, int m, int ldx, int n_groups, int group, fl
 
 /* One output tile (TILE_VECTORS vectors from ob) of y [m, ldy] = x [m, ldx] W^T, over input blocks of gb groups. */
 static void output_tile(const float* x, int m, int ldx, const float* xsum, int n_groups, const uint32_t* w,
-                        const uint16_t* s, const uint16_t* z, int W, int group, float* y, int ldy, int ob, int gb) {{
+                        const scale_t* s, const scale_t* z, int W, int group, float* y, int ldy, int ob, int gb) {{
   for (int g0 = 0; g0 < n_groups; g0 += gb) {{
     const int g1 = g0 + gb < n_groups ? g0 + gb : n_groups;
     for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {{
@@ -290,7 +335,7 @@ static void barrier(barrier_t* b, int nth) {{
 
 /* ---- y [m, ldy] = x [m, ldx] W^T ---- */
 typedef struct {{
-  const float* x; int m, ldx; const float* xsum; int n_groups; const uint32_t* w; const uint16_t* s; const uint16_t* z;
+  const float* x; int m, ldx; const float* xsum; int n_groups; const uint32_t* w; const scale_t* s; const scale_t* z;
   int W, group; float* y; int ldy, n_tiles, gb;
 }} gemm_job;
 
@@ -305,7 +350,7 @@ static void gemm_part(void* p, int tid, int nth) {{
 
 /* w: [n_vectors][W][LANES] words, s/z: [n_vectors][n_groups][LANES] fp16 scale and zero; n_vectors a multiple of
    TILE_VECTORS; in_features and group multiples of 32. */
-int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const uint16_t* s, const uint16_t* z,
+int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const scale_t* s, const scale_t* z,
           int group, float* y, int ldy, int n_vectors, int kb, int threads) {{
   if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || m < 1) return 1;
   const int n_groups = in_features / group;
@@ -322,7 +367,7 @@ int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, co
 /* ---- n products of one shape at once: y_b [ms[b], ldy] = x_b [ms[b], ldx] W_b^T for b < n ---- */
 typedef struct {{
   const float* const* xs; const int* ms; int ldx; const size_t* first; const float* xsum; int n_groups;
-  const uint32_t* const* ws; const uint16_t* const* ss; const uint16_t* const* zs; int W, group; float* const* ys;
+  const uint32_t* const* ws; const scale_t* const* ss; const scale_t* const* zs; int W, group; float* const* ys;
   int ldy, n_tiles, gb; long jobs; atomic_long next;
 }} batch_job;
 
@@ -340,7 +385,7 @@ static void batch_part(void* p, int tid, int nth) {{
 
 /* a layer's experts: every output tile of every expert is one job, so small experts still fill the threads */
 int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_features, const uint32_t* const* ws,
-                const uint16_t* const* ss, const uint16_t* const* zs, int group, float* const* ys, int ldy,
+                const scale_t* const* ss, const scale_t* const* zs, int group, float* const* ys, int ldy,
                 int n_vectors, int kb, int threads) {{
   if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || n < 1) return 1;
   const int n_groups = in_features / group;
@@ -372,8 +417,8 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
 typedef struct {{
   int T, D, F, R, nb, group, ng_gu, ng_dn, ldh, ldy, Wgu, Wdn, gb_gu, gb_dn, tiles_gu, tiles_dn;
   const float* x; float* out;
-  const uint32_t* const* gw; const uint16_t* const* gs; const uint16_t* const* gz;
-  const uint32_t* const* dw; const uint16_t* const* ds; const uint16_t* const* dz;
+  const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
+  const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
   int *first, *used, *tok; float *wr, *xs, *xsum, *h, *a, *asum, *y;
   atomic_long next_gu, next_dn; barrier_t bar;
 }} moe_job;
@@ -381,7 +426,7 @@ typedef struct {{
 /* one projection (gate_up or down) of every used expert: output tiles taken from `next`, each over the expert's rows
    of `in` [R, ld_in] (their group sums in `sums`) into `out` [R, ld_out] */
 static void projection(moe_job* j, atomic_long* next, int tiles, const float* in, int ld_in, const float* sums, int ng,
-                       const uint32_t* const* w, const uint16_t* const* s, const uint16_t* const* z, int W, float* out,
+                       const uint32_t* const* w, const scale_t* const* s, const scale_t* const* z, int W, float* out,
                        int ld_out, int gb, int nth) {{
   long lo, hi;
   while (next_run(next, (long)j->nb * tiles, nth, &lo, &hi))
@@ -435,9 +480,9 @@ static void moe_free(moe_job* j) {{
 
 /* the job of one call, its buffers allocated and its pairs grouped; NULL with *rc set on bad arguments */
 static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, const uint8_t* mask, int E,
-                            const float* x, int D, int F, const uint32_t* const* gw, const uint16_t* const* gs,
-                            const uint16_t* const* gz, int gu_vectors, int kb_gu, const uint32_t* const* dw,
-                            const uint16_t* const* ds, const uint16_t* const* dz, int dn_vectors, int kb_dn, int group,
+                            const float* x, int D, int F, const uint32_t* const* gw, const scale_t* const* gs,
+                            const scale_t* const* gz, int gu_vectors, int kb_gu, const uint32_t* const* dw,
+                            const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, int kb_dn, int group,
                             float* out, int* rc) {{
   *rc = 1;
   if (group % 32 || D % group || F % group || T < 1 || k < 1 || E < 1 || gu_vectors % TILE_VECTORS
@@ -490,8 +535,8 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
 }}
 
 #define MOE_ARGS int T, int k, const int64_t* ids, const float* wts, const uint8_t* mask, int E, const float* x, \
-  int D, int F, const uint32_t* const* gw, const uint16_t* const* gs, const uint16_t* const* gz, int gu_vectors, \
-  int kb_gu, const uint32_t* const* dw, const uint16_t* const* ds, const uint16_t* const* dz, int dn_vectors, \
+  int D, int F, const uint32_t* const* gw, const scale_t* const* gs, const scale_t* const* gz, int gu_vectors, \
+  int kb_gu, const uint32_t* const* dw, const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, \
   int kb_dn, int group, float* out, int threads
 #define MOE_PASS T, k, ids, wts, mask, E, x, D, F, gw, gs, gz, gu_vectors, kb_gu, dw, ds, dz, dn_vectors, kb_dn, \
   group, out
@@ -531,8 +576,8 @@ void moe_layer_finish(void* handle) {{
    this one's output), so one set of buffers serves every layer. ---- */
 typedef struct {{
   int64_t k, E, D, F, gu_vectors, kb_gu, dn_vectors, kb_dn, group;
-  const uint32_t* const* gw; const uint16_t* const* gs; const uint16_t* const* gz;
-  const uint32_t* const* dw; const uint16_t* const* ds; const uint16_t* const* dz;
+  const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
+  const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
   int64_t calls, rows, errors, pairs;  /* what the thread did for this layer (read by the host): calls, token
                                           rows, calls answered with zeros, (token, expert) pairs computed */
 }} link_layer;

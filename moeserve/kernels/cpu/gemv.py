@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from moeserve.kernels.cpu import build, codegen, pool, tuning
 from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
+from moeserve.kernels.mxfp4_format import BLOCK
 from moeserve.kernels.pack import pack, units_from_planar
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
@@ -31,26 +32,38 @@ TILE_SEARCH_BYTES = 512 << 20  # the tile search's weights: beyond the last-leve
 
 @dataclass
 class PackedForCpu:
+    """One weight in a kernel's layout: affine codes (fp16 scale and zero per group) or MXFP4 (E2M1 codes, a uint8
+    E8M0 exponent per 32 values, no zero: `zero` None)."""
+
     words: torch.Tensor  # [out_pad / V, W, V] int32
-    scale: torch.Tensor  # [out_pad / V, groups, V] float16
-    zero: torch.Tensor  # [out_pad / V, groups, V] float16
+    scale: torch.Tensor  # [out_pad / V, groups, V] float16, or uint8 (MXFP4)
+    zero: torch.Tensor | None  # [out_pad / V, groups, V] float16; None for MXFP4
     out_features: int
     in_features: int
     bits: int
     group: int
 
     @property
+    def mxfp4(self) -> bool:
+        return self.zero is None
+
+    @property
+    def zero_ptr(self) -> int:
+        """What the kernel's zero argument points at (MXFP4 kernels read none: the scales)."""
+        return (self.scale if self.zero is None else self.zero).data_ptr()
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero) if t is not None)
 
 
 class CpuKernel:
-    """One compiled kernel: an ISA, a bit width and a register tile."""
+    """One compiled kernel: an ISA, a bit width and a register tile, for affine codes or (mxfp4) MXFP4 weights."""
 
-    def __init__(self, isa: str, bits: int, rows: int, vectors: int):
-        self.isa, self.bits, self.rows, self.vectors = isa, bits, rows, vectors
+    def __init__(self, isa: str, bits: int, rows: int, vectors: int, mxfp4: bool = False):
+        self.isa, self.bits, self.rows, self.vectors, self.mxfp4 = isa, bits, rows, vectors, mxfp4
         self.lanes = ISAS[isa][0]
-        self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors), isa))
+        self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors, mxfp4), isa))
         self.dll.moeserve_set_pool(*pool.entry_points())
 
     @property
@@ -65,7 +78,7 @@ class CpuKernel:
         y = torch.empty(m, n_vectors * self.lanes)
         kb = tuning.k_block(self.bits, self.tile_outputs, packed.group)
         rc = self.dll.qgemm(x.data_ptr(), m, x.shape[1], packed.in_features, packed.words.data_ptr(),
-                            packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, y.data_ptr(),
+                            packed.scale.data_ptr(), packed.zero_ptr, packed.group, y.data_ptr(),
                             y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
@@ -90,7 +103,7 @@ class CpuKernel:
         rc = self.dll.qgemm_batch(
             len(rows), pointers([x[s].data_ptr() for s in starts]), pointers(rows, ctypes.c_int), x.shape[1],
             first.in_features, pointers([p.words.data_ptr() for p in packed]),
-            pointers([p.scale.data_ptr() for p in packed]), pointers([p.zero.data_ptr() for p in packed]), first.group,
+            pointers([p.scale.data_ptr() for p in packed]), pointers([p.zero_ptr for p in packed]), first.group,
             pointers([y[s].data_ptr() for s in starts]), y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
@@ -107,11 +120,11 @@ class LayerExperts:
 
     @classmethod
     def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu]) -> "LayerExperts":
-        def pointers(tensors):
-            return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        def pointers(values):
+            return (ctypes.c_void_p * len(values))(*values)
 
-        arrays = tuple(pointers([getattr(p, f) for p in packs]) for packs in (gate_up, down)
-                       for f in ("words", "scale", "zero"))
+        arrays = tuple(pointers([get(p) for p in packs]) for packs in (gate_up, down)
+                       for get in (lambda p: p.words.data_ptr(), lambda p: p.scale.data_ptr(), lambda p: p.zero_ptr))
         return cls(gate_up, down, arrays)
 
 
@@ -182,6 +195,29 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
                         out_features=out, in_features=in_features, bits=bits, group=group)
 
 
+def pack_mxfp4_for_cpu(blocks: torch.Tensor, scales: torch.Tensor, kernel: CpuKernel) -> PackedForCpu:
+    """From MXFP4 as the checkpoint ships it (blocks [out, in/32, 16] uint8, two E2M1 codes a byte, the low nibble
+    first; scales [out, in/32] uint8 E8M0 exponents) to the layout of an mxfp4 kernel. Read as little-endian int32,
+    a block's 16 bytes are 4 words holding its 32 codes at bits 4j of word i // 8: the 4-bit unit the generator
+    reads, so the repack only interleaves rows (no code moves within a row)."""
+    if not kernel.mxfp4:
+        raise ValueError("pack_mxfp4_for_cpu needs an mxfp4 kernel")
+    out, G, half = blocks.shape
+    if half != BLOCK // 2 or scales.shape != (out, G) or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 weight needs blocks [out, in/32, 16] and scales [out, in/32] uint8, got "
+                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    words = blocks.contiguous().view(torch.int32).reshape(out, G * 4)  # [out, in/8]
+    pad = -out % kernel.tile_outputs
+    V = kernel.lanes
+
+    def interleave(t):  # [out, n] -> [out_pad / V, n, V]; padded rows: code 0 and exponent 0, so zeros
+        t = F.pad(t, (0, 0, 0, pad))
+        return t.reshape(-1, V, t.shape[1]).transpose(1, 2).contiguous()
+
+    return PackedForCpu(words=interleave(words), scale=interleave(scales), zero=None, out_features=out,
+                        in_features=G * BLOCK, bits=4, group=BLOCK)
+
+
 # ---- tuning: the register tile is measured with the kernel itself (tuning.py holds the model and the store)
 
 
@@ -242,13 +278,14 @@ def tile_for(isa: str) -> tuple[int, int]:
 
 
 @functools.cache
-def default_kernel(bits: int) -> CpuKernel | None:
-    """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning."""
+def default_kernel(bits: int, mxfp4: bool = False) -> CpuKernel | None:
+    """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning; mxfp4: the one of
+    MXFP4 weights (bits 4)."""
     if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
         return None
     isa = cpu_info().isas[0]
     try:
-        return CpuKernel(isa, bits, *tile_for(isa))
+        return CpuKernel(isa, bits, *tile_for(isa), mxfp4=mxfp4)
     except (build.CompilerUnavailable, OSError) as e:
         _warn_once(str(e))
         return None
