@@ -41,13 +41,24 @@ def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
     return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F))) + bias
 
 
+def mxfp4_expert_bytes(spec, dtype_bytes: int) -> int:
+    """Bytes of one MXFP4 expert kept packed as shipped: 17 bytes per 32 weights (16 of 4-bit codes, one E8M0
+    scale), and its biases at dtype_bytes where the family has them."""
+    D, F = spec.hidden_size, spec.expert_ffn
+    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
+    return 3 * D * F * 17 // 32 + bias
+
+
 def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: int, group: int,
                mapped_float_bytes: int | None = None) -> int:
     """RAM the experts take. A store built in RAM now (mapped_float_bytes None) holds every copy it is built with
-    (float ones in the compute dtype); a mapped store on disk costs the pages the CPU reads (its float copies at
-    mapped_float_bytes per weight) and a compute-dtype copy of those when the dtypes differ. Low-bit experts the CPU
-    runs are also repacked once for its kernels (a second copy)."""
-    high = 0 if placement.low else expert_bytes(spec, 16, compute_bytes)
+    (float ones in the compute dtype; an MXFP4 checkpoint's high copies packed as shipped); a mapped store on disk
+    costs the pages the CPU reads (its float copies at mapped_float_bytes per weight) and a compute-dtype copy of
+    those when the dtypes differ. Low-bit and MXFP4 experts the CPU runs are also repacked once for its kernels (a
+    second copy)."""
+    packed = spec.experts_mxfp4 and mapped_float_bytes is None
+    high = 0 if placement.low else mxfp4_expert_bytes(spec, compute_bytes) if packed else \
+        expert_bytes(spec, 16, compute_bytes)
     low = expert_bytes(spec, low_bits, group=group) if placement.needs_low_copies else 0
     cpu_experts = sum(spec.experts_at(i) for i in placement.cpu_layers)
     if mapped_float_bytes is None:
@@ -56,7 +67,7 @@ def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: i
     else:
         read_high = 0 if placement.low else expert_bytes(spec, 16, mapped_float_bytes)
         total = cpu_experts * (read_high + low + (high if mapped_float_bytes != compute_bytes else 0))
-    return total + cpu_experts * low
+    return total + cpu_experts * (low + (high if packed else 0))
 
 
 def check_host_ram(needed: int) -> None:

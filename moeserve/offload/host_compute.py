@@ -1,15 +1,16 @@
 """Experts computed on the CPU straight from their store copies: the high (float) copy through torch in the
-model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
-dequantize + matmul), each with the store's biases and gated activation (GPT-OSS) as the resident experts apply
-them. Shared by offload's cooperative mode and the hybrid backend.
+model's dtype, an MXFP4 high copy (a store that keeps GPT-OSS's experts as shipped) through the generated MXFP4
+kernels (dequantize + matmul in the model's dtype where they do not build), the low-bit copy through QuantizedLinear
+(the generated CPU kernels for a few rows, else dequantize + matmul), each with the store's biases and gated
+activation (GPT-OSS) as the resident experts apply them. Shared by offload's cooperative mode and the hybrid backend.
 
 A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy, the generated kernels read its
 layout and the experts are plain SwiGLU ones (no biases, silu(gate) * up), that is one native call for the whole
 layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the weighted sum in one parallel region).
 Otherwise its (token, k) pairs are grouped per expert and precision in a routing table (kernels/routing.sorted_table),
-each float group runs through its expert, the low-bit groups through one batched kernel call per projection (biases
-added and the activation applied in torch between the two), and the weighted outputs are added back to their tokens
-by the resident backend's combine (same order, so the result matches it).
+each float group runs through its expert, the MXFP4 groups and the low-bit groups each through one batched kernel
+call per projection (biases added and the activation applied in torch between the two), and the weighted outputs are
+added back to their tokens by the resident backend's combine (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -18,11 +19,22 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels.cpu.gemv import (LayerExperts, PendingLayer, applies, default_kernel, moe_layer, packed_weight,
-                                       quantized_linear_batch)
+from moeserve.kernels.cpu.gemv import (LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel, moe_layer,
+                                       pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.store import ExpertStore, layer_experts
+from moeserve.quant.mxfp4 import Mxfp4Expert
+
+
+@dataclass
+class CpuMxfp4Expert:
+    """An MXFP4 expert repacked for the generated MXFP4 kernels, its biases as float32 (None without)."""
+
+    gate_up: PackedForCpu  # out 2F (gate rows, then up rows)
+    down: PackedForCpu  # out D
+    gate_up_bias: torch.Tensor | None  # [2F] float32
+    down_bias: torch.Tensor | None  # [D] float32
 
 
 @dataclass
@@ -45,6 +57,7 @@ class HostExperts:
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[int, LayerExperts | None] = {}  # a layer's low experts for moe_layer (None: not read)
+        self._mxfp4: dict[tuple[int, int], CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked
 
     @property
     def fused(self) -> bool:
@@ -53,13 +66,28 @@ class HostExperts:
         return self.store.act is None and not self.store.biased
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        """(gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in the compute
-        dtype (the store's tensors when it matches: no copy)."""
+        """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
+        the compute dtype (the store's tensors when it matches: no copy)."""
         key = (layer, expert)
         if key not in self._high:
             parts = self.store.host_parts(layer, expert, low=False)
             self._high[key] = tuple(p if self.dtype in (None, p.dtype) else p.to(self.dtype) for p in parts)
         return self._high[key]
+
+    def mxfp4_expert(self, layer: int, expert: int) -> CpuMxfp4Expert | None:
+        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once, then kept), or None where they
+        do not build on this machine."""
+        key = (layer, expert)
+        if key not in self._mxfp4:
+            kernel = default_kernel(4, mxfp4=True)
+            if kernel is None:
+                return None
+            w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
+            self._mxfp4[key] = CpuMxfp4Expert(
+                pack_mxfp4_for_cpu(w.gate_up_blocks, w.gate_up_scales, kernel),
+                pack_mxfp4_for_cpu(w.down_blocks, w.down_scales, kernel),
+                *(None if b is None else b.float() for b in (w.gate_up_bias, w.down_bias)))
+        return self._mxfp4[key]
 
     def low(self, layer: int, expert: int) -> tuple:
         """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once)."""
@@ -71,12 +99,16 @@ class HostExperts:
 
     def warm(self, layers: list[int], low: bool) -> None:
         """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
-        compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
+        compute dtype (or an MXFP4 one repacked for the CPU kernels), a low-bit one repacked for the CPU kernels
+        (where they read it); pages a mapped store in."""
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
         for layer in layers:
             for e in range(layer_experts(self.store.meta, layer)):
                 if not low:
-                    self.high(layer, e)
+                    if self.store.mxfp4:
+                        self.mxfp4_expert(layer, e)
+                    else:
+                        self.high(layer, e)
                     continue
                 for m in self.low(layer, e):
                     if applies(m, probe, 1):
@@ -86,6 +118,8 @@ class HostExperts:
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
+        if not low and self.store.mxfp4:
+            return self.run_mxfp4(layer, [(expert, rows.shape[0])], rows)
         if not low:
             parts = self.high(layer, expert)
             x = rows if rows.dtype == parts[0].dtype else rows.to(parts[0].dtype)
@@ -128,16 +162,42 @@ class HostExperts:
         x_sorted = x[table.token_ids]  # [n, D]
         y = torch.empty_like(x_sorted)  # [n, D]
         used = table.counts.nonzero().squeeze(1)  # units with pairs, ascending
-        start, low = 0, []
+        high, low = [], []  # (expert, rows) of the float copies' units, then the low-bit ones'
         for u, n in zip(used.tolist(), table.counts[used].tolist()):
-            if u >= E:
-                low.append((u - E, n))
-                continue
-            y[start:start + n] = self.run(layer, u, False, x_sorted[start:start + n])
-            start += n
+            (low if u >= E else high).append((u % E, n))
+        start = sum(n for _, n in high)
+        if high and self.store.mxfp4:
+            y[:start] = self.run_mxfp4(layer, high, x_sorted[:start])
+        elif high:
+            first = 0
+            for e, n in high:
+                y[first:first + n] = self.run(layer, e, False, x_sorted[first:first + n])
+                first += n
         if low:
             y[start:] = self.run_low(layer, low, x_sorted[start:])
         return combine(y, table, x.shape[0], x.dtype)
+
+    def run_mxfp4(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
+        """Row blocks of x [n, D] through the MXFP4 high copies of groups' (expert, rows) -> [n, D] in x's dtype:
+        each projection of every expert in one native call, the biases added and the activation applied in torch
+        between them; where the kernels do not build, each expert dequantized in x's dtype (as the resident loop)."""
+        experts = [self.mxfp4_expert(layer, e) for e, _ in groups]
+        if None in experts:
+            out, start = torch.empty_like(x), 0
+            for e, n in groups:
+                w = Mxfp4Expert.of_parts(self.store.host_parts(layer, e, low=False))
+                out[start:start + n] = w.ffn(x[start:start + n], self.store.act)
+                start += n
+            return out
+        kernel, rows = default_kernel(4, mxfp4=True), [n for _, n in groups]
+
+        def project(inputs: torch.Tensor, packed: list[PackedForCpu], biases: list) -> torch.Tensor:
+            y = kernel.batch(inputs, rows, packed)  # [n, out] float32
+            return y if biases[0] is None else y + torch.cat([b.expand(m, -1) for b, m in zip(biases, rows)])
+
+        h = project(x.float(), [e.gate_up for e in experts], [e.gate_up_bias for e in experts])  # [n, 2F]
+        y = project(glu(h, self.store.act), [e.down for e in experts], [e.down_bias for e in experts])  # [n, D]
+        return y.to(x.dtype)
 
     def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
         """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each

@@ -22,6 +22,7 @@ from moeserve.kernels.cuda_graph import capture
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine, slot_order_pays
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.slots import SlotPool
+from moeserve.quant.mxfp4 import Mxfp4Expert
 from moeserve.quant.qlinear import QuantizedLinear, triton_applies
 from moeserve.spec import ClampedSwiGLU
 
@@ -47,8 +48,10 @@ def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
 
 def slot_ffn(weights, rows: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
     """rows [n, D] through one slot's expert: its float parts (gate_up, down, and the biases of biased experts:
-    ExpertStore.part_names' order) or its (gate_up, down) QuantizedLinear modules (biases held on them); act: the
-    gated activation (model/experts.glu)."""
+    ExpertStore.part_names' order), its MXFP4 parts (an Mxfp4Expert: dequantized as it computes) or its (gate_up,
+    down) QuantizedLinear modules (biases held on them); act: the gated activation (model/experts.glu)."""
+    if isinstance(weights, Mxfp4Expert):
+        return weights.ffn(rows, act)
     if isinstance(weights[0], torch.Tensor):
         return gated_ffn(rows, *weights, act=act)
     gate_up, down = weights
@@ -154,7 +157,7 @@ class SlotExperts:
         """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind
         (device_pass)."""
         first = self.pools[pool].weights[0]
-        return (isinstance(first[0], QuantizedLinear)
+        return (isinstance(first, tuple) and isinstance(first[0], QuantizedLinear)
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
 
     def stacks(self, pool: int):

@@ -39,7 +39,8 @@ class SlotPool:
     def load_parts(self, slot: int) -> list[torch.Tensor]:
         """The slot's buffers, for a load of another expert into them: what the CPU kernels derived from the
         expert they held (a repacked weight kept on the slot's modules) is dropped."""
-        for m in self.weights[slot]:
+        weights = self.weights[slot]
+        for m in weights if isinstance(weights, tuple) else ():  # an Mxfp4Expert keeps nothing derived
             if not isinstance(m, torch.Tensor):
                 forget_packed(m)
         return [b[slot] for b in self.buffers]

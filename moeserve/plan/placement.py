@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import expert_bytes, host_bytes, ring_slots, store_precision
+from moeserve.hybrid.memory import expert_bytes, host_bytes, mxfp4_expert_bytes, ring_slots, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.offload.budget import WORKSPACE_SHARE, kv_cache_bytes, plan_slots
 from moeserve.plan.hardware import HardwareProfile
@@ -349,14 +349,11 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, gpu, host, d
 
 
 def resident_expert_bytes(spec: ModelSpec, bits: int, dtype_bytes: int, group: int = 64) -> int:
-    """Bytes of one expert resident on the model device: expert_bytes (what a store holds), except that an MXFP4
-    checkpoint's experts (bits 16: as shipped) stay packed there, 17 bytes per 32 weights (16 of 4-bit codes, one
-    scale) beside their biases, where the store keeps float copies."""
+    """Bytes of one expert as the model device, a hybrid store and the CPU reading it hold it: expert_bytes, except
+    that an MXFP4 checkpoint's experts (bits 16: as shipped) stay packed (hybrid/memory.mxfp4_expert_bytes)."""
     if bits != 16 or not spec.experts_mxfp4:
         return expert_bytes(spec, bits, dtype_bytes, group)
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
-    return 3 * D * F * 17 // 32 + bias
+    return mxfp4_expert_bytes(spec, dtype_bytes)
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
@@ -366,8 +363,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
-        eb = expert_bytes(spec, bits, req.dtype_bytes, group)  # a slot's or the ring's copy (the store's)
-        rb = resident_expert_bytes(spec, bits, req.dtype_bytes, group)  # a resident layer's
+        eb = rb = resident_expert_bytes(spec, bits, req.dtype_bytes, group)  # a slot's, the ring's, a resident's
         ring = ring_slots(eb, E) * eb  # the GPU ring prompts stream the CPU layers' experts through
         if req.cpu_layers is not None:
             splits = [req.cpu_layers]
@@ -421,8 +417,8 @@ def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     out = []
     for bits, group in _bits(spec, req):
         n = req.cpu_layers if req.cpu_layers is not None else (0 if bits == 16 else M)
-        eb = expert_bytes(spec, bits, req.dtype_bytes, group)
-        resident = M * E * resident_expert_bytes(spec, bits, req.dtype_bytes, group)
+        eb = resident_expert_bytes(spec, bits, req.dtype_bytes, group)
+        resident = M * E * eb
         host = dense + (resident if bits == 16 and n == 0 else _expert_host_bytes(spec, req, n, bits, group))
         decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
         out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, 0, host, decode, prefill))

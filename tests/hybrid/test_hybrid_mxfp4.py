@@ -1,0 +1,86 @@
+"""GPT-OSS's MXFP4 experts on the CPU kept packed as shipped (the hybrid's store, meta high_mxfp4): computed by the
+generated MXFP4 kernels with their biases and clamped SwiGLU, they give the resident model's logits (to float
+rounding) and greedy tokens with --cpu-moe and --n-cpu-moe; device slots holding them dequantize as they compute;
+the host RAM accounting counts the packed bytes."""
+
+import pytest
+import torch
+from hf_models import build_hf_model, write_mxfp4_pair
+
+import moeserve
+from moeserve.engine.generate import generate
+from moeserve.engine.sampling import SamplingParams
+from moeserve.hybrid.memory import expert_bytes, host_bytes, mxfp4_expert_bytes
+from moeserve.hybrid.placement import HybridPlacement
+from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
+from moeserve.offload.slot_compute import slot_ffn
+from moeserve.offload.slots import SlotPool
+from moeserve.offload.transfer import Copier
+from moeserve.quant.mxfp4 import Mxfp4Expert, Mxfp4Experts
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """The tiny GPT-OSS (hf_models) with its experts MXFP4 as shipped (quantized from random floats: varied
+    exponents)."""
+    src, packed, twin = (tmp_path_factory.mktemp(n) for n in ("gpt_oss_src", "gpt_oss_mxfp4", "gpt_oss_twin"))
+    build_hf_model("gpt_oss", seed=11).save_pretrained(src)
+    write_mxfp4_pair(src, packed, twin)
+    return packed
+
+
+def hybrid_model(path, placement: HybridPlacement):
+    stored = set(store_layers(placement))
+    model = moeserve.load_model(path, device="cpu", routed_experts=[i for i in placement.moe_layers if i not in stored])
+    store = build_store(path, placement, model.dtype, model.device, progress=False)
+    return model, enable_hybrid(model, store, placement)
+
+
+def test_cpu_layers_keep_mxfp4_packed_and_equal_the_resident_model(mxfp4_checkpoint):
+    resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
+    assert isinstance(resident.model.layers[0].mlp.experts, Mxfp4Experts)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 97, (2, 9), generator=g)
+    prompts = [torch.randint(3, 97, (7,), generator=g).tolist(), torch.randint(3, 97, (3,), generator=g).tolist()]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    with torch.no_grad():
+        want_logits = resident(tokens)
+    want = [r.token_ids for r in generate(resident, prompts, params)]
+    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    for placement in (HybridPlacement.choose(moe, cpu_moe=True), HybridPlacement.choose(moe, n_cpu_moe=1)):
+        model, runtime = hybrid_model(mxfp4_checkpoint, placement)
+        store = runtime.host.store
+        assert store.mxfp4 and {t.dtype for t in store.host_parts(placement.cpu_layers[0], 0, low=False)[:4]} == {
+            torch.uint8}
+        assert store.expert_bytes(False) == mxfp4_expert_bytes(resident.spec, model.dtype.itemsize)
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), want_logits, atol=1e-4, rtol=1e-4)
+        assert [r.token_ids for r in generate(model, prompts, params)] == want
+        assert runtime.host._mxfp4, "the CPU layers ran through the MXFP4 kernels"
+        runtime.close()
+
+
+def test_a_slot_of_mxfp4_parts_computes_the_resident_expert(mxfp4_checkpoint):
+    """A device slot (here on the CPU) of an MXFP4 store holds the packed parts and computes the expert as the
+    resident Mxfp4Experts does."""
+    resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
+    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
+                        torch.device("cpu"), progress=False)
+    pool = SlotPool(2, store.slot_parts(False, torch.float32), "cpu", store.slot_weights(False))
+    assert isinstance(pool.weights[0], Mxfp4Expert) and pool.buffers[0].dtype == torch.uint8
+    Copier(torch.device("cpu")).load(pool.load_parts(1), store.host_parts(moe[0], 3, low=False), None, None)
+    rows = torch.randn(5, resident.spec.hidden_size)
+    experts = resident.model.layers[moe[0]].mlp.experts
+    torch.testing.assert_close(slot_ffn(pool.weights[1], rows, store.act), experts.expert_ffn(3, rows))
+
+
+def test_host_bytes_count_the_packed_experts(mxfp4_checkpoint):
+    spec = moeserve.ModelSpec.from_dir(mxfp4_checkpoint)
+    moe = spec.moe_layer_indices()
+    packed = mxfp4_expert_bytes(spec, 2)
+    assert packed * 3 < expert_bytes(spec, 16, 2)  # 17 bytes per 32 weights against 64
+    placement = HybridPlacement.choose(moe, n_cpu_moe=1)
+    E = spec.experts_at(moe[0])
+    assert host_bytes(spec, placement, 2, 0, 32) == E * 2 * packed  # the store's copy and the kernels' repack
+    assert host_bytes(spec, placement, 2, 0, 32, mapped_float_bytes=2) == E * expert_bytes(spec, 16, 2)  # a store
