@@ -4,9 +4,10 @@ kernels (dequantize + matmul in the model's dtype where they do not build), the 
 (the generated CPU kernels for a few rows, else dequantize + matmul), each with the store's biases and gated
 activation (GPT-OSS) as the resident experts apply them. Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy, the generated kernels read its
-layout and the experts are plain SwiGLU ones (no biases, silu(gate) * up), that is one native call for the whole
-layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the weighted sum in one parallel region).
+A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy the generated kernels read, or
+every pair reads an MXFP4 high copy, that is one native call for the whole layer (kernels/cpu moe_layer: grouping,
+both projections, the biases and gated activation of GPT-OSS's experts or silu(gate) * up, and the weighted sum in
+one parallel region).
 Otherwise its (token, k) pairs are grouped per expert and precision in a routing table (kernels/routing.sorted_table),
 each float group runs through its expert, the MXFP4 groups and the low-bit groups each through one batched kernel
 call per projection (biases added and the activation applied in torch between the two), and the weighted outputs are
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels.cpu.gemv import (LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel, moe_layer,
+from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel, moe_layer,
                                        pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
@@ -56,14 +57,18 @@ class HostExperts:
         self.store, self.dtype = store, dtype
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
-        self._layers: dict[int, LayerExperts | None] = {}  # a layer's low experts for moe_layer (None: not read)
+        self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
         self._mxfp4: dict[tuple[int, int], CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked
 
-    @property
-    def fused(self) -> bool:
-        """Whether the native whole-layer call (moe_layer) computes this store's experts: it fuses silu(gate) * up
-        and adds no biases, so GPT-OSS's experts take the grouped path instead."""
-        return self.store.act is None and not self.store.biased
+    def native(self, low: bool) -> bool:
+        """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
+        low-bit copies can (where the kernels read their layout: native_layer), high ones when they are MXFP4 (float
+        copies run through torch)."""
+        return low or self.store.mxfp4
+
+    def native_kernel(self, low: bool) -> CpuKernel | None:
+        """The generated kernel native layers of this precision run on (None: none builds here)."""
+        return default_kernel(self.store.meta["low_bits"]) if low else default_kernel(4, mxfp4=True)
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
@@ -113,8 +118,8 @@ class HostExperts:
                 for m in self.low(layer, e):
                     if applies(m, probe, 1):
                         packed_weight(m, default_kernel(m.bits))
-            if low:
-                self.native_layer(layer, probe)
+            if self.native(low):
+                self.native_layer(layer, probe, low)
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
@@ -128,33 +133,52 @@ class HostExperts:
         gate_up, down = self.low(layer, expert)
         return down(glu(gate_up(rows.float()), self.store.act)).to(rows.dtype)
 
-    def native_layer(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
-        """Every low-bit expert of the layer repacked for the native MoE call (once per layer), or None where the
-        generated kernels do not read them or the experts are not plain SwiGLU ones (fused)."""
-        if layer not in self._layers:
-            mods = [self.low(layer, e) for e in range(layer_experts(self.store.meta, layer))]
-            kernel = default_kernel(mods[0][0].bits)
-            ok = self.fused and kernel is not None and all(applies(m, x, None) and m.rank == 0 for m in mods[0])
-            self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
-                                                  [packed_weight(d, kernel) for _, d in mods]) if ok else None
-        return self._layers[layer]
+    def native_layer(self, layer: int, x: torch.Tensor, low: bool = True) -> LayerExperts | None:
+        """Every expert of the layer at a precision (low-bit copies, or MXFP4 high copies) repacked for the native
+        MoE call with its biases and the store's activation (once per layer), or None where the generated kernels
+        do not read them (float high copies, a layout they do not read, no kernel on this machine)."""
+        key = (layer, low)
+        if key not in self._layers:
+            self._layers[key] = self._native_experts(layer, x, low) if self.native(low) else None
+        return self._layers[key]
+
+    def _native_experts(self, layer: int, x: torch.Tensor, low: bool) -> LayerExperts | None:
+        n, act = layer_experts(self.store.meta, layer), self.store.act
+        if not low:
+            experts = [self.mxfp4_expert(layer, e) for e in range(n)]
+            if None in experts:
+                return None
+            biases = ([e.gate_up_bias for e in experts], [e.down_bias for e in experts]) if self.store.biased else None
+            return LayerExperts.of([e.gate_up for e in experts], [e.down for e in experts], biases, act)
+        mods = [self.low(layer, e) for e in range(n)]
+        kernel = self.native_kernel(True)
+        if kernel is None or not all(applies(m, x, None) and m.rank == 0 for m in mods[0]):
+            return None
+        biases = ([g.bias for g, _ in mods], [d.bias for _, d in mods]) if self.store.biased else None
+        return LayerExperts.of([packed_weight(g, kernel) for g, _ in mods], [packed_weight(d, kernel) for _, d in mods],
+                               biases, act)
 
     def start_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs, threads: int) -> PendingLayer | None:
         """run_layer on `threads` of the native pool's helpers, returning at once (the result, float32, from
         PendingLayer.result()), where the layer is one native call; else None."""
-        experts = self.native_layer(layer, x) if pairs.low is True else None
+        experts = self._native_for(layer, x, pairs)
         if experts is None:
             return None
-        kernel = default_kernel(experts.gate_up[0].bits)
-        return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask, threads, start=True)
+        return moe_layer(self.native_kernel(pairs.low), experts, x, pairs.expert_ids, pairs.weights, pairs.mask,
+                         threads, start=True)
+
+    def _native_for(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> LayerExperts | None:
+        """The layer's native experts when every pair reads one precision that has them, else None."""
+        if not isinstance(pairs.low, bool) or not self.native(pairs.low):
+            return None
+        return self.native_layer(layer, x, pairs.low)
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
-        if pairs.low is True:
-            experts = self.native_layer(layer, x)
-            if experts is not None:
-                kernel = default_kernel(experts.gate_up[0].bits)
-                return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask).to(x.dtype)
+        experts = self._native_for(layer, x, pairs)
+        if experts is not None:
+            return moe_layer(self.native_kernel(pairs.low), experts, x, pairs.expert_ids, pairs.weights,
+                             pairs.mask).to(x.dtype)
         E = self.store.meta["num_experts"]  # the most of any layer: unit ids stay apart
         low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
         units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)

@@ -1,7 +1,8 @@
 """GPT-OSS's MXFP4 experts on the CPU kept packed as shipped (the hybrid's store, meta high_mxfp4): computed by the
-generated MXFP4 kernels with their biases and clamped SwiGLU, they give the resident model's logits (to float
-rounding) and greedy tokens with --cpu-moe and --n-cpu-moe; device slots holding them dequantize as they compute;
-the host RAM accounting counts the packed bytes."""
+generated MXFP4 kernels with their biases and clamped SwiGLU, a layer in one native call, they give the resident
+model's logits (to float rounding) and greedy tokens with --cpu-moe and --n-cpu-moe; the native call equals the
+grouped path; device slots holding them dequantize as they compute; the host RAM accounting counts the packed bytes.
+GPU (the device link, slots, the prompt streamer): tests/hybrid/test_gpu_hybrid_mxfp4.py."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from moeserve.engine.sampling import SamplingParams
 from moeserve.hybrid.memory import expert_bytes, host_bytes, mxfp4_expert_bytes
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers
+from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.slot_compute import slot_ffn
 from moeserve.offload.slots import SlotPool
 from moeserve.offload.transfer import Copier
@@ -56,8 +58,30 @@ def test_cpu_layers_keep_mxfp4_packed_and_equal_the_resident_model(mxfp4_checkpo
         with torch.no_grad():
             torch.testing.assert_close(model(tokens), want_logits, atol=1e-4, rtol=1e-4)
         assert [r.token_ids for r in generate(model, prompts, params)] == want
-        assert runtime.host._mxfp4, "the CPU layers ran through the MXFP4 kernels"
+        layer = placement.cpu_layers[0]
+        assert runtime.host.native_layer(layer, tokens, low=False) is not None  # each CPU layer is one native call
         runtime.close()
+
+
+def test_the_native_layer_call_equals_the_grouped_path(mxfp4_checkpoint):
+    """A GPT-OSS CPU layer in one native call (moe_layer: biases and the clamped SwiGLU in C) against the grouped
+    path (per-expert batched projections, biases and activation in torch), masked pairs included."""
+    resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
+    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
+                        torch.device("cpu"), progress=False)
+    host, g = HostExperts(store, torch.float32), torch.Generator().manual_seed(6)
+    E, k = resident.spec.experts_at(moe[1]), resident.spec.top_k
+    for T in (1, 5):
+        x = torch.randn(T, resident.spec.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+        weights, mask = torch.rand(T, k, generator=g), torch.rand(T, k, generator=g) > 0.3
+        native = host.run_layer(moe[1], x, CpuPairs(ids, weights, mask, low=False))
+        grouped = host.run_layer(moe[1], x, CpuPairs(ids, weights, mask, low=torch.zeros(T, k, dtype=torch.bool)))
+        want = resident.model.layers[moe[1]].mlp.experts(x, torch.where(mask, ids, 0), weights * mask)
+        torch.testing.assert_close(native, grouped, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(native, want, atol=1e-5, rtol=1e-5)
+    assert host.native_layer(moe[1], x, low=False) is not None and host.native(False)
 
 
 def test_a_slot_of_mxfp4_parts_computes_the_resident_expert(mxfp4_checkpoint):

@@ -410,16 +410,19 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
 }}
 
 /* ---- One MoE layer's experts on a few tokens as one job: out [T, D] = the sum over kept pairs p = (t, j) of
-   wts[p] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[p], pairs grouped per expert (ascending) so each token's
-   terms add in expert order. gate_up outputs are the F gate rows then the F up rows, padded to gu_vectors * LANES;
-   the E experts' repacked words/scales/zeros come as pointer arrays. Phases (gather, gate_up tiles, SwiGLU, down
+   wts[p] * (down_e(act(gate_e(x_t) + gb_e, up_e(x_t) + gb_e')) + db_e), e = ids[p], pairs grouped per expert
+   (ascending) so each token's terms add in expert order. act: silu(g) * u, or (clamped) GPT-OSS's
+   (min(u, limit) clamped at -limit, + 1) * g' * sigmoid(alpha g') with g' = min(g, limit) (model/experts.glu); the
+   biases gb [2F] and db [D] per expert (GPT-OSS) or NULL arrays. gate_up outputs are the F gate rows then the F up
+   rows, padded to gu_vectors * LANES; the E experts' repacked words/scales/zeros come as pointer arrays. Phases (gather, gate_up tiles, SwiGLU, down
    tiles, weighted sum) are separated by the job's spin barriers: one wake-up of the threads per layer. ---- */
 typedef struct {{
   int T, D, F, R, nb, group, ng_gu, ng_dn, ldh, ldy, Wgu, Wdn, gb_gu, gb_dn, tiles_gu, tiles_dn;
   const float* x; float* out;
   const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
   const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
-  int *first, *used, *tok; float *wr, *xs, *xsum, *h, *a, *asum, *y;
+  const float* const* gb; const float* const* db; int clamped; float alpha, limit;
+  int *first, *used, *tok, *ex; float *wr, *xs, *xsum, *h, *a, *asum, *y;
   atomic_long next_gu, next_dn; barrier_t bar;
 }} moe_job;
 
@@ -453,9 +456,19 @@ static void moe_part(void* p, int tid, int nth) {{
   barrier(&j->bar, nth);
   share(j->R, tid, nth, &lo, &hi);
   for (long r = lo; r < hi; r++) {{
-    const float* hr = j->h + (size_t)r * j->ldh;
+    float* hr = j->h + (size_t)r * j->ldh;
     float* ar = j->a + (size_t)r * j->F;
-    for (int c = 0; c < j->F; c++) ar[c] = hr[c] / (1.0f + expf(-hr[c])) * hr[j->F + c];
+    if (j->gb) {{
+      const float* b = j->gb[j->ex[r]];
+      for (int c = 0; c < 2 * j->F; c++) hr[c] += b[c];
+    }}
+    if (j->clamped)
+      for (int c = 0; c < j->F; c++) {{
+        const float g = fminf(hr[c], j->limit), u = fminf(fmaxf(hr[j->F + c], -j->limit), j->limit);
+        ar[c] = (u + 1.0f) * (g / (1.0f + expf(-j->alpha * g)));
+      }}
+    else
+      for (int c = 0; c < j->F; c++) ar[c] = hr[c] / (1.0f + expf(-hr[c])) * hr[j->F + c];
     row_sums(ar, 1, j->F, j->ng_dn, j->group, j->asum + (size_t)r * j->ng_dn);
   }}
   barrier(&j->bar, nth);
@@ -467,14 +480,21 @@ static void moe_part(void* p, int tid, int nth) {{
     const long c1 = c0 + 64 < j->D ? c0 + 64 : j->D;
     for (int t = 0; t < j->T; t++)
       for (long c = c0; c < c1; c++) j->out[(size_t)t * j->D + c] = 0.0f;
-    for (int r = 0; r < j->R; r++)
-      for (long c = c0; c < c1; c++) j->out[(size_t)j->tok[r] * j->D + c] += j->wr[r] * j->y[(size_t)r * j->ldy + c];
+    for (int r = 0; r < j->R; r++) {{
+      float* o = j->out + (size_t)j->tok[r] * j->D;
+      const float* yr = j->y + (size_t)r * j->ldy;
+      if (j->db) {{
+        const float* b = j->db[j->ex[r]];
+        for (long c = c0; c < c1; c++) o[c] += j->wr[r] * (yr[c] + b[c]);
+      }} else
+        for (long c = c0; c < c1; c++) o[c] += j->wr[r] * yr[c];
+    }}
   }}
 }}
 
 static void moe_free(moe_job* j) {{
   if (!j) return;
-  free(j->first); free(j->used); free(j->tok); free(j->wr); free(j->xs); free(j->xsum); free(j->h); free(j->a);
+  free(j->first); free(j->used); free(j->tok); free(j->ex); free(j->wr); free(j->xs); free(j->xsum); free(j->h); free(j->a);
   free(j->asum); free(j->y); free(j);
 }}
 
@@ -483,6 +503,7 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
                             const float* x, int D, int F, const uint32_t* const* gw, const scale_t* const* gs,
                             const scale_t* const* gz, int gu_vectors, int kb_gu, const uint32_t* const* dw,
                             const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, int kb_dn, int group,
+                            const float* const* gb, const float* const* db, int clamped, float alpha, float limit,
                             float* out, int* rc) {{
   *rc = 1;
   if (group % 32 || D % group || F % group || T < 1 || k < 1 || E < 1 || gu_vectors % TILE_VECTORS
@@ -514,7 +535,9 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->gb_gu = kb_gu / group < 1 ? 1 : kb_gu / group; j->gb_dn = kb_dn / group < 1 ? 1 : kb_dn / group;
   j->tiles_gu = gu_vectors / TILE_VECTORS; j->tiles_dn = dn_vectors / TILE_VECTORS;
   j->x = x; j->out = out; j->gw = gw; j->gs = gs; j->gz = gz; j->dw = dw; j->ds = ds; j->dz = dz;
+  j->gb = gb; j->db = db; j->clamped = clamped; j->alpha = alpha; j->limit = limit;
   j->tok = (int*)malloc(sizeof(int) * ((size_t)R + 1));
+  j->ex = (int*)malloc(sizeof(int) * ((size_t)R + 1));
   j->wr = (float*)malloc(sizeof(float) * ((size_t)R + 1));
   j->xs = (float*)malloc(sizeof(float) * ((size_t)R * D + 1));
   j->xsum = (float*)malloc(sizeof(float) * ((size_t)R * j->ng_gu + 1));
@@ -522,11 +545,12 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->a = (float*)malloc(sizeof(float) * ((size_t)R * F + 1));
   j->asum = (float*)malloc(sizeof(float) * ((size_t)R * j->ng_dn + 1));
   j->y = (float*)malloc(sizeof(float) * ((size_t)R * j->ldy + 1));
-  if (!(j->tok && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{ free(fill); moe_free(j); return 0; }}
+  if (!(j->tok && j->ex && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{ free(fill); moe_free(j); return 0; }}
   for (int p = 0; p < n; p++) {{
     if ((mask && !mask[p]) || ids[p] < 0) continue;
     const int r = fill[ids[p]]++;
     j->tok[r] = p / k;
+    j->ex[r] = (int)ids[p];
     j->wr[r] = wts[p];
   }}
   free(fill);
@@ -537,9 +561,10 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
 #define MOE_ARGS int T, int k, const int64_t* ids, const float* wts, const uint8_t* mask, int E, const float* x, \
   int D, int F, const uint32_t* const* gw, const scale_t* const* gs, const scale_t* const* gz, int gu_vectors, \
   int kb_gu, const uint32_t* const* dw, const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, \
-  int kb_dn, int group, float* out, int threads
+  int kb_dn, int group, const float* const* gb, const float* const* db, int clamped, float alpha, float limit, \
+  float* out, int threads
 #define MOE_PASS T, k, ids, wts, mask, E, x, D, F, gw, gs, gz, gu_vectors, kb_gu, dw, ds, dz, dn_vectors, kb_dn, \
-  group, out
+  group, gb, db, clamped, alpha, limit, out
 
 /* the layer on the calling thread and threads - 1 helpers; returns when out is written (0, else an error code) */
 int moe_layer(MOE_ARGS) {{
@@ -578,6 +603,7 @@ typedef struct {{
   int64_t k, E, D, F, gu_vectors, kb_gu, dn_vectors, kb_dn, group;
   const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
   const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
+  const float* const* gb; const float* const* db; int64_t clamped; double alpha, limit;  /* biases, activation */
   int64_t calls, rows, errors, pairs;  /* what the thread did for this layer (read by the host): calls, token
                                           rows, calls answered with zeros, (token, expert) pairs computed */
 }} link_layer;
@@ -601,7 +627,7 @@ static void link_answer(link_t* L, int64_t ask) {{
   moe_job* j = l && l->gw && T <= L->max_rows
       ? moe_prepare(T, (int)l->k, L->ids, L->wts, 0, (int)l->E, L->x, (int)l->D, (int)l->F, l->gw, l->gs, l->gz,
                     (int)l->gu_vectors, (int)l->kb_gu, l->dw, l->ds, l->dz, (int)l->dn_vectors, (int)l->kb_dn,
-                    (int)l->group, L->out, &rc)
+                    (int)l->group, l->gb, l->db, (int)l->clamped, (float)l->alpha, (float)l->limit, L->out, &rc)
       : 0;
   if (j) {{
     parallel(moe_part, j, (int)L->threads);

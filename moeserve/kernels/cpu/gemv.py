@@ -25,6 +25,7 @@ from moeserve.kernels.cpu import build, codegen, pool, tuning
 from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
 from moeserve.kernels.mxfp4_format import BLOCK
 from moeserve.kernels.pack import pack, units_from_planar
+from moeserve.spec import ClampedSwiGLU
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
 TILE_SEARCH_BYTES = 512 << 20  # the tile search's weights: beyond the last-level caches of today's CPUs (300 MiB)
@@ -112,20 +113,33 @@ class CpuKernel:
 
 @dataclass
 class LayerExperts:
-    """A layer's E experts, repacked for one kernel, as the pointer arrays `moe_layer` reads (built once per layer)."""
+    """A layer's E experts, repacked for one kernel, as the pointer arrays `moe_layer` reads (built once per layer),
+    with their biases (float32, GPT-OSS) and gated activation (None: silu(gate) * up)."""
 
     gate_up: list[PackedForCpu]  # [E], out 2F (gate rows, then up rows)
     down: list[PackedForCpu]  # [E], out D
-    arrays: tuple  # ctypes pointer arrays: gate_up words, scales, zeros, down words, scales, zeros
+    arrays: tuple  # ctypes pointer arrays: gate_up words, scales, zeros, down words, scales, zeros, biases (or None)
+    biases: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # [E] of [2F], [E] of [D] float32
+    act: ClampedSwiGLU | None = None
 
     @classmethod
-    def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu]) -> "LayerExperts":
+    def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu],
+           biases: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+           act: ClampedSwiGLU | None = None) -> "LayerExperts":
         def pointers(values):
             return (ctypes.c_void_p * len(values))(*values)
 
+        if biases is not None:
+            biases = tuple([b.float().contiguous() for b in part] for part in biases)
         arrays = tuple(pointers([get(p) for p in packs]) for packs in (gate_up, down)
                        for get in (lambda p: p.words.data_ptr(), lambda p: p.scale.data_ptr(), lambda p: p.zero_ptr))
-        return cls(gate_up, down, arrays)
+        arrays += (None, None) if biases is None else tuple(pointers([b.data_ptr() for b in part]) for part in biases)
+        return cls(gate_up, down, arrays, biases, act)
+
+    @property
+    def activation(self) -> tuple[int, float, float]:
+        """(clamped, alpha, limit) as the native call takes them."""
+        return (0, 0.0, 0.0) if self.act is None else (1, float(self.act.alpha), float(self.act.limit))
 
 
 class PendingLayer:
@@ -146,7 +160,8 @@ def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_
               weights: torch.Tensor, mask: torch.Tensor | None = None, threads: int | None = None,
               start: bool = False) -> torch.Tensor | PendingLayer:
     """x [T, D] -> [T, D] float32: the sum over the pairs (t, j) (where mask [T, k] says so) of weights[t, j] times
-    expert expert_ids[t, j] on x[t], every expert a SwiGLU FFN of the layer's repacked low-bit projections; one
+    expert expert_ids[t, j] on x[t], every expert a gated FFN (model/experts.gated_ffn: the experts' biases and
+    activation) of the layer's repacked low-bit or MXFP4 projections; one
     native call (kernel.moe_layer) on the calling thread and threads - 1 pool helpers. start: on `threads` helpers
     alone, returning at once a PendingLayer whose result() waits."""
     gu, dn = experts.gate_up[0], experts.down[0]
@@ -160,7 +175,8 @@ def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_
     kb_dn = tuning.k_block(kernel.bits, kernel.tile_outputs, dn.group)
     args = (T, k, ids.data_ptr(), w.data_ptr(), keep.data_ptr() if keep is not None else None, len(experts.gate_up),
             x.data_ptr(), gu.in_features, dn.in_features, *experts.arrays[:3], gu.words.shape[0], kb_gu,
-            *experts.arrays[3:], dn.words.shape[0], kb_dn, gu.group, out.data_ptr(), threads or torch.get_num_threads())
+            *experts.arrays[3:6], dn.words.shape[0], kb_dn, gu.group, *experts.arrays[6:], *experts.activation,
+            out.data_ptr(), threads or torch.get_num_threads())
     handle = ctypes.c_void_p()
     rc = kernel.dll.moe_layer_start(*args, ctypes.byref(handle)) if start else kernel.dll.moe_layer(*args)
     if rc:
