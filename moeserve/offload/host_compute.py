@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel, moe_layer,
-                                       pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
+from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel,
+                                       moe_layer, pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.store import ExpertStore, layer_experts

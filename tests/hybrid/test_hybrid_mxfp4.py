@@ -108,3 +108,33 @@ def test_host_bytes_count_the_packed_experts(mxfp4_checkpoint):
     E = spec.experts_at(moe[0])
     assert host_bytes(spec, placement, 2, 0, 32) == E * 2 * packed  # the store's copy and the kernels' repack
     assert host_bytes(spec, placement, 2, 0, 32, mapped_float_bytes=2) == E * expert_bytes(spec, 16, 2)  # a store
+
+
+def test_a_pool_of_mxfp4_slots_runs_in_one_triton_pass(mxfp4_checkpoint):
+    """SlotExperts.device_pass over MXFP4 slots (the linked cache's pass: the pool's stacked buffers through the
+    Triton MXFP4 kernels; here in Triton's interpreter) equals each kept pair's expert dequantized, weighted; pairs
+    not kept (an unloaded, zeroed slot among them) add nothing."""
+    pytest.importorskip("triton")
+    from moeserve.offload.slot_compute import SlotExperts
+
+    spec = moeserve.ModelSpec.from_dir(mxfp4_checkpoint)
+    moe = spec.moe_layer_indices()
+    store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
+                        torch.device("cpu"), progress=False)
+    pool = SlotPool(4, store.slot_parts(False, torch.float32), "cpu", store.slot_weights(False))
+    for slot, e in enumerate((3, 1, 5)):  # slot 3 stays unloaded
+        Copier(torch.device("cpu")).load(pool.load_parts(slot), store.host_parts(moe[0], e, low=False), None, None)
+    g = torch.Generator().manual_seed(7)
+    T, k = 3, spec.top_k
+    x = torch.randn(T, spec.hidden_size, generator=g)
+    slots = torch.randint(0, 3, (T, k), generator=g)
+    slots[0, 0] = 3
+    kept = slots < 3
+    weights = torch.rand(T, k, generator=g)
+    y = SlotExperts([pool], store.act).device_pass(0, x, weights, slots, kept)
+    ref = torch.zeros_like(x)
+    for t in range(T):
+        for j in range(k):
+            if kept[t, j]:
+                ref[t] += weights[t, j] * slot_ffn(pool.weights[int(slots[t, j])], x[t:t + 1], store.act)[0]
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)

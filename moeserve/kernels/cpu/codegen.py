@@ -1,16 +1,17 @@
 """Emit the C source of a low-bit GEMV/GEMM kernel y = x W^T for one (ISA, bits, register tile).
 
-Weights come in the pack.py codes (or as MXFP4: E2M1 codes, one E8M0 exponent per 32 values, no zero point;
-the code -> value table is one register permute on AVX-512, 8 magnitudes plus the sign bit on AVX2), repacked once so that each SIMD lane is one output row: the words of
-output rows o..o+V-1 are interleaved ([out / V, words per row, V] int32, see gemv.py). One unit of 32
-input values is `bits` consecutive words per lane for every width (3-bit: 10 + 10 + 10 values and the last
-two from the top bit pairs; gemv.py puts pack.py's word-planar 3-bit rows unit after unit, word k of unit u at
-3u + k), so the same loop serves 2/3/4/8 bits.
+Weights come in the pack.py codes (or as MXFP4: E2M1 codes, one E8M0 exponent per 32 values, no zero point),
+repacked once so that each SIMD lane is one output row: the words of output rows o..o+V-1 are interleaved
+([out / V, words per row, V] int32, see gemv.py). One unit of 32 input values is `bits` consecutive words per lane
+for every width (3-bit: 10 + 10 + 10 values and the last two from the top bit pairs; gemv.py puts pack.py's
+word-planar 3-bit rows unit after unit, word k of unit u at 3u + k), so the same loop serves 2/3/4/8 bits and MXFP4.
 
 The arithmetic uses y = sum_g s_g (<x_g, q_g> - z_g <x_g, 1>): the inner loop is shift, mask,
 int->float and one FMA per row of the register tile (where a register permute can index a table of the
 2^bits code values - AVX-512 up to 4 bits, AVX2 up to 3 - shift + permute replace mask + convert);
-scale and zero enter once per group.
+scale and zero enter once per group. MXFP4: y = sum_g 2^(e_g - 127) <x_g, v(q_g)>, the E2M1 value table one
+register permute on AVX-512 (16 entries), 8 magnitudes and the sign bit xor-ed in on AVX2, a lookup per lane
+elsewhere; the exponent byte shifted into a float's exponent field is the group's scale.
 
 Register tile: `rows` input rows x `vectors` output vectors (V lanes each) accumulate in registers; the
 driver walks output tiles in parallel (on the native pool, pool.py), input blocks of `kb` values (sized for L1 by tuning.py)
@@ -414,8 +415,9 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
    (ascending) so each token's terms add in expert order. act: silu(g) * u, or (clamped) GPT-OSS's
    (min(u, limit) clamped at -limit, + 1) * g' * sigmoid(alpha g') with g' = min(g, limit) (model/experts.glu); the
    biases gb [2F] and db [D] per expert (GPT-OSS) or NULL arrays. gate_up outputs are the F gate rows then the F up
-   rows, padded to gu_vectors * LANES; the E experts' repacked words/scales/zeros come as pointer arrays. Phases (gather, gate_up tiles, SwiGLU, down
-   tiles, weighted sum) are separated by the job's spin barriers: one wake-up of the threads per layer. ---- */
+   rows, padded to gu_vectors * LANES; the E experts' repacked words/scales/zeros come as pointer arrays. Phases
+   (gather, gate_up tiles, bias + activation, down tiles, weighted sum) are separated by the job's spin barriers: one
+   wake-up of the threads per layer. ---- */
 typedef struct {{
   int T, D, F, R, nb, group, ng_gu, ng_dn, ldh, ldy, Wgu, Wdn, gb_gu, gb_dn, tiles_gu, tiles_dn;
   const float* x; float* out;
@@ -494,8 +496,8 @@ static void moe_part(void* p, int tid, int nth) {{
 
 static void moe_free(moe_job* j) {{
   if (!j) return;
-  free(j->first); free(j->used); free(j->tok); free(j->ex); free(j->wr); free(j->xs); free(j->xsum); free(j->h); free(j->a);
-  free(j->asum); free(j->y); free(j);
+  free(j->first); free(j->used); free(j->tok); free(j->ex); free(j->wr); free(j->xs); free(j->xsum); free(j->h);
+  free(j->a); free(j->asum); free(j->y); free(j);
 }}
 
 /* the job of one call, its buffers allocated and its pairs grouped; NULL with *rc set on bad arguments */
@@ -545,7 +547,9 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->a = (float*)malloc(sizeof(float) * ((size_t)R * F + 1));
   j->asum = (float*)malloc(sizeof(float) * ((size_t)R * j->ng_dn + 1));
   j->y = (float*)malloc(sizeof(float) * ((size_t)R * j->ldy + 1));
-  if (!(j->tok && j->ex && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{ free(fill); moe_free(j); return 0; }}
+  if (!(j->tok && j->ex && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{
+    free(fill); moe_free(j); return 0;
+  }}
   for (int p = 0; p < n; p++) {{
     if ((mask && !mask[p]) || ids[p] < 0) continue;
     const int r = fill[ids[p]]++;

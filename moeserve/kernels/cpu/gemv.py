@@ -6,6 +6,7 @@ interleaved so that one vector load gives the same word of V rows ([out/V, words
 scales and zeros likewise ([out/V, groups, V]). Outputs are padded to whole tiles with zero scales.
 3-bit rows are first put unit after unit (pack.units_from_planar: a unit's three words side by side, where
 pack.py stores them word-planar), so a kernel reads each 32-value unit from consecutive words at every width.
+MXFP4 weights (pack_mxfp4_for_cpu) keep their checkpoint bytes as the words and their uint8 exponents as the scales.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def pack_mxfp4_for_cpu(blocks: torch.Tensor, scales: torch.Tensor, kernel: CpuKe
     """From MXFP4 as the checkpoint ships it (blocks [out, in/32, 16] uint8, two E2M1 codes a byte, the low nibble
     first; scales [out, in/32] uint8 E8M0 exponents) to the layout of an mxfp4 kernel. Read as little-endian int32,
     a block's 16 bytes are 4 words holding its 32 codes at bits 4j of word i // 8: the 4-bit unit the generator
-    reads, so the repack only interleaves rows (no code moves within a row)."""
+    reads, so the repack only interleaves rows (no code moves within a row). An exponent of 0 (2^-127, subnormal)
+    reads as 0 and 255 (NaN in E8M0) as infinity: neither occurs in trained weights."""
     if not kernel.mxfp4:
         raise ValueError("pack_mxfp4_for_cpu needs an mxfp4 kernel")
     out, G, half = blocks.shape
