@@ -1,7 +1,7 @@
 """GPT-OSS's experts on the CPU: one expert (gate_up [2F, D] then down [D, F]) per decode row from MXFP4 as shipped
 (the generated MXFP4 kernels), from bf16 copies (torch, the hybrid's float path before MXFP4 stayed packed) and from
 HQQ 4-bit copies (the generated affine kernels, --experts-bits 4); weight bytes, milliseconds, GB/s and the share of
-the measured DRAM read bandwidth.
+the measured DRAM read bandwidth, on one thread and on all of torch's.
 
     python bench/cpu_mxfp4.py                 # GPT-OSS-20B's expert (hidden 2880, FFN 2880), 1 and 4 rows
     python bench/cpu_mxfp4.py --quick         # a small shape, seconds
@@ -33,7 +33,7 @@ def copies(make, nbytes_each: int) -> list:
     return [make() for _ in range(max(2, -(-ROTATE_BYTES // nbytes_each)))]
 
 
-def expert_rows(hidden: int, ffn: int, rows_list, dram: float, reps: int) -> list[dict]:
+def expert_rows(hidden: int, ffn: int, rows_list, threads_list, dram: float, reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     shapes = ((2 * ffn, hidden), (hidden, ffn))  # gate_up, down
     mx_kernel, q_kernel = gemv.default_kernel(4, mxfp4=True), gemv.default_kernel(4)
@@ -59,23 +59,25 @@ def expert_rows(hidden: int, ffn: int, rows_list, dram: float, reps: int) -> lis
     experts = {"mxfp4": copies(mxfp4_expert, nbytes["mxfp4"]), "hqq4": copies(hqq_expert, nbytes["hqq4"]),
                "bf16": copies(bf16_expert, nbytes["bf16"])}
     out = []
-    for rows in rows_list:
-        x = torch.randn(rows, hidden, generator=g)
-        xb = x.bfloat16()
-        calls = {  # an expert's two projections, the activation between them (its cost is the same for all)
-            "mxfp4": lambda e: mx_kernel(mx_kernel(x, e[0])[:, :ffn], e[1]),
-            "hqq4": lambda e: q_kernel(q_kernel(x, e[0])[:, :ffn], e[1]),
-            "bf16": lambda e: torch.nn.functional.linear(torch.nn.functional.linear(xb, e[0])[:, :ffn], e[1]),
-        }
-        for form, fn in calls.items():
-            ms = time_fn(fn, experts[form], reps=reps, warmup=3)
-            row = {"form": form, "rows": rows, "ms": ms, "weight_bytes": nbytes[form],
-                   "bits_per_weight": 8 * nbytes[form] / (3 * hidden * ffn), "gb_s": nbytes[form] / ms / 1e6,
-                   "dram_share": nbytes[form] / (ms * 1e-3) / dram}
-            out.append(row)
-            print(f"expert {hidden}x{ffn} {form:5s} rows {rows}: {ms:.3f} ms, {nbytes[form] / 2**20:.1f} MiB "
-                  f"({row['bits_per_weight']:.2f} bits/weight), {row['gb_s']:.1f} GB/s "
-                  f"({100 * row['dram_share']:.0f}% DRAM)", flush=True)
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for rows in rows_list:
+            x = torch.randn(rows, hidden, generator=g)
+            xb = x.bfloat16()
+            calls = {  # an expert's two projections, no activation between them (its cost is the same for all)
+                "mxfp4": lambda e: mx_kernel(mx_kernel(x, e[0], threads)[:, :ffn], e[1], threads),
+                "hqq4": lambda e: q_kernel(q_kernel(x, e[0], threads)[:, :ffn], e[1], threads),
+                "bf16": lambda e: torch.nn.functional.linear(torch.nn.functional.linear(xb, e[0])[:, :ffn], e[1]),
+            }
+            for form, fn in calls.items():
+                ms = time_fn(fn, experts[form], reps=reps, warmup=3)
+                row = {"form": form, "rows": rows, "threads": threads, "ms": ms, "weight_bytes": nbytes[form],
+                       "bits_per_weight": 8 * nbytes[form] / (3 * hidden * ffn), "gb_s": nbytes[form] / ms / 1e6,
+                       "dram_share": nbytes[form] / (ms * 1e-3) / dram}
+                out.append(row)
+                print(f"expert {hidden}x{ffn} {form:5s} rows {rows} threads {threads}: {ms:.3f} ms, "
+                      f"{nbytes[form] / 2**20:.1f} MiB ({row['bits_per_weight']:.2f} bits/weight), "
+                      f"{row['gb_s']:.1f} GB/s ({100 * row['dram_share']:.0f}% DRAM)", flush=True)
     return out
 
 
@@ -101,7 +103,8 @@ def main() -> None:
                                          "tile_vectors": tile[1], "hidden": hidden, "ffn": ffn,
                                          "rotate_bytes": ROTATE_BYTES}, device="cpu")
     record["floor_rates"] = {"dram_read": dram}
-    record["expert"] = expert_rows(hidden, ffn, (1, 4), dram["bytes_per_s"], 5 if args.quick else 21)
+    threads = sorted({1, torch.get_num_threads()})  # 1: torch's bf16 GEMV slows down on a busy machine's 2 threads
+    record["expert"] = expert_rows(hidden, ffn, (1, 4), threads, dram["bytes_per_s"], 5 if args.quick else 21)
     print(write_result(record, args.out))
 
 
