@@ -337,7 +337,7 @@ class SlotCache:
 
     # ---- the linked cache (hybrid's device link): looked up and counted on the device, kept between steps ---------
     def device_serves(self, x: torch.Tensor, tokens: int) -> bool:
-        """Whether linked_pass can compute the slots for `tokens` rows like x (low-bit slots, Triton)."""
+        """Whether linked_pass can compute the slots for `tokens` rows like x (low-bit or MXFP4 slots, Triton)."""
         return self.slots.triton_reads(HIGH, x, tokens)
 
     def link(self, max_pairs: int) -> None:
