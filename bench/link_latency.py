@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     rows["host_path"] = per_call(host_path, L, args.repeats)
 
     # the device link
-    link = DeviceLink(host, args.distinct_layers, k, device, len(cores) - 1, cores[0], spin_us("cuda"))
+    link = DeviceLink(host, args.distinct_layers, k, device, len(cores) - 1, cores[0], spin_us("cuda"), low=True)
     assert link.ping()
     for layer in range(args.distinct_layers):
         assert link.serves(layer, xs[0])

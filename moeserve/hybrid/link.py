@@ -9,7 +9,8 @@ Per layer call of T tokens, all enqueued on the current stream:
   3. the caller may enqueue more device work here (the shared expert overlaps the CPU);
   4. a one-program kernel spins on the answer word until it reaches the counter, then the output [T, D] is copied
      back to the device.
-The link serves layers whose every CPU pair runs from the low-bit copy in one native call (mixed precision can
+The link serves layers whose every CPU pair runs from one precision in one native call (HostExperts.native: the
+low-bit copies, or MXFP4 high copies as GPT-OSS ships them, biases and clamped SwiGLU included; mixed precision can
 only skip pairs there: they go with expert id -1) and calls of at most `rows` tokens; others take the host path
 (hybrid/experts.py). With a GPU cache, the pairs its
 slots hold go to the CPU with expert id -1 (skipped there) and run on the device meanwhile (offload/slot_cache.py).
@@ -23,7 +24,6 @@ import warnings
 import torch
 
 from moeserve.kernels.cpu.device_link import LAYER_SHIFT, SEQ_SHIFT, CpuLinkEnd
-from moeserve.kernels.cpu.gemv import default_kernel
 from moeserve.kernels.triton.host_wait import wait_for_host
 from moeserve.offload.host_compute import HostExperts
 
@@ -38,12 +38,13 @@ def link_wanted() -> bool:
 
 class DeviceLink:
     def __init__(self, host: HostExperts, num_layers: int, top_k: int, device: torch.device, threads: int,
-                 cpu: int, spin_us: int, rows: int = LINK_ROWS):
-        """threads: the CPU thread and the pool helpers it computes with; cpu: the core the thread is pinned to."""
-        kernel = default_kernel(host.store.meta["low_bits"])
+                 cpu: int, spin_us: int, low: bool, rows: int = LINK_ROWS):
+        """threads: the CPU thread and the pool helpers it computes with; cpu: the core the thread is pinned to;
+        low: the CPU pairs read the low-bit copies (else the high ones, which must be MXFP4: HostExperts.native)."""
+        kernel = host.native_kernel(low) if host.native(low) else None
         if kernel is None:
-            raise RuntimeError("no generated CPU kernel for this machine or bit width")
-        self.host, self.rows, self.top_k, self.device = host, rows, top_k, device
+            raise RuntimeError("no generated CPU kernel for this machine and these experts")
+        self.host, self.rows, self.top_k, self.device, self.low = host, rows, top_k, device, low
         self.hidden = host.store.meta["hidden"]
         self.cpu = CpuLinkEnd(kernel, num_layers, rows, self.hidden, top_k, threads, cpu, spin_us, pin=True)
         self.buffers = self.cpu.buffers
@@ -58,7 +59,7 @@ class DeviceLink:
         if x.shape[0] > self.rows or layer in self.refused:
             return False
         if not self.cpu.registered(layer):
-            experts = self.host.native_layer(layer, torch.empty(1, self.hidden))  # [1, D] probe: a decode row
+            experts = self.host.native_layer(layer, torch.empty(1, self.hidden), self.low)  # [1, D]: a decode row
             if experts is None:
                 self.refused.add(layer)
                 return False
@@ -106,10 +107,10 @@ class DeviceLink:
 
 
 def start_link(host: HostExperts, num_layers: int, top_k: int, device: torch.device, threads: int, cpu: int,
-               spin_us: int) -> DeviceLink | None:
+               spin_us: int, low: bool) -> DeviceLink | None:
     """A running link after a successful round trip, else None with one warning (the host path serves instead)."""
     try:
-        link = DeviceLink(host, num_layers, top_k, device, threads, cpu, spin_us)
+        link = DeviceLink(host, num_layers, top_k, device, threads, cpu, spin_us, low)
     except RuntimeError as e:
         warnings.warn(f"moeserve: CPU experts over the host path ({e})", stacklevel=3)
         return None

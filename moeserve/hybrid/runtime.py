@@ -53,10 +53,10 @@ class HybridRuntime:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
         .warm) rather than at its first token; stream: stream prompts' experts to the model device (default: on a
-        GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on the low-bit copy (no mixed
-        precision, or mixed precision's skips alone; cache slots the Triton kernels read) of plain SwiGLU experts
-        (HostExperts.fused: not GPT-OSS's) the CPU experts are driven from the device (hybrid/link.py) and a cache is
-        kept between steps (before_step, the model's step hook)."""
+        GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on one precision a layer computes
+        in one native call (HostExperts.native: the low-bit copies, with mixed precision's skips alone, or MXFP4 high
+        copies without mixed precision; cache slots the Triton kernels read) the CPU experts are driven from the
+        device (hybrid/link.py) and a cache is kept between steps (before_step, the model's step hook)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -83,13 +83,14 @@ class HybridRuntime:
             slots = ring_slots(store.expert_bytes(placement.low), store.meta["num_experts"])
             self.streamer = ExpertStreamer(store, slots, device, dtype, placement.low)
         self.link: DeviceLink | None = None
-        if threaded and device.type == "cuda" and placement.low and placement.cpu_layers and self.host.fused \
-                and link_wanted() and (self.cache is None or self.cache.device_serves(
+        one_precision = placement.low or not placement.mixed  # every CPU pair on the run's precision, or skipped
+        if threaded and device.type == "cuda" and one_precision and self.host.native(placement.low) \
+                and placement.cpu_layers and link_wanted() and (self.cache is None or self.cache.device_serves(
                     torch.empty(LINK_ROWS, store.meta["hidden"], device=device, dtype=dtype), LINK_ROWS)):
             # the CPU thread on the caller's core, computing with helpers on all but the last core (left to the
             # Python thread, which waits for the device meanwhile)
             self.link = start_link(self.host, num_layers, top_k, device, max(threads - 1, 1),
-                                   cores[0] if cores else -1, spin_us(device.type))
+                                   cores[0] if cores else -1, spin_us(device.type), placement.low)
             if self.link is not None and self.cache is not None:
                 self.cache.link(LINK_ROWS * top_k)
         # linked calls' skipped pairs, counted on the device (graph replays run no Python)

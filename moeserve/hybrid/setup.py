@@ -27,18 +27,17 @@ def store_layers(placement: HybridPlacement) -> list[int]:
 
 def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
                 progress: bool = True) -> ExpertStore:
-    """The experts the placement needs, read from the checkpoint into RAM (no store on disk): the float copies in
-    the compute dtype unless the experts run low-bit, low-bit copies for low-bit experts or mixed precision (both
-    made on a GPU when there is one and there is work: quantizing, or dequantizing MXFP4 blocks, takes milliseconds
-    a layer there, seconds to minutes on a CPU); page-locked when a GPU cache or the prompt streamer copies from
-    them."""
-    spec = ModelSpec.from_dir(model_path)
-    low_bits, group = store_precision(spec, placement)
-    on_gpu = device.type == "cuda" and bool(low_bits or spec.experts_mxfp4)
+    """The experts the placement needs, read from the checkpoint into RAM (no store on disk): unless the experts
+    run low-bit, the high copies: MXFP4 blocks kept as shipped (GPT-OSS: the CPU computes them packed), else floats
+    in the compute dtype; low-bit copies for low-bit experts or mixed precision (quantized on a GPU when there is
+    one: milliseconds a layer there, seconds to minutes on a CPU); page-locked when a GPU cache or the prompt
+    streamer copies from them."""
+    low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
+    on_gpu = device.type == "cuda" and bool(low_bits)
     pin = device.type == "cuda" and bool(placement.cache_slots or placement.stream_from)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
                                        device=device if on_gpu else None, high=not placement.low, pin=pin,
-                                       progress=progress)
+                                       progress=progress, mxfp4=True)
 
 
 def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:

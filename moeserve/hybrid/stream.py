@@ -8,7 +8,8 @@ layer's missed experts are copied over the link into a ring of GPU slots and com
 copy overlaps expert i-1's compute, and a slot's next copy waits only for the compute that read it (offload's
 SlotPool events on the Copier's stream). Nothing waits on the host: the whole layer is enqueued at once.
 
-The ring holds the run's precision of an expert (the store's low-bit copies in a low-bit run, else the float ones)
+The ring holds the run's precision of an expert (the store's low-bit copies in a low-bit run, else the high ones:
+floats, or MXFP4 as shipped, dequantized as each expert computes)
 and is sized to keep the link busy (hybrid/memory.py ring_slots: STREAM_RING_BYTES, at least two experts, at most a
 layer's experts).
 """
@@ -25,12 +26,10 @@ from moeserve.offload.transfer import Copier
 
 class ExpertStreamer:
     def __init__(self, store: ExpertStore, slots: int, device, dtype: torch.dtype, low: bool):
-        """slots: the ring's size (ring_slots); low: stream the store's low-bit copies (else the float ones, in
-        `dtype`)."""
+        """slots: the ring's size (ring_slots); low: stream the store's low-bit copies (else the high ones: float
+        copies in `dtype`, or MXFP4 as stored)."""
         self.store, self.low = store, low
-        parts = store.part_shapes(low)
-        parts = parts if low else [(shape, dtype) for shape, _ in parts]
-        self.pool = SlotPool(slots, parts, device, store.quantized_modules if low else tuple)
+        self.pool = SlotPool(slots, store.slot_parts(low, dtype), device, store.slot_weights(low))
         self.copier = Copier(device)
         self.next = 0  # the ring slot the next expert goes to
         self.experts_streamed = 0

@@ -1,15 +1,17 @@
 """Experts computed on the CPU straight from their store copies: the high (float) copy through torch in the
-model's dtype, the low-bit copy through QuantizedLinear (the generated CPU kernels for a few rows, else
-dequantize + matmul), each with the store's biases and gated activation (GPT-OSS) as the resident experts apply
-them. Shared by offload's cooperative mode and the hybrid backend.
+model's dtype, an MXFP4 high copy (a store that keeps GPT-OSS's experts as shipped) through the generated MXFP4
+kernels (dequantize + matmul in the model's dtype where they do not build), the low-bit copy through QuantizedLinear
+(the generated CPU kernels for a few rows, else dequantize + matmul), each with the store's biases and gated
+activation (GPT-OSS) as the resident experts apply them. Shared by offload's cooperative mode and the hybrid backend.
 
-A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy, the generated kernels read its
-layout and the experts are plain SwiGLU ones (no biases, silu(gate) * up), that is one native call for the whole
-layer (kernels/cpu moe_layer: grouping, both projections, SwiGLU and the weighted sum in one parallel region).
+A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy the generated kernels read, or
+every pair reads an MXFP4 high copy, that is one native call for the whole layer (kernels/cpu moe_layer: grouping,
+both projections, the biases and gated activation of GPT-OSS's experts or silu(gate) * up, and the weighted sum in
+one parallel region).
 Otherwise its (token, k) pairs are grouped per expert and precision in a routing table (kernels/routing.sorted_table),
-each float group runs through its expert, the low-bit groups through one batched kernel call per projection (biases
-added and the activation applied in torch between the two), and the weighted outputs are added back to their tokens
-by the resident backend's combine (same order, so the result matches it).
+each float group runs through its expert, the MXFP4 groups and the low-bit groups each through one batched kernel
+call per projection (biases added and the activation applied in torch between the two), and the weighted outputs are
+added back to their tokens by the resident backend's combine (same order, so the result matches it).
 """
 
 from __future__ import annotations
@@ -18,11 +20,22 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels.cpu.gemv import (LayerExperts, PendingLayer, applies, default_kernel, moe_layer, packed_weight,
-                                       quantized_linear_batch)
+from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel,
+                                       moe_layer, pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.store import ExpertStore, layer_experts
+from moeserve.quant.mxfp4 import Mxfp4Expert
+
+
+@dataclass
+class CpuMxfp4Expert:
+    """An MXFP4 expert repacked for the generated MXFP4 kernels, its biases as float32 (None without)."""
+
+    gate_up: PackedForCpu  # out 2F (gate rows, then up rows)
+    down: PackedForCpu  # out D
+    gate_up_bias: torch.Tensor | None  # [2F] float32
+    down_bias: torch.Tensor | None  # [D] float32
 
 
 @dataclass
@@ -44,22 +57,42 @@ class HostExperts:
         self.store, self.dtype = store, dtype
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
-        self._layers: dict[int, LayerExperts | None] = {}  # a layer's low experts for moe_layer (None: not read)
+        self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
+        self._mxfp4: dict[tuple[int, int], CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked
 
-    @property
-    def fused(self) -> bool:
-        """Whether the native whole-layer call (moe_layer) computes this store's experts: it fuses silu(gate) * up
-        and adds no biases, so GPT-OSS's experts take the grouped path instead."""
-        return self.store.act is None and not self.store.biased
+    def native(self, low: bool) -> bool:
+        """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
+        low-bit copies can (where the kernels read their layout: native_layer), high ones when they are MXFP4 (float
+        copies run through torch)."""
+        return low or self.store.mxfp4
+
+    def native_kernel(self, low: bool) -> CpuKernel | None:
+        """The generated kernel native layers of this precision run on (None: none builds here)."""
+        return default_kernel(self.store.meta["low_bits"]) if low else default_kernel(4, mxfp4=True)
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        """(gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in the compute
-        dtype (the store's tensors when it matches: no copy)."""
+        """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
+        the compute dtype (the store's tensors when it matches: no copy)."""
         key = (layer, expert)
         if key not in self._high:
             parts = self.store.host_parts(layer, expert, low=False)
             self._high[key] = tuple(p if self.dtype in (None, p.dtype) else p.to(self.dtype) for p in parts)
         return self._high[key]
+
+    def mxfp4_expert(self, layer: int, expert: int) -> CpuMxfp4Expert | None:
+        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once, then kept), or None where they
+        do not build on this machine."""
+        key = (layer, expert)
+        if key not in self._mxfp4:
+            kernel = default_kernel(4, mxfp4=True)
+            if kernel is None:
+                return None
+            w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
+            self._mxfp4[key] = CpuMxfp4Expert(
+                pack_mxfp4_for_cpu(w.gate_up_blocks, w.gate_up_scales, kernel),
+                pack_mxfp4_for_cpu(w.down_blocks, w.down_scales, kernel),
+                *(None if b is None else b.float() for b in (w.gate_up_bias, w.down_bias)))
+        return self._mxfp4[key]
 
     def low(self, layer: int, expert: int) -> tuple:
         """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once)."""
@@ -71,21 +104,27 @@ class HostExperts:
 
     def warm(self, layers: list[int], low: bool) -> None:
         """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
-        compute dtype, a low-bit one repacked for the CPU kernels (where they read it); pages a mapped store in."""
+        compute dtype (or an MXFP4 one repacked for the CPU kernels), a low-bit one repacked for the CPU kernels
+        (where they read it); pages a mapped store in."""
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
         for layer in layers:
             for e in range(layer_experts(self.store.meta, layer)):
                 if not low:
-                    self.high(layer, e)
+                    if self.store.mxfp4:
+                        self.mxfp4_expert(layer, e)
+                    else:
+                        self.high(layer, e)
                     continue
                 for m in self.low(layer, e):
                     if applies(m, probe, 1):
                         packed_weight(m, default_kernel(m.bits))
-            if low:
-                self.native_layer(layer, probe)
+            if self.native(low):
+                self.native_layer(layer, probe, low)
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
+        if not low and self.store.mxfp4:
+            return self.run_mxfp4(layer, [(expert, rows.shape[0])], rows)
         if not low:
             parts = self.high(layer, expert)
             x = rows if rows.dtype == parts[0].dtype else rows.to(parts[0].dtype)
@@ -94,33 +133,52 @@ class HostExperts:
         gate_up, down = self.low(layer, expert)
         return down(glu(gate_up(rows.float()), self.store.act)).to(rows.dtype)
 
-    def native_layer(self, layer: int, x: torch.Tensor) -> LayerExperts | None:
-        """Every low-bit expert of the layer repacked for the native MoE call (once per layer), or None where the
-        generated kernels do not read them or the experts are not plain SwiGLU ones (fused)."""
-        if layer not in self._layers:
-            mods = [self.low(layer, e) for e in range(layer_experts(self.store.meta, layer))]
-            kernel = default_kernel(mods[0][0].bits)
-            ok = self.fused and kernel is not None and all(applies(m, x, None) and m.rank == 0 for m in mods[0])
-            self._layers[layer] = LayerExperts.of([packed_weight(g, kernel) for g, _ in mods],
-                                                  [packed_weight(d, kernel) for _, d in mods]) if ok else None
-        return self._layers[layer]
+    def native_layer(self, layer: int, x: torch.Tensor, low: bool = True) -> LayerExperts | None:
+        """Every expert of the layer at a precision (low-bit copies, or MXFP4 high copies) repacked for the native
+        MoE call with its biases and the store's activation (once per layer), or None where the generated kernels
+        do not read them (float high copies, a layout they do not read, no kernel on this machine)."""
+        key = (layer, low)
+        if key not in self._layers:
+            self._layers[key] = self._native_experts(layer, x, low) if self.native(low) else None
+        return self._layers[key]
+
+    def _native_experts(self, layer: int, x: torch.Tensor, low: bool) -> LayerExperts | None:
+        n, act = layer_experts(self.store.meta, layer), self.store.act
+        if not low:
+            experts = [self.mxfp4_expert(layer, e) for e in range(n)]
+            if None in experts:
+                return None
+            biases = ([e.gate_up_bias for e in experts], [e.down_bias for e in experts]) if self.store.biased else None
+            return LayerExperts.of([e.gate_up for e in experts], [e.down for e in experts], biases, act)
+        mods = [self.low(layer, e) for e in range(n)]
+        kernel = self.native_kernel(True)
+        if kernel is None or not all(applies(m, x, None) and m.rank == 0 for m in mods[0]):
+            return None
+        biases = ([g.bias for g, _ in mods], [d.bias for _, d in mods]) if self.store.biased else None
+        return LayerExperts.of([packed_weight(g, kernel) for g, _ in mods], [packed_weight(d, kernel) for _, d in mods],
+                               biases, act)
 
     def start_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs, threads: int) -> PendingLayer | None:
         """run_layer on `threads` of the native pool's helpers, returning at once (the result, float32, from
         PendingLayer.result()), where the layer is one native call; else None."""
-        experts = self.native_layer(layer, x) if pairs.low is True else None
+        experts = self._native_for(layer, x, pairs)
         if experts is None:
             return None
-        kernel = default_kernel(experts.gate_up[0].bits)
-        return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask, threads, start=True)
+        return moe_layer(self.native_kernel(pairs.low), experts, x, pairs.expert_ids, pairs.weights, pairs.mask,
+                         threads, start=True)
+
+    def _native_for(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> LayerExperts | None:
+        """The layer's native experts when every pair reads one precision that has them, else None."""
+        if not isinstance(pairs.low, bool) or not self.native(pairs.low):
+            return None
+        return self.native_layer(layer, x, pairs.low)
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
-        if pairs.low is True:
-            experts = self.native_layer(layer, x)
-            if experts is not None:
-                kernel = default_kernel(experts.gate_up[0].bits)
-                return moe_layer(kernel, experts, x, pairs.expert_ids, pairs.weights, pairs.mask).to(x.dtype)
+        experts = self._native_for(layer, x, pairs)
+        if experts is not None:
+            return moe_layer(self.native_kernel(pairs.low), experts, x, pairs.expert_ids, pairs.weights,
+                             pairs.mask).to(x.dtype)
         E = self.store.meta["num_experts"]  # the most of any layer: unit ids stay apart
         low_copy = pairs.low.long() if isinstance(pairs.low, torch.Tensor) else int(pairs.low)
         units = pairs.expert_ids + low_copy * E  # [T, k]: expert, + E on a low-bit copy (float copies sort first)
@@ -128,16 +186,42 @@ class HostExperts:
         x_sorted = x[table.token_ids]  # [n, D]
         y = torch.empty_like(x_sorted)  # [n, D]
         used = table.counts.nonzero().squeeze(1)  # units with pairs, ascending
-        start, low = 0, []
+        high, low = [], []  # (expert, rows) of the float copies' units, then the low-bit ones'
         for u, n in zip(used.tolist(), table.counts[used].tolist()):
-            if u >= E:
-                low.append((u - E, n))
-                continue
-            y[start:start + n] = self.run(layer, u, False, x_sorted[start:start + n])
-            start += n
+            (low if u >= E else high).append((u % E, n))
+        start = sum(n for _, n in high)
+        if high and self.store.mxfp4:
+            y[:start] = self.run_mxfp4(layer, high, x_sorted[:start])
+        elif high:
+            first = 0
+            for e, n in high:
+                y[first:first + n] = self.run(layer, e, False, x_sorted[first:first + n])
+                first += n
         if low:
             y[start:] = self.run_low(layer, low, x_sorted[start:])
         return combine(y, table, x.shape[0], x.dtype)
+
+    def run_mxfp4(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
+        """Row blocks of x [n, D] through the MXFP4 high copies of groups' (expert, rows) -> [n, D] in x's dtype:
+        each projection of every expert in one native call, the biases added and the activation applied in torch
+        between them; where the kernels do not build, each expert dequantized in x's dtype (as the resident loop)."""
+        experts = [self.mxfp4_expert(layer, e) for e, _ in groups]
+        if None in experts:
+            out, start = torch.empty_like(x), 0
+            for e, n in groups:
+                w = Mxfp4Expert.of_parts(self.store.host_parts(layer, e, low=False))
+                out[start:start + n] = w.ffn(x[start:start + n], self.store.act)
+                start += n
+            return out
+        kernel, rows = default_kernel(4, mxfp4=True), [n for _, n in groups]
+
+        def project(inputs: torch.Tensor, packed: list[PackedForCpu], biases: list) -> torch.Tensor:
+            y = kernel.batch(inputs, rows, packed)  # [n, out] float32
+            return y if biases[0] is None else y + torch.cat([b.expand(m, -1) for b, m in zip(biases, rows)])
+
+        h = project(x.float(), [e.gate_up for e in experts], [e.gate_up_bias for e in experts])  # [n, 2F]
+        y = project(glu(h, self.store.act), [e.down for e in experts], [e.down_bias for e in experts])  # [n, D]
+        return y.to(x.dtype)
 
     def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
         """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each

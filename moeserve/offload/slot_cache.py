@@ -116,8 +116,8 @@ class SlotCache:
         self.store, self.settings = store, settings
         self.state = CacheState(policy, tiers[HIGH].slots, tiers[LOW].slots if len(tiers) > LOW else 0,
                                 settings.per_layer, settings.victim_sample)
-        self.pools = [SlotPool(t.slots + t.reserve, self._parts(t.low, dtype),
-                               device, store.quantized_modules if t.low else tuple) for t in tiers]
+        self.pools = [SlotPool(t.slots + t.reserve, store.slot_parts(t.low, dtype), device, store.slot_weights(t.low))
+                      for t in tiers]
         self.slots = SlotExperts(self.pools, store.act)  # virtual ids: HIGH's slots, then LOW's
         self.tier_bytes = [store.expert_bytes(t.low) for t in tiers]
         self.device = torch.device(device)
@@ -142,10 +142,6 @@ class SlotCache:
         self.ready = {layer: self.map[i] for i, layer in enumerate(self.layers)}  # [E] views of the map
         self.pending: dict[Key, int] = {}  # admitted, copy in flight: key -> slot
         self.dev: DeviceView | None = None  # set by link(): the cache as the device reads it
-
-    def _parts(self, low: bool, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        parts = self.store.part_shapes(low)
-        return parts if low else [(shape, dtype) for shape, _ in parts]
 
     @property
     def pool(self) -> SlotPool:
@@ -341,7 +337,7 @@ class SlotCache:
 
     # ---- the linked cache (hybrid's device link): looked up and counted on the device, kept between steps ---------
     def device_serves(self, x: torch.Tensor, tokens: int) -> bool:
-        """Whether linked_pass can compute the slots for `tokens` rows like x (low-bit slots, Triton)."""
+        """Whether linked_pass can compute the slots for `tokens` rows like x (low-bit or MXFP4 slots, Triton)."""
         return self.slots.triton_reads(HIGH, x, tokens)
 
     def link(self, max_pairs: int) -> None:

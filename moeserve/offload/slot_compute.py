@@ -18,10 +18,12 @@ from collections.abc import Callable
 
 import torch
 
+from moeserve.kernels import triton_serves
 from moeserve.kernels.cuda_graph import capture
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine, slot_order_pays
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.slots import SlotPool
+from moeserve.quant.mxfp4 import TRITON_DTYPES, Mxfp4Expert
 from moeserve.quant.qlinear import QuantizedLinear, triton_applies
 from moeserve.spec import ClampedSwiGLU
 
@@ -47,8 +49,10 @@ def mark_read(x: torch.Tensor, slots: list[tuple[SlotPool, int]]) -> None:
 
 def slot_ffn(weights, rows: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
     """rows [n, D] through one slot's expert: its float parts (gate_up, down, and the biases of biased experts:
-    ExpertStore.part_names' order) or its (gate_up, down) QuantizedLinear modules (biases held on them); act: the
-    gated activation (model/experts.glu)."""
+    ExpertStore.part_names' order), its MXFP4 parts (an Mxfp4Expert: dequantized as it computes) or its (gate_up,
+    down) QuantizedLinear modules (biases held on them); act: the gated activation (model/experts.glu)."""
+    if isinstance(weights, Mxfp4Expert):
+        return weights.ffn(rows, act)
     if isinstance(weights[0], torch.Tensor):
         return gated_ffn(rows, *weights, act=act)
     gate_up, down = weights
@@ -148,13 +152,16 @@ class SlotExperts:
 
     def fused_applies(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
         """One token, a pool of low-bit slots, and a layout the Triton low-bit kernels read on x's device."""
-        return slot_order_pays(tokens) and self.triton_reads(pool, x, tokens)
+        return (slot_order_pays(tokens) and not isinstance(self.pools[pool].weights[0], Mxfp4Expert)
+                and self.triton_reads(pool, x, tokens))
 
     def triton_reads(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
-        """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind
-        (device_pass)."""
+        """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind, or of
+        MXFP4 slots the Triton MXFP4 kernels read on x's device (device_pass)."""
         first = self.pools[pool].weights[0]
-        return (isinstance(first[0], QuantizedLinear)
+        if isinstance(first, Mxfp4Expert):
+            return triton_serves(x) and x.dtype in TRITON_DTYPES
+        return (isinstance(first, tuple) and isinstance(first[0], QuantizedLinear)
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
 
     def stacks(self, pool: int):
@@ -201,14 +208,30 @@ class SlotExperts:
         the kept pairs' slot outputs times their gate weights, summed per token; a pair not kept computes its slot
         with weight zero. One token in slot order, more over expert-sorted rows (a routing table built on the
         device, as the resident experts run them); nothing is read on the host (capturable). A low-bit pool whose
-        layout the Triton kernels read (triton_reads)."""
+        layout the Triton kernels read, or an MXFP4 pool (its stacked buffers are Mxfp4Experts' layout: the Triton
+        MXFP4 kernels over expert-sorted rows) (triton_reads)."""
         from moeserve.kernels.triton.lowbit import lowbit_experts
         from moeserve.kernels.triton.routing_table import gather_combine
 
         weights = expert_weights * kept.to(expert_weights.dtype)  # [T, k]
+        if isinstance(self.pools[pool].weights[0], Mxfp4Expert):
+            return self._mxfp4_pass(pool, x, weights, slots)
         if slot_order_pays(x.shape[0]):
             y = lowbit_experts(x, *self.stacks(pool), slots, act=self.act)  # [k, D] fp32, slot order
             return gather_combine(y, None, weights, slots.shape[1], x.dtype)
         table = build_routing_table(slots, weights, self.pools[pool].num_slots)
         y = lowbit_experts(x[table.token_ids], *self.stacks(pool), table, act=self.act)  # [T*k, D] fp32
+        return combine(y, table, x.shape[0], x.dtype)
+
+    def _mxfp4_pass(self, pool: int, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """device_pass over an MXFP4 pool: its buffers [S, ...] (gate_up blocks, scales, down blocks, scales, then
+        the biases of biased experts) are the stacked weights the Triton MXFP4 kernels read, slot = expert."""
+        from moeserve.kernels.triton.mxfp4 import Mxfp4Weights, mxfp4_experts
+
+        p = self.pools[pool]
+        biases = p.buffers[4:6] or (None, None)  # [S, 2F], [S, D]
+        gate_up = Mxfp4Weights(p.buffers[0], p.buffers[1], biases[0])
+        down = Mxfp4Weights(p.buffers[2], p.buffers[3], biases[1])
+        table = build_routing_table(slots, weights, p.num_slots)
+        y = mxfp4_experts(x, gate_up, down, table, self.act, None, table.token_ids)  # [T*k, D] fp32, sorted rows
         return combine(y, table, x.shape[0], x.dtype)

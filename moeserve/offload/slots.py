@@ -23,7 +23,8 @@ class SlotPool:
     def __init__(self, num_slots: int, part_shapes: list[tuple[tuple[int, ...], torch.dtype]], device,
                  make_weights):
         """make_weights(parts) -> the object expert_ffn computes with (views of the slot's buffers)."""
-        self.buffers = [torch.empty((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in part_shapes]
+        # zeros, not garbage: a fused pass computes unloaded slots with weight zero, and 0 * a garbage NaN is NaN
+        self.buffers = [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in part_shapes]
         self.weights = [make_weights([b[s] for b in self.buffers]) for s in range(num_slots)]
         self.slot_of: dict[Key, int] = {}  # experts kept in this pool
         self.free = list(range(num_slots))[::-1]
@@ -39,7 +40,8 @@ class SlotPool:
     def load_parts(self, slot: int) -> list[torch.Tensor]:
         """The slot's buffers, for a load of another expert into them: what the CPU kernels derived from the
         expert they held (a repacked weight kept on the slot's modules) is dropped."""
-        for m in self.weights[slot]:
+        weights = self.weights[slot]
+        for m in weights if isinstance(weights, tuple) else ():  # an Mxfp4Expert keeps nothing derived
             if not isinstance(m, torch.Tensor):
                 forget_packed(m)
         return [b[slot] for b in self.buffers]

@@ -2,8 +2,11 @@
 (HQQ-quantized, pack.py layout), held in slow memory - RAM, or safetensors files (one per layer) that are
 memory-mapped so a store larger than RAM can be used. Built once from a checkpoint or a loaded model.
 
-Experts shipped as MXFP4 blocks (GPT-OSS) are dequantized, one expert at a time, into the float copies (exact in
-bf16) and quantized from those into the low-bit ones. Experts with biases (GPT-OSS) keep them beside both copies
+Experts shipped as MXFP4 blocks (GPT-OSS) are quantized into the low-bit copies from their dequantized floats (exact
+in bf16). Their high copies are those floats, or, in a store built with mxfp4=True (the hybrid's, for float experts:
+meta "high_mxfp4"), the blocks and scales as shipped (`<e>.high.<projection>.blocks` [N, K/32, 16] and `.scales`
+[N, K/32] uint8: 4.25 bits a weight where bf16 takes 16), which the CPU computes with its MXFP4 kernels and a GPU
+slot dequantizes as it computes (quant/mxfp4.Mxfp4Expert). Experts with biases (GPT-OSS) keep them beside both copies
 (`<e>.bias.gate_up` [2F], `<e>.bias.down` [D]), and the meta records them and the family's gated activation
 (expert_bias, expert_act), which every backend computing from the store applies; stores of other families hold
 neither the tensors nor the fields.
@@ -40,6 +43,7 @@ from moeserve.spec import ClampedSwiGLU, ModelSpec
 
 META_FILE = "expert_store.json"
 LOW_PARTS = ("qweight", "scale", "zero")
+MXFP4_PARTS = ("blocks", "scales")  # a projection's high copy in a store that keeps MXFP4 as shipped
 PROJECTIONS = ("gate_up", "down")
 UNITS_LAYOUT = 2  # pack.py layout whose 3-bit rows are read by a permutation (pack.planar_from_units)
 PROVENANCE = "moeserve_expert_store"  # safetensors metadata key of a layer file: what it was made from
@@ -135,7 +139,9 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
         raise MoeserveError(f"{e}; {_rebuild_hint(path)}") from None
     D, F = meta["hidden"], meta["ffn"]
     for e in range(layer_experts(meta, layer)):
-        shapes = [(f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])]
+        shapes = ([(f"{e}.high.{n}.{p}", [rows, cols // mxfp4.BLOCK] + ([mxfp4.BLOCK // 2] if p == "blocks" else []))
+                   for n, (rows, cols) in zip(PROJECTIONS, ((2 * F, D), (D, F))) for p in MXFP4_PARTS]
+                  if meta.get("high_mxfp4") else [(f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])])
         if meta.get("expert_bias"):
             shapes += [(f"{e}.bias.gate_up", [2 * F]), (f"{e}.bias.down", [D])]
         for name, shape in shapes:
@@ -285,15 +291,21 @@ def read_provenance(f: Path, header: dict | None = None) -> dict | None:
 
 
 def layer_tensors(experts: SourceExperts, low_bits: int, group: int, dtype: torch.dtype | None = None,
-                  high: bool = True) -> dict[str, torch.Tensor]:
+                  high: bool = True, mxfp4: bool = False) -> dict[str, torch.Tensor]:
     """One layer's experts in both precisions, and their biases if they have any, on the CPU (quantized on the
     source's device: a GPU does it in milliseconds). A store for experts that never run at one precision may leave
-    it out: low_bits 0 (no low-bit copies) or high=False (no float copies). dtype: the float copies' and the biases'
-    dtype (default: the source's floats')."""
+    it out: low_bits 0 (no low-bit copies) or high=False (no high copies). dtype: the float copies' and the biases'
+    dtype (default: the source's floats'). mxfp4: MXFP4 experts' high copies are their blocks and scales as
+    shipped (MXFP4_PARTS), not floats."""
     state = {}
+    packed = mxfp4 and experts.mxfp4
     for e in range(experts.num_experts):
-        for name, w in zip(PROJECTIONS, experts.weights(e)):
-            if high:
+        if high and packed:
+            for name, pair in zip(PROJECTIONS, (experts.gate_up, experts.down)):
+                state.update({f"{e}.high.{name}.{p}": t[e].detach().to("cpu").contiguous()
+                              for p, t in zip(MXFP4_PARTS, pair)})
+        for name, w in zip(PROJECTIONS, experts.weights(e) if low_bits or high and not packed else ()):
+            if high and not packed:
                 state[f"{e}.high.{name}"] = w.detach().to("cpu", dtype or w.dtype).contiguous()
             if low_bits:
                 q = QuantizedLinear.from_quantized(hqq.quantize_hqq(w.detach().float(), low_bits, group))
@@ -340,14 +352,16 @@ class ExpertStore:
     @classmethod
     def from_checkpoint(cls, model_path: str | Path, layers: list[int] | None = None, low_bits: int = 4,
                         group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
-                        pin: bool = False, progress: bool = True) -> "ExpertStore":
+                        pin: bool = False, progress: bool = True, mxfp4: bool = False) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
         offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
         low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute dtype:
         no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
         dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
-        (copies to a GPU are then DMA; pin() later would hold two copies at once)."""
+        (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
+        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4")."""
         spec = ModelSpec.from_dir(model_path)
+        mxfp4 = mxfp4 and high and spec.experts_mxfp4
         refuse_quantized(Path(model_path), "building an expert store")
         if low_bits:
             for inputs in (spec.hidden_size, spec.expert_ffn):
@@ -356,13 +370,13 @@ class ExpertStore:
         tensors, digests = {}, {}
         chosen = spec.moe_layer_indices() if layers is None else sorted(layers)
         for i, experts, digests[i] in _source_layers(reader, spec, chosen, progress):
-            tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high)
+            tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high, mxfp4)
             if pin:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
                 pin = pinned is not None  # once refused, the rest stays pageable
                 tensors[i] = pinned if pin else tensors[i]
         meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
-        return cls(meta, tensors.__getitem__)
+        return cls({**meta, "high_mxfp4": True} if mxfp4 else meta, tensors.__getitem__)
 
     @classmethod
     def build(cls, model_path: str | Path, out: str | Path, low_bits: int = 4, group: int = 64,
@@ -471,14 +485,21 @@ class ExpertStore:
         return meta_act(self.meta)
 
     @property
+    def mxfp4(self) -> bool:
+        """Whether the high copies are MXFP4 as shipped (Mxfp4Expert parts), not floats."""
+        return bool(self.meta.get("high_mxfp4"))
+
+    @property
     def biased(self) -> bool:
         """Whether each expert has biases (GPT-OSS): the last two parts of either precision."""
         return bool(self.meta.get("expert_bias"))
 
     def part_names(self, expert: int, low: bool) -> list[str]:
-        """Tensor names of one expert, in the order of part_shapes(): high gate_up, down, or low gate_up's and
-        down's LOW_PARTS; then, for biased experts, gate_up's and down's biases."""
+        """Tensor names of one expert, in the order of part_shapes(): high gate_up, down (an MXFP4 store: gate_up's
+        and down's MXFP4_PARTS), or low gate_up's and down's LOW_PARTS; then, for biased experts, gate_up's and
+        down's biases."""
         names = ([f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in LOW_PARTS] if low
+                 else [f"{expert}.high.{n}.{p}" for n in PROJECTIONS for p in MXFP4_PARTS] if self.mxfp4
                  else [f"{expert}.high.{n}" for n in PROJECTIONS])
         return names + ([f"{expert}.bias.{n}" for n in PROJECTIONS] if self.biased else [])
 
@@ -490,6 +511,17 @@ class ExpertStore:
     def part_shapes(self, low: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each part of an expert at a precision (read from the first expert)."""
         return [(tuple(p.shape), p.dtype) for p in self.host_parts(self.meta["layers"][0], 0, low)]
+
+    def slot_parts(self, low: bool, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each buffer of a device slot holding one expert at a precision: float high copies (and
+        the biases beside them) in the compute dtype, packed parts (low-bit, MXFP4) as stored."""
+        parts = self.part_shapes(low)
+        return parts if low else [(shape, t if t == torch.uint8 else dtype) for shape, t in parts]
+
+    def slot_weights(self, low: bool):
+        """parts -> what a slot computes with (offload/slot_compute.slot_ffn): QuantizedLinear modules (low),
+        an Mxfp4Expert (an MXFP4 store's high copy), else the float tensors themselves."""
+        return self.quantized_modules if low else mxfp4.Mxfp4Expert.of_parts if self.mxfp4 else tuple
 
     def quantized_modules(self, parts: list[torch.Tensor]) -> tuple[QuantizedLinear, QuantizedLinear]:
         """(gate_up, down) QuantizedLinear over a low-precision expert's parts, with their biases if any (no copy)."""

@@ -255,12 +255,14 @@ def hybrid_layout(spec: ModelSpec, placement: HybridPlacement, device: str, dtyp
     low-bit copies); host RAM holds, for a store built in RAM now (mapped_float_bytes None), every copy it is built
     with for the layers it holds (hybrid/setup.py store_layers; float copies in the compute dtype), or for a mapped
     store the pages the CPU reads (its float copies at mapped_float_bytes per weight) and a compute-dtype copy of
-    those when the dtypes differ; low-bit experts the CPU runs are also repacked once for its kernels. The GPU
-    cache slots and the stream ring (streams) hold the precision the experts run at."""
-    high = None if placement.low else Precision.float(dtype_bytes)
+    those when the dtypes differ; a store built from an MXFP4 checkpoint for a float run keeps its experts packed as
+    shipped. Low-bit and packed MXFP4 experts the CPU runs are also repacked once for its kernels. The GPU cache
+    slots and the stream ring (streams) hold the precision the experts run at (MXFP4: packed)."""
+    packed = spec.experts_mxfp4 and mapped_float_bytes is None and not placement.low
+    high = None if placement.low else Precision.mxfp4(dtype_bytes) if packed else Precision.float(dtype_bytes)
     low = (Precision.hqq(low_bits, group, mapped_float_bytes or dtype_bytes)  # biases as the store's floats
            if placement.needs_low_copies else None)
-    run_at = low if placement.low else Precision.float(dtype_bytes)
+    run_at = low if placement.low else high
     cpu, stored = set(placement.cpu_layers), set(placement.moe_layers if placement.low else placement.cpu_layers)
     layers = []
     for i in placement.moe_layers:
@@ -269,7 +271,7 @@ def hybrid_layout(spec: ModelSpec, placement: HybridPlacement, device: str, dtyp
         else:
             read = None if placement.low else Precision.float(mapped_float_bytes)
             copies = (read, low, high if mapped_float_bytes != dtype_bytes else None) if i in cpu else ()
-        copies += (low,) if i in cpu else ()
+        copies += (low, high if packed else None) if i in cpu else ()  # the CPU kernels' repacked copies
         resident = None if i in cpu else (run_at if placement.low else checkpoint_precision(spec, dtype_bytes))
         layers.append(LayerExperts(i, resident, tuple(p for p in copies if p is not None)))
     slots = [Slots("cache slots", placement.cache_slots, run_at)]

@@ -369,18 +369,18 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     room = gpu_room(spec, base)  # bytes left for experts on the GPU
     out = []
     for bits, group in _bits(spec, req):
-        run_at = expert_precision(bits, req.dtype_bytes, group)
-        eb = expert_bytes(spec, run_at)  # a slot's or the ring's copy (the store's)
-        rb = expert_bytes(spec, run_at if bits != 16 else checkpoint_precision(spec, req.dtype_bytes))  # resident
+        run_at = checkpoint_precision(spec, req.dtype_bytes) if bits == 16 else expert_precision(bits, req.dtype_bytes,
+                                                                                                 group)
+        eb = expert_bytes(spec, run_at)  # a resident expert, a slot's or the ring's copy (MXFP4: packed as shipped)
         ring = ring_slots(eb, E) * eb  # the GPU ring prompts stream the CPU layers' experts through
         if req.cpu_layers is not None:
             splits = [req.cpu_layers]
         else:  # the fewest CPU layers that leave the rest (and the ring) room
-            fewest = 0 if room >= M * E * rb else min(max(M - int(max(room - ring, 0) // (E * rb)), 0), M)
+            fewest = 0 if room >= M * E * eb else min(max(M - int(max(room - ring, 0) // (E * eb)), 0), M)
             splits = sorted({0, fewest})
         for n in splits:
-            streams = n > 0 and room - (M - n) * E * rb >= ring  # else prompts run on the CPU too
-            left = room - (M - n) * E * rb - (ring if streams else 0)
+            streams = n > 0 and room - (M - n) * E * eb >= ring  # else prompts run on the CPU too
+            left = room - (M - n) * E * eb - (ring if streams else 0)
             slots = req.cache_slots if req.cache_slots is not None else int(max(left, 0) // eb)
             slots = min(slots, n * E)
             hit = slots / (n * E) if n else 0.0

@@ -11,6 +11,7 @@ converted to the HQQ 4-bit layout (that would round them again); the whole model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from moeserve.errors import MoeserveError
 from moeserve.kernels import triton_serves
+from moeserve.kernels.mxfp4_format import BLOCK, E2M1_VALUES, SCALE_BIAS
 from moeserve.kernels.routing import RoutingTable, build_routing_table, combine
 from moeserve.model.experts import ExpertBackend, LoopedExperts, ResidentExperts, gated_ffn
 from moeserve.spec import ClampedSwiGLU
@@ -27,9 +29,6 @@ if TYPE_CHECKING:
 
 # Triton kernel modules are imported inside the functions that launch them: Triton is optional (triton_available).
 
-BLOCK = 32  # values per E8M0 scale
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
-SCALE_BIAS = 127
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -60,6 +59,35 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (codes | ((scaled < 0).long() << 3)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [.., N, G, 16]
     return blocks, (exp + SCALE_BIAS).to(torch.uint8)
+
+
+@dataclass
+class Mxfp4Expert:
+    """One expert's MXFP4 weights as shipped (an expert store's high copy, or a device slot holding it): gate_up
+    blocks [2F, D/32, 16] and scales [2F, D/32], down blocks [D, F/32, 16] and scales [D, F/32] (views, no copy),
+    and its float biases [2F] and [D] or None."""
+
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @classmethod
+    def of_parts(cls, parts: list[torch.Tensor]) -> "Mxfp4Expert":
+        """From a store's parts in ExpertStore.part_names order (the two biases last, if any)."""
+        return cls(*parts)
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2F, D], down [D, F]) dequantized to dtype."""
+        return (dequantize(self.gate_up_blocks, self.gate_up_scales, dtype),
+                dequantize(self.down_blocks, self.down_scales, dtype))
+
+    def ffn(self, rows: torch.Tensor, act: ClampedSwiGLU | None) -> torch.Tensor:
+        """rows [n, D] -> [n, D]: the expert dequantized in rows' dtype, then gated_ffn, as Mxfp4Experts' loop
+        computes it (the same function: the resident model's outputs)."""
+        return gated_ffn(rows, *self.weights(rows.dtype), self.gate_up_bias, self.down_bias, act)
 
 
 class Mxfp4Experts(LoopedExperts):

@@ -103,8 +103,8 @@ def test_gpu_streamed_prompt_equals_the_cpu_path(hf_checkpoints, family, bits, s
     assert runs[1][2] == runs[0][2]
 
 
-# qwen3_moe: its CPU layers over the device link; gpt_oss: biases and the clamped SwiGLU in the Triton slots and the
-# resident QuantizedExperts, in torch around the CPU kernels (no device link)
+# qwen3_moe: its CPU layers over the device link; gpt_oss: biases and the clamped SwiGLU in the Triton slots, the
+# resident QuantizedExperts and the native CPU call (over the device link too)
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_gpu_hybrid_low_bit_cpu_and_slots_agree(hf_checkpoints, family):
     """--experts-bits 4: CPU kernels, GPU slots (Triton low-bit; one token: the fused slot-order pass) and resident

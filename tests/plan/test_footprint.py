@@ -147,7 +147,7 @@ def test_offload_counts_the_store_and_the_slot_pools(hf_checkpoints, tmp_path, f
     assert (dense, experts) == (need.gpu["dense weights"], 0)
     store = run.runtime.cache.store
     assert store_bytes(store, False) + store_bytes(store, True) == need.host["expert store"]
-    pools = run.runtime.cache.pools.values()
+    pools = run.runtime.cache.pools
     assert sum(tensor_bytes(p.buffers) for p in pools) == need.gpu["cache slots"]
 
 

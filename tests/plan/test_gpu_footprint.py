@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moeserve
-from moeserve.engine.sampling import SamplingParams
+from moeserve.engine.params import SamplingParams
 from moeserve.offload.store import ExpertStore
 from moeserve.plan.footprint import (RunLayout, engine_kv_rows, footprint, hybrid_layout, offload_layout,
                                      resident_layout)

@@ -84,7 +84,8 @@ def load(lib: Path) -> ctypes.CDLL:
     dll.qgemm.restype = i
     dll.qgemm_batch.argtypes = [i, p, p, i, i, p, p, p, i, p, i, i, i, i]
     dll.qgemm_batch.restype = i
-    moe = [i, i, p, p, p, i, p, i, i, p, p, p, i, i, p, p, p, i, i, i, p, i]
+    f = ctypes.c_float
+    moe = [i, i, p, p, p, i, p, i, i, p, p, p, i, i, p, p, p, i, i, i, p, p, i, f, f, p, i]
     dll.moe_layer.argtypes = moe
     dll.moe_layer.restype = i
     dll.moe_layer_start.argtypes = moe + [ctypes.POINTER(p)]

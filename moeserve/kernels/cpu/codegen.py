@@ -1,15 +1,17 @@
 """Emit the C source of a low-bit GEMV/GEMM kernel y = x W^T for one (ISA, bits, register tile).
 
-Weights come in the pack.py codes, repacked once so that each SIMD lane is one output row: the words of
-output rows o..o+V-1 are interleaved ([out / V, words per row, V] int32, see gemv.py). One unit of 32
-input values is `bits` consecutive words per lane for every width (3-bit: 10 + 10 + 10 values and the last
-two from the top bit pairs; gemv.py puts pack.py's word-planar 3-bit rows unit after unit, word k of unit u at
-3u + k), so the same loop serves 2/3/4/8 bits.
+Weights come in the pack.py codes (or as MXFP4: E2M1 codes, one E8M0 exponent per 32 values, no zero point),
+repacked once so that each SIMD lane is one output row: the words of output rows o..o+V-1 are interleaved
+([out / V, words per row, V] int32, see gemv.py). One unit of 32 input values is `bits` consecutive words per lane
+for every width (3-bit: 10 + 10 + 10 values and the last two from the top bit pairs; gemv.py puts pack.py's
+word-planar 3-bit rows unit after unit, word k of unit u at 3u + k), so the same loop serves 2/3/4/8 bits and MXFP4.
 
 The arithmetic uses y = sum_g s_g (<x_g, q_g> - z_g <x_g, 1>): the inner loop is shift, mask,
 int->float and one FMA per row of the register tile (where a register permute can index a table of the
 2^bits code values - AVX-512 up to 4 bits, AVX2 up to 3 - shift + permute replace mask + convert);
-scale and zero enter once per group.
+scale and zero enter once per group. MXFP4: y = sum_g 2^(e_g - 127) <x_g, v(q_g)>, the E2M1 value table one
+register permute on AVX-512 (16 entries), 8 magnitudes and the sign bit xor-ed in on AVX2, a lookup per lane
+elsewhere; the exponent byte shifted into a float's exponent field is the group's scale.
 
 Register tile: `rows` input rows x `vectors` output vectors (V lanes each) accumulate in registers; the
 driver walks output tiles in parallel (on the native pool, pool.py), input blocks of `kb` values (sized for L1 by tuning.py)
@@ -19,6 +21,7 @@ and row chunks of `rows`. The batched driver makes every output tile of every pr
 from __future__ import annotations
 
 from moeserve.kernels.cpu.machine import ISAS
+from moeserve.kernels.mxfp4_format import E2M1_VALUES
 
 _PRELUDE = {
     "avx512": """#include <immintrin.h>
@@ -39,6 +42,7 @@ typedef __m512 VF; typedef __m512i VI;
 #define MUL(a, b) _mm512_mul_ps((a), (b))
 #define LUT(v, table) _mm512_permutexvar_ps((v), (table))
 #define LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define LOADE8(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p))), 23))
 """,
     "avx2": """#include <immintrin.h>
 typedef __m256 VF; typedef __m256i VI;
@@ -58,6 +62,8 @@ typedef __m256 VF; typedef __m256i VI;
 #define MUL(a, b) _mm256_mul_ps((a), (b))
 #define LUT(v, table) _mm256_permutevar8x32_ps((table), (v))
 #define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define LOADE8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p))), 23))
+#define SIGNED(m, v) _mm256_xor_ps((m), _mm256_castsi256_ps(_mm256_slli_epi32(ANDI((v), SET1I(8)), 28)))
 """,
     "portable": """#include <string.h>
 typedef float VF __attribute__((vector_size(32)));
@@ -84,6 +90,13 @@ static inline float half_to_float(uint16_t h) {
 }
 static inline VF LOADH(const uint16_t* p) {
   VF v; for (int i = 0; i < 8; i++) v[i] = half_to_float(p[i]); return v;
+}
+static inline VF LOADE8(const uint8_t* p) {
+  VI b; for (int i = 0; i < 8; i++) b[i] = (uint32_t)p[i] << 23;
+  VF v; memcpy(&v, &b, sizeof v); return v;
+}
+static inline VF LUT16(VI v, const float* table) {
+  VF r; for (int i = 0; i < 8; i++) r[i] = table[v[i] & 15]; return r;
 }
 """,
 }
@@ -124,16 +137,39 @@ def _extract(bits: int, i: int, t: int, lut: bool) -> str:
     return f"LUT({shifted}, lut)" if lut else f"CVT(ANDI({shifted}, mask))"
 
 
-def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> str:
+def _mxfp4_extract(isa: str, i: int, t: int) -> str:
+    """Float expression for E2M1 code i (0..31) of the current 32-value block, lane-wise, for output vector t: the
+    16-entry value table by one permute (AVX-512), the 8 magnitudes by one permute and the sign bit xor-ed in (AVX2),
+    a table read per lane (portable)."""
+    source, shift = _code_source(4, i, t)
+    shifted = source if shift == 0 else f"SRLI({source}, {shift})"
+    return {"avx512": f"LUT({shifted}, lut)", "avx2": f"SIGNED(LUT({shifted}, lut), {shifted})"}.get(
+        isa, f"LUT16({shifted}, lut)")
+
+
+def _lut_declaration(isa: str, bits: int, mxfp4: bool) -> list[str]:
+    """The code -> float table of a tile function: E2M1's values (MXFP4; AVX2 holds the 8 magnitudes), else the
+    codes themselves (uses_lut); none where codes convert by mask + convert."""
+    if mxfp4:
+        values = E2M1_VALUES if isa != "avx2" else E2M1_VALUES[:8]
+        entries = ", ".join(f"{v!r}f" for v in values)
+        if isa == "portable":
+            return [f"  static const float lut[16] = {{{entries}}};"]
+        return [f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});"]
+    if not uses_lut(isa, bits):
+        return []
+    entries = ", ".join(f"{float(i % (1 << bits))}f" for i in range(LUT_LANES[isa]))
+    return [f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});"]
+
+
+def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int, mxfp4: bool) -> str:
     R, T = range(rows), range(vectors)
     lut = uses_lut(isa, bits)
     L = [f"static void tile_r{rows}(const float* x, int ldx, const float* xsum, int n_groups,",
-         "                         const uint32_t* w, const uint16_t* s, const uint16_t* z, int W,",
+         "                         const uint32_t* w, const scale_t* s, const scale_t* z, int W,",
          "                         float* y, int ldy, int ob, int g0, int g1, int group, int first) {",
-         f"  const VI mask = SET1I({(1 << bits) - 1}); (void)mask;"]
-    if lut:
-        entries = ", ".join(f"{float(i % (1 << bits))}f" for i in range(LUT_LANES[isa]))
-        L.append(f"  const VF lut = _mm{'512' if isa == 'avx512' else '256'}_setr_ps({entries});")
+         f"  const VI mask = SET1I({(1 << bits) - 1}); (void)mask; (void)xsum; (void)z;"]
+    L += _lut_declaration(isa, bits, mxfp4)
     for r in R:
         for t in T:
             L.append(f"  VF acc{r}_{t} = first ? ZERO() : LOADF(y + {r} * ldy + (ob + {t}) * {lanes});")
@@ -154,13 +190,19 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
         L.append(f"      const float* x{r} = x + {r} * ldx + k;")
     for i in range(32):
         L.append("      {")
-        L += [f"        const VF w{t} = {_extract(bits, i, t, lut)};" for t in T]
+        L += [f"        const VF w{t} = {_mxfp4_extract(isa, i, t) if mxfp4 else _extract(bits, i, t, lut)};"
+              for t in T]
         for r in R:
             L.append(f"        const VF xb{r} = SET1F(x{r}[{i}]);")
             L += [f"        ga{r}_{t} = FMA(xb{r}, w{t}, ga{r}_{t});" for t in T]
         L.append("      }")
     L.append("    }")
     for t in T:
+        if mxfp4:  # one E8M0 exponent per block: the scale, no zero point
+            L.append(f"    {{ const VF sv = LOADE8(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});")
+            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});" for r in R]
+            L.append("    }")
+            continue
         L += [f"    {{ const VF sv = LOADH(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});",
               f"      const VF zv = MUL(sv, LOADH(z + ((size_t)(ob + {t}) * n_groups + g) * {lanes}));"]
         for r in R:
@@ -173,18 +215,21 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int) -> 
     return "\n".join(L)
 
 
-def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
+def generate(isa: str, bits: int, rows: int, vectors: int, mxfp4: bool = False) -> str:
     """C source exporting `qgemm` (one product), `qgemm_batch` (several of one shape, e.g. a layer's experts, in
     one parallel region) and `moe_layer` (a layer's routed experts on a few tokens, grouped, both projections, the
-    SwiGLU and the weighted sum in one parallel region) for this ISA, bit width and register tile (rows x vectors)."""
+    SwiGLU and the weighted sum in one parallel region) for this ISA, bit width and register tile (rows x vectors).
+    mxfp4: the weights are MXFP4 (4-bit E2M1 codes, one uint8 E8M0 exponent per 32-value group, no zero point)
+    instead of affine codes with fp16 scales and zeros."""
     lanes = ISAS[isa][0]
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"no CPU kernel for {bits}-bit weights")
-    tiles = "\n\n".join(_tile_function(isa, bits, r, vectors, lanes) for r in range(1, rows + 1))
+    if bits not in (2, 3, 4, 8) or (mxfp4 and bits != 4):
+        raise ValueError(f"no CPU kernel for {bits}-bit {'MXFP4 ' if mxfp4 else ''}weights")
+    tiles = "\n\n".join(_tile_function(isa, bits, r, vectors, lanes, mxfp4) for r in range(1, rows + 1))
     cases = "\n".join(f"        case {r}: tile_r{r}(x + (size_t)r0 * ldx, ldx, xsum + (size_t)r0 * n_groups, n_groups, "
                       f"w, s, z, W, y + (size_t)r0 * ldy, ldy, ob, g0, g1, group, g0 == 0); break;"
                       for r in range(1, rows + 1))
-    return f"""// generated by moeserve.kernels.cpu.codegen: isa={isa} bits={bits} tile={rows}x{vectors} lanes={lanes}
+    return f"""// generated by moeserve.kernels.cpu.codegen: isa={isa} bits={bits}{' mxfp4' if mxfp4 else ''} \
+tile={rows}x{vectors} lanes={lanes}
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -207,6 +252,7 @@ def generate(isa: str, bits: int, rows: int, vectors: int) -> str:
 #define LINK_LAYER_SHIFT {LINK_LAYER_SHIFT}
 #define LINK_MAX_LAYERS {LINK_MAX_LAYERS}
 #define LINK_MAX_ROWS {LINK_MAX_ROWS}
+typedef {'uint8_t' if mxfp4 else 'uint16_t'} scale_t;  /* a group's scale (and zero): {'E8M0' if mxfp4 else 'fp16'} */
 
 {tiles}
 
@@ -222,7 +268,7 @@ static void row_sums(const float* x, int m, int ldx, int n_groups, int group, fl
 
 /* One output tile (TILE_VECTORS vectors from ob) of y [m, ldy] = x [m, ldx] W^T, over input blocks of gb groups. */
 static void output_tile(const float* x, int m, int ldx, const float* xsum, int n_groups, const uint32_t* w,
-                        const uint16_t* s, const uint16_t* z, int W, int group, float* y, int ldy, int ob, int gb) {{
+                        const scale_t* s, const scale_t* z, int W, int group, float* y, int ldy, int ob, int gb) {{
   for (int g0 = 0; g0 < n_groups; g0 += gb) {{
     const int g1 = g0 + gb < n_groups ? g0 + gb : n_groups;
     for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {{
@@ -290,7 +336,7 @@ static void barrier(barrier_t* b, int nth) {{
 
 /* ---- y [m, ldy] = x [m, ldx] W^T ---- */
 typedef struct {{
-  const float* x; int m, ldx; const float* xsum; int n_groups; const uint32_t* w; const uint16_t* s; const uint16_t* z;
+  const float* x; int m, ldx; const float* xsum; int n_groups; const uint32_t* w; const scale_t* s; const scale_t* z;
   int W, group; float* y; int ldy, n_tiles, gb;
 }} gemm_job;
 
@@ -305,7 +351,7 @@ static void gemm_part(void* p, int tid, int nth) {{
 
 /* w: [n_vectors][W][LANES] words, s/z: [n_vectors][n_groups][LANES] fp16 scale and zero; n_vectors a multiple of
    TILE_VECTORS; in_features and group multiples of 32. */
-int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const uint16_t* s, const uint16_t* z,
+int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, const scale_t* s, const scale_t* z,
           int group, float* y, int ldy, int n_vectors, int kb, int threads) {{
   if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || m < 1) return 1;
   const int n_groups = in_features / group;
@@ -322,7 +368,7 @@ int qgemm(const float* x, int m, int ldx, int in_features, const uint32_t* w, co
 /* ---- n products of one shape at once: y_b [ms[b], ldy] = x_b [ms[b], ldx] W_b^T for b < n ---- */
 typedef struct {{
   const float* const* xs; const int* ms; int ldx; const size_t* first; const float* xsum; int n_groups;
-  const uint32_t* const* ws; const uint16_t* const* ss; const uint16_t* const* zs; int W, group; float* const* ys;
+  const uint32_t* const* ws; const scale_t* const* ss; const scale_t* const* zs; int W, group; float* const* ys;
   int ldy, n_tiles, gb; long jobs; atomic_long next;
 }} batch_job;
 
@@ -340,7 +386,7 @@ static void batch_part(void* p, int tid, int nth) {{
 
 /* a layer's experts: every output tile of every expert is one job, so small experts still fill the threads */
 int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_features, const uint32_t* const* ws,
-                const uint16_t* const* ss, const uint16_t* const* zs, int group, float* const* ys, int ldy,
+                const scale_t* const* ss, const scale_t* const* zs, int group, float* const* ys, int ldy,
                 int n_vectors, int kb, int threads) {{
   if (group % 32 || in_features % group || n_vectors % TILE_VECTORS || n < 1) return 1;
   const int n_groups = in_features / group;
@@ -365,23 +411,27 @@ int qgemm_batch(int n, const float* const* xs, const int* ms, int ldx, int in_fe
 }}
 
 /* ---- One MoE layer's experts on a few tokens as one job: out [T, D] = the sum over kept pairs p = (t, j) of
-   wts[p] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[p], pairs grouped per expert (ascending) so each token's
-   terms add in expert order. gate_up outputs are the F gate rows then the F up rows, padded to gu_vectors * LANES;
-   the E experts' repacked words/scales/zeros come as pointer arrays. Phases (gather, gate_up tiles, SwiGLU, down
-   tiles, weighted sum) are separated by the job's spin barriers: one wake-up of the threads per layer. ---- */
+   wts[p] * (down_e(act(gate_e(x_t) + gb_e, up_e(x_t) + gb_e')) + db_e), e = ids[p], pairs grouped per expert
+   (ascending) so each token's terms add in expert order. act: silu(g) * u, or (clamped) GPT-OSS's
+   (min(u, limit) clamped at -limit, + 1) * g' * sigmoid(alpha g') with g' = min(g, limit) (model/experts.glu); the
+   biases gb [2F] and db [D] per expert (GPT-OSS) or NULL arrays. gate_up outputs are the F gate rows then the F up
+   rows, padded to gu_vectors * LANES; the E experts' repacked words/scales/zeros come as pointer arrays. Phases
+   (gather, gate_up tiles, bias + activation, down tiles, weighted sum) are separated by the job's spin barriers: one
+   wake-up of the threads per layer. ---- */
 typedef struct {{
   int T, D, F, R, nb, group, ng_gu, ng_dn, ldh, ldy, Wgu, Wdn, gb_gu, gb_dn, tiles_gu, tiles_dn;
   const float* x; float* out;
-  const uint32_t* const* gw; const uint16_t* const* gs; const uint16_t* const* gz;
-  const uint32_t* const* dw; const uint16_t* const* ds; const uint16_t* const* dz;
-  int *first, *used, *tok; float *wr, *xs, *xsum, *h, *a, *asum, *y;
+  const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
+  const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
+  const float* const* gb; const float* const* db; int clamped; float alpha, limit;
+  int *first, *used, *tok, *ex; float *wr, *xs, *xsum, *h, *a, *asum, *y;
   atomic_long next_gu, next_dn; barrier_t bar;
 }} moe_job;
 
 /* one projection (gate_up or down) of every used expert: output tiles taken from `next`, each over the expert's rows
    of `in` [R, ld_in] (their group sums in `sums`) into `out` [R, ld_out] */
 static void projection(moe_job* j, atomic_long* next, int tiles, const float* in, int ld_in, const float* sums, int ng,
-                       const uint32_t* const* w, const uint16_t* const* s, const uint16_t* const* z, int W, float* out,
+                       const uint32_t* const* w, const scale_t* const* s, const scale_t* const* z, int W, float* out,
                        int ld_out, int gb, int nth) {{
   long lo, hi;
   while (next_run(next, (long)j->nb * tiles, nth, &lo, &hi))
@@ -408,9 +458,19 @@ static void moe_part(void* p, int tid, int nth) {{
   barrier(&j->bar, nth);
   share(j->R, tid, nth, &lo, &hi);
   for (long r = lo; r < hi; r++) {{
-    const float* hr = j->h + (size_t)r * j->ldh;
+    float* hr = j->h + (size_t)r * j->ldh;
     float* ar = j->a + (size_t)r * j->F;
-    for (int c = 0; c < j->F; c++) ar[c] = hr[c] / (1.0f + expf(-hr[c])) * hr[j->F + c];
+    if (j->gb) {{
+      const float* b = j->gb[j->ex[r]];
+      for (int c = 0; c < 2 * j->F; c++) hr[c] += b[c];
+    }}
+    if (j->clamped)
+      for (int c = 0; c < j->F; c++) {{
+        const float g = fminf(hr[c], j->limit), u = fminf(fmaxf(hr[j->F + c], -j->limit), j->limit);
+        ar[c] = (u + 1.0f) * (g / (1.0f + expf(-j->alpha * g)));
+      }}
+    else
+      for (int c = 0; c < j->F; c++) ar[c] = hr[c] / (1.0f + expf(-hr[c])) * hr[j->F + c];
     row_sums(ar, 1, j->F, j->ng_dn, j->group, j->asum + (size_t)r * j->ng_dn);
   }}
   barrier(&j->bar, nth);
@@ -422,22 +482,30 @@ static void moe_part(void* p, int tid, int nth) {{
     const long c1 = c0 + 64 < j->D ? c0 + 64 : j->D;
     for (int t = 0; t < j->T; t++)
       for (long c = c0; c < c1; c++) j->out[(size_t)t * j->D + c] = 0.0f;
-    for (int r = 0; r < j->R; r++)
-      for (long c = c0; c < c1; c++) j->out[(size_t)j->tok[r] * j->D + c] += j->wr[r] * j->y[(size_t)r * j->ldy + c];
+    for (int r = 0; r < j->R; r++) {{
+      float* o = j->out + (size_t)j->tok[r] * j->D;
+      const float* yr = j->y + (size_t)r * j->ldy;
+      if (j->db) {{
+        const float* b = j->db[j->ex[r]];
+        for (long c = c0; c < c1; c++) o[c] += j->wr[r] * (yr[c] + b[c]);
+      }} else
+        for (long c = c0; c < c1; c++) o[c] += j->wr[r] * yr[c];
+    }}
   }}
 }}
 
 static void moe_free(moe_job* j) {{
   if (!j) return;
-  free(j->first); free(j->used); free(j->tok); free(j->wr); free(j->xs); free(j->xsum); free(j->h); free(j->a);
-  free(j->asum); free(j->y); free(j);
+  free(j->first); free(j->used); free(j->tok); free(j->ex); free(j->wr); free(j->xs); free(j->xsum); free(j->h);
+  free(j->a); free(j->asum); free(j->y); free(j);
 }}
 
 /* the job of one call, its buffers allocated and its pairs grouped; NULL with *rc set on bad arguments */
 static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, const uint8_t* mask, int E,
-                            const float* x, int D, int F, const uint32_t* const* gw, const uint16_t* const* gs,
-                            const uint16_t* const* gz, int gu_vectors, int kb_gu, const uint32_t* const* dw,
-                            const uint16_t* const* ds, const uint16_t* const* dz, int dn_vectors, int kb_dn, int group,
+                            const float* x, int D, int F, const uint32_t* const* gw, const scale_t* const* gs,
+                            const scale_t* const* gz, int gu_vectors, int kb_gu, const uint32_t* const* dw,
+                            const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, int kb_dn, int group,
+                            const float* const* gb, const float* const* db, int clamped, float alpha, float limit,
                             float* out, int* rc) {{
   *rc = 1;
   if (group % 32 || D % group || F % group || T < 1 || k < 1 || E < 1 || gu_vectors % TILE_VECTORS
@@ -469,7 +537,9 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->gb_gu = kb_gu / group < 1 ? 1 : kb_gu / group; j->gb_dn = kb_dn / group < 1 ? 1 : kb_dn / group;
   j->tiles_gu = gu_vectors / TILE_VECTORS; j->tiles_dn = dn_vectors / TILE_VECTORS;
   j->x = x; j->out = out; j->gw = gw; j->gs = gs; j->gz = gz; j->dw = dw; j->ds = ds; j->dz = dz;
+  j->gb = gb; j->db = db; j->clamped = clamped; j->alpha = alpha; j->limit = limit;
   j->tok = (int*)malloc(sizeof(int) * ((size_t)R + 1));
+  j->ex = (int*)malloc(sizeof(int) * ((size_t)R + 1));
   j->wr = (float*)malloc(sizeof(float) * ((size_t)R + 1));
   j->xs = (float*)malloc(sizeof(float) * ((size_t)R * D + 1));
   j->xsum = (float*)malloc(sizeof(float) * ((size_t)R * j->ng_gu + 1));
@@ -477,11 +547,14 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
   j->a = (float*)malloc(sizeof(float) * ((size_t)R * F + 1));
   j->asum = (float*)malloc(sizeof(float) * ((size_t)R * j->ng_dn + 1));
   j->y = (float*)malloc(sizeof(float) * ((size_t)R * j->ldy + 1));
-  if (!(j->tok && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{ free(fill); moe_free(j); return 0; }}
+  if (!(j->tok && j->ex && j->wr && j->xs && j->xsum && j->h && j->a && j->asum && j->y)) {{
+    free(fill); moe_free(j); return 0;
+  }}
   for (int p = 0; p < n; p++) {{
     if ((mask && !mask[p]) || ids[p] < 0) continue;
     const int r = fill[ids[p]]++;
     j->tok[r] = p / k;
+    j->ex[r] = (int)ids[p];
     j->wr[r] = wts[p];
   }}
   free(fill);
@@ -490,11 +563,12 @@ static moe_job* moe_prepare(int T, int k, const int64_t* ids, const float* wts, 
 }}
 
 #define MOE_ARGS int T, int k, const int64_t* ids, const float* wts, const uint8_t* mask, int E, const float* x, \
-  int D, int F, const uint32_t* const* gw, const uint16_t* const* gs, const uint16_t* const* gz, int gu_vectors, \
-  int kb_gu, const uint32_t* const* dw, const uint16_t* const* ds, const uint16_t* const* dz, int dn_vectors, \
-  int kb_dn, int group, float* out, int threads
+  int D, int F, const uint32_t* const* gw, const scale_t* const* gs, const scale_t* const* gz, int gu_vectors, \
+  int kb_gu, const uint32_t* const* dw, const scale_t* const* ds, const scale_t* const* dz, int dn_vectors, \
+  int kb_dn, int group, const float* const* gb, const float* const* db, int clamped, float alpha, float limit, \
+  float* out, int threads
 #define MOE_PASS T, k, ids, wts, mask, E, x, D, F, gw, gs, gz, gu_vectors, kb_gu, dw, ds, dz, dn_vectors, kb_dn, \
-  group, out
+  group, gb, db, clamped, alpha, limit, out
 
 /* the layer on the calling thread and threads - 1 helpers; returns when out is written (0, else an error code) */
 int moe_layer(MOE_ARGS) {{
@@ -531,8 +605,9 @@ void moe_layer_finish(void* handle) {{
    this one's output), so one set of buffers serves every layer. ---- */
 typedef struct {{
   int64_t k, E, D, F, gu_vectors, kb_gu, dn_vectors, kb_dn, group;
-  const uint32_t* const* gw; const uint16_t* const* gs; const uint16_t* const* gz;
-  const uint32_t* const* dw; const uint16_t* const* ds; const uint16_t* const* dz;
+  const uint32_t* const* gw; const scale_t* const* gs; const scale_t* const* gz;
+  const uint32_t* const* dw; const scale_t* const* ds; const scale_t* const* dz;
+  const float* const* gb; const float* const* db; int64_t clamped; double alpha, limit;  /* biases, activation */
   int64_t calls, rows, errors, pairs;  /* what the thread did for this layer (read by the host): calls, token
                                           rows, calls answered with zeros, (token, expert) pairs computed */
 }} link_layer;
@@ -556,7 +631,7 @@ static void link_answer(link_t* L, int64_t ask) {{
   moe_job* j = l && l->gw && T <= L->max_rows
       ? moe_prepare(T, (int)l->k, L->ids, L->wts, 0, (int)l->E, L->x, (int)l->D, (int)l->F, l->gw, l->gs, l->gz,
                     (int)l->gu_vectors, (int)l->kb_gu, l->dw, l->ds, l->dz, (int)l->dn_vectors, (int)l->kb_dn,
-                    (int)l->group, L->out, &rc)
+                    (int)l->group, l->gb, l->db, (int)l->clamped, (float)l->alpha, (float)l->limit, L->out, &rc)
       : 0;
   if (j) {{
     parallel(moe_part, j, (int)L->threads);

@@ -33,7 +33,8 @@ class LinkLayer(ctypes.Structure):
 
     _fields_ = ([(n, ctypes.c_int64) for n in ("k", "E", "D", "F", "gu_vectors", "kb_gu", "dn_vectors", "kb_dn",
                                                 "group")]
-                + [(n, ctypes.c_void_p) for n in ("gw", "gs", "gz", "dw", "ds", "dz")]
+                + [(n, ctypes.c_void_p) for n in ("gw", "gs", "gz", "dw", "ds", "dz", "gb", "db")]
+                + [("clamped", ctypes.c_int64), ("alpha", ctypes.c_double), ("limit", ctypes.c_double)]
                 + [(n, ctypes.c_int64) for n in ("calls", "rows", "errors", "pairs")])
 
 
@@ -57,6 +58,10 @@ class LinkBuffers:
         return cls(make(8, torch.int64), make(8, torch.int64), make((rows, top_k), torch.int64),
                    make((rows, top_k), torch.float32), make((rows, hidden), torch.float32),
                    make((rows, hidden), torch.float32))
+
+
+def _form(bits: int, mxfp4: bool) -> str:
+    return "MXFP4" if mxfp4 else f"{bits}-bit"
 
 
 def ask_word(seq: int, layer: int, rows: int) -> int:
@@ -87,17 +92,18 @@ class CpuLinkEnd:
     def register(self, layer: int, experts: LayerExperts, top_k: int) -> None:
         """Layer `layer`'s experts (repacked for this kernel) join the table: asks for it are answered from now."""
         gu, dn = experts.gate_up[0], experts.down[0]
-        if gu.bits != self.kernel.bits:
-            raise ValueError(f"device link: layer {layer} has {gu.bits}-bit experts, the link's kernel "
-                             f"{self.kernel.bits}-bit")
+        if (gu.bits, gu.mxfp4) != (self.kernel.bits, self.kernel.mxfp4):
+            raise ValueError(f"device link: layer {layer} has {_form(gu.bits, gu.mxfp4)} experts, the link's kernel "
+                             f"reads {_form(self.kernel.bits, self.kernel.mxfp4)} ones")
         entry = self.table[layer]
         entry.k, entry.E, entry.D, entry.F, entry.group = top_k, len(experts.gate_up), gu.in_features, \
             dn.in_features, gu.group
         entry.gu_vectors, entry.dn_vectors = gu.words.shape[0], dn.words.shape[0]
         entry.kb_gu = tuning.k_block(self.kernel.bits, self.kernel.tile_outputs, gu.group)
         entry.kb_dn = tuning.k_block(self.kernel.bits, self.kernel.tile_outputs, dn.group)
-        entry.gs, entry.gz, entry.dw, entry.ds, entry.dz = (ctypes.cast(a, ctypes.c_void_p).value
-                                                           for a in experts.arrays[1:])
+        entry.gs, entry.gz, entry.dw, entry.ds, entry.dz, entry.gb, entry.db = (
+            None if a is None else ctypes.cast(a, ctypes.c_void_p).value for a in experts.arrays[1:])
+        entry.clamped, entry.alpha, entry.limit = experts.activation
         self.experts[layer] = experts
         entry.gw = ctypes.cast(experts.arrays[0], ctypes.c_void_p).value  # last: the thread reads gw != NULL as ready
 

@@ -6,6 +6,7 @@ interleaved so that one vector load gives the same word of V rows ([out/V, words
 scales and zeros likewise ([out/V, groups, V]). Outputs are padded to whole tiles with zero scales.
 3-bit rows are first put unit after unit (pack.units_from_planar: a unit's three words side by side, where
 pack.py stores them word-planar), so a kernel reads each 32-value unit from consecutive words at every width.
+MXFP4 weights (pack_mxfp4_for_cpu) keep their checkpoint bytes as the words and their uint8 exponents as the scales.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 
 from moeserve.kernels.cpu import build, codegen, pool, tuning
 from moeserve.kernels.cpu.machine import ISAS, cpu_info, physical_cores
+from moeserve.kernels.mxfp4_format import BLOCK
 from moeserve.kernels.pack import pack, units_from_planar
+from moeserve.spec import ClampedSwiGLU
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
 TILE_SEARCH_BYTES = 512 << 20  # the tile search's weights: beyond the last-level caches of today's CPUs (300 MiB)
@@ -31,26 +34,38 @@ TILE_SEARCH_BYTES = 512 << 20  # the tile search's weights: beyond the last-leve
 
 @dataclass
 class PackedForCpu:
+    """One weight in a kernel's layout: affine codes (fp16 scale and zero per group) or MXFP4 (E2M1 codes, a uint8
+    E8M0 exponent per 32 values, no zero: `zero` None)."""
+
     words: torch.Tensor  # [out_pad / V, W, V] int32
-    scale: torch.Tensor  # [out_pad / V, groups, V] float16
-    zero: torch.Tensor  # [out_pad / V, groups, V] float16
+    scale: torch.Tensor  # [out_pad / V, groups, V] float16, or uint8 (MXFP4)
+    zero: torch.Tensor | None  # [out_pad / V, groups, V] float16; None for MXFP4
     out_features: int
     in_features: int
     bits: int
     group: int
 
     @property
+    def mxfp4(self) -> bool:
+        return self.zero is None
+
+    @property
+    def zero_ptr(self) -> int:
+        """What the kernel's zero argument points at (MXFP4 kernels read none: the scales)."""
+        return (self.scale if self.zero is None else self.zero).data_ptr()
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero) if t is not None)
 
 
 class CpuKernel:
-    """One compiled kernel: an ISA, a bit width and a register tile."""
+    """One compiled kernel: an ISA, a bit width and a register tile, for affine codes or (mxfp4) MXFP4 weights."""
 
-    def __init__(self, isa: str, bits: int, rows: int, vectors: int):
-        self.isa, self.bits, self.rows, self.vectors = isa, bits, rows, vectors
+    def __init__(self, isa: str, bits: int, rows: int, vectors: int, mxfp4: bool = False):
+        self.isa, self.bits, self.rows, self.vectors, self.mxfp4 = isa, bits, rows, vectors, mxfp4
         self.lanes = ISAS[isa][0]
-        self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors), isa))
+        self.dll = build.load(build.build(codegen.generate(isa, bits, rows, vectors, mxfp4), isa))
         self.dll.moeserve_set_pool(*pool.entry_points())
 
     @property
@@ -65,7 +80,7 @@ class CpuKernel:
         y = torch.empty(m, n_vectors * self.lanes)
         kb = tuning.k_block(self.bits, self.tile_outputs, packed.group)
         rc = self.dll.qgemm(x.data_ptr(), m, x.shape[1], packed.in_features, packed.words.data_ptr(),
-                            packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, y.data_ptr(),
+                            packed.scale.data_ptr(), packed.zero_ptr, packed.group, y.data_ptr(),
                             y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
@@ -90,7 +105,7 @@ class CpuKernel:
         rc = self.dll.qgemm_batch(
             len(rows), pointers([x[s].data_ptr() for s in starts]), pointers(rows, ctypes.c_int), x.shape[1],
             first.in_features, pointers([p.words.data_ptr() for p in packed]),
-            pointers([p.scale.data_ptr() for p in packed]), pointers([p.zero.data_ptr() for p in packed]), first.group,
+            pointers([p.scale.data_ptr() for p in packed]), pointers([p.zero_ptr for p in packed]), first.group,
             pointers([y[s].data_ptr() for s in starts]), y.shape[1], n_vectors, kb, threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"CPU kernel rejected its arguments (code {rc})")
@@ -99,20 +114,33 @@ class CpuKernel:
 
 @dataclass
 class LayerExperts:
-    """A layer's E experts, repacked for one kernel, as the pointer arrays `moe_layer` reads (built once per layer)."""
+    """A layer's E experts, repacked for one kernel, as the pointer arrays `moe_layer` reads (built once per layer),
+    with their biases (float32, GPT-OSS) and gated activation (None: silu(gate) * up)."""
 
     gate_up: list[PackedForCpu]  # [E], out 2F (gate rows, then up rows)
     down: list[PackedForCpu]  # [E], out D
-    arrays: tuple  # ctypes pointer arrays: gate_up words, scales, zeros, down words, scales, zeros
+    arrays: tuple  # ctypes pointer arrays: gate_up words, scales, zeros, down words, scales, zeros, biases (or None)
+    biases: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # [E] of [2F], [E] of [D] float32
+    act: ClampedSwiGLU | None = None
 
     @classmethod
-    def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu]) -> "LayerExperts":
-        def pointers(tensors):
-            return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    def of(cls, gate_up: list[PackedForCpu], down: list[PackedForCpu],
+           biases: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+           act: ClampedSwiGLU | None = None) -> "LayerExperts":
+        def pointers(values):
+            return (ctypes.c_void_p * len(values))(*values)
 
-        arrays = tuple(pointers([getattr(p, f) for p in packs]) for packs in (gate_up, down)
-                       for f in ("words", "scale", "zero"))
-        return cls(gate_up, down, arrays)
+        if biases is not None:
+            biases = tuple([b.float().contiguous() for b in part] for part in biases)
+        arrays = tuple(pointers([get(p) for p in packs]) for packs in (gate_up, down)
+                       for get in (lambda p: p.words.data_ptr(), lambda p: p.scale.data_ptr(), lambda p: p.zero_ptr))
+        arrays += (None, None) if biases is None else tuple(pointers([b.data_ptr() for b in part]) for part in biases)
+        return cls(gate_up, down, arrays, biases, act)
+
+    @property
+    def activation(self) -> tuple[int, float, float]:
+        """(clamped, alpha, limit) as the native call takes them."""
+        return (0, 0.0, 0.0) if self.act is None else (1, float(self.act.alpha), float(self.act.limit))
 
 
 class PendingLayer:
@@ -133,7 +161,8 @@ def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_
               weights: torch.Tensor, mask: torch.Tensor | None = None, threads: int | None = None,
               start: bool = False) -> torch.Tensor | PendingLayer:
     """x [T, D] -> [T, D] float32: the sum over the pairs (t, j) (where mask [T, k] says so) of weights[t, j] times
-    expert expert_ids[t, j] on x[t], every expert a SwiGLU FFN of the layer's repacked low-bit projections; one
+    expert expert_ids[t, j] on x[t], every expert a gated FFN (model/experts.gated_ffn: the experts' biases and
+    activation) of the layer's repacked low-bit or MXFP4 projections; one
     native call (kernel.moe_layer) on the calling thread and threads - 1 pool helpers. start: on `threads` helpers
     alone, returning at once a PendingLayer whose result() waits."""
     gu, dn = experts.gate_up[0], experts.down[0]
@@ -147,7 +176,8 @@ def moe_layer(kernel: CpuKernel, experts: LayerExperts, x: torch.Tensor, expert_
     kb_dn = tuning.k_block(kernel.bits, kernel.tile_outputs, dn.group)
     args = (T, k, ids.data_ptr(), w.data_ptr(), keep.data_ptr() if keep is not None else None, len(experts.gate_up),
             x.data_ptr(), gu.in_features, dn.in_features, *experts.arrays[:3], gu.words.shape[0], kb_gu,
-            *experts.arrays[3:], dn.words.shape[0], kb_dn, gu.group, out.data_ptr(), threads or torch.get_num_threads())
+            *experts.arrays[3:6], dn.words.shape[0], kb_dn, gu.group, *experts.arrays[6:], *experts.activation,
+            out.data_ptr(), threads or torch.get_num_threads())
     handle = ctypes.c_void_p()
     rc = kernel.dll.moe_layer_start(*args, ctypes.byref(handle)) if start else kernel.dll.moe_layer(*args)
     if rc:
@@ -180,6 +210,30 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
 
     return PackedForCpu(words=interleave(words), scale=interleave(scale.half()), zero=interleave(zero.half()),
                         out_features=out, in_features=in_features, bits=bits, group=group)
+
+
+def pack_mxfp4_for_cpu(blocks: torch.Tensor, scales: torch.Tensor, kernel: CpuKernel) -> PackedForCpu:
+    """From MXFP4 as the checkpoint ships it (blocks [out, in/32, 16] uint8, two E2M1 codes a byte, the low nibble
+    first; scales [out, in/32] uint8 E8M0 exponents) to the layout of an mxfp4 kernel. Read as little-endian int32,
+    a block's 16 bytes are 4 words holding its 32 codes at bits 4j of word i // 8: the 4-bit unit the generator
+    reads, so the repack only interleaves rows (no code moves within a row). An exponent of 0 (2^-127, subnormal)
+    reads as 0 and 255 (NaN in E8M0) as infinity: neither occurs in trained weights."""
+    if not kernel.mxfp4:
+        raise ValueError("pack_mxfp4_for_cpu needs an mxfp4 kernel")
+    out, G, half = blocks.shape
+    if half != BLOCK // 2 or scales.shape != (out, G) or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 weight needs blocks [out, in/32, 16] and scales [out, in/32] uint8, got "
+                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    words = blocks.contiguous().view(torch.int32).reshape(out, G * 4)  # [out, in/8]
+    pad = -out % kernel.tile_outputs
+    V = kernel.lanes
+
+    def interleave(t):  # [out, n] -> [out_pad / V, n, V]; padded rows: code 0 and exponent 0, so zeros
+        t = F.pad(t, (0, 0, 0, pad))
+        return t.reshape(-1, V, t.shape[1]).transpose(1, 2).contiguous()
+
+    return PackedForCpu(words=interleave(words), scale=interleave(scales), zero=None, out_features=out,
+                        in_features=G * BLOCK, bits=4, group=BLOCK)
 
 
 # ---- tuning: the register tile is measured with the kernel itself (tuning.py holds the model and the store)
@@ -242,13 +296,14 @@ def tile_for(isa: str) -> tuple[int, int]:
 
 
 @functools.cache
-def default_kernel(bits: int) -> CpuKernel | None:
-    """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning."""
+def default_kernel(bits: int, mxfp4: bool = False) -> CpuKernel | None:
+    """The best kernel for this CPU (tuned once per CPU model), or None with a one-time warning; mxfp4: the one of
+    MXFP4 weights (bits 4)."""
     if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
         return None
     isa = cpu_info().isas[0]
     try:
-        return CpuKernel(isa, bits, *tile_for(isa))
+        return CpuKernel(isa, bits, *tile_for(isa), mxfp4=mxfp4)
     except (build.CompilerUnavailable, OSError) as e:
         _warn_once(str(e))
         return None
