@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.checkpoint import (INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part,
-                                  read_tensor, tensor_experts)
+from moeserve.checkpoint import CheckpointReader, per_expert_names, read_interleaved_part, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
+from moeserve.families import lookup
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
 from moeserve.parallel.collectives import raise_if_any_failed
@@ -122,7 +122,7 @@ def fill_experts(model, reader: CheckpointReader, manifest: dict | None, experts
         if isinstance(leaf, QuantizedExperts):
             fill_quantized_experts(leaf, reader, manifest, i, experts, device, dtype)
             continue
-        if spec.family in INTERLEAVED_EXPERTS:
+        if lookup(spec.family).interleaved_experts:
             read = read_interleaved_experts(reader, i, experts, ffn, spec.expert_ffn, leaf)
         else:
             read = dict(zip(("gate_up_proj", "down_proj"),
