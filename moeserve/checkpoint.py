@@ -212,10 +212,10 @@ def _classic_moe_prefix(name: str, family: str) -> str:
 
 
 def tensor_experts(spec, name: str) -> int:
-    """The routed experts of the layer tensor `name` belongs to (spec.num_experts outside the layers): what
+    """The routed experts of the layer tensor `name` belongs to (spec.moe.num_experts outside the layers): what
     read_tensor assembles a per-expert layer from when layers differ (PR-MoE's pyramid)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return spec.experts_at(int(m.group(1))) if m else spec.num_experts
+    return spec.moe.experts_at(int(m.group(1))) if m else spec.moe.num_experts
 
 
 def _stored_names(name: str, family: str) -> tuple[str, ...]:
@@ -334,11 +334,11 @@ def expert_sample_rows(spec) -> list[tuple[int, int, str, int]]:
     layer, spread over the experts and the rows. A few KiB per layer, read in milliseconds, yet two different
     trainings (or a fine-tune of the experts) differ in every one of them."""
     rows = []
-    for layer in spec.moe_layer_indices():
-        E = spec.experts_at(layer)
+    for layer in spec.moe.layer_indices():
+        E = spec.moe.experts_at(layer)
         for e in range(0, E, max(1, E // SAMPLED_EXPERTS))[:SAMPLED_EXPERTS]:
             k = 7919 * layer + 104729 * e + 13
-            rows += [(layer, e, "gate_up", k % (2 * spec.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
+            rows += [(layer, e, "gate_up", k % (2 * spec.moe.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
     return rows
 
 
@@ -354,7 +354,7 @@ def expert_sample_digest(spec, row_of) -> str:
 def checkpoint_expert_sample(reader: CheckpointReader, spec) -> str:
     """expert_sample_digest of the routed experts stored in a float checkpoint (reads only the sampled rows)."""
     return expert_sample_digest(spec, lambda layer, e, projection, row: read_expert_row(
-        reader, spec.family, layer, e, projection, row, spec.expert_ffn))
+        reader, spec.family, layer, e, projection, row, spec.moe.expert_ffn))
 
 
 # ---- writing ---------------------------------------------------------------------------------

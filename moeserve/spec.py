@@ -2,87 +2,58 @@
 
 Each HF family spells the same ideas differently (`num_local_experts` vs `num_experts`, `rope_scaling` vs
 `rope_parameters`, qk-norm per head vs over all heads). `from_hf_config` reads a config.json dict once, through its
-family's reader (moeserve/families/), and the rest of moeserve only ever sees a ModelSpec. Its parts (RopeSpec,
-MLASpec, RouterSpec, ClampedSwiGLU, AttentionTemperature) live in moeserve/spec_parts.py and are named here too.
+family's reader (moeserve/families/), and the rest of moeserve only ever sees a ModelSpec: sizes and tokens at the
+top, `spec.attention`, `spec.moe` and `spec.norm` as typed parts (moeserve/spec_parts.py, named here too).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from moeserve.errors import MoeserveError
 from moeserve.families import read_fields
-from moeserve.spec_parts import AttentionTemperature, ClampedSwiGLU, MLASpec, RopeSpec, RouterSpec
+from moeserve.spec_parts import (AttentionSpec, AttentionTemperature, ClampedSwiGLU, MLASpec, MoESpec, NormSpec,
+                                  RopeSpec, RouterSpec)
 
-__all__ = ["AttentionTemperature", "ClampedSwiGLU", "MLASpec", "ModelSpec", "RopeSpec", "RouterSpec", "read_config",
-           "longrope_long_inv_freq", "longrope_mscales", "rope_inv_freq"]
+__all__ = ["AttentionSpec", "AttentionTemperature", "ClampedSwiGLU", "MLASpec", "ModelSpec", "MoESpec", "NormSpec",
+           "RopeSpec", "RouterSpec", "read_config", "longrope_long_inv_freq", "longrope_mscales", "rope_inv_freq"]
+
+
+# ModelSpec's fields by the names of its flat form (config readers, JSON written before the parts, tests) -> (part,
+# field): a part's field keeps its name there, except these
+RENAMED = {"attention_chunks": ("attention", "chunks"), "attention_temperature": ("attention", "temperature"),
+           "attention_sinks": ("attention", "sinks"), "attention_scale": ("attention", "scale"),
+           "moe_layers": ("moe", "layers"), "norm": ("norm", "kind"), "rms_norm_eps": ("norm", "eps"),
+           "norm_fp32": ("norm", "fp32")}
+PARTS = {"attention": AttentionSpec, "moe": MoESpec, "norm": NormSpec}
+FLAT_FIELDS = {**{f.name: (part, f.name) for part, cls in PARTS.items() for f in fields(cls)
+                  if (part, f.name) not in RENAMED.values()}, **RENAMED}
+NESTED = {"rope": RopeSpec, "mla": MLASpec, "router": RouterSpec, "expert_act": ClampedSwiGLU,
+          "temperature": AttentionTemperature, "attention_temperature": AttentionTemperature}  # JSON dict -> part
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model: its sizes and tokens here, its attention, sparse part and norms in typed parts (spec_parts.py)."""
+
     family: str
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6  # the eps of every norm, RMSNorm or LayerNorm
-    norm: str = "rms"  # one of NORMS: the decoder's norms (qk-norms and MLA's latent norms are RMSNorms)
-    rope: RopeSpec = field(default_factory=RopeSpec)
+    attention: AttentionSpec
+    moe: MoESpec = field(default_factory=MoESpec)
+    norm: NormSpec = field(default_factory=NormSpec)
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    # None | "head" (Qwen3, GLM: per head) | "full" (OLMoE: over all heads) | "l2" (Llama-4: per head, no weight,
-    # after the rotary, on rotary layers only)
-    qk_norm: str | None = None
-    rotary_dim: int = 0  # rotated dims of a head's query/key, from its start (0: all of head_dim; GLM: a part)
-    mla: MLASpec | None = None  # DeepSeek's latent attention instead of GQA (head_dim = nope + rope dims)
-    clip_qkv: float | None = None
-    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
-    # Llama-4, per layer: chunked attention (a query sees the keys of its own chunk of positions [c C, (c + 1) C)
-    # only; None = not chunked), and NoPE layers (True: no rotary; the attention temperature instead, if any)
-    attention_chunks: tuple[int | None, ...] = ()
-    nope_layers: tuple[bool, ...] = ()
-    attention_temperature: AttentionTemperature | None = None
-    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax row (dropped after)
-    norm_fp32: bool = False  # GPT-OSS: RMSNorm weights kept and applied in float32, the product cast after
-    # sparse part
-    num_experts: int = 8
-    top_k: int = 2
-    expert_ffn: int = 14336
-    norm_topk_prob: bool = True
-    router_weights_fp32: bool = True  # Mixtral keeps routing weights in fp32, Qwen/OLMoE cast to the model dtype
-    router: RouterSpec | None = None  # DeepSeek-style routing (fp32 gate); None: `routing` says
-    # ROUTINGS: softmax top-k (TopKRouter) | Phi-MoE's sparsemixer top-2 (SparseMixerRouter) | sigmoid of the top-k
-    # logits (SigmoidTopKRouter, Llama-4)
-    routing: str = "softmax"
-    router_jitter_eps: float = 0.0  # sparsemixer: experts whose logit is within 2 eps (relative) of the best compete
-    router_bias: bool = False  # GPT-OSS: the gate linear has a bias
-    expert_bias: bool = False  # GPT-OSS: gate_up and down projections of the experts have biases
-    expert_act: ClampedSwiGLU | None = None  # None: silu(gate) * up
-    router_scales_input: bool = False  # Llama-4 (top-1): the gate weight scales the expert's input, not its output
-    experts_mxfp4: bool = False  # routed experts stored as MXFP4 blocks + scales (quant_method mxfp4), kept packed
-    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense FFN (False)
-    dense_ffn: int = 0  # FFN width of dense layers
-    shared_expert_ffn: int = 0  # 0 = no shared expert
-    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared expert
-    # PR-MoE (DeepSpeed-MoE): routed experts per layer where layers differ (the pyramid; 0 = a dense layer), and
-    # the residual mix: the shared expert (PR-MoE's dense MLP) and the routed output weighted by softmax(Linear(D, 2))
-    layer_experts: tuple[int, ...] = ()  # () = num_experts in every MoE layer
-    residual_mix: bool = False
     # Granite's scalars (muP): embeddings times embedding_multiplier, each attention and MLP output times
-    # residual_multiplier before its residual add, logits divided by logits_scaling; attention_scale: the softmax
-    # scale (None: head_dim^-0.5)
+    # residual_multiplier before its residual add, logits divided by logits_scaling
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    attention_scale: float | None = None
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -90,85 +61,89 @@ class ModelSpec:
     torch_dtype: str = "float32"
 
     # ---- derived sizes -------------------------------------------------------------------
-    def experts_at(self, layer: int) -> int:
-        """Routed experts of layer `layer` (num_experts unless the layers differ)."""
-        return self.layer_experts[layer] if self.layer_experts else self.num_experts
-
-    def moe_layer_indices(self) -> list[int]:
-        """The layers with routed experts, in order (the others have a dense FFN)."""
-        return [i for i, moe in enumerate(self.moe_layers) if moe]
-
-    @property
-    def rotated_dims(self) -> int:
-        """Dims of a head's query/key that the rope turns, from the head's start."""
-        return self.rotary_dim or self.head_dim
-
     def attention_projections(self) -> tuple[tuple[str, int, int, bool], ...]:
         """(name, out_features, in_features, bias) of one layer's attention linears, as `self_attn.<name>`."""
-        D, H, m = self.hidden_size, self.num_heads, self.mla
+        a = self.attention
+        D, H, m = self.hidden_size, a.num_heads, a.mla
         if m is None:
-            Hkv, Dh, b = self.num_kv_heads, self.head_dim, self.qkv_bias
+            Hkv, Dh, b = a.num_kv_heads, a.head_dim, a.qkv_bias
             return (("q_proj", H * Dh, D, b), ("k_proj", Hkv * Dh, D, b), ("v_proj", Hkv * Dh, D, b),
-                    ("o_proj", D, H * Dh, self.o_bias))
+                    ("o_proj", D, H * Dh, a.o_bias))
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = ((("q_proj", H * qk, D, False),) if m.q_lora_rank is None else
-             (("q_a_proj", m.q_lora_rank, D, self.qkv_bias), ("q_b_proj", H * qk, m.q_lora_rank, False)))
-        return q + (("kv_a_proj_with_mqa", m.latent_dim, D, self.qkv_bias),
+             (("q_a_proj", m.q_lora_rank, D, a.qkv_bias), ("q_b_proj", H * qk, m.q_lora_rank, False)))
+        return q + (("kv_a_proj_with_mqa", m.latent_dim, D, a.qkv_bias),
                     ("kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False),
-                    ("o_proj", D, H * m.v_head_dim, self.o_bias))
-
-    def kv_cache_entry(self) -> tuple[int, int, bool]:
-        """(heads, values per head, values kept apart from keys) of one token's KV cache entry in one layer: GQA
-        keeps keys and values of num_kv_heads heads; MLA one latent, from which keys and values are computed."""
-        if self.mla is not None:
-            return 1, self.mla.latent_dim, False
-        return self.num_kv_heads, self.head_dim, True
-
-    def attention_core(self) -> tuple[int, int]:
-        """(query values, output values) per head of the attention core, the part that reads the KV cache
-        (Attention.core_attention): GQA head_dim and head_dim; MLA, which attends in the latent space (absorbed),
-        the latent entry's width and kv_lora_rank."""
-        if self.mla is not None:
-            return self.mla.latent_dim, self.mla.kv_lora_rank
-        return self.head_dim, self.head_dim
+                    ("o_proj", D, H * m.v_head_dim, a.o_bias))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token takes over all layers at dtype_bytes per value."""
-        heads, dim, separate = self.kv_cache_entry()
+        heads, dim, separate = self.attention.kv_cache_entry()
         return self.num_layers * heads * dim * (2 if separate else 1) * dtype_bytes
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameters split into dense (always active) and sparse (routed experts)."""
-        D, H, Hkv, Dh = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        norm = D * (2 if self.norm == "layer" else 1)  # one decoder norm's weights (and bias)
+        a, moe = self.attention, self.moe
+        D, H, Hkv, Dh = self.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+        norm = D * (2 if self.norm.kind == "layer" else 1)  # one decoder norm's weights (and bias)
         attn = sum(o * i + (o if bias else 0) for _, o, i, bias in self.attention_projections()) + 2 * norm
-        if self.mla is not None:
-            attn += self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)  # the latent norms
-        elif self.qk_norm == "head":
+        if a.mla is not None:
+            attn += a.mla.kv_lora_rank + (a.mla.q_lora_rank or 0)  # the latent norms
+        elif a.qk_norm == "head":
             attn += 2 * Dh
-        elif self.qk_norm == "full":
+        elif a.qk_norm == "full":
             attn += H * Dh + Hkv * Dh
-        attn += H if self.attention_sinks else 0
+        attn += H if a.sinks else 0
         dense = self.vocab_size * D * (1 if self.tie_word_embeddings else 2) + norm
         dense += self.vocab_size if self.lm_head_bias else 0
         sparse = 0
         active_sparse = 0
-        for i, is_moe in enumerate(self.moe_layers):
+        for i, is_moe in enumerate(moe.layers):
             dense += attn
             if is_moe:
-                E = self.experts_at(i)
-                dense += E * D + (E if self.router and self.router.correction_bias or self.router_bias else 0)
-                dense += 3 * D * self.shared_expert_ffn + (D if self.shared_expert_gate else 0)
-                dense += 2 * D + 2 if self.residual_mix else 0  # the mix's Linear(D, 2) with bias
-                per_expert = 3 * D * self.expert_ffn + (2 * self.expert_ffn + D if self.expert_bias else 0)
+                E = moe.experts_at(i)
+                dense += E * D + (E if moe.router and moe.router.correction_bias or moe.router_bias else 0)
+                dense += 3 * D * moe.shared_expert_ffn + (D if moe.shared_expert_gate else 0)
+                dense += 2 * D + 2 if moe.residual_mix else 0  # the mix's Linear(D, 2) with bias
+                per_expert = 3 * D * moe.expert_ffn + (2 * moe.expert_ffn + D if moe.expert_bias else 0)
                 sparse += E * per_expert
-                active_sparse += self.top_k * per_expert
+                active_sparse += moe.top_k * per_expert
             else:
-                dense += 3 * D * self.dense_ffn
+                dense += 3 * D * moe.dense_ffn
         return {"dense": dense, "experts": sparse, "total": dense + sparse, "active_per_token": dense + active_sparse}
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def of(cls, **values) -> "ModelSpec":
+        """A ModelSpec from its fields by their flat names (FLAT_FIELDS: num_heads, top_k, rms_norm_eps, ...) and
+        the top-level ones; a part may also be given whole (attention=AttentionSpec(...)), flat fields of it then
+        replacing its own. How config readers, tests and JSON written before the parts name a spec."""
+        top, parts = split_fields(values)
+        for part, changes in parts.items():
+            top[part] = replace(top[part], **changes) if part in top else PARTS[part](**changes)
+        return cls(**top)
+
+    def replace(self, **changes) -> "ModelSpec":
+        """This spec with `changes` (flat names, as `of` takes them, or whole parts)."""
+        top, parts = split_fields(changes)
+        for part, values in parts.items():
+            top[part] = replace(top.get(part, getattr(self, part)), **values)
+        return replace(self, **top)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        """The spec to_json wrote: with its parts, or the flat form written before them (stores, manifests and
+        results made then still read)."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise MoeserveError("a ModelSpec JSON must hold an object")
+        for part, part_cls in PARTS.items():
+            if isinstance(data.get(part), dict):
+                data[part] = part_cls(**{k: json_value(k, v) for k, v in data[part].items()})
+        return cls.of(**{k: json_value(k, v) for k, v in data.items()})
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -177,6 +152,30 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelSpec":
         return cls.from_hf_config(read_config(path))
+
+
+def split_fields(values: dict) -> tuple[dict, dict[str, dict]]:
+    """(top-level fields and whole parts, part -> {field: value}) of fields named as ModelSpec.of takes them."""
+    top, parts = {}, {}
+    for name, value in values.items():
+        if name in PARTS and isinstance(value, PARTS[name]):
+            top[name] = value
+        elif name in FLAT_FIELDS:
+            part, field_name = FLAT_FIELDS[name]
+            parts.setdefault(part, {})[field_name] = value
+        else:
+            top[name] = value
+    return top, parts
+
+
+def json_value(name: str, value):
+    """A field's value as JSON holds it -> as ModelSpec holds it: the nested dataclasses (NESTED) from their dicts,
+    tuples from lists."""
+    if isinstance(value, dict) and name in NESTED:
+        return NESTED[name](**{k: json_value(k, v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(json_value(name, v) for v in value)
+    return value
 
 
 def read_config(path: str | Path) -> dict:

@@ -1,9 +1,10 @@
 """What every family module is made of: the Family record the registry holds, and the config reading the families
 share (the rope, the fields every config names, expert counts, partial rotary).
 
-A family reader takes config.json (its family's defaults merged under it) to the ModelSpec fields, a dict of field
-name -> value that moeserve/spec.py turns into a ModelSpec. Each HF family spells the same ideas differently
-(`num_local_experts` vs `num_experts`, `rope_scaling` vs `rope_parameters`); the readers normalise them once.
+A family reader takes config.json (its family's defaults merged under it) to the ModelSpec fields: the top-level
+ones and its typed parts (attention, moe, norm), which moeserve/spec.py makes a ModelSpec of. Each HF family spells
+the same ideas differently (`num_local_experts` vs `num_experts`, `rope_scaling` vs `rope_parameters`); the readers
+normalise them once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from moeserve.errors import MoeserveError
-from moeserve.spec_parts import SUPPORTED_ROPE_TYPES, RopeSpec
+from moeserve.spec_parts import SUPPORTED_ROPE_TYPES, NormSpec, RopeSpec
 
 LONG_CONTEXT = {"max_position_embeddings": 131072}  # the context of the families that default to 128K
 
@@ -106,11 +107,11 @@ def partial_rotary(cfg: dict, default: float) -> float:
     return float(rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
 
 
-def common_fields(cfg: dict, family: str, rope: RopeSpec | None = None) -> dict:
-    """The ModelSpec fields every family's config names alike: sizes, heads, context, eps, rope, tokens, dtype."""
+def common_fields(cfg: dict, family: str) -> dict:
+    """The top-level ModelSpec fields every family's config names alike (sizes, context, tokens, dtype), and the
+    decoder's norms as RMSNorms of rms_norm_eps (NormSpec: a reader replaces it where its family differs)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise MoeserveError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    H = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return dict(
@@ -118,12 +119,8 @@ def common_fields(cfg: dict, family: str, rope: RopeSpec | None = None) -> dict:
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_layers=cfg["num_hidden_layers"],
-        num_heads=H,
-        num_kv_heads=cfg.get("num_key_value_heads") or H,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // H,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope=rope or read_rope(cfg),
+        norm=NormSpec(eps=cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
@@ -132,8 +129,16 @@ def common_fields(cfg: dict, family: str, rope: RopeSpec | None = None) -> dict:
     )
 
 
+def heads(cfg: dict, rope: RopeSpec | None = None) -> dict:
+    """The AttentionSpec fields every family's config names alike: heads, KV heads, head dim, and the rope (cfg's,
+    where `rope` is None)."""
+    H = cfg["num_attention_heads"]
+    return dict(num_heads=H, num_kv_heads=cfg.get("num_key_value_heads") or H,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // H, rope=rope or read_rope(cfg))
+
+
 def num_experts(cfg: dict) -> int:
-    """Routed experts where a config says num_experts (Qwen, OLMoE) or, as transformers 5 may write, num_local_experts."""
+    """Routed experts where a config says num_experts (Qwen, OLMoE) or, as transformers 5 writes, num_local_experts."""
     n = cfg.get("num_experts", cfg.get("num_local_experts"))
     if n is None:
         raise KeyError("num_experts")

@@ -4,9 +4,12 @@ None: as they are; other p refused). Checkpoints hold a fused Wqkv and fused exp
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moeserve.errors import MoeserveError
-from moeserve.families.common import Family, common_fields
+from moeserve.families.common import Family, common_fields, heads
 from moeserve.layouts import Rule, rows, same
+from moeserve.spec_parts import AttentionSpec, MoESpec
 
 
 def read(cfg: dict) -> dict:
@@ -20,17 +23,21 @@ def read(cfg: dict) -> dict:
                 rope_theta=attn.get("rope_theta", 10000.0))
     c = common_fields(flat, "dbrx")
     L = c["num_layers"]
-    return dict(**c, norm="layer_no_bias", clip_qkv=attn.get("clip_qkv"), sliding_windows=(None,) * L,
-                num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"], expert_ffn=ffn["ffn_hidden_size"],
-                norm_topk_prob=p is not None, router_weights_fp32=False, moe_layers=(True,) * L)
+    c["norm"] = replace(c["norm"], kind="layer_no_bias")
+    return dict(**c, attention=AttentionSpec(**heads(flat), clip_qkv=attn.get("clip_qkv"),
+                                             sliding_windows=(None,) * L),
+                moe=MoESpec(num_experts=ffn["moe_num_experts"], top_k=ffn["moe_top_k"],
+                            expert_ffn=ffn["ffn_hidden_size"], norm_topk_prob=p is not None,
+                            router_weights_fp32=False, layers=(True,) * L))
 
 
 def layout(spec) -> list[Rule]:
     """The stored tensors of a DBRX checkpoint (spec: its ModelSpec) as moeserve's."""
     import torch  # on use: the families are read by `import moeserve`, which stays torch-free
 
-    E, F, D = spec.num_experts, spec.expert_ffn, spec.hidden_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    E, F, D = spec.moe.num_experts, spec.moe.expert_ffn, spec.hidden_size
+    a = spec.attention
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     block, layer = r"^transformer\.blocks\.(\d+)\.", r"model.layers.\1."
     return [
         (r"^transformer\.wte\.weight$", [("model.embed_tokens.weight", (), same)]),

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import Family, common_fields, read_rope
-from moeserve.spec_parts import SCORING_FUNCS, TOPK_METHODS, MLASpec, RopeSpec, RouterSpec
+from moeserve.families.common import Family, common_fields, heads, read_rope
+from moeserve.spec_parts import SCORING_FUNCS, TOPK_METHODS, AttentionSpec, MLASpec, MoESpec, RopeSpec, RouterSpec
 
 
 def routed_experts(cfg: dict) -> int:
@@ -43,21 +43,20 @@ def grouped_router(cfg: dict, scoring: str, topk_method: str, correction_bias: b
                       correction_bias=correction_bias)
 
 
-def deepseek_sparse(cfg: dict, L: int, router: RouterSpec) -> dict:
+def deepseek_sparse(cfg: dict, L: int, router: RouterSpec) -> MoESpec:
     """The sparse part DeepSeek-V2/V3 and GLM-4.5 share: first_k_dense_replace dense layers, then an MoE layer every
     moe_layer_freq (DeepSeek's own rule; transformers reads 1), n_shared_experts as one shared FFN."""
     first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
-    return dict(
+    return MoESpec(
         num_experts=routed_experts(cfg),
         top_k=cfg["num_experts_per_tok"],
         expert_ffn=cfg["moe_intermediate_size"],
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         router_weights_fp32=True,
-        moe_layers=tuple(i >= first and i % freq == 0 for i in range(L)),
+        layers=tuple(i >= first and i % freq == 0 for i in range(L)),
         dense_ffn=cfg["intermediate_size"],
         shared_expert_ffn=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
         router=router,
-        sliding_windows=(None,) * L,
     )
 
 
@@ -76,13 +75,16 @@ def read_deepseek(cfg: dict, family: str) -> dict:
     MLA, whose rotary pairs are interleaved (V2 always; V3 unless rope_interleave is false)."""
     v3 = family == "deepseek_v3"
     rope = read_rope(cfg, interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
-    c = common_fields(cfg, family, rope)
+    c = common_fields(cfg, family)
+    L = c["num_layers"]
     mla = read_mla(cfg, rope)
-    c.update(head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, num_kv_heads=c["num_heads"])
+    a = heads(cfg, rope)
+    a.update(head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, num_kv_heads=a["num_heads"])
     bias = bool(cfg.get("attention_bias", False))
     router = grouped_router(cfg, "sigmoid" if v3 else "softmax", "noaux_tc" if v3 else "greedy", correction_bias=v3)
-    return dict(**c, qkv_bias=bias, o_bias=bias, rotary_dim=mla.qk_rope_head_dim, mla=mla,
-                **deepseek_sparse(cfg, c["num_layers"], router))
+    return dict(**c, attention=AttentionSpec(**a, qkv_bias=bias, o_bias=bias, rotary_dim=mla.qk_rope_head_dim,
+                                             mla=mla, sliding_windows=(None,) * L),
+                moe=deepseek_sparse(cfg, L, router))
 
 
 FAMILIES = (

@@ -6,26 +6,32 @@ router mlp.router and store the experts fused with gate and up interleaved (chec
 from __future__ import annotations
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import LONG_CONTEXT, Family, common_fields
-from moeserve.spec_parts import ClampedSwiGLU
+from dataclasses import replace
+
+from moeserve.families.common import LONG_CONTEXT, Family, common_fields, heads
+from moeserve.spec_parts import AttentionSpec, ClampedSwiGLU, MoESpec
 
 
 def read(cfg: dict) -> dict:
-    c = common_fields({**cfg, "hidden_act": "silu"}, "gpt_oss")  # hidden_act is unused: the experts' activation is fixed
+    c = common_fields({**cfg, "hidden_act": "silu"}, "gpt_oss")  # hidden_act is unused: the experts' act is fixed
     L = c["num_layers"]
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
         raise MoeserveError(f"layer_types must list {L} of sliding_attention / full_attention, got {types!r}")
     bias = bool(cfg.get("attention_bias", True))
     quant = cfg.get("quantization_config") or {}
+    c["norm"] = replace(c["norm"], fp32=True)
     return dict(
-        **c, qkv_bias=bias, o_bias=bias, attention_sinks=True, norm_fp32=True,
-        sliding_windows=tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types),
-        num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], expert_ffn=cfg["intermediate_size"],
-        norm_topk_prob=True, router_weights_fp32=False, moe_layers=(True,) * L, router_bias=True, expert_bias=True,
-        expert_act=ClampedSwiGLU(alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                                 limit=float(cfg.get("swiglu_limit", 7.0))),
-        experts_mxfp4=quant.get("quant_method") == "mxfp4",
+        **c,
+        attention=AttentionSpec(
+            **heads(cfg), qkv_bias=bias, o_bias=bias, sinks=True,
+            sliding_windows=tuple(cfg.get("sliding_window") if t == "sliding_attention" else None for t in types)),
+        moe=MoESpec(
+            num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], expert_ffn=cfg["intermediate_size"],
+            norm_topk_prob=True, router_weights_fp32=False, layers=(True,) * L, router_bias=True, expert_bias=True,
+            expert_act=ClampedSwiGLU(alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                                     limit=float(cfg.get("swiglu_limit", 7.0))),
+            experts_mxfp4=quant.get("quant_method") == "mxfp4"),
     )
 
 

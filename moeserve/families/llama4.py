@@ -7,14 +7,14 @@ interleaved rope pairs. Checkpoints name the MoE block feed_forward and store ex
 from __future__ import annotations
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import LONG_CONTEXT, Family, common_fields, read_rope
+from moeserve.families.common import LONG_CONTEXT, Family, common_fields, heads, read_rope
 from moeserve.layouts import Rule, same, swap_last
-from moeserve.spec_parts import AttentionTemperature
+from moeserve.spec_parts import AttentionSpec, AttentionTemperature, MoESpec
 
 
 def read(cfg: dict) -> dict:
     text = {**cfg, **(cfg.get("text_config") or {}), "architectures": cfg.get("architectures")}
-    c = common_fields(text, "llama4", read_rope(text, interleave=True))
+    c = common_fields(text, "llama4")
     L, k = c["num_layers"], text.get("num_experts_per_tok", 1)
     if k != 1:
         raise MoeserveError(f"Llama-4's router scales the expert's input by its weight; moeserve runs that for one "
@@ -25,15 +25,18 @@ def read(cfg: dict) -> dict:
     bias = bool(text.get("attention_bias", False))
     ffn = text["intermediate_size"]
     return dict(
-        **c, qkv_bias=bias, o_bias=bias, **attention_fields(text, L), num_experts=text["num_local_experts"],
-        top_k=1, expert_ffn=ffn, norm_topk_prob=False, router_weights_fp32=False, routing="sigmoid",
-        router_scales_input=True, moe_layers=tuple(i in moe for i in range(L)),
-        dense_ffn=text.get("intermediate_size_mlp", 16384), shared_expert_ffn=ffn,
+        **c,
+        attention=AttentionSpec(**heads(text, read_rope(text, interleave=True)), qkv_bias=bias, o_bias=bias,
+                                **attention_fields(text, L)),
+        moe=MoESpec(num_experts=text["num_local_experts"], top_k=1, expert_ffn=ffn, norm_topk_prob=False,
+                    router_weights_fp32=False, routing="sigmoid", router_scales_input=True,
+                    layers=tuple(i in moe for i in range(L)), dense_ffn=text.get("intermediate_size_mlp", 16384),
+                    shared_expert_ffn=ffn),
     )
 
 
 def attention_fields(text: dict, L: int) -> dict:
-    """Llama-4's attention fields: rotary layers (no_rope_layers 1; by default all but every
+    """Llama-4's AttentionSpec fields past the heads: rotary layers (no_rope_layers 1; by default all but every
     no_rope_layer_interval-th) attend in chunks of attention_chunk_size (as layer_types says, where it does) and
     L2-norm q and k (use_qk_norm); the others are NoPE layers with the attention temperature
     (attn_temperature_tuning, floor_scale, attn_scale)."""
@@ -47,8 +50,8 @@ def attention_fields(text: dict, L: int) -> dict:
     temperature = (AttentionTemperature(float(text.get("floor_scale", 8192)), float(text.get("attn_scale", 0.1)))
                    if text.get("attn_temperature_tuning", True) else None)
     return dict(qk_norm="l2" if text.get("use_qk_norm", True) else None, sliding_windows=(None,) * L,
-                attention_chunks=tuple(chunk if t == "chunked_attention" else None for t in types),
-                nope_layers=tuple(not r for r in rope_layers), attention_temperature=temperature)
+                chunks=tuple(chunk if t == "chunked_attention" else None for t in types),
+                nope_layers=tuple(not r for r in rope_layers), temperature=temperature)
 
 
 def layer_list(cfg: dict, name: str, L: int) -> list | None:

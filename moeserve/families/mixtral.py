@@ -3,7 +3,8 @@ weights kept in fp32; classic checkpoints name the MoE block block_sparse_moe an
 
 from __future__ import annotations
 
-from moeserve.families.common import LONG_CONTEXT, ExpertNames, Family, common_fields
+from moeserve.families.common import LONG_CONTEXT, ExpertNames, Family, common_fields, heads
+from moeserve.spec_parts import AttentionSpec, MoESpec
 
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
@@ -13,13 +14,10 @@ def read(cfg: dict) -> dict:
     L = c["num_layers"]
     return dict(
         **c,
-        sliding_windows=(cfg.get("sliding_window"),) * L,
-        num_experts=cfg["num_local_experts"],
-        top_k=cfg["num_experts_per_tok"],
-        expert_ffn=cfg["intermediate_size"],
-        norm_topk_prob=True,
-        router_weights_fp32=True,
-        moe_layers=(True,) * L,
+        attention=AttentionSpec(**heads(cfg), sliding_windows=(cfg.get("sliding_window"),) * L),
+        moe=MoESpec(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                    expert_ffn=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True,
+                    layers=(True,) * L),
     )
 
 

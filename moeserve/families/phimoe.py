@@ -5,8 +5,11 @@ block_sparse_moe and the experts w1/w3/w2, as Mixtral."""
 from __future__ import annotations
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import LONG_CONTEXT, Family, common_fields
+from dataclasses import replace
+
+from moeserve.families.common import LONG_CONTEXT, Family, common_fields, heads
 from moeserve.families.mixtral import MIXTRAL_NAMES
+from moeserve.spec_parts import AttentionSpec, MoESpec
 
 
 def read(cfg: dict) -> dict:
@@ -16,11 +19,13 @@ def read(cfg: dict) -> dict:
         raise MoeserveError(f"Phi-MoE's sparsemixer routes every token to 2 experts; num_experts_per_tok is "
                             f"{cfg['num_experts_per_tok']}")
     bias = bool(cfg.get("attention_bias", False))
-    return dict(**c, norm="layer", lm_head_bias=bool(cfg.get("lm_head_bias", False)), qkv_bias=bias,
-                o_bias=bias, sliding_windows=(cfg.get("sliding_window"),) * L,
-                num_experts=cfg["num_local_experts"], top_k=2, expert_ffn=cfg["intermediate_size"],
-                router_weights_fp32=False, routing="sparsemixer",
-                router_jitter_eps=float(cfg.get("router_jitter_noise", 0.01)), moe_layers=(True,) * L)
+    c["norm"] = replace(c["norm"], kind="layer")
+    return dict(**c, lm_head_bias=bool(cfg.get("lm_head_bias", False)),
+                attention=AttentionSpec(**heads(cfg), qkv_bias=bias, o_bias=bias,
+                                        sliding_windows=(cfg.get("sliding_window"),) * L),
+                moe=MoESpec(num_experts=cfg["num_local_experts"], top_k=2, expert_ffn=cfg["intermediate_size"],
+                            router_weights_fp32=False, routing="sparsemixer",
+                            router_jitter_eps=float(cfg.get("router_jitter_noise", 0.01)), layers=(True,) * L))
 
 
 FAMILIES = (Family("phimoe", ("PhimoeForCausalLM",), read,

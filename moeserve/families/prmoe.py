@@ -5,7 +5,8 @@ mixed as DeepSpeed-MoE's use_residual)."""
 from __future__ import annotations
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import Family, common_fields
+from moeserve.families.common import Family, common_fields, heads
+from moeserve.spec_parts import AttentionSpec, MoESpec
 
 
 def read(cfg: dict) -> dict:
@@ -20,17 +21,11 @@ def read(cfg: dict) -> dict:
     ffn = cfg["intermediate_size"]
     return dict(
         **c,
-        sliding_windows=(None,) * L,
-        num_experts=max(experts),
-        layer_experts=tuple(experts),
-        top_k=k,
-        expert_ffn=ffn,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", k > 1)),
-        router_weights_fp32=True,
-        moe_layers=tuple(e > 0 for e in experts),
-        dense_ffn=ffn,
-        shared_expert_ffn=ffn if residual else 0,
-        residual_mix=residual,
+        attention=AttentionSpec(**heads(cfg), sliding_windows=(None,) * L),
+        moe=MoESpec(num_experts=max(experts), layer_experts=tuple(experts), top_k=k, expert_ffn=ffn,
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", k > 1)), router_weights_fp32=True,
+                    layers=tuple(e > 0 for e in experts), dense_ffn=ffn, shared_expert_ffn=ffn if residual else 0,
+                    residual_mix=residual),
     )
 
 

@@ -4,7 +4,8 @@ windows by layer; Qwen3 a per-head qk-norm."""
 
 from __future__ import annotations
 
-from moeserve.families.common import Family, common_fields, num_experts
+from moeserve.families.common import Family, common_fields, heads, num_experts
+from moeserve.spec_parts import AttentionSpec, MoESpec
 
 
 def moe_layers(cfg: dict, L: int) -> tuple[bool, ...]:
@@ -25,14 +26,14 @@ def qwen2_windows(cfg: dict, L: int) -> tuple[int | None, ...]:
 
 
 def qwen_sparse(cfg: dict, L: int) -> dict:
-    """The sparse part both Qwen MoE generations share: dense layers interleaved by sparse step."""
+    """The MoESpec fields both Qwen MoE generations share: dense layers interleaved by sparse step."""
     return dict(
         num_experts=num_experts(cfg),
         top_k=cfg["num_experts_per_tok"],
         expert_ffn=cfg["moe_intermediate_size"],
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         router_weights_fp32=False,
-        moe_layers=moe_layers(cfg, L),
+        layers=moe_layers(cfg, L),
         dense_ffn=cfg.get("intermediate_size", 0),
     )
 
@@ -40,13 +41,12 @@ def qwen_sparse(cfg: dict, L: int) -> dict:
 def read_qwen2_moe(cfg: dict) -> dict:
     c = common_fields(cfg, "qwen2_moe")
     L = c["num_layers"]
+    shared = cfg.get("shared_expert_intermediate_size", 0)
     return dict(
         **c,
-        **qwen_sparse(cfg, L),
-        qkv_bias=bool(cfg.get("qkv_bias", True)),
-        sliding_windows=qwen2_windows(cfg, L),
-        shared_expert_ffn=cfg.get("shared_expert_intermediate_size", 0),
-        shared_expert_gate=cfg.get("shared_expert_intermediate_size", 0) > 0,
+        attention=AttentionSpec(**heads(cfg), qkv_bias=bool(cfg.get("qkv_bias", True)),
+                                sliding_windows=qwen2_windows(cfg, L)),
+        moe=MoESpec(**qwen_sparse(cfg, L), shared_expert_ffn=shared, shared_expert_gate=shared > 0),
     )
 
 
@@ -57,11 +57,9 @@ def read_qwen3_moe(cfg: dict) -> dict:
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     return dict(
         **c,
-        qkv_bias=bias,
-        o_bias=bias,
-        **qwen_sparse(cfg, L),
-        qk_norm="head",
-        sliding_windows=(window,) * L,
+        attention=AttentionSpec(**heads(cfg), qkv_bias=bias, o_bias=bias, qk_norm="head",
+                                sliding_windows=(window,) * L),
+        moe=MoESpec(**qwen_sparse(cfg, L)),
     )
 
 

@@ -22,7 +22,7 @@ def ring_slots(expert_bytes: int, num_experts: int) -> int:
 
 def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
     """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
-    D, F = spec.hidden_size, spec.expert_ffn
+    D, F = spec.hidden_size, spec.moe.expert_ffn
     group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
     if group is None and placement.needs_low_copies:
         raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "
@@ -34,8 +34,8 @@ def expert_bytes(spec, bits: int, dtype_bytes: int = 2, group: int = 64) -> int:
     """Bytes of one expert as the store holds it: float (bits 16) at dtype_bytes per weight, or a low-bit copy
     (QuantizedLinear: packed int32 words, fp16 scale and zero per group) for gate_up [2F, D] and down [D, F]; and
     its biases [2F] and [D] at dtype_bytes where the family has them (GPT-OSS)."""
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
+    D, F = spec.hidden_size, spec.moe.expert_ffn
+    bias = (2 * F + D) * dtype_bytes if spec.moe.expert_bias else 0
     if bits == 16:
         return 3 * D * F * dtype_bytes + bias
     return sum(quantized_bytes(rows, cols, bits, group) for rows, cols in ((2 * F, D), (D, F))) + bias
@@ -49,10 +49,10 @@ def host_bytes(spec, placement: HybridPlacement, compute_bytes: int, low_bits: i
     runs are also repacked once for its kernels (a second copy)."""
     high = 0 if placement.low else expert_bytes(spec, 16, compute_bytes)
     low = expert_bytes(spec, low_bits, group=group) if placement.needs_low_copies else 0
-    cpu_experts = sum(spec.experts_at(i) for i in placement.cpu_layers)
+    cpu_experts = sum(spec.moe.experts_at(i) for i in placement.cpu_layers)
     if mapped_float_bytes is None:
         stored_layers = placement.moe_layers if placement.low else placement.cpu_layers
-        total = sum(spec.experts_at(i) for i in stored_layers) * (high + low)
+        total = sum(spec.moe.experts_at(i) for i in stored_layers) * (high + low)
     else:
         read_high = 0 if placement.low else expert_bytes(spec, 16, mapped_float_bytes)
         total = cpu_experts * (read_high + low + (high if mapped_float_bytes != compute_bytes else 0))

@@ -269,7 +269,7 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
     if pin and model.device.type == "cuda":
         store.pin(progress=True)
     cache = ExpertCache(store, CachePolicy.named(policy, model.spec.num_layers, weights), high_slots, low_slots,
-                        model.device, model.dtype, mixed, t1, t2, reserve=model.spec.top_k,
+                        model.device, model.dtype, mixed, t1, t2, reserve=model.spec.moe.top_k,
                         cooperative=cooperative, bandwidth=bandwidth, prefetch_min_accuracy=prefetch_min_accuracy,
                         per_layer=per_layer)
     moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
@@ -277,6 +277,6 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
         following = moe[n + 1:n + 1 + prefetch_layers]
         gates = (torch.cat([model.model.layers[j].mlp.gate.weight for j in following]).detach()
                  if following else None)
-        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.experts_at(i), model.spec.top_k, cache,
-                                                             following, gates)
+        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.moe.experts_at(i), model.spec.moe.top_k,
+                                                             cache, following, gates)
     return cache

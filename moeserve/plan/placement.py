@@ -197,7 +197,7 @@ class PlacementPlan:
 
 
 def moe_layer_count(spec: ModelSpec) -> int:
-    return sum(spec.moe_layers) if spec.moe_layers else spec.num_layers
+    return sum(spec.moe.layers) if spec.moe.layers else spec.num_layers
 
 
 def dense_bytes(spec: ModelSpec, dtype_bytes: int, bits: int = 16) -> int:
@@ -252,7 +252,7 @@ def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
     table = 0 if spec.tie_word_embeddings else head  # the embedding table, never quantized
     weights = dense_bytes(spec, dtype_bytes, dense_bits) - (table + D) * dtype_bytes
     kv = kv_cache_bytes(spec, 1, int(context), dtype_bytes)
-    attention = 4 * tokens * context * spec.num_heads * spec.head_dim * spec.num_layers
+    attention = 4 * tokens * context * spec.attention.num_heads * spec.attention.head_dim * spec.num_layers
     return weights + kv, 2 * tokens * layers + 2 * head + attention
 
 
@@ -265,9 +265,9 @@ def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers
     asks for over the device link (decode; the step stays one graph); cpu_dense: the dense part runs on the CPU
     too (no GPU); stream: a prompt of the hybrid backend's STREAM_FROM tokens or more streams the CPU layers'
     experts to the GPU (hybrid/stream.py): at prefill they count as copied over the link and computed there."""
-    T, k = req.prompt_len, spec.top_k
-    touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
-    flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
+    T, k = req.prompt_len, spec.moe.top_k
+    touched = float(expected_experts(spec.moe.num_experts, k, T))  # experts of a layer a prompt reads
+    flops = 2 * T * k * 3 * spec.hidden_size * spec.moe.expert_ffn  # one layer's experts for the prompt
     dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2, req.rated_dense_bits)
     pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2, req.rated_dense_bits)
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
@@ -337,7 +337,7 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
 
 def _expert_host_bytes(spec: ModelSpec, req: PlanRequest, cpu_layers: int, bits: int, group: int) -> int:
     """Host RAM of the hybrid backend's expert store for this split (hybrid/memory.py)."""
-    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=cpu_layers, bits=bits)
+    placement = HybridPlacement.choose(spec.moe.layer_indices(), n_cpu_moe=cpu_layers, bits=bits)
     return host_bytes(spec, placement, req.dtype_bytes, bits if bits != 16 else 0, group)
 
 
@@ -352,15 +352,15 @@ def resident_expert_bytes(spec: ModelSpec, bits: int, dtype_bytes: int, group: i
     """Bytes of one expert resident on the model device: expert_bytes (what a store holds), except that an MXFP4
     checkpoint's experts (bits 16: as shipped) stay packed there, 17 bytes per 32 weights (16 of 4-bit codes, one
     scale) beside their biases, where the store keeps float copies."""
-    if bits != 16 or not spec.experts_mxfp4:
+    if bits != 16 or not spec.moe.experts_mxfp4:
         return expert_bytes(spec, bits, dtype_bytes, group)
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * dtype_bytes if spec.expert_bias else 0
+    D, F = spec.hidden_size, spec.moe.expert_ffn
+    bias = (2 * F + D) * dtype_bytes if spec.moe.expert_bias else 0
     return 3 * D * F * 17 // 32 + bias
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
-    M, E = moe_layer_count(spec), spec.num_experts
+    M, E = moe_layer_count(spec), spec.moe.num_experts
     fixed = (dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
              + kv_cache_bytes(spec, req.kv_batch, req.kv_tokens, req.dtype_bytes))
     room = req.budget * (1 - WORKSPACE_SHARE) - fixed  # bytes left for experts on the GPU
@@ -395,7 +395,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
 
 def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
     """HOBBIT offload at this budget: float and 4-bit slots as `--offload STORE --gpu-memory` plans them."""
-    M, E, k = moe_layer_count(spec), spec.num_experts, spec.top_k
+    M, E, k = moe_layer_count(spec), spec.moe.num_experts, spec.moe.top_k
     high = expert_bytes(spec, 16, req.dtype_bytes)
     try:
         low = expert_bytes(spec, OFFLOAD_LOW_BITS, group=_group(spec, OFFLOAD_LOW_BITS))
@@ -416,7 +416,7 @@ def _offload_candidate(spec, hw, req, costs, fixed) -> Candidate:
 
 def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     """No GPU: the whole model in RAM, its experts at each precision (low-bit ones through --cpu-moe)."""
-    M, E = moe_layer_count(spec), spec.num_experts
+    M, E = moe_layer_count(spec), spec.moe.num_experts
     dense = dense_bytes(spec, req.dtype_bytes, req.rated_dense_bits)
     out = []
     for bits, group in _bits(spec, req):

@@ -76,7 +76,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
         largest_kv = max(largest_kv, kv_layer)
     kv = c.batch_size * kv_per_seq
     kv_gpu = np.where(ag, c.kv_gpu_fraction, 0.0)
-    ffn_width = max(spec.top_k * spec.expert_ffn + spec.shared_expert_ffn, spec.dense_ffn)
+    ffn_width = max(spec.moe.top_k * spec.moe.expert_ffn + spec.moe.shared_expert_ffn, spec.moe.dense_ffn)
     per_token = (4 * D + qkv_width(spec) + 2 * ffn_width) * ab
     gpu = {
         "embedding + LM head": spec.vocab_size * D * (1 if spec.tie_word_embeddings else 2) * wb + D * wb,
@@ -86,7 +86,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
         "KV staging": np.where(ag, 2 * (1 - kv_gpu) * c.micro_batch * largest_kv, 0.0),
         "activations": c.micro_batch * (wl.prompt_len * per_token + spec.vocab_size * 4),
     }
-    parts = 2 if spec.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
+    parts = 2 if spec.attention.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
     host_kv_part = (1 - kv_gpu) * c.micro_batch * kv_per_seq / parts  # the k (or v) cache of one micro-batch
     pinned = np.where(host_kv_part > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_part, 1.0))), 0.0)
     weights = gpu_weights + host_only if host_weights is None else np.full_like(gpu_weights + host_only, host_weights)
