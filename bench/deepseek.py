@@ -95,7 +95,7 @@ def cache_bytes(cache) -> int:
 def step_bytes(model, spec: ModelSpec, batch: int) -> float:
     """Weight bytes one decode step of `batch` tokens reads: everything but the routed experts and the embedding,
     one embedding row per token, and the routed experts a batch hits on average (roofline.expected_experts)."""
-    hit = float(expected_experts(spec.num_experts, spec.top_k, batch)) / spec.num_experts
+    hit = float(expected_experts(spec.moe.num_experts, spec.moe.top_k, batch)) / spec.moe.num_experts
     total = 0.0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         n = t.numel() * t.element_size()
@@ -122,10 +122,10 @@ def decode_part(args, device, dtype, bw: float) -> dict:
     with torch.inference_mode():
         out = hf(random_prompts(spec.vocab_size, 2, S, 7, device), use_cache=True)
     hf_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    m = spec.mla
+    m = spec.attention.mla
     kv = {"moeserve_latent": kv_cache_bytes(spec, 1, 1, 2),
           "transformers_cache": cache_bytes(hf_cache) / (2 * S) / torch.finfo(dtype).bits * 16,
-          "expanded_kv": spec.num_layers * spec.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+          "expanded_kv": spec.num_layers * spec.attention.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
           * 2,
           "what": "bytes per token over all layers at bf16; expanded_kv: keys and values of every head (plain MHA)"}
     print(f"KV bytes per token (bf16): moeserve {kv['moeserve_latent']:,}, transformers "
@@ -158,12 +158,12 @@ def decode_part(args, device, dtype, bw: float) -> dict:
 
 def lowbit_rows(ours, spec: ModelSpec, args, device, dtype, bw: float, bits: int = 4, group: int = 64) -> list[dict]:
     """The model with random 4-bit experts (the low-bit fused MoE), decoded through the CUDA graph."""
-    D, F = spec.hidden_size, spec.expert_ffn
+    D, F = spec.hidden_size, spec.moe.expert_ffn
     for layer in ours.model.layers:
-        if spec.moe_layers[layer.self_attn.layer_idx]:
+        if spec.moe.layers[layer.self_attn.layer_idx]:
             layer.mlp.experts = QuantizedExperts(
-                [random_quantized(D, 2 * F, bits, group, 0, device) for _ in range(spec.num_experts)],
-                [random_quantized(F, D, bits, group, 0, device) for _ in range(spec.num_experts)])
+                [random_quantized(D, 2 * F, bits, group, 0, device) for _ in range(spec.moe.num_experts)],
+                [random_quantized(F, D, bits, group, 0, device) for _ in range(spec.moe.num_experts)])
     torch.cuda.empty_cache()
     rows = []
     for B in args.batch:
@@ -196,14 +196,14 @@ def block_part(args, device, dtype, bw: float, flops: float) -> dict:
     shape = QUICK_V3_BLOCK if args.quick else V3_BLOCK
     cfg = transformers.DeepseekV3Config(**shape)
     spec = ModelSpec.from_hf_config({**cfg.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
-    D, F, E, k = spec.hidden_size, spec.expert_ffn, spec.num_experts, spec.top_k
+    D, F, E, k = spec.hidden_size, spec.moe.expert_ffn, spec.moe.num_experts, spec.moe.top_k
     gen = torch.Generator(device=device).manual_seed(1)
     hf, ours = hf_and_ours_blocks(lambda: DeepseekV3MoE(cfg), spec, device, dtype)
     randomise(hf, gen)
     state = {name.replace("shared_experts.", "shared_expert."): t for name, t in hf.state_dict().items()}
     ours.load_state_dict(state, strict=True, assign=True)
     print(f"\n== DeepSeek-V3 MoE block{' (quick)' if args.quick else ''}: D={D} E={E} of F={F} + shared "
-          f"{spec.shared_expert_ffn}, top-{k}, {spec.router.topk_method} over {spec.router.n_group} groups, "
+          f"{spec.moe.shared_expert_ffn}, top-{k}, {spec.moe.router.topk_method} over {spec.moe.router.n_group} groups, "
           f"{str(dtype).removeprefix('torch.')} on {device}", flush=True)
     rows = []
     for T in args.tokens:
@@ -214,7 +214,7 @@ def block_part(args, device, dtype, bw: float, flops: float) -> dict:
             set_experts_implementation(hf, impl)
             row[f"hf_{impl}_ms"] = time_fn(lambda x: hf(x[None]), xs, device)
         row.update(ours_vs_hf_rel_err=rel_err(ours(xs[0]), hf(xs[0][None])[0]), ours_ms=time_fn(ours, xs, device),
-                   **block_floor(T, distinct, D, F, E, k, spec.shared_expert_ffn, torch.finfo(dtype).bits // 8, bw,
+                   **block_floor(T, distinct, D, F, E, k, spec.moe.shared_expert_ffn, torch.finfo(dtype).bits // 8, bw,
                                  flops))
         if device.type == "cuda" and graph_safe_block(ours, xs[0]):
             row["ours_graph_ms"] = time_cuda_graph(ours, xs)

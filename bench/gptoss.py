@@ -110,8 +110,9 @@ def build_blocks(args, device, dtype):
     state = {"gate.weight": hf.router.weight.detach(), "gate.bias": hf.router.bias.detach()}
     state.update({f"experts.{n}": t for n, t in mxfp4_rounded(hf.experts).items()})
     ours.load_state_dict(state, strict=True, assign=True)
-    print(f"\n== GPT-OSS-20B MoE block{' (quick)' if args.quick else ''}: D={spec.hidden_size} E={spec.num_experts} "
-          f"of F={spec.expert_ffn}, top-{spec.top_k}, MXFP4 experts, {str(dtype).removeprefix('torch.')} on {device}",
+    print(f"\n== GPT-OSS-20B MoE block{' (quick)' if args.quick else ''}: D={spec.hidden_size} "
+          f"E={spec.moe.num_experts} of F={spec.moe.expert_ffn}, top-{spec.moe.top_k}, MXFP4 experts, "
+          f"{str(dtype).removeprefix('torch.')} on {device}",
           flush=True)
     return hf, ours, spec, gen
 
@@ -129,7 +130,7 @@ def distinct_experts(ours, xs: list[torch.Tensor]) -> float:
 @torch.inference_mode()
 def block_part(args, blocks, device, dtype, bw: float) -> dict:
     hf, ours, spec, gen = blocks
-    D, F, E = spec.hidden_size, spec.expert_ffn, spec.num_experts
+    D, F, E = spec.hidden_size, spec.moe.expert_ffn, spec.moe.num_experts
     rows = []
     for T in args.tokens:
         xs = token_inputs(T, D, args, device, dtype, gen)
@@ -221,7 +222,7 @@ def sweep_part(args, blocks, device, dtype, bw: float) -> dict:
     from moeserve.kernels.triton.mxfp4 import Mxfp4Config, Mxfp4Weights
 
     _, ours, spec, gen = blocks
-    D, F, E = spec.hidden_size, spec.expert_ffn, spec.num_experts
+    D, F, E = spec.hidden_size, spec.moe.expert_ffn, spec.moe.num_experts
     ex = ours.experts
     weights = (Mxfp4Weights(ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias),
                Mxfp4Weights(ex.down_proj_blocks, ex.down_proj_scales, ex.down_proj_bias))
@@ -231,7 +232,7 @@ def sweep_part(args, blocks, device, dtype, bw: float) -> dict:
         xs = token_inputs(T, D, args, device, dtype, gen)
         items = routed(ours, xs)
         distinct = distinct_experts(ours, xs)
-        floor = experts_floor_ms(T * spec.top_k, distinct, D, F, itemsize, bw)
+        floor = experts_floor_ms(T * spec.moe.top_k, distinct, D, F, itemsize, bw)
         x0, table0 = items[0]
         ref = LoopedExperts.run_sorted(ex, x0[table0.token_ids], table0).float()
         rows = []

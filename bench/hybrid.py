@@ -113,12 +113,12 @@ def placement_of(column: str, spec, room: int, expert_bytes: int, threads: int,
                  n_cpu_moe: int | None = None) -> HybridPlacement:
     """The column's placement for `room` bytes of GPU memory left for experts (and the streaming ring); n_cpu_moe:
     the static columns' CPU layers instead of the fewest that fit."""
-    layers = spec.moe_layer_indices()
-    room -= ring_slots(expert_bytes, spec.num_experts) * expert_bytes
+    layers = spec.moe.layer_indices()
+    room -= ring_slots(expert_bytes, spec.moe.num_experts) * expert_bytes
     if column == "hybrid+cache":
         return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=max(room // expert_bytes, 0), threads=threads,
-                                      bits=BITS, num_experts=spec.num_experts)
-    resident = 0 if column == "cpu" else min(max(room // (spec.num_experts * expert_bytes), 0), len(layers))
+                                      bits=BITS, num_experts=spec.moe.num_experts)
+    resident = 0 if column == "cpu" else min(max(room // (spec.moe.num_experts * expert_bytes), 0), len(layers))
     n = len(layers) - resident if column == "cpu" or n_cpu_moe is None else n_cpu_moe
     return HybridPlacement.choose(layers, n_cpu_moe=n, threads=threads, bits=BITS,
                                   mixed=column == "hybrid+mixed")
@@ -174,7 +174,7 @@ def hybrid_column(column, spec, store, host, device, dtype, room, args, rates, r
     sweep = threshold_sweep(model, spec, runtime, device, args) if column == "cpu" and args.sweep else None
     resident_layers = len(placement.moe_layers) - len(placement.cpu_layers)
     cpu_bytes = per_token["cpu_pairs"] * expert_bytes
-    gpu_bytes = resident_bytes + (per_token["gpu_pairs"] + resident_layers * spec.top_k) * expert_bytes
+    gpu_bytes = resident_bytes + (per_token["gpu_pairs"] + resident_layers * spec.moe.top_k) * expert_bytes
     floor = max(cpu_bytes / rates["dram"], gpu_bytes / rates["hbm"])
     row = {"column": column, "cpu_layers": len(placement.cpu_layers), "cache_slots": placement.cache_slots,
            "tg_tokens_per_s": 1 / step, "pp_tokens_per_s": args.prefill / prefill,
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     for name, (shape, budget, routing) in shapes.items():
         spec = model_spec(shape)
         args.routing = routing
-        store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype, BITS,
+        store = random_store(spec, min(args.distinct_layers, len(spec.moe.layer_indices())), device, dtype, BITS,
                              32 if args.quick else GROUP)
         resident = dense_bytes(spec, dtype.itemsize, args.dense_bits)
         kv = kv_cache_bytes(spec, 1, args.prefill + args.new_tokens + args.warmup + args.prompt, dtype.itemsize)

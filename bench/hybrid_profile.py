@@ -73,13 +73,13 @@ def instrument(stages: Stages) -> list:
 
 
 def placement(column: str, spec, threads: int, slots: int) -> HybridPlacement:
-    layers = spec.moe_layer_indices()
+    layers = spec.moe.layer_indices()
     if column == "resident":
         return HybridPlacement.choose(layers, n_cpu_moe=0, threads=threads, bits=BITS)
     if column == "cpu":
         return HybridPlacement.choose(layers, cpu_moe=True, threads=threads, bits=BITS)
     return HybridPlacement.choose(layers, cpu_moe=True, cache_slots=slots, threads=threads, bits=BITS,
-                                  num_experts=spec.num_experts)
+                                  num_experts=spec.moe.num_experts)
 
 
 def decode_seconds(model, spec, steps: int, warmup: int, cuda_graph: bool, device, stages: Stages | None) -> float:
@@ -137,11 +137,11 @@ def cpu_micro(spec, host: HostExperts, layer: int, reps: int = 30) -> dict:
     from moeserve.kernels.cpu.gemv import quantized_linear_batch
     from moeserve.offload.host_compute import CpuPairs
 
-    k, D = spec.top_k, spec.hidden_size
+    k, D = spec.moe.top_k, spec.hidden_size
     x = torch.randn(1, D, dtype=torch.bfloat16)
     times = defaultdict(list)
     for r in range(reps + 3):
-        ids = torch.randperm(spec.num_experts)[:k].reshape(1, k)
+        ids = torch.randperm(spec.moe.num_experts)[:k].reshape(1, k)
         pairs = CpuPairs(ids, torch.rand(1, k), None, True)
         t = time.perf_counter()
         host.run_layer(layer, x, pairs)
@@ -151,7 +151,7 @@ def cpu_micro(spec, host: HostExperts, layer: int, reps: int = 30) -> dict:
         t2 = time.perf_counter()
         h = quantized_linear_batch([g for g, _ in mods], xs, [1] * k)
         t3 = time.perf_counter()
-        quantized_linear_batch([d for _, d in mods], h[:, :spec.expert_ffn].contiguous(), [1] * k)
+        quantized_linear_batch([d for _, d in mods], h[:, :spec.moe.expert_ffn].contiguous(), [1] * k)
         t4 = time.perf_counter()
         if r >= 3:
             times["run_layer"].append(t1 - t)
@@ -187,13 +187,13 @@ def main(argv=None) -> int:
         args.steps, args.warmup, args.cpu_threads = 4, 1, args.threads or 1
     torch.set_num_threads(args.cpu_threads)
     spec = model_spec(shape)
-    store = random_store(spec, min(4, len(spec.moe_layer_indices())), device, dtype, BITS,
+    store = random_store(spec, min(4, len(spec.moe.layer_indices())), device, dtype, BITS,
                          32 if args.quick else GROUP)
     host = HostExperts(store, dtype)
-    slots = int(args.slots_share * len(spec.moe_layer_indices()) * spec.num_experts)
+    slots = int(args.slots_share * len(spec.moe.layer_indices()) * spec.moe.num_experts)
     rows = {}
     if args.cpu_micro:
-        first = spec.moe_layer_indices()[0]
+        first = spec.moe.layer_indices()[0]
         host.warm([first], True)
         rows["cpu_micro"] = micro = cpu_micro(spec, host, first)
         print("cpu micro (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in micro.items() if k != "bytes")

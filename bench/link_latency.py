@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     host = HostExperts(store, dtype)
     cores = physical_cores()
     pool.configure(cores, spin_us("cuda"))
-    L, D, k, E = args.layers, spec.hidden_size, spec.top_k, spec.num_experts
+    L, D, k, E = args.layers, spec.hidden_size, spec.moe.top_k, spec.moe.num_experts
     xs = torch.randn(L, 1, D, device=device, dtype=dtype)  # [L, 1, D]
     ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(L)])[:, None]  # [L, 1, k]
     wts = torch.rand(L, 1, k, device=device)  # [L, 1, k]

@@ -49,10 +49,10 @@ def random_quantized(in_f: int, out_f: int, bits: int, group: int, rank: int, de
 def lowbit_model(spec, bits: int, group: int, rank: int, device, dtype):
     """Random bf16 dense weights; every MoE layer's experts as QuantizedExperts (the low-bit fused MoE on CUDA)."""
     model = dense_model(spec, device, dtype)
-    D, F = spec.hidden_size, spec.expert_ffn
+    D, F = spec.hidden_size, spec.moe.expert_ffn
     for layer in model.model.layers:
-        gate_up = [random_quantized(D, 2 * F, bits, group, rank, device) for _ in range(spec.num_experts)]
-        down = [random_quantized(F, D, bits, group, rank, device) for _ in range(spec.num_experts)]
+        gate_up = [random_quantized(D, 2 * F, bits, group, rank, device) for _ in range(spec.moe.num_experts)]
+        down = [random_quantized(F, D, bits, group, rank, device) for _ in range(spec.moe.num_experts)]
         layer.mlp.experts = QuantizedExperts(gate_up, down)
     return model
 
@@ -60,11 +60,11 @@ def lowbit_model(spec, bits: int, group: int, rank: int, device, dtype):
 def bytes_per_token(model, spec, batch: int = 1) -> int:
     """Weight bytes a decode step of `batch` tokens reads: dense layers, the experts its tokens hit per layer (top_k
     of E for one token; E (1 - (1 - k/E)^batch) expected under uniform routing), `batch` embedding rows."""
-    hit = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** batch)
+    hit = spec.moe.num_experts * (1 - (1 - spec.moe.top_k / spec.moe.num_experts) ** batch)
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".experts." in name:
-            total += t.nbytes * hit / spec.num_experts
+            total += t.nbytes * hit / spec.moe.num_experts
         elif name == "model.embed_tokens.weight":
             total += t.nbytes * batch // spec.vocab_size
         else:

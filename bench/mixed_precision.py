@@ -29,7 +29,7 @@ def mixed_precision_cost(model_dir: Path, tokens: int, bits: int = EXPERT_BITS) 
     out = {}
     for name, mixed in (("4bit", False), ("4bit+mixed", True)):
         model = moeserve.load_model(model_dir, device="cpu", dtype="float32", routed_experts=False)
-        placement = HybridPlacement.choose(model.spec.moe_layer_indices(), cpu_moe=True, bits=bits, mixed=mixed)
+        placement = HybridPlacement.choose(model.spec.moe.layer_indices(), cpu_moe=True, bits=bits, mixed=mixed)
         runtime = enable_hybrid(model, build_store(model_dir, placement, model.dtype, model.device, progress=False),
                                 placement)
         out[name] = perplexity(model, ids, WINDOW, progress=False)["perplexity"]

@@ -77,12 +77,12 @@ def hf_and_ours_blocks(make_hf, spec: ModelSpec, device: torch.device, dtype: to
         hf = make_hf().eval()
         with torch.device("meta"):
             ours = MoEBlock(spec, 0).eval()
-            ours.experts = stored_experts(spec, spec.experts_at(0))  # MXFP4 kept packed where the spec says so
+            ours.experts = stored_experts(spec, spec.moe.experts_at(0))  # MXFP4 kept packed where the spec says so
     return hf, ours
 
 
 def our_spec(family: str, E: int, k: int, D: int, F: int) -> ModelSpec:
-    return ModelSpec(family=family, vocab_size=8, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
+    return ModelSpec.of(family=family, vocab_size=8, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
                      head_dim=D, max_position_embeddings=8, num_experts=E, top_k=k, expert_ffn=F,
                      norm_topk_prob=True, router_weights_fp32=(family == "mixtral"), moe_layers=(True,))
 

@@ -74,7 +74,7 @@ def model_spec(shape: dict) -> ModelSpec:
     fields = {k: NESTED[k](**v) if k in NESTED else v for k, v in shape.items() if k != "dense_layers"}
     dense = shape.get("dense_layers", 0)
     moe_layers = tuple(i >= dense for i in range(shape["num_layers"]))
-    return ModelSpec(**{"family": "mixtral", "max_position_embeddings": 4096, "norm_topk_prob": True,
+    return ModelSpec.of(**{"family": "mixtral", "max_position_embeddings": 4096, "norm_topk_prob": True,
                         "router_weights_fp32": True, "moe_layers": moe_layers, **fields})
 
 
@@ -96,7 +96,7 @@ def dense_model(spec: ModelSpec, device, dtype) -> MoETransformer:
 def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64) -> ExpertStore:
     """Random experts of every MoE layer (quantized on `device`), `distinct` layers of them pinned, layer i reads
     i mod distinct."""
-    E, D, F = spec.num_experts, spec.hidden_size, spec.expert_ffn
+    E, D, F = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn
     layers = []
     for i in range(distinct):
         g = torch.Generator(device).manual_seed(1000 + i)
@@ -104,7 +104,7 @@ def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 
         down = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD
         t = layer_tensors(SourceExperts(gate_up, down), low_bits, group)
         layers.append({k: v.pin_memory() if torch.cuda.is_available() else v for k, v in t.items()})
-    return ExpertStore(store_meta(spec, spec.moe_layer_indices(), low_bits, group), lambda i: layers[i % distinct])
+    return ExpertStore(store_meta(spec, spec.moe.layer_indices(), low_bits, group), lambda i: layers[i % distinct])
 
 
 class DemoRouting:
@@ -220,7 +220,7 @@ def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth,
                            budget=budget, experts=False)  # the dense part and a KV cache of one row
     low_bytes = store.expert_bytes(True) if opts["mixed"] else 0
     high, low = (0, 0) if naive else plan_slots(spec, base, store.expert_bytes(False), low_bytes,
-                                                 reserve=spec.top_k)
+                                                 reserve=spec.moe.top_k)
     cache = enable_offload(model, store, high_slots=high, low_slots=low, bandwidth=bandwidth, pin=False, **opts)
     if routing is not None:
         replay_routing(model, routing)
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.new_tokens, args.warmup, args.prompt, args.hf_layers = 6, 2, 4, 0
     spec = model_spec(shape)
-    store = random_store(spec, min(args.distinct_layers, len(spec.moe_layer_indices())), device, dtype,
+    store = random_store(spec, min(args.distinct_layers, len(spec.moe.layer_indices())), device, dtype,
                          group=32 if args.quick else 64)
     bandwidth = measure_h2d_bandwidth(device) if cuda else None
     routing = DemoRouting(args.prompt + args.new_tokens) if args.routing == "demo" else None

@@ -242,8 +242,8 @@ def model_record(model_dir: Path) -> dict:
     it), and the trainer's architecture, scale and steps when its training.json names them."""
     spec = ModelSpec.from_dir(model_dir)
     info = {"name": "demo" if is_demo(model_dir) else model_dir.resolve().name, "family": spec.family,
-            "layers": spec.num_layers, "hidden_size": spec.hidden_size, "expert_ffn": spec.expert_ffn,
-            "experts": spec.num_experts, "top_k": spec.top_k, "parameters": spec.parameter_counts()["total"],
+            "layers": spec.num_layers, "hidden_size": spec.hidden_size, "expert_ffn": spec.moe.expert_ffn,
+            "experts": spec.moe.num_experts, "top_k": spec.moe.top_k, "parameters": spec.parameter_counts()["total"],
             "context": spec.max_position_embeddings}
     training = model_dir / "training.json"
     if training.is_file():

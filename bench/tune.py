@@ -56,7 +56,7 @@ STD = 0.02
 def bf16_model(spec, device):
     """Random bf16 weights, the routed experts too (ResidentExperts: the fused Triton MoE up to its token limit)."""
     model = dense_model(spec, device, torch.bfloat16)
-    E, D, F = spec.num_experts, spec.hidden_size, spec.expert_ffn
+    E, D, F = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn
     for layer in model.model.layers:
         experts = layer.mlp.experts
         experts.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, D, device=device, dtype=torch.bfloat16) * STD,
@@ -116,15 +116,15 @@ def first_calls(model, spec, args) -> float:
 def full_search(model, spec, kind: ExpertKind, args) -> float:
     """The `moeserve tune` search on the first layer's experts at the block token counts; its wall seconds."""
     experts = model.model.layers[0].mlp.experts
-    E, D, F = spec.num_experts, spec.hidden_size, spec.expert_ffn
+    E, D, F = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn
     start = time.perf_counter()
     for T in args.block_tokens:
         if kind.bits == BF16 and T > configs.fused_max_tokens(torch.cuda.get_device_name(), E, D, F):
             continue  # grouped GEMMs there, not the fused kernels
         if kind.bits == BF16:
-            fused_moe.tune_experts(experts.gate_up_proj, experts.down_proj, T, spec.top_k, "full", args.full_budget)
+            fused_moe.tune_experts(experts.gate_up_proj, experts.down_proj, T, spec.moe.top_k, "full", args.full_budget)
         else:
-            lowbit_ops.tune_experts(*experts.stacked(torch.bfloat16), T, spec.top_k, "full", torch.bfloat16,
+            lowbit_ops.tune_experts(*experts.stacked(torch.bfloat16), T, spec.moe.top_k, "full", torch.bfloat16,
                                     args.full_budget)
     return time.perf_counter() - start
 
@@ -240,9 +240,10 @@ def spec_json(spec) -> str:
     """A Mixtral config.json for the shape (`moeserve tune` reads a checkpoint directory's config)."""
     return json.dumps({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
-                       "intermediate_size": spec.expert_ffn, "num_hidden_layers": spec.num_layers,
-                       "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-                       "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.top_k,
+                       "intermediate_size": spec.moe.expert_ffn, "num_hidden_layers": spec.num_layers,
+                       "num_attention_heads": spec.attention.num_heads,
+                       "num_key_value_heads": spec.attention.num_kv_heads,
+                       "num_local_experts": spec.moe.num_experts, "num_experts_per_tok": spec.moe.top_k,
                        "max_position_embeddings": spec.max_position_embeddings})
 
 

@@ -2,7 +2,8 @@
 
 from moeserve.demo import DEMO_MODEL
 from moeserve.errors import MoeserveError
-from moeserve.spec import ModelSpec, SUPPORTED_ARCHITECTURES
+from moeserve.families import SUPPORTED_ARCHITECTURES
+from moeserve.spec import ModelSpec
 
 __version__ = "0.1.0"
 

@@ -25,8 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve.errors import MoeserveError
-from moeserve.layouts import LAYOUTS, stored_views
-from moeserve.spec import SUPPORTED_ARCHITECTURES, ModelSpec, fp8_block_size
+from moeserve.families import SUPPORTED_ARCHITECTURES, fp8_block_size, lookup
+from moeserve.layouts import stored_views
+from moeserve.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: stored weight * scale = float weight
@@ -86,7 +87,10 @@ class CheckpointReader:
         cfg = _config(self.path)
         self.fp8_block = fp8_block_size(cfg) if cfg else None  # (rows, columns) of a scale's block, or None
         # moeserve names of tensors a family stores otherwise (layouts.py): computed from the stored ones
-        self.views = stored_views(ModelSpec.from_hf_config(cfg), self._file_of) if _has_layout(cfg) else {}
+        self.views = {}
+        family = stored_family(cfg)
+        if family is not None and family.layout is not None:
+            self.views = stored_views(family.layout(ModelSpec.from_hf_config(cfg)), self._file_of)
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of or name in self.views
@@ -151,25 +155,18 @@ def _config(path: Path) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
-def _has_layout(cfg: dict | None) -> bool:
-    """Whether cfg names a family whose checkpoints store tensors otherwise than moeserve names them."""
+def stored_family(cfg: dict | None):
+    """The family (moeserve.families.Family) that config.json's architectures name, None where they name none:
+    whose layout the stored names follow."""
     archs = (cfg or {}).get("architectures") or []
-    return any(SUPPORTED_ARCHITECTURES.get(a) in LAYOUTS for a in archs)
+    return next((lookup(a) for a in archs if a in SUPPORTED_ARCHITECTURES), None)
 
 
 # ---- name mapping: moeserve (= transformers-5 fused) names <- checkpoint names ---------------
 
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = {  # family -> (prefix of the MoE block, gate, up, down names)
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "phimoe": ("block_sparse_moe", "w1", "w3", "w2"),
-    "default": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
-
-
-SHARED_EXPERTS_PLURAL = ("deepseek_v2", "deepseek_v3", "glm4_moe")  # store mlp.shared_experts.* for shared_expert
-ROUTER_NAMED = ("gpt_oss",)  # store mlp.router.* for moeserve's mlp.gate.*
-INTERLEAVED_EXPERTS = ("gpt_oss",)  # store experts as transformers' GPT-OSS holds them (from_interleaved)
+# Which names a family's checkpoints use (classic per-expert names, mlp.shared_experts, mlp.router, interleaved
+# experts) is its Family record's (moeserve/families/): lookup(family).
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\w+)$")
 
 
@@ -211,22 +208,22 @@ def read_interleaved_part(reader: CheckpointReader, name: str, experts: range, f
 
 
 def _classic_moe_prefix(name: str, family: str) -> str:
-    return name.replace(".mlp.", f".{_PER_EXPERT.get(family, _PER_EXPERT['default'])[0]}.", 1)
+    return name.replace(".mlp.", f".{lookup(family).expert_names.block}.", 1)
 
 
 def tensor_experts(spec, name: str) -> int:
-    """The routed experts of the layer tensor `name` belongs to (spec.num_experts outside the layers): what
+    """The routed experts of the layer tensor `name` belongs to (spec.moe.num_experts outside the layers): what
     read_tensor assembles a per-expert layer from when layers differ (PR-MoE's pyramid)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return spec.experts_at(int(m.group(1))) if m else spec.num_experts
+    return spec.moe.experts_at(int(m.group(1))) if m else spec.moe.num_experts
 
 
 def _stored_names(name: str, family: str) -> tuple[str, ...]:
     """Where a checkpoint may hold the tensor moeserve calls `name`, whole (not assembled from per-expert parts)."""
     names = (name, _classic_moe_prefix(name, family))  # the latter e.g. Mixtral's block_sparse_moe.gate
-    if family in ROUTER_NAMED:
+    if lookup(family).router_named:
         names += (name.replace(".mlp.gate.", ".mlp.router.", 1),)
-    if family in SHARED_EXPERTS_PLURAL:
+    if lookup(family).shared_experts_plural:
         names += (name.replace(".mlp.shared_expert.", ".mlp.shared_experts.", 1),)
     return names
 
@@ -237,7 +234,7 @@ def read_tensor(reader: CheckpointReader, name: str, family: str, num_experts: i
 
     index: read only that part (a tuple of slices) of a tensor stored whole under one name (tensor-parallel
     slices of dense weights; routed experts are read shard-wise by moeserve.parallel.loading)."""
-    expert = _EXPERT_TENSOR.match(name) if family in INTERLEAVED_EXPERTS else None
+    expert = _EXPERT_TENSOR.match(name) if lookup(family).interleaved_experts else None
     if expert is not None:
         if index is not None:
             raise MoeserveError(f"{family} experts are read whole here, in parts by read_interleaved_part ({name})")
@@ -259,7 +256,7 @@ def read_as_stored(reader: CheckpointReader, name: str, family: str, num_experts
     """The tensor moeserve calls `name` in the form that read_tensor reads back unchanged from a copy written under
     `name`: interleaved experts (GPT-OSS's float or MXFP4 ones, which read_tensor converts on every read) as stored,
     the rest as read_tensor gives them (moeserve's layout, read as written)."""
-    if family in INTERLEAVED_EXPERTS and _EXPERT_TENSOR.match(name):
+    if lookup(family).interleaved_experts and _EXPERT_TENSOR.match(name):
         return reader.get(name)
     return read_tensor(reader, name, family, num_experts)
 
@@ -271,7 +268,7 @@ def read_expert_row(reader: CheckpointReader, family: str, layer: int, expert: i
     stored column or output that becomes that row (from_interleaved); in MXFP4, that output's block and scale
     bytes as numbers (they identify the weights; nothing compares them with a loaded model's floats)."""
     fused = f"model.layers.{layer}.mlp.experts.{projection}_proj"
-    if family in INTERLEAVED_EXPERTS:
+    if lookup(family).interleaved_experts:
         out = row if projection == "down" else 2 * row if row < ffn else 2 * (row - ffn) + 1  # the stored output
         if f"{fused}_blocks" in reader:  # [E, out, K/32, 16] and [E, out, K/32]
             return torch.cat([reader.get_slice(f"{fused}{part}", (slice(expert, expert + 1), slice(out, out + 1)))
@@ -287,28 +284,28 @@ def read_expert_row(reader: CheckpointReader, family: str, layer: int, expert: i
 
 def per_expert_names(layer: int, family: str, expert: int) -> tuple[str, str, str]:
     """Classic HF names of one expert's (gate [F, D], up [F, D], down [D, F]) weights."""
-    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
-    base = f"model.layers.{layer}.{prefix}.experts.{expert}"
-    return f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight"
+    n = lookup(family).expert_names
+    base = f"model.layers.{layer}.{n.block}.experts.{expert}"
+    return f"{base}.{n.gate}.weight", f"{base}.{n.up}.weight", f"{base}.{n.down}.weight"
 
 
 def to_per_expert(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
     """Classic per-expert HF names (what every HF-format tool reads) from moeserve's fused names."""
-    prefix, gate, up, down = _PER_EXPERT.get(family, _PER_EXPERT["default"])
+    n = lookup(family).expert_names
     out = {}
     for name, t in state.items():
         m = _FUSED.match(name)
         if m is None:
             out[_classic_moe_prefix(name, family) if ".mlp.gate." in name else name] = t
             continue
-        block = m.group(1).replace(".mlp", f".{prefix}", 1)
+        block = m.group(1).replace(".mlp", f".{n.block}", 1)
         for j in range(t.shape[0]):
             if m.group(3) == "down_proj":
-                out[f"{block}.experts.{j}.{down}.weight"] = t[j]
+                out[f"{block}.experts.{j}.{n.down}.weight"] = t[j]
             else:
                 g, u = t[j].chunk(2, dim=0)
-                out[f"{block}.experts.{j}.{gate}.weight"] = g
-                out[f"{block}.experts.{j}.{up}.weight"] = u
+                out[f"{block}.experts.{j}.{n.gate}.weight"] = g
+                out[f"{block}.experts.{j}.{n.up}.weight"] = u
     return out
 
 
@@ -337,11 +334,11 @@ def expert_sample_rows(spec) -> list[tuple[int, int, str, int]]:
     layer, spread over the experts and the rows. A few KiB per layer, read in milliseconds, yet two different
     trainings (or a fine-tune of the experts) differ in every one of them."""
     rows = []
-    for layer in spec.moe_layer_indices():
-        E = spec.experts_at(layer)
+    for layer in spec.moe.layer_indices():
+        E = spec.moe.experts_at(layer)
         for e in range(0, E, max(1, E // SAMPLED_EXPERTS))[:SAMPLED_EXPERTS]:
             k = 7919 * layer + 104729 * e + 13
-            rows += [(layer, e, "gate_up", k % (2 * spec.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
+            rows += [(layer, e, "gate_up", k % (2 * spec.moe.expert_ffn)), (layer, e, "down", k % spec.hidden_size)]
     return rows
 
 
@@ -357,7 +354,7 @@ def expert_sample_digest(spec, row_of) -> str:
 def checkpoint_expert_sample(reader: CheckpointReader, spec) -> str:
     """expert_sample_digest of the routed experts stored in a float checkpoint (reads only the sampled rows)."""
     return expert_sample_digest(spec, lambda layer, e, projection, row: read_expert_row(
-        reader, spec.family, layer, e, projection, row, spec.expert_ffn))
+        reader, spec.family, layer, e, projection, row, spec.moe.expert_ffn))
 
 
 # ---- writing ---------------------------------------------------------------------------------

@@ -78,14 +78,14 @@ def linear_tensors(spec: ModelSpec) -> list[TensorInfo]:
     (attention, then dense FFN or shared expert), then its experts'."""
     D = spec.hidden_size
     out = []
-    for i, is_moe in enumerate(spec.moe_layers):
+    for i, is_moe in enumerate(spec.moe.layers):
         out += layer_linears(spec, i)
         if not is_moe:
             continue
         m = f"model.layers.{i}.mlp"
-        for e in range(spec.experts_at(i)):
-            out.append(TensorInfo(f"{m}.experts.gate_up.{e}", "expert", i, e, (2 * spec.expert_ffn, D)))
-            out.append(TensorInfo(f"{m}.experts.down.{e}", "expert", i, e, (D, spec.expert_ffn)))
+        for e in range(spec.moe.experts_at(i)):
+            out.append(TensorInfo(f"{m}.experts.gate_up.{e}", "expert", i, e, (2 * spec.moe.expert_ffn, D)))
+            out.append(TensorInfo(f"{m}.experts.down.{e}", "expert", i, e, (D, spec.moe.expert_ffn)))
     return out
 
 
@@ -97,9 +97,10 @@ class LayerSource:
 
     def weight(self, info: TensorInfo) -> torch.Tensor:
         if info.kind != "expert":
-            return read_tensor(self.reader, info.name + ".weight", self.spec.family, self.spec.experts_at(info.layer))
+            return read_tensor(self.reader, info.name + ".weight", self.spec.family,
+                               self.spec.moe.experts_at(info.layer))
         stack_name, e = self._stack(info)
-        if self.spec.experts_mxfp4:  # quantized again from the float values the MXFP4 blocks hold
+        if self.spec.moe.experts_mxfp4:  # quantized again from the float values the MXFP4 blocks hold
             return mxfp4.dequantize(self._read(f"{stack_name}_blocks", info)[e], self._read(f"{stack_name}_scales",
                                                                                           info)[e])
         return self._read(stack_name, info)[e]
@@ -107,7 +108,7 @@ class LayerSource:
     def bias(self, info: TensorInfo) -> torch.Tensor | None:
         if info.kind == "expert":  # a stack of per-expert biases (GPT-OSS), or none
             stack_name, e = self._stack(info)
-            return self._read(f"{stack_name}_bias", info)[e] if self.spec.expert_bias else None
+            return self._read(f"{stack_name}_bias", info)[e] if self.spec.moe.expert_bias else None
         name = info.name + ".bias"
         return self.reader.get(name) if name in self.reader else None
 
@@ -123,7 +124,7 @@ class LayerSource:
         if name not in self._stacks:
             if not any(n.startswith(f"model.layers.{info.layer}.") for n in self._stacks):
                 self._stacks = {}  # a new layer: the last one's stacks go
-            self._stacks[name] = read_tensor(self.reader, name, self.spec.family, self.spec.experts_at(info.layer))
+            self._stacks[name] = read_tensor(self.reader, name, self.spec.family, self.spec.moe.experts_at(info.layer))
         return self._stacks[name]
 
     def inputs(self, tensors: list[TensorInfo], digest):

@@ -2,12 +2,12 @@
 
 moeserve's names are transformers-5 Mixtral/Qwen-style (`model.layers.{i}.self_attn.q_proj.weight`,
 `...mlp.experts.gate_up_proj` [E, 2F, D], `...mlp.experts.down_proj` [E, D, F]). Granite-MoE, DBRX and Llama-4
-checkpoints hold the same weights under their own names, some fused or transposed. A family's layout maps each
-stored tensor it recognises to the moeserve tensors it holds (a View: the stored tensors it is computed from and
-how), so that CheckpointReader answers for moeserve's names and every reader of weights (loading, parallel
-loading, quantize, expert stores) works unchanged. A view is computed from whole stored tensors, except a renamed
-or transposed one: reading a part of it (an expert, a row, a tensor-parallel slice) reads only the stored part it
-comes from.
+checkpoints hold the same weights under their own names, some fused or transposed. A family's layout (its rules,
+Family.layout in its module under moeserve/families/, built from the pieces here) maps each stored tensor it
+recognises to the moeserve tensors it holds (a View: the stored tensors it is computed from and how), so that
+CheckpointReader answers for moeserve's names and every reader of weights (loading, parallel loading, quantize,
+expert stores) works unchanged. A view is computed from whole stored tensors, except a renamed or transposed one:
+reading a part of it (an expert, a row, a tensor-parallel slice) reads only the stored part it comes from.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from moeserve.spec import ModelSpec
+if TYPE_CHECKING:
+    import torch  # annotations only: the family modules that build rules are read by a torch-free `import moeserve`
 
 
 @dataclass(frozen=True)
@@ -57,72 +57,13 @@ PARTS = {same: lambda index: index, swap_last: swapped_index}  # build -> View.p
 
 # A rule: (regex on a stored name, [(moeserve name template using the regex's groups, other sources' templates,
 # build)]). The stored tensor itself is the first source.
-Rule = tuple[str, list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]]
+Rule = tuple[str, list[tuple[str, tuple[str, ...], Callable[..., "torch.Tensor"]]]]
 
 
-def _granite(spec: ModelSpec) -> list[Rule]:
-    F = spec.shared_expert_ffn
-    moe = r"^model\.layers\.(\d+)\.block_sparse_moe\."
-    return [
-        (moe + r"router\.layer\.weight$", [(r"model.layers.\1.mlp.gate.weight", (), same)]),
-        (moe + r"input_linear\.weight$", [(r"model.layers.\1.mlp.experts.gate_up_proj", (), same)]),  # [E, 2F, D]
-        (moe + r"output_linear\.weight$", [(r"model.layers.\1.mlp.experts.down_proj", (), same)]),  # [E, D, F]
-        (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight$",  # [2F, D]: gate rows, then up rows
-         [(r"model.layers.\1.mlp.shared_expert.gate_proj.weight", (), rows(0, F)),
-          (r"model.layers.\1.mlp.shared_expert.up_proj.weight", (), rows(F, 2 * F))]),
-        (r"^model\.layers\.(\d+)\.shared_mlp\.output_linear\.weight$",
-         [(r"model.layers.\1.mlp.shared_expert.down_proj.weight", (), same)]),
-    ]
-
-
-def _dbrx(spec: ModelSpec) -> list[Rule]:
-    E, F, D = spec.num_experts, spec.expert_ffn, spec.hidden_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    block, layer = r"^transformer\.blocks\.(\d+)\.", r"model.layers.\1."
-    return [
-        (r"^transformer\.wte\.weight$", [("model.embed_tokens.weight", (), same)]),
-        (r"^transformer\.norm_f\.weight$", [("model.norm.weight", (), same)]),
-        (block + r"norm_attn_norm\.norm_1\.weight$", [(layer + "input_layernorm.weight", (), same)]),
-        (block + r"norm_attn_norm\.norm_2\.weight$", [(layer + "post_attention_layernorm.weight", (), same)]),
-        (block + r"norm_attn_norm\.attn\.Wqkv\.weight$",  # [q + 2 kv, D]
-         [(layer + "self_attn.q_proj.weight", (), rows(0, q)),
-          (layer + "self_attn.k_proj.weight", (), rows(q, q + kv)),
-          (layer + "self_attn.v_proj.weight", (), rows(q + kv, q + 2 * kv))]),
-        (block + r"norm_attn_norm\.attn\.out_proj\.weight$", [(layer + "self_attn.o_proj.weight", (), same)]),
-        (block + r"ffn\.router\.layer\.weight$", [(layer + "mlp.gate.weight", (), same)]),
-        # w1 (gate) and v1 (up) [E*F, D] -> [E, 2F, D]; w2 [E*F, D] is each expert's down weight transposed
-        (block + r"ffn\.experts\.mlp\.w1$",
-         [(layer + "mlp.experts.gate_up_proj", (r"transformer.blocks.\1.ffn.experts.mlp.v1",),
-           lambda w1, v1: torch.cat([w1.view(E, F, D), v1.view(E, F, D)], 1))]),
-        (block + r"ffn\.experts\.mlp\.w2$",
-         [(layer + "mlp.experts.down_proj", (), lambda w2: w2.view(E, F, D).transpose(1, 2).contiguous())]),
-    ]
-
-
-def _llama4(spec: ModelSpec) -> list[Rule]:
-    """Llama-4's feed_forward (experts [E, D, 2F] gate then up columns and [E, F, D], router, shared expert, dense
-    MLP), with or without Llama4ForConditionalGeneration's `language_model.` prefix; its vision tensors match no
-    rule and are never read."""
-    ffn, layer = r"^(?:language_model\.)?model\.layers\.(\d+)\.feed_forward\.", r"model.layers.\1.mlp."
-    return [
-        (ffn + r"experts\.(gate_up_proj|down_proj)$", [(layer + r"experts.\2", (), swap_last)]),
-        (ffn + r"router\.weight$", [(layer + "gate.weight", (), same)]),
-        (ffn + r"((?:shared_expert\.)?(?:gate|up|down)_proj\.weight)$", [(layer + r"\2", (), same)]),
-        (r"^language_model\.((?:model\.|lm_head\.).+)$", [(r"\1", (), same)]),
-    ]
-
-
-LAYOUTS: dict[str, Callable[[ModelSpec], list[Rule]]] = {"granitemoe": _granite, "granitemoeshared": _granite,
-                                                         "dbrx": _dbrx, "llama4": _llama4}
-
-
-def stored_views(spec: ModelSpec, stored: Iterable[str]) -> dict[str, View]:
-    """moeserve name -> View for the stored tensors (names) that spec.family's layout recognises; {} for the
-    families stored under moeserve's own names."""
-    layout = LAYOUTS.get(spec.family)
-    if layout is None:
-        return {}
-    rules = [(re.compile(pattern), targets) for pattern, targets in layout(spec)]
+def stored_views(layout: list[Rule], stored: Iterable[str]) -> dict[str, View]:
+    """moeserve name -> View for the stored tensors (names) that the rules of a family's layout (Family.layout)
+    recognise."""
+    rules = [(re.compile(pattern), targets) for pattern, targets in layout]
     views = {}
     for name in stored:
         for pattern, targets in rules:

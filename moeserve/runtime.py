@@ -116,9 +116,9 @@ def hybrid_placement(config: RunConfig, spec: ModelSpec, every: bool | None = No
     slots = h.gpu_cache_experts if slots is None else slots
     stream_from = h.stream_from if stream_from is None else stream_from
     return HybridPlacement.choose(
-        spec.moe_layer_indices(), every, n, slots or 0,
+        spec.moe.layer_indices(), every, n, slots or 0,
         len(physical_cores()) if h.cpu_threads is None else h.cpu_threads, h.mixed_precision,
-        16 if bits is None else bits, h.cache_policy, spec.num_experts, STREAM_FROM if stream_from is None
+        16 if bits is None else bits, h.cache_policy, spec.moe.num_experts, STREAM_FROM if stream_from is None
         else stream_from)
 
 
@@ -261,13 +261,13 @@ def enable_offload(model, plan: RunPlan):
     else:
         base = dense_layout(model.spec, dense_request(plan, plan.cache_budget), plan.dense_bits, plan.cache_budget)
         high, low = plan_slots(model.spec, base, store.expert_bytes(low=False),
-                               0 if c.all_high else store.expert_bytes(low=True), reserve=model.spec.top_k,
+                               0 if c.all_high else store.expert_bytes(low=True), reserve=model.spec.moe.top_k,
                                max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
     check_cache_slots(high, low, c.t1, c.t2)
     try:
-        return enable_cache(model, store, high_slots=high, low_slots=low, policy=c.policy, mixed=not c.all_high, t1=c.t1,
-                      t2=c.t2, prefetch_layers=max(c.prefetch, 0), cooperative=c.cooperative, pin=c.pin,
-                      per_layer=c.per_layer)
+        return enable_cache(model, store, high_slots=high, low_slots=low, policy=c.policy, mixed=not c.all_high,
+                            t1=c.t1, t2=c.t2, prefetch_layers=max(c.prefetch, 0), cooperative=c.cooperative,
+                            pin=c.pin, per_layer=c.per_layer)
     except ValueError as e:
         raise MoeserveError(str(e)) from None
 

@@ -88,7 +88,7 @@ def random_lowbit(N: int, K: int, kind: ExpertKind, device: torch.device) -> Qua
 def tune_kind(spec: ModelSpec, kind: ExpertKind, tokens: list[int], mode: str, budget_s: float | None,
               device: torch.device) -> tuple[DeviceInfo, list[TuneRow], list[autotune.Problem]]:
     """Search every bucket of `tokens` for random experts of this model's shape and kind."""
-    E, k, D, F = spec.num_experts, spec.top_k, spec.hidden_size, spec.expert_ffn
+    E, k, D, F = spec.moe.num_experts, spec.moe.top_k, spec.hidden_size, spec.moe.expert_ffn
     if kind.bits == BF16:
         gate_up = torch.randn(E, 2 * F, D, device=device, dtype=torch.bfloat16) * WEIGHT_STD  # [E, 2F, D]
         down = torch.randn(E, D, F, device=device, dtype=torch.bfloat16) * WEIGHT_STD  # [E, D, F]
@@ -121,7 +121,7 @@ def tune_model(model_dir: str | Path, tokens: list[int], kinds: list[ExpertKind]
     if not torch.cuda.is_available():
         raise MoeserveError("moeserve tune needs a CUDA GPU (it times the Triton kernels on it)")
     spec = ModelSpec.from_dir(model_dir)
-    if not spec.num_experts:
+    if not spec.moe.num_experts:
         raise MoeserveError(f"{model_dir} has no routed experts to tune")
     device = torch.device("cuda", torch.cuda.current_device())
     rows, problems, info = [], [], None

@@ -110,7 +110,7 @@ def _shares(path: str, tp_rank: int, tp: int, ep: int) -> dict[str, int]:
     (its vocabulary rows of embedding and head) plus the replicated ones whole}."""
     reader = CheckpointReader(path)
     vocab = reader.shapes["model.embed_tokens.weight"][0]
-    full_qk_norm = moeserve.ModelSpec.from_dir(path).qk_norm == "full"
+    full_qk_norm = moeserve.ModelSpec.from_dir(path).attention.qk_norm == "full"
     out = {"experts": 0, "dense": 0}
     for name, shape in reader.shapes.items():
         size = reader.get(name).element_size() * torch.Size(shape).numel()  # fp32, or MXFP4's uint8 codes

@@ -118,6 +118,6 @@ def test_rope_scaling_variants_match_hf():
                             rope_parameters=rp)
         ref, ref_scale = ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu")
         spec = ModelSpec.from_hf_config({**cfg.to_dict(), "architectures": ["MixtralForCausalLM"]})
-        ours, scale = rope_inv_freq(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        ours, scale = rope_inv_freq(spec.attention.rope, spec.attention.head_dim, spec.max_position_embeddings)
         assert torch.allclose(ours, ref.float(), rtol=1e-6), rp["rope_type"]
         assert abs(scale - ref_scale) < 1e-6

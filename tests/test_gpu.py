@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def random_block(E, k, D, F, device="cuda"):
-    spec = ModelSpec(family="mixtral", vocab_size=8, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
+    spec = ModelSpec.of(family="mixtral", vocab_size=8, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1,
                      head_dim=D, max_position_embeddings=8, num_experts=E, top_k=k, expert_ffn=F, moe_layers=(True,))
     block = MoEBlock(spec)
     with torch.no_grad():

@@ -332,7 +332,7 @@ def moeserve_cpu_layers(cfg: Config, hybrid, shape: str) -> tuple[int, str]:
     n = len(hybrid.placement_of("hybrid", spec, room, experts, cfg.threads).cpu_layers)
     return n, (f"{budget / GiB:.2f} GiB x {1 - WORKSPACE_SHARE:.2f} - dense {dense / GiB:.2f} GiB (bf16) - KV "
                f"{kv / GiB:.3f} GiB (bf16) = {room / GiB:.2f} GiB for experts at "
-               f"{spec.num_experts * experts / GiB:.3f} GiB a layer ({hybrid.BITS}-bit, group {hybrid.GROUP}): "
+               f"{spec.moe.num_experts * experts / GiB:.3f} GiB a layer ({hybrid.BITS}-bit, group {hybrid.GROUP}): "
                f"{spec.num_layers - n} resident, N = {n}")
 
 

@@ -32,18 +32,20 @@ def run(args) -> int:
         print(json.dumps({"spec": json.loads(spec.to_json()), "parameters": counts, "weight_bytes": memory,
                           "kv_bytes_per_token": kv_bytes}, indent=2))
         return 0
-    heads, dim, separate = spec.kv_cache_entry()
+    heads, dim, separate = spec.attention.kv_cache_entry()
     rows = [
         ("family", spec.family),
-        ("layers", f"{spec.num_layers} ({sum(spec.moe_layers)} MoE, {spec.num_layers - sum(spec.moe_layers)} dense)"),
-        ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.num_heads} / {spec.num_kv_heads} (head dim {spec.head_dim})"),
+        ("layers", f"{spec.num_layers} ({sum(spec.moe.layers)} MoE, {spec.num_layers - sum(spec.moe.layers)} dense)"),
+        ("hidden / heads / kv heads", f"{spec.hidden_size} / {spec.attention.num_heads} / "
+                                      f"{spec.attention.num_kv_heads} (head dim {spec.attention.head_dim})"),
         ("KV cache per token", f"{format_bytes(kv_bytes['bfloat16'])} at bfloat16 ("
                                + (f"{heads} x {dim} keys and values" if separate else f"MLA latent of {dim}")
                                + " a layer)"),
-        ("experts", (",".join(map(str, spec.layer_experts)) + " per layer" if spec.layer_experts
-                     else str(spec.num_experts)) + f" x FFN {spec.expert_ffn}, top-{spec.top_k}"
-                    + (f", {'residual MLP' if spec.residual_mix else 'shared expert'} FFN {spec.shared_expert_ffn}"
-                       if spec.shared_expert_ffn else "")),
+        ("experts", (",".join(map(str, spec.moe.layer_experts)) + " per layer" if spec.moe.layer_experts
+                     else str(spec.moe.num_experts)) + f" x FFN {spec.moe.expert_ffn}, top-{spec.moe.top_k}"
+                    + (f", {'residual MLP' if spec.moe.residual_mix else 'shared expert'} FFN "
+                       f"{spec.moe.shared_expert_ffn}"
+                       if spec.moe.shared_expert_ffn else "")),
         ("vocab / context", f"{spec.vocab_size} / {spec.max_position_embeddings}"),
         ("parameters: dense", f"{counts['dense']:,}"),
         ("parameters: experts", f"{counts['experts']:,}"),

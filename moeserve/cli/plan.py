@@ -78,7 +78,8 @@ def _plan_decode(args) -> int:
         return 0
     budgets = (f"GPU budget {format_bytes(req.budget)}, " if req.budget is not None else "no GPU, ") + \
         f"host {format_bytes(host)}"
-    print(f"{args.model} ({spec.family}, {spec.num_layers} layers, {spec.num_experts} experts top-{spec.top_k}) on "
+    print(f"{args.model} ({spec.family}, {spec.num_layers} layers, {spec.moe.num_experts} experts "
+          f"top-{spec.moe.top_k}) on "
           f"{hw.gpu_name or 'no GPU'} + {hw.cpu_name}; {budgets}; batch 1, estimated from the hardware profile")
     header = ("", "where the experts live", "dense", "GPU", "host", f"tg{gen_len} t/s", f"pp{prompt_len} t/s", "fits")
     rows = [("*" if c is chosen else "", c.where(), c.dense_precision, format_bytes(c.gpu_bytes),

@@ -22,7 +22,7 @@ def ring_slots(expert_bytes: int, num_experts: int) -> int:
 
 def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
     """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
-    D, F = spec.hidden_size, spec.expert_ffn
+    D, F = spec.hidden_size, spec.moe.expert_ffn
     group = next((g for g in GROUPS if D % g == 0 and F % g == 0), None)
     if group is None and placement.needs_low_copies:
         raise MoeserveError(f"low-bit experts need hidden size and expert FFN divisible by {GROUPS[-1]} "

@@ -42,10 +42,10 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
 
 def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
     """A MoeserveError naming the placement's layers that have no routed experts (a dense FFN instead)."""
-    dense = sorted(set(placement.moe_layers) - set(spec.moe_layer_indices()))
+    dense = sorted(set(placement.moe_layers) - set(spec.moe.layer_indices()))
     if dense:
         raise MoeserveError(f"the hybrid placement names layers {dense}, which have a dense FFN and no routed experts; "
-                            f"its layers must be the model's MoE layers {spec.moe_layer_indices()}")
+                            f"its layers must be the model's MoE layers {spec.moe.layer_indices()}")
 
 
 def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
@@ -64,11 +64,11 @@ def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: 
     model device. A placement naming a layer without routed experts is refused: that layer would stay dense and the
     runtime would count experts it never runs."""
     check_moe_layers(model.spec, placement)
-    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.top_k, model.device, model.dtype, t1,
-                            t2, threaded, host, warm, stream)
+    runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.moe.top_k, model.device, model.dtype,
+                            t1, t2, threaded, host, warm, stream)
     layers = model.model.layers
     for i in placement.cpu_layers:
-        layers[i].mlp.experts = HybridExperts(i, model.spec.experts_at(i), runtime)
+        layers[i].mlp.experts = HybridExperts(i, model.spec.moe.experts_at(i), runtime)
     if placement.low:
         for i in sorted(set(placement.moe_layers) - set(placement.cpu_layers)):
             layers[i].mlp.experts = resident_lowbit(store, i, model.device)

@@ -1,5 +1,5 @@
 """KV caches: one preallocated [L, rows, Hkv, S_max, Dh] buffer for keys and one for values; for MLA one buffer of
-latents [L, rows, 1, S_max, kv_lora_rank + rope] and no values (ModelSpec.kv_cache_entry).
+latents [L, rows, 1, S_max, kv_lora_rank + rope] and no values (ModelSpec.attention.kv_cache_entry).
 
 KVCache: a batch of left-padded sequences that advance together (a forward pass of S tokens writes slots
 [length, length + S) of every row and attends over the filled prefix; `valid` marks the slots that hold real tokens,
@@ -18,7 +18,7 @@ from moeserve.spec import ModelSpec
 class KVCache:
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, device, dtype, pin_memory: bool = False):
         """pin_memory: page-lock a host cache, so copies to and from a GPU are asynchronous DMA."""
-        heads, dim, separate = spec.kv_cache_entry()
+        heads, dim, separate = spec.attention.kv_cache_entry()
         shape = (spec.num_layers, batch, heads, max_len, dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
         self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory) if separate else None
@@ -83,7 +83,7 @@ class SlotKVCache:
     """
 
     def __init__(self, spec: ModelSpec, slots: int, max_len: int, device, dtype):
-        heads, dim, separate = spec.kv_cache_entry()
+        heads, dim, separate = spec.attention.kv_cache_entry()
         shape = (spec.num_layers, slots + 1, heads, max_len, dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # zeros: masked columns are multiplied by 0
         self.v = torch.zeros(shape, device=device, dtype=dtype) if separate else None  # MLA: latents in k only

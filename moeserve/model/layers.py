@@ -73,10 +73,10 @@ class LayerNorm(nn.LayerNorm):
 
 def decoder_norm(spec: ModelSpec, dim: int) -> RMSNorm | LayerNorm:
     """A norm of the decoder stack (input, post-attention, final) of the kind spec.norm names (GPT-OSS's RMSNorm
-    keeps its weight in float32: spec.norm_fp32)."""
-    if spec.norm == "rms":
-        return (Fp32RMSNorm if spec.norm_fp32 else RMSNorm)(dim, spec.rms_norm_eps)
-    return LayerNorm(dim, eps=spec.rms_norm_eps, bias=spec.norm == "layer")
+    keeps its weight in float32: spec.norm.fp32)."""
+    if spec.norm.kind == "rms":
+        return (Fp32RMSNorm if spec.norm.fp32 else RMSNorm)(dim, spec.norm.eps)
+    return LayerNorm(dim, eps=spec.norm.eps, bias=spec.norm.kind == "layer")
 
 
 class RotaryEmbedding(nn.Module):
@@ -88,11 +88,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        rope, R = spec.rope, spec.rotated_dims
+        rope, R = spec.attention.rope, spec.attention.rotated_dims
         with torch.device("cpu"):  # also in a model built on the meta device: torch's meta arange imports its compiler
             inv_freq, self.scale = rope_inv_freq(rope, R, spec.max_position_embeddings)
             long_inv_freq = longrope_long_inv_freq(rope, R) if rope.type == "longrope" else None
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2], R = spec.rotated_dims
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2], R = spec.attention.rotated_dims
         self.long_from = None  # longrope: the first position (counting from 1) that takes the long factors
         if rope.type == "longrope":
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # [R/2]
@@ -183,24 +183,25 @@ def skinny_serves(x: torch.Tensor, mods) -> bool:
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
-        D, H, Hkv, Dh = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        D, H, Hkv, Dh = spec.hidden_size, spec.attention.num_heads, spec.attention.num_kv_heads, spec.attention.head_dim
         self.layer_idx, self.H, self.Hkv, self.Dh = layer_idx, H, Hkv, Dh
-        self.q_proj = nn.Linear(D, H * Dh, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(D, Hkv * Dh, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(H * Dh, D, bias=spec.o_bias)
-        nope = bool(spec.nope_layers) and spec.nope_layers[layer_idx]
-        self.rotary, self.interleaved = not nope, spec.rope.interleave  # Llama-4's NoPE layers turn nothing
-        self.tempered = nope and spec.attention_temperature is not None  # q times temperature_scale (q_scale)
-        self.qk_norm = None if spec.qk_norm == "l2" and nope else spec.qk_norm  # Llama-4's: on rotary layers
-        self.eps = spec.rms_norm_eps
-        if spec.qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(Dh, spec.rms_norm_eps), RMSNorm(Dh, spec.rms_norm_eps)
-        elif spec.qk_norm == "full":
-            self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.rms_norm_eps), RMSNorm(Hkv * Dh, spec.rms_norm_eps)
-        self.clip_qkv = spec.clip_qkv
-        self.scale = spec.attention_scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
-        self.sinks = nn.Parameter(torch.empty(H)) if spec.attention_sinks else None  # GPT-OSS: model/sinks.py
+        self.q_proj = nn.Linear(D, H * Dh, bias=spec.attention.qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=spec.attention.qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=spec.attention.qkv_bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=spec.attention.o_bias)
+        nope = bool(spec.attention.nope_layers) and spec.attention.nope_layers[layer_idx]
+        self.rotary, self.interleaved = not nope, spec.attention.rope.interleave  # Llama-4's NoPE layers turn nothing
+        self.tempered = nope and spec.attention.temperature is not None  # q times temperature_scale (q_scale)
+        # Llama-4's qk-norm: on rotary layers only
+        self.qk_norm = None if spec.attention.qk_norm == "l2" and nope else spec.attention.qk_norm
+        self.eps = spec.norm.eps
+        if spec.attention.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(Dh, spec.norm.eps), RMSNorm(Dh, spec.norm.eps)
+        elif spec.attention.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * Dh, spec.norm.eps), RMSNorm(Hkv * Dh, spec.norm.eps)
+        self.clip_qkv = spec.attention.clip_qkv
+        self.scale = spec.attention.scale  # the softmax scale; None: head_dim^-0.5 (SDPA's default)
+        self.sinks = nn.Parameter(torch.empty(H)) if spec.attention.sinks else None  # GPT-OSS: model/sinks.py
 
     def forward(self, x, cos, sin, mask, kv=None, q_scale=None):
         """x [B, S, D]; mask [B, 1, S, S_total] bool (True = attend) or additive (0 / -inf, static decode); kv:

@@ -3,7 +3,7 @@
 Per token the layer makes one latent c = RMSNorm(x W_DKV) of kv_lora_rank values and one rotary key k_r of
 qk_rope_head_dim values shared by all heads; head h's key is [c W_UK_h^T | k_r] and its value c W_UV_h^T
 (W_UK_h [nope, r] and W_UV_h [v, r] are head h's rows of kv_b_proj). The KV cache holds only [c | k_r] per token
-and layer (ModelSpec.kv_cache_entry): kv_lora_rank + qk_rope_head_dim values instead of 2 H head_dim.
+and layer (ModelSpec.attention.kv_cache_entry): kv_lora_rank + qk_rope_head_dim values instead of 2 H head_dim.
 
 Two ways to attend over the cached latents, equal up to rounding:
   absorbed: W_UK folds into the query (q_nope_h W_UK_h is a query over c), W_UV into the output (softmax(..) c
@@ -38,11 +38,12 @@ def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 class MLAttention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
-        m = spec.mla
-        self.layer_idx, self.H = layer_idx, spec.num_heads
+        m = spec.attention.mla
+        self.layer_idx, self.H = layer_idx, spec.attention.num_heads
         self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.rank = m.kv_lora_rank
-        self.scale, self.interleave, self.q_lora = m.softmax_scale, spec.rope.interleave, m.q_lora_rank is not None
+        self.scale, self.interleave = m.softmax_scale, spec.attention.rope.interleave
+        self.q_lora = m.q_lora_rank is not None
         for name, out_features, in_features, bias in spec.attention_projections():
             setattr(self, name, nn.Linear(in_features, out_features, bias=bias))
         if self.q_lora:

@@ -3,7 +3,7 @@
 The shared expert is added (Mixtral has none), sigmoid-gated (Qwen2-MoE), or mixed with the routed output by a
 learned 2-way softmax (PR-MoE's residual MoE, DeepSpeed-MoE's use_residual: out = c0 * routed + c1 * mlp,
 c = softmax(Linear(D, 2)(x))). Llama-4's gate weight scales its one expert's input instead of its output: the
-experts get x * w with weight 1 (ModelSpec.router_scales_input), the shared expert x."""
+experts get x * w with weight 1 (ModelSpec.moe.router_scales_input), the shared expert x."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def resident_experts(spec: ModelSpec, num_experts: int) -> ExpertBackend:
     """The experts of an MoE layer in float (with the family's biases and activation). The model code knows no
     storage format: the loader swaps in the kind a checkpoint stores (quant/mxfp4.py stored_experts: MXFP4 kept
     packed; quant/manifest.py: low-bit) on the meta device, before it reads the weights."""
-    return ResidentExperts(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
+    moe = spec.moe
+    return ResidentExperts(num_experts, spec.hidden_size, moe.expert_ffn, moe.expert_bias, moe.expert_act)
 
 
 class MoEBlock(nn.Module):
@@ -32,23 +33,24 @@ class MoEBlock(nn.Module):
         super().__init__()
         D = spec.hidden_size
         self.layer_idx = layer_idx
-        E = spec.experts_at(layer_idx)
-        if spec.router is not None:
-            self.gate = GroupedRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router)
-        elif spec.routing == "sparsemixer":
-            self.gate = SparseMixerRouter(D, E, spec.router_jitter_eps)
-        elif spec.routing == "sigmoid":
-            self.gate = SigmoidTopKRouter(D, E, spec.top_k)
+        E = spec.moe.experts_at(layer_idx)
+        if spec.moe.router is not None:
+            self.gate = GroupedRouter(D, E, spec.moe.top_k, spec.moe.norm_topk_prob, spec.moe.router)
+        elif spec.moe.routing == "sparsemixer":
+            self.gate = SparseMixerRouter(D, E, spec.moe.router_jitter_eps)
+        elif spec.moe.routing == "sigmoid":
+            self.gate = SigmoidTopKRouter(D, E, spec.moe.top_k)
         else:
-            self.gate = TopKRouter(D, E, spec.top_k, spec.norm_topk_prob, spec.router_weights_fp32, spec.router_bias)
+            self.gate = TopKRouter(D, E, spec.moe.top_k, spec.moe.norm_topk_prob, spec.moe.router_weights_fp32,
+                                   spec.moe.router_bias)
         self.experts: ExpertBackend = resident_experts(spec, E)
-        if spec.shared_expert_ffn:
-            self.shared_expert = MLP(D, spec.shared_expert_ffn)
-            self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_expert_gate else None
+        if spec.moe.shared_expert_ffn:
+            self.shared_expert = MLP(D, spec.moe.shared_expert_ffn)
+            self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.moe.shared_expert_gate else None
         else:
             self.shared_expert = None
-        self.coefficient = nn.Linear(D, 2) if spec.residual_mix else None  # [routed, shared] mix logits
-        self.scales_input = spec.router_scales_input
+        self.coefficient = nn.Linear(D, 2) if spec.moe.residual_mix else None  # [routed, shared] mix logits
+        self.scales_input = spec.moe.router_scales_input
         self._logged: set[tuple[int, str]] = set()  # (tokens, path) pairs already logged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

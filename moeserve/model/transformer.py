@@ -29,11 +29,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int):
         super().__init__()
         self.input_layernorm = decoder_norm(spec, spec.hidden_size)
-        self.self_attn = MLAttention(spec, layer_idx) if spec.mla is not None else Attention(spec, layer_idx)
+        self.self_attn = MLAttention(spec, layer_idx) if spec.attention.mla is not None else Attention(spec, layer_idx)
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size)
-        self.mlp = MoEBlock(spec, layer_idx) if spec.moe_layers[layer_idx] else MLP(spec.hidden_size, spec.dense_ffn)
-        window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
-        chunk = spec.attention_chunks[layer_idx] if spec.attention_chunks else None
+        self.mlp = (MoEBlock(spec, layer_idx) if spec.moe.layers[layer_idx]
+                    else MLP(spec.hidden_size, spec.moe.dense_ffn))
+        window = spec.attention.sliding_windows[layer_idx] if spec.attention.sliding_windows else None
+        chunk = spec.attention.chunks[layer_idx] if spec.attention.chunks else None
         self.span = Span(window, chunk)  # which keys its queries see: the key of its mask (attention_masks)
         self.residual_multiplier = spec.residual_multiplier  # Granite: on both branches before their adds
 
@@ -262,5 +263,5 @@ class MoETransformer(nn.Module):
         S_total]}) and attention temperature: the state before the first layer."""
         x = self.embed(tokens)  # [B, S, D]
         cos, sin = self.rotary(positions, x.dtype)
-        t = self.spec.attention_temperature
+        t = self.spec.attention.temperature
         return DecodeState(x, None, cos, sin, masks, temperature_scale(t, positions) if t is not None else None)

@@ -108,7 +108,7 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
     may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
     if pin and model.device.type == "cuda":
         store.pin(progress=True)
-    reserve = model.spec.top_k
+    reserve = model.spec.moe.top_k
     tiers = (Tier(high_slots, low=False, reserve=reserve),
              Tier(low_slots, low=True, reserve=reserve) if mixed else Tier(0, low=True))
     settings = CacheSettings(tiers, miss=Miss.CHOOSE if cooperative else Miss.COPY, per_layer=per_layer, mixed=mixed,
@@ -120,6 +120,6 @@ def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int
         following = moe[n + 1:n + 1 + prefetch_layers]
         gates = (torch.cat([model.model.layers[j].mlp.gate.weight for j in following]).detach()
                  if following else None)
-        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.experts_at(i), model.spec.top_k, cache,
-                                                             following, gates)
+        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.moe.experts_at(i), model.spec.moe.top_k,
+                                                             cache, following, gates)
     return cache

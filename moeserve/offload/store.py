@@ -61,11 +61,11 @@ def _provenance(source_sha256: str, low_bits: int, group: int) -> dict:
 def store_meta(spec, layers: list[int], low_bits: int, group: int, source: dict | None = None) -> dict:
     """The content of expert_store.json. source (store_source): what the experts were made from; a store
     without it (a synthetic one, or an older moeserve's) cannot be matched to a checkpoint."""
-    meta = {"layers": sorted(layers), "num_layers": spec.num_layers, "num_experts": spec.num_experts,
-            "hidden": spec.hidden_size, "ffn": spec.expert_ffn, "low_bits": low_bits, "group": group,
+    meta = {"layers": sorted(layers), "num_layers": spec.num_layers, "num_experts": spec.moe.num_experts,
+            "hidden": spec.hidden_size, "ffn": spec.moe.expert_ffn, "low_bits": low_bits, "group": group,
             "pack_layout": pack.LAYOUT}
-    if spec.layer_experts:  # layers differ (PR-MoE): each layer's own count
-        meta["layer_experts"] = {str(i): spec.experts_at(i) for i in sorted(layers)}
+    if spec.moe.layer_experts:  # layers differ (PR-MoE): each layer's own count
+        meta["layer_experts"] = {str(i): spec.moe.experts_at(i) for i in sorted(layers)}
     meta.update(expert_form(spec))
     return meta if source is None else {**meta, "source": source}
 
@@ -73,9 +73,9 @@ def store_meta(spec, layers: list[int], low_bits: int, group: int, source: dict 
 def expert_form(spec) -> dict:
     """The meta fields that say how an expert computes beyond silu(x Wg) * (x Wu) Wd, as `spec` has it: biases
     ("expert_bias": true) and GPT-OSS's clamped SwiGLU ("expert_act": {alpha, limit}); none for other families."""
-    form = {"expert_bias": True} if spec.expert_bias else {}
-    if spec.expert_act is not None:
-        form["expert_act"] = {"alpha": spec.expert_act.alpha, "limit": spec.expert_act.limit}
+    form = {"expert_bias": True} if spec.moe.expert_bias else {}
+    if spec.moe.expert_act is not None:
+        form["expert_act"] = {"alpha": spec.moe.expert_act.alpha, "limit": spec.moe.expert_act.limit}
     return form
 
 
@@ -223,13 +223,13 @@ class SourceExperts:
 def read_source_experts(reader: CheckpointReader, spec, layer: int) -> SourceExperts:
     """The routed experts of one MoE layer as the checkpoint stores them (float or MXFP4), in moeserve's layout."""
     def read(leaf: str) -> torch.Tensor:
-        return read_tensor(reader, f"model.layers.{layer}.mlp.experts.{leaf}", spec.family, spec.experts_at(layer))
+        return read_tensor(reader, f"model.layers.{layer}.mlp.experts.{leaf}", spec.family, spec.moe.experts_at(layer))
 
-    if spec.experts_mxfp4:
+    if spec.moe.experts_mxfp4:
         gate_up, down = ((read(f"{p}_blocks"), read(f"{p}_scales")) for p in ("gate_up_proj", "down_proj"))
     else:
         gate_up, down = read("gate_up_proj"), read("down_proj")
-    biases = (read("gate_up_proj_bias"), read("down_proj_bias")) if spec.expert_bias else (None, None)
+    biases = (read("gate_up_proj_bias"), read("down_proj_bias")) if spec.moe.expert_bias else (None, None)
     return SourceExperts(gate_up, down, *biases)
 
 
@@ -247,7 +247,7 @@ def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, grou
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    for i, experts, digests[i] in _source_layers(reader, spec, spec.moe_layer_indices(), progress):
+    for i, experts, digests[i] in _source_layers(reader, spec, spec.moe.layer_indices(), progress):
         provenance = _provenance(digests[i], low_bits, group)
         f = _layer_file(out, i)
         if read_provenance(f) == provenance:
@@ -361,14 +361,14 @@ class ExpertStore:
         (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
         MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4")."""
         spec = ModelSpec.from_dir(model_path)
-        mxfp4 = mxfp4 and high and spec.experts_mxfp4
+        mxfp4 = mxfp4 and high and spec.moe.experts_mxfp4
         refuse_quantized(Path(model_path), "building an expert store")
         if low_bits:
-            for inputs in (spec.hidden_size, spec.expert_ffn):
+            for inputs in (spec.hidden_size, spec.moe.expert_ffn):
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
         tensors, digests = {}, {}
-        chosen = spec.moe_layer_indices() if layers is None else sorted(layers)
+        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
         for i, experts, digests[i] in _source_layers(reader, spec, chosen, progress):
             tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high, mxfp4)
             if pin:
@@ -389,7 +389,7 @@ class ExpertStore:
         out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
         refuse_quantized(Path(model_path), "offload-prepare")
-        for inputs in (spec.hidden_size, spec.expert_ffn):  # gate_up and down: fail before writing anything
+        for inputs in (spec.hidden_size, spec.moe.expert_ffn):  # gate_up and down: fail before writing anything
             hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
         created = not out.exists()
@@ -459,8 +459,8 @@ class ExpertStore:
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
                 ",".join(str(layer_experts(m, i)) for i in m["layers"]))
-        theirs = (spec.num_layers, spec.moe_layer_indices(), spec.hidden_size,
-                  spec.expert_ffn, ",".join(str(spec.experts_at(i)) for i in spec.moe_layer_indices()))
+        theirs = (spec.num_layers, spec.moe.layer_indices(), spec.hidden_size,
+                  spec.moe.expert_ffn, ",".join(str(spec.moe.experts_at(i)) for i in spec.moe.layer_indices()))
         if "source" not in m:
             raise MoeserveError(f"expert store {where} records no source fingerprint (an older moeserve built "
                                 f"it); build it again with `moeserve offload-prepare --model {path} --out "

@@ -108,4 +108,4 @@ def record_trace(model, sequences: list[list[int]], progress: bool = False) -> R
         for h in hooks:
             h.remove()
     return RoutingTrace(np.asarray(seqs, np.int32), np.asarray(layers, np.int16), np.asarray(ids, np.int16),
-                        np.asarray(weights, np.float32), model.spec.num_layers, model.spec.num_experts)
+                        np.asarray(weights, np.float32), model.spec.num_layers, model.spec.moe.num_experts)

@@ -139,8 +139,8 @@ def enable_expert_parallel(model, group, group_rank: int, group_size: int, hiera
         full = getattr(layer.mlp, "experts", None)
         if full is None:
             continue
-        mine = expert_share(spec.experts_at(i), group_size, group_rank)[0]
-        layer.mlp.experts = ExpertParallelExperts(local_experts(full, spec, mine), spec.experts_at(i), group,
+        mine = expert_share(spec.moe.experts_at(i), group_size, group_rank)[0]
+        layer.mlp.experts = ExpertParallelExperts(local_experts(full, spec, mine), spec.moe.experts_at(i), group,
                                                   group_rank, group_size, hierarchy, tp, plan)
 
 

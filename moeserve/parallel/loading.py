@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.checkpoint import (INTERLEAVED_EXPERTS, CheckpointReader, per_expert_names, read_interleaved_part,
-                                  read_tensor, tensor_experts)
+from moeserve.checkpoint import CheckpointReader, per_expert_names, read_interleaved_part, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
+from moeserve.families import lookup
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
 from moeserve.parallel.collectives import raise_if_any_failed
@@ -122,11 +122,11 @@ def fill_experts(model, reader: CheckpointReader, manifest: dict | None, experts
         if isinstance(leaf, QuantizedExperts):
             fill_quantized_experts(leaf, reader, manifest, i, experts, device, dtype)
             continue
-        if spec.family in INTERLEAVED_EXPERTS:
-            read = read_interleaved_experts(reader, i, experts, ffn, spec.expert_ffn, leaf)
+        if lookup(spec.family).interleaved_experts:
+            read = read_interleaved_experts(reader, i, experts, ffn, spec.moe.expert_ffn, leaf)
         else:
             read = dict(zip(("gate_up_proj", "down_proj"),
-                            read_expert_shard(reader, i, spec.family, spec.expert_ffn, experts, ffn)))
+                            read_expert_shard(reader, i, spec.family, spec.moe.expert_ffn, experts, ffn)))
         for name, t in read.items():
             meta = getattr(leaf, name)
             if tuple(t.shape) != tuple(meta.shape):
@@ -200,8 +200,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     grid = RankGrid(world=world, tp=tp, ep=ep)
     spec = ModelSpec.from_dir(path)
     if ep > 1:
-        for i in spec.moe_layer_indices():
-            check_experts(spec.experts_at(i), ep)
+        for i in spec.moe.layer_indices():
+            check_experts(spec.moe.experts_at(i), ep)
     if tp > 1:
         check_tensor_parallel(spec, tp)
     (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
@@ -225,13 +225,14 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
         dtype = resolve_dtype(dtype, device)
         read_weights(model, reader, device, dtype,
                      lambda name: is_routed_expert(name) or is_quantized_expert(name) or name in filled,
-                     lambda name: tp_index(name, full[name], tp_rank, tp, spec.qk_norm == "full"), progress)
+                     lambda name: tp_index(name, full[name], tp_rank, tp, spec.attention.qk_norm == "full"), progress)
         fill_low_bit(model, reader, manifest, own, set(dense), dense_bits, device, dtype)
         if ep > 1:
             enable_expert_parallel(model, ep_group, ep_rank, ep, hierarchy,
                                    (tp_group, tp_rank, tp) if tp > 1 else None, static_max_tokens)
-        ffn = split_range(spec.expert_ffn, tp_rank, tp) if ep == 1 else range(spec.expert_ffn)  # as _slice_experts
-        fill_experts(model, reader, manifest, lambda i: expert_share(spec.experts_at(i), ep, ep_rank)[0], ffn,
+        # as _slice_experts
+        ffn = split_range(spec.moe.expert_ffn, tp_rank, tp) if ep == 1 else range(spec.moe.expert_ffn)
+        fill_experts(model, reader, manifest, lambda i: expert_share(spec.moe.experts_at(i), ep, ep_rank)[0], ffn,
                      model.device, model.dtype)
     except MoeserveError as e:
         error = e

@@ -218,14 +218,15 @@ def _slice_experts(experts, rank: int, size: int, group) -> SlicedExperts:
 
 
 def check_tensor_parallel(spec, size: int) -> None:
-    problems = [f"{name} {n}" for name, n in (("attention heads", spec.num_heads), ("KV heads", spec.num_kv_heads),
-                                              ("expert FFN", spec.expert_ffn), ("dense FFN", spec.dense_ffn),
-                                              ("shared expert FFN", spec.shared_expert_ffn)) if n % size]
+    problems = [f"{name} {n}" for name, n in (("attention heads", spec.attention.num_heads),
+                                              ("KV heads", spec.attention.num_kv_heads),
+                                              ("expert FFN", spec.moe.expert_ffn), ("dense FFN", spec.moe.dense_ffn),
+                                              ("shared expert FFN", spec.moe.shared_expert_ffn)) if n % size]
     if problems:
         raise MoeserveError(f"tensor-parallel size {size} does not divide: {', '.join(problems)}")
-    if spec.experts_mxfp4 and (spec.expert_ffn // size) % BLOCK:
-        raise MoeserveError(f"tensor-parallel size {size} would cut MXFP4 blocks: each rank's {spec.expert_ffn // size} "
-                            f"expert FFN rows must be a multiple of {BLOCK}")
+    if spec.moe.experts_mxfp4 and (spec.moe.expert_ffn // size) % BLOCK:
+        raise MoeserveError(f"tensor-parallel size {size} would cut MXFP4 blocks: each rank's "
+                            f"{spec.moe.expert_ffn // size} expert FFN rows must be a multiple of {BLOCK}")
 
 
 def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bool = True
@@ -237,7 +238,7 @@ def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bo
     experts stay whole anyway (see the module docstring). Works on a model still on the meta device too: sharded
     loading then reads just the slices (tp_index, and the returned parts for low-bit layers)."""
     check_tensor_parallel(model.spec, size)
-    keep = Slicer(rank, size, model.spec.qk_norm == "full")
+    keep = Slicer(rank, size, model.spec.attention.qk_norm == "full")
     for i, layer in enumerate(model.model.layers):
         _slice_attention(layer.self_attn, f"model.layers.{i}.self_attn", keep, group)
         mlp = layer.mlp
@@ -250,6 +251,6 @@ def enable_tensor_parallel(model, group, rank: int, size: int, slice_experts: bo
             _slice_mlp(mlp.shared_expert, f"model.layers.{i}.mlp.shared_expert", keep, group)
     enable_vocab_parallel(model, group, rank, size, keep.linear)
     # the KV cache holds this rank's heads only
-    model.spec = dataclasses.replace(model.spec, num_heads=model.spec.num_heads // size,
-                                     num_kv_heads=model.spec.num_kv_heads // size)
+    model.spec = model.spec.replace(num_heads=model.spec.attention.num_heads // size,
+                                     num_kv_heads=model.spec.attention.num_kv_heads // size)
     return keep.quantized

@@ -16,7 +16,7 @@ Counted once here:
                             converts as 8-bit HQQ copies under --dense-bits 8
   the KV cache              num_layers x rows x heads x tokens x dim per tensor: keys and values (GQA, a sliding
                             window or sinks change nothing: every layer keeps the whole context), or one tensor of
-                            latents (MLA); spec.kv_cache_entry gives heads, dim and whether values are apart
+                            latents (MLA); spec.attention.kv_cache_entry gives heads, dim and whether values are apart
   the workspace             activations of the largest forward pass (`activation_bytes`); under a budget at least
                             WORKSPACE_SHARE of it, for the allocator's slack and the kernels' scratch, which no
                             shape formula sees
@@ -78,7 +78,7 @@ class Precision:
 
 def checkpoint_precision(spec: ModelSpec, dtype_bytes: int) -> Precision:
     """Resident experts as the checkpoint ships them: MXFP4 blocks kept packed (GPT-OSS), else the compute dtype."""
-    return Precision.mxfp4(dtype_bytes) if spec.experts_mxfp4 else Precision.float(dtype_bytes)
+    return Precision.mxfp4(dtype_bytes) if spec.moe.experts_mxfp4 else Precision.float(dtype_bytes)
 
 
 def expert_precision(bits: int, dtype_bytes: int, group: int = 64) -> Precision:
@@ -89,8 +89,8 @@ def expert_precision(bits: int, dtype_bytes: int, group: int = 64) -> Precision:
 def expert_bytes(spec: ModelSpec, precision: Precision) -> int:
     """One routed expert: gate_up [2F, D] and down [D, F] at `precision`, and their biases [2F], [D] where the family
     has them, in the precision's float dtype."""
-    D, F = spec.hidden_size, spec.expert_ffn
-    bias = (2 * F + D) * precision.dtype_bytes if spec.expert_bias else 0
+    D, F = spec.hidden_size, spec.moe.expert_ffn
+    bias = (2 * F + D) * precision.dtype_bytes if spec.moe.expert_bias else 0
     return precision.matrix_bytes(2 * F, D) + precision.matrix_bytes(D, F) + bias
 
 
@@ -108,7 +108,7 @@ def dense_bytes(spec: ModelSpec, dtype_bytes: int, bits: int = 16) -> int:
 def kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, dtype_bytes: int) -> int:
     """A KV cache of `rows` sequences x `tokens` positions (model/kv_cache.py): per layer and token, heads x dim
     values, twice when values are kept apart from keys (MLA keeps one latent)."""
-    heads, dim, separate = spec.kv_cache_entry()
+    heads, dim, separate = spec.attention.kv_cache_entry()
     return spec.num_layers * rows * heads * tokens * dim * (2 if separate else 1) * dtype_bytes
 
 
@@ -119,10 +119,10 @@ def engine_kv_rows(batch: int) -> int:
 
 
 def qkv_width(spec: ModelSpec) -> int:
-    """Values the pre-attention hands on per token: the core's query of every head (spec.attention_core) and the
+    """Values the pre-attention hands on per token: the core's query of every head (spec.attention.core) and the
     new cache entry (GQA: keys and values; MLA: one latent)."""
-    heads, dim, separate = spec.kv_cache_entry()
-    return spec.num_heads * spec.attention_core()[0] + heads * dim * (2 if separate else 1)
+    heads, dim, separate = spec.attention.kv_cache_entry()
+    return spec.attention.num_heads * spec.attention.core()[0] + heads * dim * (2 if separate else 1)
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, logit_rows: int, dtype_bytes: int) -> int:
@@ -130,7 +130,7 @@ def activation_bytes(spec: ModelSpec, tokens: int, logit_rows: int, dtype_bytes:
     hidden state, its residual, the norm's output and the attention output (4 D), the queries and new KV entry
     (roofline's qkv width), the widest FFN's gate and up outputs (top-k experts plus a shared one, or the dense
     FFN), in the compute dtype; and fp32 logits."""
-    ffn = max(spec.top_k * spec.expert_ffn + spec.shared_expert_ffn, spec.dense_ffn)
+    ffn = max(spec.moe.top_k * spec.moe.expert_ffn + spec.moe.shared_expert_ffn, spec.moe.dense_ffn)
     return tokens * (4 * spec.hidden_size + qkv_width(spec) + 2 * ffn) * dtype_bytes + logit_rows * spec.vocab_size * 4
 
 
@@ -202,13 +202,13 @@ class Footprint:
 def footprint(spec: ModelSpec, run: RunLayout) -> Footprint:
     """The bytes `run` takes (module docstring)."""
     main = {"dense weights": dense_bytes(spec, run.dtype_bytes, run.dense_bits),
-            "resident experts": sum(spec.experts_at(e.layer) * expert_bytes(spec, e.resident)
+            "resident experts": sum(spec.moe.experts_at(e.layer) * expert_bytes(spec, e.resident)
                                     for e in run.experts if e.resident is not None)}
     slots = {part: sum(s.count * expert_bytes(spec, s.precision) for s in run.slots if s.part == part)
              for part in ("cache slots", "stream ring")}
     main["KV cache"] = kv_cache_bytes(spec, run.kv_rows, run.kv_tokens, run.dtype_bytes)
     activations = activation_bytes(spec, run.pass_tokens, run.logit_rows, run.dtype_bytes)
-    host = {"expert store": sum(spec.experts_at(e.layer) * sum(expert_bytes(spec, p) for p in e.host)
+    host = {"expert store": sum(spec.moe.experts_at(e.layer) * sum(expert_bytes(spec, p) for p in e.host)
                                 for e in run.experts), "pinned staging": run.staging}
     gpu = {**main, **slots}
     if run.device != "cuda":  # the model device's parts are in host RAM
@@ -244,7 +244,7 @@ def resident_layout(spec: ModelSpec, device: str, dtype_bytes: int, kv_rows: int
     """Every routed expert on the model device at `precision` (None: the checkpoint's); experts False: none
     (the dense part alone, what every placement needs)."""
     p = precision or checkpoint_precision(spec, dtype_bytes)
-    layers = tuple(LayerExperts(i, p) for i in spec.moe_layer_indices()) if experts else ()
+    layers = tuple(LayerExperts(i, p) for i in spec.moe.layer_indices()) if experts else ()
     return RunLayout(device, dtype_bytes, kv_rows, kv_tokens, dense_bits, layers, budget=budget)
 
 
@@ -258,7 +258,7 @@ def hybrid_layout(spec: ModelSpec, placement: HybridPlacement, device: str, dtyp
     those when the dtypes differ; a store built from an MXFP4 checkpoint for a float run keeps its experts packed as
     shipped. Low-bit and packed MXFP4 experts the CPU runs are also repacked once for its kernels. The GPU cache
     slots and the stream ring (streams) hold the precision the experts run at (MXFP4: packed)."""
-    packed = spec.experts_mxfp4 and mapped_float_bytes is None and not placement.low
+    packed = spec.moe.experts_mxfp4 and mapped_float_bytes is None and not placement.low
     high = None if placement.low else Precision.mxfp4(dtype_bytes) if packed else Precision.float(dtype_bytes)
     low = (Precision.hqq(low_bits, group, mapped_float_bytes or dtype_bytes)  # biases as the store's floats
            if placement.needs_low_copies else None)
@@ -276,7 +276,7 @@ def hybrid_layout(spec: ModelSpec, placement: HybridPlacement, device: str, dtyp
         layers.append(LayerExperts(i, resident, tuple(p for p in copies if p is not None)))
     slots = [Slots("cache slots", placement.cache_slots, run_at)]
     if streams and placement.cpu_layers:
-        slots.append(Slots("stream ring", ring_slots(expert_bytes(spec, run_at), spec.num_experts), run_at))
+        slots.append(Slots("stream ring", ring_slots(expert_bytes(spec, run_at), spec.moe.num_experts), run_at))
     return RunLayout(device, dtype_bytes, kv_rows, kv_tokens, dense_bits, tuple(layers), tuple(slots),
                      budget=budget)
 
@@ -288,7 +288,7 @@ def offload_layout(spec: ModelSpec, dtype_bytes: int, kv_rows: int, kv_tokens: i
     and low_slots low-bit GPU cache slots; a store that is not pinned is staged through the copier's two pinned
     chunks."""
     high = Precision.float(dtype_bytes)
-    layers = tuple(LayerExperts(i, None, (high,) + ((low,) if low else ())) for i in spec.moe_layer_indices())
+    layers = tuple(LayerExperts(i, None, (high,) + ((low,) if low else ())) for i in spec.moe.layer_indices())
     slots = (Slots("cache slots", high_slots, high),) + ((Slots("cache slots", low_slots, low),) if low else ())
     return RunLayout("cuda", dtype_bytes, kv_rows, kv_tokens, dense_bits, layers, slots, budget=budget,
                      staging=0 if pinned else 2 * STAGING_CHUNK)

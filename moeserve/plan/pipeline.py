@@ -70,10 +70,10 @@ SCHEDULES = {  # name -> the policy fields that make the schedule (batch, micro-
 
 def staged_parts(spec, cpu_attends: bool) -> list[tuple[int, int]]:
     """(heads, values per head) of what one decode token stages for a host cache, in order: its cache entry (GQA:
-    keys, values; MLA: the latent) and, when the CPU attends, the query of the attention core (spec.attention_core)."""
-    heads, dim, separate = spec.kv_cache_entry()
+    keys, values; MLA: the latent) and, when the CPU attends, the query of the attention core (spec.attention.core)."""
+    heads, dim, separate = spec.attention.kv_cache_entry()
     parts = [(heads, dim)] * (2 if separate else 1)
-    return parts + [(spec.num_heads, spec.attention_core()[0])] if cpu_attends else parts
+    return parts + [(spec.attention.num_heads, spec.attention.core()[0])] if cpu_attends else parts
 
 
 class Staging:
@@ -86,9 +86,10 @@ class Staging:
 
     def __init__(self, spec, n: int, dtype, pin: bool, cpu_attends: bool):
         L = spec.num_layers
-        self.parts, self.separate, self.cpu_attends = staged_parts(spec, cpu_attends), spec.mla is None, cpu_attends
+        self.parts, self.cpu_attends = staged_parts(spec, cpu_attends), cpu_attends
+        self.separate = spec.attention.mla is None
         self.qkv = torch.empty(L, n, sum(h * d for h, d in self.parts), dtype=dtype, pin_memory=pin)
-        out = spec.num_heads * spec.attention_core()[1]
+        out = spec.attention.num_heads * spec.attention.core()[1]
         self.out = torch.empty(L, n, out, dtype=dtype, pin_memory=pin) if cpu_attends else None
         self.out_read: list[torch.cuda.Event | None] = [None] * L
 
@@ -122,13 +123,13 @@ def host_kv_bytes(spec, policy: ThroughputPolicy, max_len: int, dtype_bytes: int
     """Host memory the pipeline allocates for a batch of `policy` whose caches hold max_len slots: the KV caches
     and Staging of its host-KV micro-batches (pinned: as torch's page-locked allocator rounds them)."""
     L, n, m = spec.num_layers, policy.micro_batch, policy.num_micro_batches
-    parts = 2 if spec.kv_cache_entry()[2] else 1
+    parts = 2 if spec.attention.kv_cache_entry()[2] else 1
     cpu_attends = not policy.attention_on_gpu
     on_host = m - round(policy.kv_gpu_fraction * m)
     tensors = [kv_cache_bytes(spec, n, max_len, dtype_bytes) // parts] * parts  # k (MLA: latents), v
     tensors.append(L * n * sum(h * d for h, d in staged_parts(spec, cpu_attends)) * dtype_bytes)  # Staging.qkv
     if cpu_attends:
-        tensors.append(L * n * spec.num_heads * spec.attention_core()[1] * dtype_bytes)  # Staging.out
+        tensors.append(L * n * spec.attention.num_heads * spec.attention.core()[1] * dtype_bytes)  # Staging.out
     return on_host * sum(pinned_size(t, pinned) for t in tensors)
 
 

@@ -201,7 +201,7 @@ class PlacementPlan:
 
 
 def moe_layer_count(spec: ModelSpec) -> int:
-    return sum(spec.moe_layers) if spec.moe_layers else spec.num_layers
+    return sum(spec.moe.layers) if spec.moe.layers else spec.num_layers
 
 
 def dense_layout(spec: ModelSpec, req: PlanRequest, dense_bits: int, budget: int | None = None) -> RunLayout:
@@ -254,7 +254,7 @@ def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
     table = 0 if spec.tie_word_embeddings else head  # the embedding table, never quantized
     weights = dense_bytes(spec, dtype_bytes, dense_bits) - (table + D) * dtype_bytes
     kv = kv_cache_bytes(spec, 1, int(context), dtype_bytes)
-    attention = 4 * tokens * context * spec.num_heads * spec.head_dim * spec.num_layers
+    attention = 4 * tokens * context * spec.attention.num_heads * spec.attention.head_dim * spec.num_layers
     return weights + kv, 2 * tokens * layers + 2 * head + attention
 
 
@@ -267,9 +267,9 @@ def _layer_work(spec: ModelSpec, req: PlanRequest, gpu_layers: float, cpu_layers
     asks for over the device link (decode; the step stays one graph); cpu_dense: the dense part runs on the CPU
     too (no GPU); stream: a prompt of the hybrid backend's STREAM_FROM tokens or more streams the CPU layers'
     experts to the GPU (hybrid/stream.py): at prefill they count as copied over the link and computed there."""
-    T, k = req.prompt_len, spec.top_k
-    touched = float(expected_experts(spec.num_experts, k, T))  # experts of a layer a prompt reads
-    flops = 2 * T * k * 3 * spec.hidden_size * spec.expert_ffn  # one layer's experts for the prompt
+    T, k = req.prompt_len, spec.moe.top_k
+    touched = float(expected_experts(spec.moe.num_experts, k, T))  # experts of a layer a prompt reads
+    flops = 2 * T * k * 3 * spec.hidden_size * spec.moe.expert_ffn  # one layer's experts for the prompt
     dense_b, _ = _dense_work(spec, req.dtype_bytes, 1, req.prompt_len + req.gen_len / 2, req.rated_dense_bits)
     pre_b, pre_f = _dense_work(spec, req.dtype_bytes, T, (T + 1) / 2, req.rated_dense_bits)
     decode = Work(gpu_bytes=gpu_layers * k * expert, cpu_bytes=cpu_layers * k * expert,
@@ -348,7 +348,7 @@ def _hybrid(spec: ModelSpec, req: PlanRequest, device: str, bits: int, group: in
             streams: bool = False) -> RunLayout:
     """The hybrid backend's layout for this split: the first cpu_layers MoE layers' experts in host RAM, slots GPU
     cache slots, the stream ring when prompts stream (footprint.hybrid_layout)."""
-    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=cpu_layers, bits=bits, cache_slots=slots)
+    placement = HybridPlacement.choose(spec.moe.layer_indices(), n_cpu_moe=cpu_layers, bits=bits, cache_slots=slots)
     return _sized(hybrid_layout(spec, placement, device, req.dtype_bytes, engine_kv_rows(req.kv_batch),
                                 req.kv_tokens, bits if bits != 16 else 0, group, req.rated_dense_bits,
                                 streams=streams, budget=req.budget), req)
@@ -364,7 +364,7 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, layout, deco
 
 
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
-    M, E = moe_layer_count(spec), spec.num_experts
+    M, E = moe_layer_count(spec), spec.moe.num_experts
     base = _sized(dense_layout(spec, req, req.rated_dense_bits, req.budget), req)
     room = gpu_room(spec, base)  # bytes left for experts on the GPU
     out = []
@@ -398,7 +398,7 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
 
 def _offload_candidate(spec, hw, req, costs, base: RunLayout) -> Candidate:
     """HOBBIT offload at this budget: float and 4-bit slots as `--offload STORE --gpu-memory` plans them."""
-    M, E, k = moe_layer_count(spec), spec.num_experts, spec.top_k
+    M, E, k = moe_layer_count(spec), spec.moe.num_experts, spec.moe.top_k
     high = Precision.float(req.dtype_bytes)
     try:
         low = Precision.hqq(OFFLOAD_LOW_BITS, _group(spec, OFFLOAD_LOW_BITS))

@@ -113,8 +113,8 @@ def expected_experts(num_experts: int, top_k: int, tokens) -> np.ndarray:
 
 def layer_kinds(spec: ModelSpec) -> Counter:
     """(is_moe, sliding window or None) -> number of layers; layers of one kind cost the same."""
-    windows = spec.sliding_windows or (None,) * spec.num_layers
-    moe = spec.moe_layers or (True,) * spec.num_layers
+    windows = spec.attention.sliding_windows or (None,) * spec.num_layers
+    moe = spec.moe.layers or (True,) * spec.num_layers
     return Counter(zip(moe, windows))
 
 
@@ -129,9 +129,9 @@ def attention_weights(spec: ModelSpec) -> tuple[int, int]:
         if name == "o_proj":
             post += elements
         elif name == "kv_b_proj":  # per head W_UK [nope, r] and W_UV [v, r]
-            m = spec.mla
-            pre += spec.num_heads * m.qk_nope_head_dim * m.kv_lora_rank
-            post += spec.num_heads * m.v_head_dim * m.kv_lora_rank
+            m = spec.attention.mla
+            pre += spec.attention.num_heads * m.qk_nope_head_dim * m.kv_lora_rank
+            post += spec.attention.num_heads * m.v_head_dim * m.kv_lora_rank
         else:
             pre += elements
     return pre, post
@@ -144,15 +144,15 @@ def layer_ops(spec: ModelSpec, wl: Workload, is_moe: bool, window: int | None, n
     per sequence. Decode: q = 1, attended = kv_len = context. MLA is counted as it decodes, in the latent space
     (absorbed: model/mla.py), its cache one latent per token. Small terms (norms inside attention, rotary,
     writing the new KV entry, softmax, sinks) are left out."""
-    D, H = spec.hidden_size, spec.num_heads
+    D, H = spec.hidden_size, spec.attention.num_heads
     wb, kb, ab = wl.weight_bytes, wl.kv_bytes, wl.act_bytes
     if window is not None:
         attended, kv_len = np.minimum(attended, window), np.minimum(kv_len, window)
     n = np.asarray(n, dtype=float)
     t = n * q  # tokens in the micro-batch
-    heads, dim, separate = spec.kv_cache_entry()
+    heads, dim, separate = spec.attention.kv_cache_entry()
     entry = heads * dim * (2 if separate else 1)  # cache values per token
-    core_q, core_out = spec.attention_core()  # per head
+    core_q, core_out = spec.attention.core()  # per head
     attn_pre, attn_post = attention_weights(spec)
     pre_w = (attn_pre + D) * wb  # query and cache entry projections + input norm
     pre = Op(flops=2 * t * attn_pre + 4 * t * D, weights=pre_w, weights_read=pre_w, kv=0.0,
@@ -162,17 +162,17 @@ def layer_ops(spec: ModelSpec, wl: Workload, is_moe: bool, window: int | None, n
               act_in=t * qkv_width(spec) * ab, act_out=t * H * core_out * ab)
     dense = attn_post + D  # O projection (MLA: and W_UV) + post-attention norm
     if is_moe:
-        E = spec.num_experts
-        router = D * E + (E if spec.router_bias else 0)
-        shared = 3 * D * spec.shared_expert_ffn + (D if spec.shared_expert_gate else 0)
+        E = spec.moe.num_experts
+        router = D * E + (E if spec.moe.router_bias else 0)
+        shared = 3 * D * spec.moe.shared_expert_ffn + (D if spec.moe.shared_expert_gate else 0)
         dense_bytes = (dense + router + shared) * wb
         expert = expert_bytes(spec, checkpoint_precision(spec, wb))  # as shipped: float at wb, or MXFP4 blocks
         total = dense_bytes + E * expert
-        read = dense_bytes + expected_experts(E, spec.top_k, t) * expert
-        ffn_flops = 2 * t * (router + spec.top_k * 3 * D * spec.expert_ffn + shared)
+        read = dense_bytes + expected_experts(E, spec.moe.top_k, t) * expert
+        ffn_flops = 2 * t * (router + spec.moe.top_k * 3 * D * spec.moe.expert_ffn + shared)
     else:
-        total = read = (dense + 3 * D * spec.dense_ffn) * wb
-        ffn_flops = 2 * t * 3 * D * spec.dense_ffn
+        total = read = (dense + 3 * D * spec.moe.dense_ffn) * wb
+        ffn_flops = 2 * t * 3 * D * spec.moe.dense_ffn
     post = Op(flops=2 * t * attn_post + ffn_flops + 4 * t * D, weights=total, weights_read=read, kv=0.0,
               act_in=t * H * core_out * ab, act_out=t * D * ab)
     return {"pre_attention": pre, "attention": attn, "post_attention": post}

@@ -84,7 +84,7 @@ def memory(spec: ModelSpec, wl: Workload, c: Candidates,
         "KV staging": np.where(ag, 2 * (1 - kv_gpu) * c.micro_batch * largest_kv, 0.0),
         "activations": activation_bytes(spec, c.micro_batch * wl.prompt_len, c.micro_batch, ab),
     }
-    parts = 2 if spec.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
+    parts = 2 if spec.attention.kv_cache_entry()[2] else 1  # k and v caches, or MLA's one of latents
     host_kv_part = (1 - kv_gpu) * c.micro_batch * kv_per_seq / parts  # the k (or v) cache of one micro-batch
     pinned = np.where(host_kv_part > 0, 2.0 ** np.ceil(np.log2(np.maximum(host_kv_part, 1.0))), 0.0)
     weights = gpu_weights + host_only if host_weights is None else np.full_like(gpu_weights + host_only, host_weights)

@@ -37,10 +37,10 @@ def layer_linears(spec, i: int) -> list[TensorInfo]:
     out = [TensorInfo(f"model.layers.{i}.self_attn.{proj}", "attention", i, None, (out_features, in_features))
            for proj, out_features, in_features, _ in spec.attention_projections()]
     mlp = f"model.layers.{i}.mlp"
-    if not spec.moe_layers[i]:
-        return out + mlp_linears(mlp, "dense_ffn", i, spec.hidden_size, spec.dense_ffn)
-    if spec.shared_expert_ffn:
-        out += mlp_linears(f"{mlp}.shared_expert", "shared_expert", i, spec.hidden_size, spec.shared_expert_ffn)
+    if not spec.moe.layers[i]:
+        return out + mlp_linears(mlp, "dense_ffn", i, spec.hidden_size, spec.moe.dense_ffn)
+    if spec.moe.shared_expert_ffn:
+        out += mlp_linears(f"{mlp}.shared_expert", "shared_expert", i, spec.hidden_size, spec.moe.shared_expert_ffn)
     return out
 
 

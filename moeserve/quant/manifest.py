@@ -106,4 +106,4 @@ def install_quantized_modules(model: nn.Module, manifest: dict) -> None:
         parent, leaf = stack.rsplit(".", 1)
         gate_up = [q for _, q in sorted(parts["gate_up"], key=lambda p: p[0])]
         down = [q for _, q in sorted(parts["down"], key=lambda p: p[0])]
-        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down, model.spec.expert_act))
+        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down, model.spec.moe.expert_act))

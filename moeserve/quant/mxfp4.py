@@ -152,16 +152,16 @@ class Mxfp4Experts(LoopedExperts):
 def stored_experts(spec, num_experts: int) -> ExpertBackend:
     """A layer's experts as the checkpoint stores them: MXFP4 kept packed (Mxfp4Experts) where config.json says so
     (GPT-OSS as shipped), else float (ResidentExperts); with the family's biases and activation."""
-    cls = Mxfp4Experts if spec.experts_mxfp4 else ResidentExperts
-    return cls(num_experts, spec.hidden_size, spec.expert_ffn, spec.expert_bias, spec.expert_act)
+    cls = Mxfp4Experts if spec.moe.experts_mxfp4 else ResidentExperts
+    return cls(num_experts, spec.hidden_size, spec.moe.expert_ffn, spec.moe.expert_bias, spec.moe.expert_act)
 
 
 def use_stored_experts(model: nn.Module) -> None:
     """Give every MoE layer of `model` (built by the model code with float experts, on the meta device) the experts
     its checkpoint stores (stored_experts): the loader's first step after building the model."""
     spec = model.spec
-    if not spec.experts_mxfp4:
+    if not spec.moe.experts_mxfp4:
         return
     for i, layer in enumerate(model.model.layers):
-        if spec.moe_layers[i]:
-            layer.mlp.experts = stored_experts(spec, spec.experts_at(i))
+        if spec.moe.layers[i]:
+            layer.mlp.experts = stored_experts(spec, spec.moe.experts_at(i))

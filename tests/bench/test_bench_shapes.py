@@ -49,11 +49,11 @@ def test_deepseek_shape_is_deepseek_v2_lite():
     ours, theirs = model_spec(hybrid.SHAPES["deepseek"][0]), ModelSpec.from_hf_config(DEEPSEEK_V2_LITE)
 
     def timed(spec: ModelSpec) -> dict:
-        fields = dataclasses.asdict(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, softmax_scale=0.0)))
+        fields = dataclasses.asdict(spec.replace(mla=dataclasses.replace(spec.attention.mla, softmax_scale=0.0)))
         return {k: v for k, v in fields.items() if k not in UNTIMED}
 
-    assert timed(ours) == timed(theirs) and ours.rope.interleave
-    assert ours.moe_layer_indices() == list(range(1, 27))
+    assert timed(ours) == timed(theirs) and ours.attention.rope.interleave
+    assert ours.moe.layer_indices() == list(range(1, 27))
     assert ours.parameter_counts()["total"] == pytest.approx(15.7e9, rel=0.005)  # DeepSeek-V2-Lite's 15.7B
     assert kv_cache_bytes(ours, 1, 1, 2) == 27 * (512 + 64) * 2  # the latent cache
 
@@ -75,9 +75,9 @@ def moe_block_outputs(spec: ModelSpec, store, n_cpu: int, tokens: torch.Tensor) 
     """MoE layer -> (its block's output, the shared experts' part of it) [B, S, D] for `tokens` through the bench's
     random model with the first n_cpu MoE layers' 4-bit experts on the CPU, the others' resident."""
     model = dense_model(spec, torch.device("cpu"), torch.float32)
-    placement = HybridPlacement.choose(spec.moe_layer_indices(), n_cpu_moe=n_cpu, bits=hybrid.BITS)
+    placement = HybridPlacement.choose(spec.moe.layer_indices(), n_cpu_moe=n_cpu, bits=hybrid.BITS)
     runtime = enable_hybrid(model, store, placement)
-    blocks = {i: model.model.layers[i].mlp for i in spec.moe_layer_indices()}
+    blocks = {i: model.model.layers[i].mlp for i in spec.moe.layer_indices()}
     captured = {}
     hooks = [b.register_forward_hook(lambda _, args, out, i=i: captured.__setitem__(i, (args[0], out)))
              for i, b in blocks.items()]
@@ -96,11 +96,11 @@ def test_mla_quick_model_runs_its_experts_on_the_cpu_as_resident():
     with them resident."""
     spec = model_spec(hybrid.QUICK["quick-mla"][0])
     store = random_store(spec, 1, torch.device("cpu"), torch.float32, hybrid.BITS, 32)
-    assert store.meta["layers"] == spec.moe_layer_indices() == [1, 2, 3] and spec.mla is not None
+    assert store.meta["layers"] == spec.moe.layer_indices() == [1, 2, 3] and spec.attention.mla is not None
     assert dense_bytes(spec, 4) == 4 * spec.parameter_counts()["dense"]
     tokens = torch.randint(0, spec.vocab_size, (2, 9))
     on_cpu, resident = (moe_block_outputs(spec, store, n, tokens) for n in (3, 0))
-    for i in spec.moe_layer_indices():
+    for i in spec.moe.layer_indices():
         (got, shared), (want, _) = on_cpu[i], resident[i]
         assert (got - shared).abs().mean() > 0.1 * got.abs().mean()  # the routed experts count
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)

@@ -26,7 +26,7 @@ def test_gpt_oss_shape_ships_mxfp4_experts_that_run_on_the_cpu_too(tmp_path):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = [[5, 9, 70, 3], [44, 2]]
     resident = moeserve.LLM(tmp_path / "m")
-    assert resident.model.spec.experts_mxfp4
+    assert resident.model.spec.moe.experts_mxfp4
     expected = [g.token_ids for g in resident.generate(prompts, params)]
     hybrid = moeserve.LLM(tmp_path / "m", n_cpu_moe=1)
     assert [g.token_ids for g in hybrid.generate(prompts, params)] == expected

@@ -31,7 +31,7 @@ def test_static_decode_step_matches_dynamic_forward(family, hf_checkpoints, monk
     caches = [SlotKVCache(model.spec, 3, 9 + 8, "cpu", torch.float32) for _ in range(3)]
     dynamic = SlotDecoder(model, caches[0], graph=False, static=False)
     whole, cut = (SlotDecoder(model, kv, graph=False, static=True) for kv in caches[1:])
-    assert cuda_graph.host_layers(model, 3) == [i for i, moe in enumerate(model.spec.moe_layers) if moe]
+    assert cuda_graph.host_layers(model, 3) == [i for i, moe in enumerate(model.spec.moe.layers) if moe]
 
     def whole_step(*inputs):
         with monkeypatch.context() as m:

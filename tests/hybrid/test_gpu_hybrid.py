@@ -28,7 +28,7 @@ def hybrid_model(path, placement, dtype, **options):
 
 def moe_layers(path) -> list[int]:
     spec = moeserve.load_model(path, routed_experts=False).spec
-    return [i for i, moe in enumerate(spec.moe_layers) if moe]
+    return [i for i, moe in enumerate(spec.moe.layers) if moe]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4", "gpt_oss"])  # llama4: scaled expert input;

@@ -40,7 +40,7 @@ def test_gpu_mxfp4_cpu_layers_go_over_the_device_link(mxfp4_checkpoint, monkeypa
     """The CPU layers' native MXFP4 calls driven over the device link, with or without a linked cache of MXFP4 slots
     (the Triton MXFP4 pass): one CUDA graph a decode step, the host path's greedy tokens, the resident logits."""
     from moeserve.engine.cuda_graph import host_layers
-    moe = moeserve.ModelSpec.from_dir(mxfp4_checkpoint).moe_layer_indices()
+    moe = moeserve.ModelSpec.from_dir(mxfp4_checkpoint).moe.layer_indices()
     prompts = [torch.randint(3, 97, (n,)).tolist() for n in (5, 9, 3)]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     tokens = torch.randint(3, 97, (2, 7), device="cuda")
@@ -65,7 +65,7 @@ def test_gpu_mxfp4_host_path_slots_and_streamed_prompts_equal_resident(mxfp4_che
     """The host path (MOESERVE_DEVICE_LINK=0): MXFP4 slots dequantized as they compute, and a prompt past
     stream_from streaming the packed experts to the GPU, give the resident logits."""
     monkeypatch.setenv("MOESERVE_DEVICE_LINK", "0")
-    moe = moeserve.ModelSpec.from_dir(mxfp4_checkpoint).moe_layer_indices()
+    moe = moeserve.ModelSpec.from_dir(mxfp4_checkpoint).moe.layer_indices()
     tokens = torch.randint(3, 97, (2, 40), device="cuda")  # 80 tokens a layer call: past stream_from
     expected = moeserve.load_model(mxfp4_checkpoint, device="cuda", dtype="float32")
     want_long, want_short = expected(tokens), expected(tokens[:, :6])

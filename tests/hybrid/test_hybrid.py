@@ -31,7 +31,7 @@ def greedy(model, prompts, n=8):
 
 
 def moe_layers(spec) -> list[int]:
-    return [i for i, moe in enumerate(spec.moe_layers) if moe]
+    return [i for i, moe in enumerate(spec.moe.layers) if moe]
 
 
 def hybrid_model(path, placement: HybridPlacement, store: ExpertStore | None = None, **options):
@@ -89,7 +89,7 @@ def test_streamed_prompts_equal_the_cpu_path(hf_checkpoints, references, monkeyp
     prompts, expected, tokens, logits = references[family]
     spec = moeserve.load_model(path, routed_experts=False).spec
     layers = moe_layers(spec)
-    if bits != 16 and (spec.hidden_size % 16 or spec.expert_ffn % 16):
+    if bits != 16 and (spec.hidden_size % 16 or spec.moe.expert_ffn % 16):
         pytest.skip(f"{family}'s tiny shape has no HQQ group (low-bit experts are refused by name)")
     unstreamed = HybridPlacement.choose(layers, cpu_moe=True, bits=bits, stream_from=0)
     store = build_store(path, unstreamed, torch.float32, torch.device("cpu"), progress=False)

@@ -48,7 +48,7 @@ def test_cpu_layers_keep_mxfp4_packed_and_equal_the_resident_model(mxfp4_checkpo
     with torch.no_grad():
         want_logits = resident(tokens)
     want = [r.token_ids for r in generate(resident, prompts, params)]
-    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    moe = [i for i, m in enumerate(resident.spec.moe.layers) if m]
     for placement in (HybridPlacement.choose(moe, cpu_moe=True), HybridPlacement.choose(moe, n_cpu_moe=1)):
         model, runtime = hybrid_model(mxfp4_checkpoint, placement)
         store = runtime.host.store
@@ -67,11 +67,11 @@ def test_the_native_layer_call_equals_the_grouped_path(mxfp4_checkpoint):
     """A GPT-OSS CPU layer in one native call (moe_layer: biases and the clamped SwiGLU in C) against the grouped
     path (per-expert batched projections, biases and activation in torch), masked pairs included."""
     resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
-    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    moe = [i for i, m in enumerate(resident.spec.moe.layers) if m]
     store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
                         torch.device("cpu"), progress=False)
     host, g = HostExperts(store, torch.float32), torch.Generator().manual_seed(6)
-    E, k = resident.spec.experts_at(moe[1]), resident.spec.top_k
+    E, k = resident.spec.moe.experts_at(moe[1]), resident.spec.moe.top_k
     for T in (1, 5):
         x = torch.randn(T, resident.spec.hidden_size, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
@@ -88,7 +88,7 @@ def test_a_slot_of_mxfp4_parts_computes_the_resident_expert(mxfp4_checkpoint):
     """A device slot (here on the CPU) of an MXFP4 store holds the packed parts and computes the expert as the
     resident Mxfp4Experts does."""
     resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
-    moe = [i for i, m in enumerate(resident.spec.moe_layers) if m]
+    moe = [i for i, m in enumerate(resident.spec.moe.layers) if m]
     store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
                         torch.device("cpu"), progress=False)
     pool = SlotPool(2, store.slot_parts(False, torch.float32), "cpu", store.slot_weights(False))
@@ -101,11 +101,11 @@ def test_a_slot_of_mxfp4_parts_computes_the_resident_expert(mxfp4_checkpoint):
 
 def test_host_bytes_count_the_packed_experts(mxfp4_checkpoint):
     spec = moeserve.ModelSpec.from_dir(mxfp4_checkpoint)
-    moe = spec.moe_layer_indices()
+    moe = spec.moe.layer_indices()
     packed = expert_bytes(spec, Precision.mxfp4(2))
     assert packed * 3 < expert_bytes(spec, Precision.float(2))  # 17 bytes per 32 weights against 64
     placement = HybridPlacement.choose(moe, n_cpu_moe=1)
-    E = spec.experts_at(moe[0])
+    E = spec.moe.experts_at(moe[0])
 
     def store_bytes(**mapped) -> int:
         return footprint(spec, hybrid_layout(spec, placement, "cuda", 2, 1, 8, 0, 32, **mapped)).host["expert store"]
@@ -122,14 +122,14 @@ def test_a_pool_of_mxfp4_slots_runs_in_one_triton_pass(mxfp4_checkpoint):
     from moeserve.offload.slot_compute import SlotExperts
 
     spec = moeserve.ModelSpec.from_dir(mxfp4_checkpoint)
-    moe = spec.moe_layer_indices()
+    moe = spec.moe.layer_indices()
     store = build_store(mxfp4_checkpoint, HybridPlacement.choose(moe, cpu_moe=True), torch.float32,
                         torch.device("cpu"), progress=False)
     pool = SlotPool(4, store.slot_parts(False, torch.float32), "cpu", store.slot_weights(False))
     for slot, e in enumerate((3, 1, 5)):  # slot 3 stays unloaded
         Copier(torch.device("cpu")).load(pool.load_parts(slot), store.host_parts(moe[0], e, low=False), None, None)
     g = torch.Generator().manual_seed(7)
-    T, k = 3, spec.top_k
+    T, k = 3, spec.moe.top_k
     x = torch.randn(T, spec.hidden_size, generator=g)
     slots = torch.randint(0, 3, (T, k), generator=g)
     slots[0, 0] = 3

@@ -26,7 +26,7 @@ def test_latent_cache_holds_kv_lora_rank_plus_rope_values_per_token(hf_checkpoin
     assert kv.k.shape == (spec.num_layers, 2, 1, 10, 32 + 8) and kv.v is None
     assert kv_cache_bytes(spec, 1, 1, 2) == spec.num_layers * 40 * 2
     glm = ModelSpec.from_dir(hf_checkpoints["glm4_moe"][1])
-    assert kv_cache_bytes(glm, 1, 1, 2) == glm.num_layers * 2 * glm.num_kv_heads * glm.head_dim * 2
+    assert kv_cache_bytes(glm, 1, 1, 2) == glm.num_layers * 2 * glm.attention.num_kv_heads * glm.attention.head_dim * 2
 
 
 def test_long_prefill_expands_then_decode_absorbs_both_as_transformers(hf_checkpoints):
@@ -52,7 +52,7 @@ def test_absorbed_and_expanded_attention_agree_in_float64(hf_checkpoints, boolea
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_()
-    B, S, S_total, H = 2, 3, 11, spec.num_heads
+    B, S, S_total, H = 2, 3, 11, spec.attention.num_heads
     q_nope = torch.randn(B, S, H, attn.nope, dtype=torch.float64)
     q_rope = torch.randn(B, H, S, attn.rope, dtype=torch.float64)
     entry = torch.randn(B, S_total, attn.rank + attn.rope, dtype=torch.float64)
@@ -209,7 +209,7 @@ def test_expert_stores_take_fp8_checkpoints(fp8_pair, tmp_path):
         enable_offload(model, ExpertStore.build(fp8, tmp_path / "store", low_bits=4, group=8, progress=False),
                        high_slots=3, policy="lru", mixed=False)
         torch.testing.assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
-        layers = [i for i, moe in enumerate(model.spec.moe_layers) if moe]
+        layers = [i for i, moe in enumerate(model.spec.moe.layers) if moe]
         placement = HybridPlacement.choose(layers, n_cpu_moe=len(layers), cache_slots=0, num_experts=16)
         model = moeserve.load_model(fp8, routed_experts=False)
         enable_hybrid(model, build_store(fp8, placement, model.dtype, model.device, progress=False), placement)

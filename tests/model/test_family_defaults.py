@@ -1,5 +1,5 @@
 """A config.json that leaves fields out means what transformers makes of it: each family's own defaults fill them
-(spec.FAMILY_DEFAULTS), checked against the transformers config class of every family."""
+(moeserve/families/: Family.defaults), checked against the transformers config class of every family."""
 
 import copy
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moeserve
-import moeserve.spec
+from moeserve.families import FAMILIES
 from moeserve.spec import ModelSpec
 from tests.hf_models import family_configs, random_hf_model
 
@@ -48,7 +48,8 @@ def spec_differences(trimmed: dict, full: dict, monkeypatch) -> dict:
     """ModelSpec fields that differ between the two configs' readings: field -> (trimmed's, full's). full is read
     without the family's defaults, so nothing of the table reaches the reference."""
     spec = ModelSpec.from_hf_config(copy.deepcopy(trimmed))
-    monkeypatch.setattr(moeserve.spec, "FAMILY_DEFAULTS", {})
+    for name, family in FAMILIES.items():
+        monkeypatch.setitem(FAMILIES, name, dataclasses.replace(family, defaults={}))
     reference = ModelSpec.from_hf_config(full)
     return {f.name: (getattr(spec, f.name), getattr(reference, f.name)) for f in dataclasses.fields(ModelSpec)
             if getattr(spec, f.name) != getattr(reference, f.name)}

@@ -35,9 +35,10 @@ def mxfp4_pair(gpt_oss, tmp_path_factory):
 
 def test_spec_reads_the_quirks(gpt_oss):
     spec = moeserve.ModelSpec.from_dir(gpt_oss[1])
-    assert spec.sliding_windows == (8, None, 8, None) and spec.attention_sinks and spec.norm_fp32
-    assert spec.router_bias and spec.expert_bias and spec.expert_act.limit == 1.0 and spec.rope.type == "yarn"
-    assert spec.qkv_bias and spec.o_bias and not spec.experts_mxfp4
+    assert spec.attention.sliding_windows == (8, None, 8, None) and spec.attention.sinks and spec.norm.fp32
+    assert spec.moe.router_bias and spec.moe.expert_bias and spec.moe.expert_act.limit == 1.0
+    assert spec.attention.rope.type == "yarn"
+    assert spec.attention.qkv_bias and spec.attention.o_bias and not spec.moe.experts_mxfp4
     hf = gpt_oss[0]
     assert spec.parameter_counts()["total"] == sum(p.numel() for p in hf.parameters())
 
@@ -111,7 +112,7 @@ def test_mxfp4_checkpoint_computes_its_dequantized_twin(mxfp4_pair, gpt_oss):
     packed, twin = mxfp4_pair
     q, f = moeserve.load_model(packed), moeserve.load_model(twin)
     experts = q.model.layers[0].mlp.experts
-    assert isinstance(experts, Mxfp4Experts) and q.spec.experts_mxfp4
+    assert isinstance(experts, Mxfp4Experts) and q.spec.moe.experts_mxfp4
     assert experts.gate_up_proj_blocks.dtype == torch.uint8 and experts.gate_up_proj_blocks.shape == (8, 64, 2, 16)
     assert experts.kernel_path(torch.empty(1, 64), 1) == "mxfp4_loop"
     tokens = torch.randint(3, 97, (2, 20))
@@ -139,7 +140,8 @@ def test_quantize_keeps_biases_and_clamped_swiglu_from_float_or_mxfp4(mxfp4_pair
         quantize_checkpoint(src, out, cfg, progress=False)
     a, b = moeserve.load_model(tmp_path / "from_mxfp4"), moeserve.load_model(tmp_path / "from_twin")
     experts = a.model.layers[1].mlp.experts
-    assert isinstance(experts, QuantizedExperts) and experts.act == a.spec.expert_act and not a.spec.experts_mxfp4
+    assert isinstance(experts, QuantizedExperts) and experts.act == a.spec.moe.expert_act
+    assert not a.spec.moe.experts_mxfp4
     assert experts.gate_up[0].bias is not None and experts.down[0].bias is not None
     ref = moeserve.load_model(twin)
     for layer in ref.model.layers:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_bf16_demo_paths():
     model = moeserve.load_model(DEMO_DIR, device="cuda", dtype=torch.bfloat16)
-    D, F = model.spec.hidden_size, model.spec.expert_ffn
+    D, F = model.spec.hidden_size, model.spec.moe.expert_ffn
     for p in explain(model, (1, 512)):
         assert p.attention == {1: "skinny", 512: "torch"}
         assert p.router == {1: "triton_topk", 512: "torch"}

@@ -33,7 +33,7 @@ def test_explain_cpu_resident_and_shared_expert(hf_checkpoints):
     model = moeserve.load_model(hf_checkpoints["qwen2_moe"][1], dtype=torch.float32)
     layers = explain(model, (1, 9))
     assert [p.layer for p in layers] == list(range(model.spec.num_layers))
-    assert [p.router is not None for p in layers] == list(model.spec.moe_layers)
+    assert [p.router is not None for p in layers] == list(model.spec.moe.layers)
     for p in layers:
         assert p.attention == {1: "torch", 9: "torch"}
         assert p.ffn == {1: "torch", 9: "torch"}  # a dense layer's FFN, or the shared expert's projections
@@ -41,7 +41,7 @@ def test_explain_cpu_resident_and_shared_expert(hf_checkpoints):
             assert p.router == {1: "torch", 9: "torch"} and p.experts == {1: "loop", 9: "loop"}
         else:
             assert p.experts is None
-    assert not all(model.spec.moe_layers), "the tiny Qwen2-MoE has a dense layer to explain"
+    assert not all(model.spec.moe.layers), "the tiny Qwen2-MoE has a dense layer to explain"
 
 
 def test_quantized_cpu_path_is_the_one_that_runs(rtn_dir, monkeypatch):

@@ -92,8 +92,8 @@ def test_prmoe_forward_equals_reference(tmp_path, experts, top_k, residual):
 def test_prmoe_spec_reads_the_pyramid_and_counts_parameters(tmp_path):
     arch = tiny_arch((2, 0, 8), top_k=1, residual=True)
     spec = ModelSpec.from_hf_config(arch.hf_config(64))
-    assert spec.family == "prmoe" and spec.moe_layers == (True, False, True) and spec.experts_at(2) == 8
-    assert spec.num_experts == 8 and not spec.norm_topk_prob and spec.shared_expert_ffn == arch.expert_ffn
+    assert spec.family == "prmoe" and spec.moe.layers == (True, False, True) and spec.moe.experts_at(2) == 8
+    assert spec.moe.num_experts == 8 and not spec.moe.norm_topk_prob and spec.moe.shared_expert_ffn == arch.expert_ffn
     model = moeserve.load_model(save_prmoe_model(tmp_path / "m", arch), device="cpu")
     assert sum(p.numel() for p in model.parameters()) == spec.parameter_counts()["total"]
 

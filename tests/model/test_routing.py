@@ -38,7 +38,7 @@ def test_combine_equals_weighted_scatter_loop():
 
 
 def test_moe_block_matches_float64_per_token_loop():
-    spec = ModelSpec(family="qwen2_moe", vocab_size=8, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+    spec = ModelSpec.of(family="qwen2_moe", vocab_size=8, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
                      head_dim=16, max_position_embeddings=8, num_experts=6, top_k=3, expert_ffn=12,
                      norm_topk_prob=False, moe_layers=(True,), shared_expert_ffn=10, shared_expert_gate=True)
     block = MoEBlock(spec).double()

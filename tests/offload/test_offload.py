@@ -38,7 +38,7 @@ def test_forced_high_offload_equals_resident_for_every_policy_and_size(tiny, pol
     prompts = [torch.randint(3, 97, (7,)).tolist(), torch.randint(3, 97, (4,)).tolist()]
     tokens = torch.randint(3, 97, (2, 9))
     expected, ref_logits = greedy(resident, prompts), resident(tokens)
-    n_experts = resident.spec.num_layers * resident.spec.num_experts
+    n_experts = resident.spec.num_layers * resident.spec.moe.num_experts
     for slots in (0, 1, 3, n_experts):
         model = moeserve.load_model(path, routed_experts=False)
         cache = enable_offload(model, ExpertStore.open(store_dir), high_slots=slots, policy=policy, mixed=False)
@@ -58,7 +58,7 @@ def test_simulator_agrees_with_the_real_cache(tiny):
     for prompt in ([5, 6, 7, 8], [9, 10, 11]):
         cache.new_sequence()
         greedy(model, [prompt], n=10)
-    sim = simulate(cache.trace(model.spec.num_layers, model.spec.num_experts), CachePolicy.named("hobbit", 3), 3, 2,
+    sim = simulate(cache.trace(model.spec.num_layers, model.spec.moe.num_experts), CachePolicy.named("hobbit", 3), 3, 2,
                    t1=0.55, t2=0.7)
     real = cache.stats
     assert (real.requests, real.hits, real.high_misses, real.low_misses, real.skipped) == (

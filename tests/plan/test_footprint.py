@@ -128,7 +128,7 @@ def test_hybrid_low_bit_counts_the_store_and_the_cpu_copy(hf_checkpoints, family
     low_bits, group = store.meta["low_bits"], store.meta["group"]
     need = footprint(spec, hybrid_layout(spec, placement, "cpu", 4, engine_kv_rows(BATCH), TOKENS, low_bits, group))
     low = store_bytes(store, low=True)
-    assert need.host["expert store"] == 2 * low and low == sum(spec.experts_at(i) for i in placement.cpu_layers) \
+    assert need.host["expert store"] == 2 * low and low == sum(spec.moe.experts_at(i) for i in placement.cpu_layers) \
         * store.expert_bytes(True)
     assert model_bytes(run.model) == (need.host["dense weights"], 0)
 
@@ -141,7 +141,7 @@ def test_offload_counts_the_store_and_the_slot_pools(hf_checkpoints, tmp_path, f
     ExpertStore.build(path, tmp_path / "s", low_bits=4, group=8)
     run = llm(path, offload=str(tmp_path / "s"), high_slots=4, all_high=True)
     spec = run.model.spec
-    need = footprint(spec, offload_layout(spec, 4, engine_kv_rows(BATCH), TOKENS, 4 + spec.top_k, 0,
+    need = footprint(spec, offload_layout(spec, 4, engine_kv_rows(BATCH), TOKENS, 4 + spec.moe.top_k, 0,
                                           Precision.hqq(4, 8, 4)))
     dense, experts = model_bytes(run.model)
     assert (dense, experts) == (need.gpu["dense weights"], 0)
@@ -171,7 +171,7 @@ def test_mxfp4_checkpoint_keeps_its_experts_packed(hf_checkpoints, tmp_path):
     run = llm(packed)
     spec = run.model.spec
     need = footprint(spec, resident_layout(spec, "cpu", 4, engine_kv_rows(BATCH), TOKENS))
-    assert spec.experts_mxfp4 and model_bytes(run.model) == (need.host["dense weights"],
+    assert spec.moe.experts_mxfp4 and model_bytes(run.model) == (need.host["dense weights"],
                                                               need.host["resident experts"])
 
 
@@ -181,7 +181,7 @@ def test_kv_cache_of_the_prompt_cache_and_mla(hf_checkpoints):
         spec = ModelSpec.from_dir(hf_checkpoints[family][1])
         kv = KVCache(spec, 3, 10, "cpu", torch.bfloat16)
         assert tensor_bytes([kv.k, kv.v]) == kv_cache_bytes(spec, 3, 10, 2)
-        assert (kv.v is None) == (spec.mla is not None)
+        assert (kv.v is None) == (spec.attention.mla is not None)
 
 
 def test_workspace_is_the_activations_or_the_budget_share():

@@ -41,7 +41,7 @@ def layout(run: moeserve.LLM, placement: str) -> RunLayout:
     if placement == "resident":
         out = resident_layout(spec, "cuda", 2, rows, tokens)
     elif placement == "offload":
-        out = offload_layout(spec, 2, rows, tokens, 4 + spec.top_k, 0, None, pinned=plan.config.cache.pin)
+        out = offload_layout(spec, 2, rows, tokens, 4 + spec.moe.top_k, 0, None, pinned=plan.config.cache.pin)
     else:
         store = run.runtime.hybrid.host.store
         out = hybrid_layout(spec, plan.hybrid, "cuda", 2, rows, tokens, store.meta["low_bits"], store.meta["group"],

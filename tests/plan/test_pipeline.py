@@ -143,8 +143,8 @@ def test_staging_pack_unpack_round_trip(hf_checkpoints, family):
     of the Staging buffer and read back as views."""
     spec = moeserve.ModelSpec.from_dir(hf_checkpoints[family][1])
     staging = Staging(spec, 3, torch.float32, pin=False, cpu_attends=True)
-    heads, dim, separate = spec.kv_cache_entry()
-    k, q = torch.randn(3, heads, 1, dim), torch.randn(3, spec.num_heads, 1, spec.attention_core()[0])
+    heads, dim, separate = spec.attention.kv_cache_entry()
+    k, q = torch.randn(3, heads, 1, dim), torch.randn(3, spec.attention.num_heads, 1, spec.attention.core()[0])
     v = torch.randn(3, heads, 1, dim) if separate else None
     staging.qkv[1].copy_(pack(k, v, q))
     got = staging.unpack(1)

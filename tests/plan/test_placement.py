@@ -20,7 +20,7 @@ from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
 # D 64, 2 heads of 32, 1 KV head, 4 experts of FFN 128, top-2, 2 MoE layers, vocabulary 100
-TINY = ModelSpec(family="mixtral", vocab_size=100, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+TINY = ModelSpec.of(family="mixtral", vocab_size=100, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                  head_dim=32, max_position_embeddings=256, num_experts=4, top_k=2, expert_ffn=128,
                  moe_layers=(True, True), sliding_windows=(None, None))
 # round rates for arithmetic by hand
@@ -108,7 +108,7 @@ def test_choice_on_the_mixtral_shape():
     assert (c.kind, c.bits, c.dense_bits) == ("hybrid", 4, 8) and c.gpu_bytes <= 12 * GiB  # the workspace in it
     eb = expert_bytes(spec, Precision.hqq(4, 64))
     assert c.footprint.gpu["workspace"] == int(12 * GiB * WORKSPACE_SHARE) and c.gpu_bytes + eb > 12 * GiB  # no more
-    assert c.cache_slots < spec.num_experts  # else one layer fewer on the CPU
+    assert c.cache_slots < spec.moe.num_experts  # else one layer fewer on the CPU
     slots = ["--gpu-cache-experts", str(c.cache_slots)] if c.cache_slots else []
     assert c.flags() == ["--n-cpu-moe", str(c.cpu_layers), "--experts-bits", "4", *slots, "--dense-bits", "8"]
     line = plan.describe()
@@ -162,7 +162,7 @@ def test_dense_bits_8_counts_its_bytes_and_puts_fewer_layers_on_the_cpu():
     q8 = plan_placement(spec, hw, qwen3_request(dense_bits=8))
     a, b = bf16.chosen, q8.chosen
     assert (a.kind, a.bits, a.dense_bits, b.kind, b.bits, b.dense_bits) == ("hybrid", 4, 16, "hybrid", 4, 8)
-    layer = spec.num_experts * expert_bytes(spec, Precision.hqq(4, 64))
+    layer = spec.moe.num_experts * expert_bytes(spec, Precision.hqq(4, 64))
     assert b.cpu_layers <= a.cpu_layers - saved // layer and b.decode_tok_s > a.decode_tok_s
     assert b.flags()[-2:] == ["--dense-bits", "8"] and "--dense-bits" not in a.flags()
     assert "; dense part bfloat16; GPU " in bf16.describe() and "; dense part 8-bit; GPU " in q8.describe()
@@ -227,11 +227,11 @@ def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
     for 1.5 layers' experts puts both MoE layers on the CPU, the streaming ring and cache slots in the rest."""
     hf, path = hf_checkpoints["deepseek_v2_lite"]
     spec = ModelSpec.from_dir(path)
-    m, tokens = spec.mla, spec.max_position_embeddings  # prompt 128 + 128 generated
+    m, tokens = spec.attention.mla, spec.max_position_embeddings  # prompt 128 + 128 generated
     dense = 2 * sum(p.numel() for name, p in hf.named_parameters() if ".mlp.experts." not in name)
     kv = 2 * tokens * spec.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2  # a sequence and the spare row
-    expert = 3 * spec.hidden_size * spec.expert_ffn * 2
-    layer = spec.num_experts * expert
+    expert = 3 * spec.hidden_size * spec.moe.expert_ffn * 2
+    layer = spec.moe.num_experts * expert
     activations = activation_bytes(spec, 128, 1, 2)
     budget = minimum_budget(dense + kv + int(1.5 * layer), activations)
     workspace = max(activations, int(budget * WORKSPACE_SHARE))
@@ -243,7 +243,7 @@ def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
                                                                         dense + kv + 2 * layer + workspace)
     slots = int(0.5 * layer) // expert  # 1.5 layers' room less the ring of a layer's experts
     assert hybrid["where"] == f"2/2 MoE layers' experts on the CPU (bfloat16), {slots} GPU cache slots"
-    assert hybrid["gpu_bytes"] == dense + kv + workspace + (spec.num_experts + slots) * expert and hybrid["streams"]
+    assert hybrid["gpu_bytes"] == dense + kv + workspace + (spec.moe.num_experts + slots) * expert and hybrid["streams"]
     assert hybrid["host_bytes"] == 2 * layer and report["chosen"] == 1
     assert hybrid["flags"] == ["--cpu-moe", "--gpu-cache-experts", str(slots)] and offload["kind"] == "offload"
 
@@ -367,7 +367,7 @@ def test_mxfp4_experts_count_packed_where_they_stay_resident():
 
     cfg = transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32).to_dict()
     spec = ModelSpec.from_hf_config({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
-    assert spec.experts_mxfp4
+    assert spec.moe.experts_mxfp4
     packed = expert_bytes(spec, checkpoint_precision(spec, 2))
     assert packed == 3 * 2880 * 2880 * 17 // 32 + (3 * 2880) * 2
     assert packed < expert_bytes(spec, Precision.float(2)) / 3.5

@@ -16,7 +16,7 @@ from moeserve.plan.search import candidates, evaluate, memory, search
 from moeserve.spec import ModelSpec
 
 # tiny spec for hand-worked numbers: D=8, 2 heads of 4, 1 KV head, 4 experts of FFN 16, top-2, 2 layers
-TINY = ModelSpec(family="mixtral", vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+TINY = ModelSpec.of(family="mixtral", vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                  head_dim=4, max_position_embeddings=64, num_experts=4, top_k=2, expert_ffn=16,
                  moe_layers=(True, True), sliding_windows=(None, None))
 WL = Workload(prompt_len=512, gen_len=128)
