@@ -49,6 +49,9 @@ def layout(run: moeserve.LLM, placement: str) -> RunLayout:
     return RunLayout(**{**vars(out), "pass_tokens": PROMPT, "logit_rows": 1})
 
 
+@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-29): the peak is 30-110 MB above the ledger on "
+                                      "these tiny models (0.3-12 MB): the CUDA runtime's own allocations (cuBLAS "
+                                      "workspace, kernel scratch, graph pools) are not in the ledger yet")
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("name", ["demo", "tiny_mixtral"])
 def test_gpu_total_matches_the_peak(models, name, placement):

@@ -61,8 +61,9 @@ def test_roofline_counts_mla_latents_and_mxfp4_experts(checkpoints):
     wl = Workload(prompt_len=6, gen_len=4)
     mla = moeserve.ModelSpec.from_dir(checkpoints["deepseek_v3"])
     attn = layer_ops(mla, wl, True, None, np.array([2.0]), 1, 8.5, 8.5)["attention"]
-    m, H = mla.attention.mla, mla.attention.num_heads  # 2 sequences read 8.5 latents of r + rope values (2 bytes each); every head's
-    # query scores them over r + rope values and mixes r
+    m, H = mla.attention.mla, mla.attention.num_heads
+    # 2 sequences read 8.5 latents of r + rope values (2 bytes each); every head's query scores them over r + rope
+    # values and mixes r
     assert attn.kv[0] == 2 * 8.5 * m.latent_dim * 2
     assert attn.flops[0] == 2 * 2 * H * 8.5 * (m.latent_dim + m.kv_lora_rank)
     mx = moeserve.ModelSpec.from_dir(checkpoints["gpt_oss_mxfp4"])
@@ -70,7 +71,7 @@ def test_roofline_counts_mla_latents_and_mxfp4_experts(checkpoints):
     post_mx = layer_ops(mx, wl, True, None, 1, 1, 8.5, 8.5)["post_attention"]
     post_float = layer_ops(mx.replace(experts_mxfp4=False), wl, True, None, 1, 1, 8.5, 8.5)["post_attention"]
     matrices = mx.moe.num_experts * 3 * mx.hidden_size * mx.moe.expert_ffn
-    assert post_float.weights - post_mx.weights == pytest.approx(matrices * (2 - 17 / 32))  # MXFP4: 16 bytes of codes and a scale per 32
+    assert post_float.weights - post_mx.weights == pytest.approx(matrices * (2 - 17 / 32))  # MXFP4: 17 bytes a 32
 
 
 @pytest.mark.parametrize("family", FAMILIES)
