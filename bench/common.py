@@ -6,6 +6,7 @@ never zeros, one JSON per run with commit, device, versions, config, every figur
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -256,3 +258,36 @@ def measure_matmul_flops(device: torch.device | str = "cuda", dtype: torch.dtype
     b = torch.randn(n, n, device=device, dtype=dtype)
     ms = time_fn(lambda x: x @ b, a, device, reps=5, warmup=1)
     return {"flop_per_s": 2 * n ** 3 / (ms * 1e-3), "n": n, "dtype": str(dtype).removeprefix("torch."), "ms": ms}
+
+
+@dataclass
+class CpuBench:
+    """What a CPU kernel bench starts from: its options (--quick, --threads, --out), the CPU, its best ISA, the
+    kernels' register tile for it and the measured DRAM read bandwidth (a record, measure_dram_read_bandwidth's)."""
+    args: argparse.Namespace
+    info: object
+    isa: str
+    tile: tuple[int, int]
+    dram: dict
+
+
+def start_cpu_bench(description: str, dram_bytes: int) -> CpuBench:
+    """Parse a CPU kernel bench's options, set torch's threads, and print the machine line (dram_bytes: the DRAM
+    measurement's buffer; --quick uses 64 MiB)."""
+    from moeserve.kernels.cpu import gemv
+    from moeserve.kernels.cpu.machine import cpu_info
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: all cores)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = cpu_info()
+    isa = info.isas[0]
+    tile = gemv.tile_for(isa)
+    dram = measure_dram_read_bandwidth(64 << 20 if args.quick else dram_bytes)
+    print(f"{info.model}: {torch.get_num_threads()} threads, ISA {isa}, tile {tile}, "
+          f"DRAM read {dram['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    return CpuBench(args, info, isa, tile, dram)

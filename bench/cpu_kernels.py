@@ -11,7 +11,6 @@ PyTorch path of QuantizedLinear.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -21,14 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import measure_dram_read_bandwidth, result_record, time_fn, write_result  # noqa: E402
+from common import result_record, start_cpu_bench, time_fn, write_result  # noqa: E402
 
 import moeserve  # noqa: E402
 from moeserve.cli import DEMO_DIR  # noqa: E402
 from moeserve.engine.generate import generate  # noqa: E402
 from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.kernels.cpu import gemv  # noqa: E402
-from moeserve.kernels.cpu.machine import cpu_info  # noqa: E402
 from moeserve.model.experts import ResidentExperts  # noqa: E402
 from moeserve.compress import QuantConfig, quantize_checkpoint  # noqa: E402
 from moeserve.quant.hqq import QuantizedWeight  # noqa: E402
@@ -137,22 +135,11 @@ def demo_decode_rows(new_tokens: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats")
-    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: all cores)")
-    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    bench = start_cpu_bench(__doc__.splitlines()[0], 1 << 30)
+    args, info, isa, tile, dram = bench.args, bench.info, bench.isa, bench.tile, bench.dram
     global ROTATE_BYTES
     if args.quick:
         ROTATE_BYTES = 16 << 20
-    info = cpu_info()
-    isa = info.isas[0]
-    tile = gemv.tile_for(isa)
-    dram = measure_dram_read_bandwidth(64 << 20 if args.quick else 1 << 30)
-    print(f"{info.model}: {torch.get_num_threads()} threads, ISA {isa}, tile {tile}, "
-          f"DRAM read {dram['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
     shapes = [(512, 1024)] if args.quick else [(4096, 14336), (14336, 4096)]
     reps = 3 if args.quick else 15
     record = result_record("cpu_kernels", {"quick": args.quick, "isa": isa, "tile_rows": tile[0],

@@ -12,17 +12,15 @@ run on all of torch's threads (the native pool's helpers).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
-from common import measure_dram_read_bandwidth, result_record, time_fn, write_result  # noqa: E402
+from common import result_record, start_cpu_bench, time_fn, write_result  # noqa: E402
 
 from moeserve.kernels.cpu import gemv  # noqa: E402
-from moeserve.kernels.cpu.machine import cpu_info  # noqa: E402
 from moeserve.quant import hqq  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -82,22 +80,11 @@ def expert_rows(hidden: int, ffn: int, rows_list, threads_list, dram: float, rep
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small shape, few repeats")
-    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (default: all cores)")
-    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    bench = start_cpu_bench(__doc__.splitlines()[0], 512 << 20)
+    args, isa, tile, dram = bench.args, bench.isa, bench.tile, bench.dram
     global ROTATE_BYTES
     if args.quick:
         ROTATE_BYTES = 16 << 20
-    info = cpu_info()
-    isa = info.isas[0]
-    tile = gemv.tile_for(isa)
-    dram = measure_dram_read_bandwidth(64 << 20 if args.quick else 512 << 20)
-    print(f"{info.model}: {torch.get_num_threads()} threads, ISA {isa}, tile {tile}, "
-          f"DRAM read {dram['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
     hidden, ffn = (256, 256) if args.quick else (2880, 2880)
     record = result_record("cpu_mxfp4", {"quick": args.quick, "isa": isa, "tile_rows": tile[0],
                                          "tile_vectors": tile[1], "hidden": hidden, "ffn": ffn,

@@ -143,3 +143,10 @@ def num_experts(cfg: dict) -> int:
     if n is None:
         raise KeyError("num_experts")
     return n
+
+
+def routed_experts_fields(cfg: dict, experts: int) -> dict:
+    """The MoESpec sizes HF's DeepSeek, GLM and Qwen MoE configs name alike: `experts` routed experts,
+    num_experts_per_tok of them per token, moe_intermediate_size wide, norm_topk_prob."""
+    return dict(num_experts=experts, top_k=cfg["num_experts_per_tok"], expert_ffn=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from moeserve.errors import MoeserveError
-from moeserve.families.common import Family, common_fields, heads, read_rope
+from moeserve.families.common import Family, common_fields, heads, read_rope, routed_experts_fields
 from moeserve.spec_parts import SCORING_FUNCS, TOPK_METHODS, AttentionSpec, MLASpec, MoESpec, RopeSpec, RouterSpec
 
 
@@ -48,10 +48,7 @@ def deepseek_sparse(cfg: dict, L: int, router: RouterSpec) -> MoESpec:
     moe_layer_freq (DeepSeek's own rule; transformers reads 1), n_shared_experts as one shared FFN."""
     first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
     return MoESpec(
-        num_experts=routed_experts(cfg),
-        top_k=cfg["num_experts_per_tok"],
-        expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        **routed_experts_fields(cfg, routed_experts(cfg)),
         router_weights_fp32=True,
         layers=tuple(i >= first and i % freq == 0 for i in range(L)),
         dense_ffn=cfg["intermediate_size"],

@@ -4,7 +4,7 @@ windows by layer; Qwen3 a per-head qk-norm."""
 
 from __future__ import annotations
 
-from moeserve.families.common import Family, common_fields, heads, num_experts
+from moeserve.families.common import Family, common_fields, heads, num_experts, routed_experts_fields
 from moeserve.spec_parts import AttentionSpec, MoESpec
 
 
@@ -28,10 +28,7 @@ def qwen2_windows(cfg: dict, L: int) -> tuple[int | None, ...]:
 def qwen_sparse(cfg: dict, L: int) -> dict:
     """The MoESpec fields both Qwen MoE generations share: dense layers interleaved by sparse step."""
     return dict(
-        num_experts=num_experts(cfg),
-        top_k=cfg["num_experts_per_tok"],
-        expert_ffn=cfg["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        **routed_experts_fields(cfg, num_experts(cfg)),
         router_weights_fp32=False,
         layers=moe_layers(cfg, L),
         dense_ffn=cfg.get("intermediate_size", 0),

@@ -3,7 +3,6 @@ resident model, on the CPU: exact greedy tokens for every family and split, with
 command line's flags, placement line and errors. GPU: tests/test_gpu_hybrid.py."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -371,17 +370,6 @@ def test_cli_generate_with_an_8bit_dense_part(capsys, wide_byte_model_dir, expec
     capsys.readouterr()
     expect_cli_error(base + ["--dense-bits", "4", "Hi"], "argument --dense-bits: invalid choice: 4")
     expect_cli_error(base + ["--dense-bits", "8", "--tp", "2", "Hi"], "--tp 2 runs one process per rank: launch it under torchrun")
-
-
-def test_hybrid_runs_let_openmp_threads_sleep(byte_model_dir, monkeypatch, capsys):
-    """OMP_WAIT_POLICY=PASSIVE for hybrid commands (set before torch loads in a real run), unless the user set it."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    argv = ["generate", "--model", str(byte_model_dir), "--max-new-tokens", "1", "--device", "cpu"]
-    assert main(argv) == 0 and "OMP_WAIT_POLICY" not in os.environ
-    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert main(argv + ["--cpu-moe"]) == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-    capsys.readouterr()
 
 
 def test_help_explains_the_flags(capsys):
