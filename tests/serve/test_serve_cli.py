@@ -14,7 +14,7 @@ from moeserve.cli import main
     (["--parallel", "0"], "--parallel, --prefill-chunk and --threads must be >= 1"),
     (["--prefill-chunk", "0"], "--parallel, --prefill-chunk and --threads must be >= 1"),
     (["--max-queue", "-1"], "--max-queue >= 0"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "0"], "--threads 0 must be >= 1"),
     (["--ctx-size", "1024"], "--ctx-size 1024 must be between 2 and the model's context of 512 tokens"),
     (["--ctx-size", "1"], "--ctx-size 1 must be between 2"),
     (["--api-key", " "], "--api-key must not be empty"),
