@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from moeserve.cli.common import load, prepare
-from moeserve.cli.options import DEFAULT_SERVE_CONTEXT, sampling_params
+from moeserve.cli.common import ctx_size, load, prepare
+from moeserve.cli.options import sampling_params
 from moeserve.config import RunConfig
 from moeserve.engine.generate import generate
-from moeserve.errors import MoeserveError
 from moeserve.serve.chat_template import ChatTemplate
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer
@@ -26,10 +25,7 @@ def run(args) -> int:
     params = sampling_params(args)
     config = RunConfig.from_args(args, "chat")  # validated by cli.main
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)
-    context = spec.max_position_embeddings
-    if args.ctx_size is not None and not 2 <= args.ctx_size <= context:
-        raise MoeserveError(f"--ctx-size {args.ctx_size} must be between 2 and the model's context of {context} tokens")
-    context = args.ctx_size or min(context, DEFAULT_SERVE_CONTEXT)
+    context = ctx_size(args.ctx_size, spec)
     template = ChatTemplate.from_dir(config.model)
     model = load(prepare(config, spec, 1, context)).model
     start = [{"role": "system", "content": args.system}] if args.system else []

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moeserve import runtime
+from moeserve.cli.options import DEFAULT_SERVE_CONTEXT
 from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec
@@ -24,6 +25,15 @@ def prepare(config: RunConfig, spec: ModelSpec, kv_batch: int, kv_tokens: int) -
     if plan.plan_line and is_main_rank():
         print(plan.plan_line, file=sys.stderr, flush=True)
     return plan
+
+
+def ctx_size(given: int | None, spec: ModelSpec) -> int:
+    """Tokens of context a serve or chat run keeps: --ctx-size (between 2 and the model's context), else the model's
+    context capped at DEFAULT_SERVE_CONTEXT."""
+    context = spec.max_position_embeddings
+    if given is not None and not 2 <= given <= context:
+        raise MoeserveError(f"--ctx-size {given} must be between 2 and the model's context of {context} tokens")
+    return min(context, DEFAULT_SERVE_CONTEXT) if given is None else given
 
 
 def load(plan: runtime.RunPlan) -> runtime.Runtime:

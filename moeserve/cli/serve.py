@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from moeserve.cli.common import load, prepare
-from moeserve.cli.options import DEFAULT_SERVE_CONTEXT, SERVE_EXTRA
+from moeserve.cli.common import ctx_size, load, prepare
+from moeserve.cli.options import SERVE_EXTRA
 from moeserve.config import RunConfig, ServeConfig
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec
@@ -18,12 +18,7 @@ def run(args) -> int:
         raise MoeserveError(f"`moeserve serve` needs {', '.join(missing)}: pip install 'moeserve[serve]'")
     config = RunConfig.from_args(args, "serve")  # validated by cli.main
     spec, tok = ModelSpec.from_dir(config.model), load_tokenizer(config.model)  # config.json and the tokenizer
-    context = spec.max_position_embeddings
-    if args.ctx_size is not None and not 2 <= args.ctx_size <= context:
-        raise MoeserveError(f"--ctx-size {args.ctx_size} must be between 2 and the model's context of {context} "
-                            f"tokens")
-    serve = ServeConfig.from_args(args, min(context, DEFAULT_SERVE_CONTEXT) if args.ctx_size is None
-                                  else args.ctx_size).validate()  # the HTTP options, before any weight is read
+    serve = ServeConfig.from_args(args, ctx_size(args.ctx_size, spec)).validate()  # before any weight is read
     plan = prepare(config, spec, serve.parallel, serve.ctx_size)  # the store and RAM it needs: before listening
     from moeserve.serve.server import run as serve_until_stopped  # the web stack: only once the options are good
 
