@@ -225,8 +225,8 @@ def check_dense_budget(spec: ModelSpec, req: PlanRequest, dense_bits: int = 16) 
         at = "" if dense_bits == 16 else f" with {dense_bits}-bit linear layers (--dense-bits {dense_bits})"
         raise MoeserveError(
             f"--gpu-memory {format_bytes(req.budget)} cannot hold the dense part of the model{at}: attention, "
-            f"embeddings, norms, routers, shared experts and a KV cache of {req.kv_batch} x {req.kv_tokens} tokens "
-            f"need {format_bytes(need)}; give at least that")
+            f"embeddings, norms, routers, shared experts, a KV cache of {req.kv_batch} x {req.kv_tokens} tokens and "
+            f"the activations and cuBLAS workspaces need {format_bytes(need)}; give at least that")
 
 
 @dataclass(frozen=True)
