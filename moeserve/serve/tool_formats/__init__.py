@@ -7,9 +7,10 @@ JSON object)."""
 from __future__ import annotations
 
 from moeserve.serve.tool_formats.base import ToolFormat
+from moeserve.serve.tool_formats.deepseek import DeepSeek
 from moeserve.serve.tool_formats.hermes import Hermes
 
-FORMATS: tuple[ToolFormat, ...] = (Hermes(),)
+FORMATS: tuple[ToolFormat, ...] = (DeepSeek(fenced=True), DeepSeek(fenced=False), Hermes())
 
 
 def detect(template_source: str) -> ToolFormat | None:
