@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from moeserve.serve.tool_formats.base import ToolFormat
 from moeserve.serve.tool_formats.deepseek import DeepSeek
+from moeserve.serve.tool_formats.glm import Glm
 from moeserve.serve.tool_formats.hermes import Hermes
 
-FORMATS: tuple[ToolFormat, ...] = (DeepSeek(fenced=True), DeepSeek(fenced=False), Hermes())
+FORMATS: tuple[ToolFormat, ...] = (DeepSeek(fenced=True), DeepSeek(fenced=False), Glm(), Hermes())
 
 
 def detect(template_source: str) -> ToolFormat | None:
