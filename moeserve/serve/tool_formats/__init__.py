@@ -9,10 +9,12 @@ from __future__ import annotations
 from moeserve.serve.tool_formats.base import ToolFormat
 from moeserve.serve.tool_formats.deepseek import DeepSeek
 from moeserve.serve.tool_formats.glm import Glm
+from moeserve.serve.tool_formats.harmony import Harmony
 from moeserve.serve.tool_formats.hermes import Hermes
 from moeserve.serve.tool_formats.llama import Llama
 
-FORMATS: tuple[ToolFormat, ...] = (DeepSeek(fenced=True), DeepSeek(fenced=False), Glm(), Hermes(), Llama())
+FORMATS: tuple[ToolFormat, ...] = (Harmony(), DeepSeek(fenced=True), DeepSeek(fenced=False), Glm(), Hermes(),
+                                   Llama())
 
 
 def detect(template_source: str) -> ToolFormat | None:
