@@ -56,7 +56,8 @@ class GlmParser(BlockParser):
 
 class Glm(ToolFormat):
     name = "GLM-4.5"
-    markers = (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    # special tokens in GLM-4.5's tokenizer, its thinking tags among them
+    markers = (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>")
 
     def detects(self, template_source: str) -> bool:
         return OPEN in template_source and "<arg_key>" in template_source
