@@ -17,7 +17,8 @@ class ToolFormat:
         raise NotImplementedError
 
     def parser(self, functions: list[Function]) -> CallParser:
-        """A parser of one answer's calls of `functions`."""
+        """A parser of one answer's calls of `functions` (output's; a format that splits answers its own way
+        overrides output instead)."""
         raise NotImplementedError
 
     def grammar(self, functions: list[Function], parallel: bool) -> dict:

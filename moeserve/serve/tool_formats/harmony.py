@@ -111,9 +111,6 @@ class Harmony(ToolFormat):
     def detects(self, template_source: str) -> bool:
         return CHANNEL in template_source and MESSAGE in template_source
 
-    def parser(self, functions: list[Function]) -> HarmonyOutput:
-        return HarmonyOutput(True)
-
     def grammar(self, functions: list[Function], parallel: bool) -> dict:
         """One call (a harmony call ends the turn), its arguments ended by the model's stop token <|call|>."""
         return call_sequence([tag(f"{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}",
