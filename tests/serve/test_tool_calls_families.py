@@ -107,3 +107,14 @@ def test_call_and_result_are_fed_back(served):
     assert FED_BACK[family] in prompt and "get_weather" in prompt and "be brief" in prompt
     r = client.chat.completions.create(model=family, messages=messages, tools=[SEARCH], max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_responses_api_forced_call(served):
+    """client.responses.create with tool_choice required: one function_call item whose arguments validate."""
+    family, _, client = served
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, SEARCH)]
+    r = client.responses.create(model=family, input="weather?", tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=300, temperature=1.0)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
