@@ -1,7 +1,7 @@
 """DeepSeek's format (V3, R1 and V3.1 templates): the answer's calls in one block,
 `<｜tool▁calls▁begin｜>CALL...<｜tool▁calls▁end｜>`, each call
 `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>` on its own line (V3, R1)
-or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` back to back (V3.1, V3.2: no type word, no
+or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` back to back (V3.1, V3.2-Exp: no type word, no
 fence). The parser reads both; the grammar writes the one the template teaches."""
 
 from __future__ import annotations
