@@ -11,12 +11,15 @@ demo's plays are written, encoded with the tokenizer's special tokens (the demo'
 
 A tool call's arguments reach the template as `Arguments`: a mapping (Qwen's and Llama's `tojson`, GLM's
 `.items()`) that is its JSON text where a template joins it to a string (DeepSeek's `'...' + arguments`) or
-prints it, so every family's published template renders calls fed back as OpenAI sends them.
+prints it, so every family's published template renders calls fed back as OpenAI sends them. A template that tells
+an assistant turn of calls by its content being none (DeepSeek-V3's and R1's: `message['content'] is none`) gets
+None there when the message has calls and no text, whether the client sent null or "".
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +37,7 @@ FALLBACK = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant.\n{% endif %}"
 )
+NONE_CONTENT = re.compile(r"content(?:'\])?\s+is\s+none")  # a template testing a message's content against none
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -51,6 +55,7 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
             self.source = source  # its text: what it can write (thinking sections, tool-call blocks)
+            self.none_content = bool(NONE_CONTENT.search(source))
         except JinjaError as e:
             raise MoeserveError(f"cannot read the chat template in {origin}: {e}") from None
         self.special_tokens = special_tokens or {}
@@ -77,7 +82,7 @@ class ChatTemplate:
         tool objects, as transformers' apply_chat_template passes them; extra: more template variables (a request's
         chat_template_kwargs: enable_thinking), which never replace the conversation, its tools or the special
         tokens."""
-        variables = {**extra, **self.special_tokens, "messages": [_with_arguments(m) for m in messages],
+        variables = {**extra, **self.special_tokens, "messages": [_for_template(m, self.none_content) for m in messages],
                      "add_generation_prompt": add_generation_prompt, "tools": tools or None, "documents": None}
         try:
             return self.template.render(**variables)
@@ -108,8 +113,9 @@ class Arguments(dict):
         return other + str(self)
 
 
-def _with_arguments(message):
-    """The message with each tool call's arguments object as Arguments (other messages as they are)."""
+def _for_template(message, none_content: bool):
+    """The message with each tool call's arguments object as Arguments, and (none_content) None for the content of
+    an assistant turn of calls alone; other messages as they are."""
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if not isinstance(calls, list):
         return message
@@ -120,7 +126,10 @@ def _with_arguments(message):
             return call
         return {**call, "function": {**function, "arguments": Arguments(function["arguments"])}}
 
-    return {**message, "tool_calls": [wrap(c) for c in calls]}
+    out = {**message, "tool_calls": [wrap(c) for c in calls]}
+    if none_content and calls and not message.get("content"):
+        out["content"] = None
+    return out
 
 
 def _raise_exception(message: str):

@@ -153,3 +153,15 @@ def test_tool_call_arguments_render_as_object_and_as_text():
               "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}"
               "{% endfor %}{% endfor %}")
     assert ChatTemplate(source).render([call]) == '[{"a": 1, "b": "x"}]|{"a": 1, "b": "x"}|{"a": 1, "b": "x"}|a=1;b=x;'
+
+
+def test_a_turn_of_calls_has_no_content_where_the_template_asks_for_none():
+    """DeepSeek's templates render an assistant turn's calls only when its content is none: a turn of calls alone
+    gets None there (sent as "" or null); other templates get the text as sent."""
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+    deepseek = ("{% for message in messages %}{% if message['content'] is none %}{{ 'calls ' + "
+                "message['tool_calls'][0]['function']['arguments'] }}{% else %}text{% endif %}{% endfor %}")
+    assert ChatTemplate(deepseek).render([turn]) == 'calls {"a": 1}'
+    assert ChatTemplate(deepseek).render([{**turn, "content": "hm"}]) == "text"
+    assert ChatTemplate("{% for m in messages %}[{{ m.content }}]{% endfor %}").render([turn]) == "[]"

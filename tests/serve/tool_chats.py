@@ -22,17 +22,14 @@ DEEPSEEK_V3_LIKE = r"""
 {%- endif %}
 {%- for m in messages %}
 {%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}
-{%- elif m.role == 'assistant' %}
-{{- '<｜Assistant｜>' + (m.content or '') }}
-{%- if m.tool_calls %}
-{{- '<｜tool▁calls▁begin｜>' }}
+{%- elif m.role == 'assistant' and m.content is none %}
+{{- '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
 {%- for call in m.tool_calls %}
 {%- if not loop.first %}{{- '\n' }}{%- endif %}
 {{- '<｜tool▁call▁begin｜>' + call.type + '<｜tool▁sep｜>' + call.function.name + '\n```json\n' + call.function.arguments + '\n```<｜tool▁call▁end｜>' }}
 {%- endfor %}
-{{- '<｜tool▁calls▁end｜>' }}
-{%- endif %}
-{{- '<｜end▁of▁sentence｜>' }}
+{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
+{%- elif m.role == 'assistant' %}{{- '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}
 {%- elif m.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜tool▁outputs▁begin｜>' }}{%- else %}{{- '\n' }}{%- endif %}
 {{- '<｜tool▁output▁begin｜>' + m.content + '<｜tool▁output▁end｜>' }}
