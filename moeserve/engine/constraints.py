@@ -7,7 +7,8 @@ sampled alike), so a grammar holds whatever the model prefers; once the grammar 
 are allowed, which ends the request with "eos".
 
 `Grammars` compiles grammars for one tokenizer with xgrammar (the `structured` extra): JSON schemas, any JSON
-object, and tag sequences (tool calls: a fixed opening text, a JSON schema, a closing text). xgrammar was chosen
+object, and xgrammar structural tags (tool calls: fixed texts around their arguments, built per tool-call format
+by serve/tool_formats). xgrammar was chosen
 over llguidance by bench/structured_mask.py: per-token masks of 1-4 us against llguidance's 10-350 us (258 and
 a synthetic 151k-token vocabulary, one CPU thread), for a compile of 1-75 ms that Grammars caches per grammar.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -90,15 +90,6 @@ def require_xgrammar():
     return xgrammar
 
 
-@dataclass(frozen=True)
-class Tag:
-    """One kind of tagged JSON: `begin`, a JSON value matching `schema`, then `end` (a tool call of one function:
-    '<tool_call>\\n{"name": "f", "arguments": ', its parameters' schema, '}\\n</tool_call>')."""
-    begin: str
-    schema: dict
-    end: str
-
-
 class GrammarConstraint:
     """A TokenConstraint over an xgrammar matcher of one compiled grammar, and `keep` (packed int32 [W]): the tokens
     JSON text may hold at all."""
@@ -148,15 +139,10 @@ class Grammars:
         """Output that is one JSON object."""
         return self.json_schema({"type": "object"})
 
-    def tags(self, tags: list[Tag], separator: str, at_least_one: bool, only_one: bool) -> GrammarConstraint:
-        """Output that is a sequence of `tags` joined by `separator` and nothing else (at_least_one: not empty;
-        only_one: one tag at most)."""
-        fmt = {"type": "tags_with_separator", "separator": separator, "at_least_one": at_least_one,
-               "stop_after_first": only_one,
-               "tags": [{"type": "tag", "begin": t.begin, "end": t.end,
-                         "content": {"type": "json_schema", "json_schema": t.schema, "max_whitespace_cnt": 1}}
-                         for t in tags]}
-        return self._make(("tags", fmt), lambda: self.compiler.compile_structural_tag(
+    def structural_tag(self, fmt: dict) -> GrammarConstraint:
+        """Output that follows `fmt`, an xgrammar structural-tag format (tags, sequences, JSON schemas, their XML
+        styles), and nothing else."""
+        return self._make(("structural_tag", fmt), lambda: self.compiler.compile_structural_tag(
             {"type": "structural_tag", "format": fmt}))
 
     def _make(self, key, compile_fn) -> GrammarConstraint:

@@ -39,7 +39,7 @@ from moeserve.serve.protocol import (APIError, ChatRequest, CompletionRequest, D
 from moeserve.serve.reasoning import ThinkSplitter, opens_thinking, thinks
 from moeserve.serve.responses import ChatFormat, CompletionFormat, Format, sse, usage
 from moeserve.serve.responses_api import ResponsesFormat, responses_usage
-from moeserve.serve.tool_calls import SEPARATOR, ToolCallParser, knows_tools, tags
+from moeserve.serve.tool_formats import detect, names
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context leaves
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -221,9 +221,10 @@ async def prepare_chat(state: ServerState, messages: list[dict], add_generation_
     schema, the tool as the template reads it); tool_mode: none (tools not shown), auto, required or a function's
     name (those two forced by a grammar); parallel: several calls allowed."""
     shown = tools if tool_mode != "none" else []
-    if shown and not knows_tools(state.template.source):
-        raise APIError(400, "tools: this model's chat template writes no tool calls moeserve reads (Hermes/Qwen "
-                            "<tool_call> blocks); send tool_choice 'none' or no tools", "invalid_value", "tools")
+    fmt = detect(state.template.source)
+    if shown and fmt is None:
+        raise APIError(400, f"tools: this model's chat template writes no tool calls moeserve reads ({names()}); "
+                            f"send tool_choice 'none' or no tools", "invalid_value", "tools")
     forced = [(name, schema) for name, schema, _ in shown if tool_mode in ("required", name)]
     if forced and response_format is not None and response_format.type != "text":
         raise APIError(400, "response_format: a JSON format cannot be combined with a forced tool call "
@@ -233,13 +234,13 @@ async def prepare_chat(state: ServerState, messages: list[dict], add_generation_
     except TemplateError as e:
         raise APIError(400, str(e), "invalid_messages", "messages") from None
     if forced:
-        constraint = await _grammar(state, "tool_choice", lambda g: g.tags(tags(forced), SEPARATOR,
-                                                                           at_least_one=True, only_one=not parallel))
+        constraint = await _grammar(state, "tool_choice", lambda g: g.structural_tag(fmt.grammar(forced, parallel)))
     else:
         constraint = await _format_constraint(state, response_format)
     # a grammar holds the whole answer from its first token: there is no thinking section to split off
     thinking = ThinkSplitter(opens_thinking(prompt)) if thinks(state.template.source) and not constraint else None
-    output = ChatOutput(thinking, ToolCallParser() if shown else None)
+    functions = [(name, schema) for name, schema, _ in shown] if shown else None
+    output = fmt.output(thinking, functions) if fmt else ChatOutput(thinking)
     return Chat(state.template.tokens(prompt, state.tokenizer), constraint, output)
 
 

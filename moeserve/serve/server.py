@@ -30,6 +30,7 @@ from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
 from moeserve.serve.batcher import Engine
 from moeserve.serve.chat_template import ChatTemplate
+from moeserve.serve.tool_formats import detect
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import StepMirror, follow
 
@@ -97,6 +98,9 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
         return follow_rank_0(config, serve, tokenizer, load)
     name = serve.served_model_name or Path(config.model).resolve().name
     template = ChatTemplate.from_dir(config.model)
+    tool_format = detect(template.source)
+    if tool_format is not None:  # its special tokens are read from the answers' text
+        tokenizer.show(tool_format.markers)
     metrics = Metrics(name, serve.parallel)
     context = serve.ctx_size
     state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, serve.metrics, serve.api_key,

@@ -11,7 +11,7 @@ import torch
 
 import moeserve
 from moeserve.engine.batching import ContinuousBatch, Request
-from moeserve.engine.constraints import Grammars, Tag, constrain, mask_words, pack_mask, unpack_mask
+from moeserve.engine.constraints import Grammars, constrain, mask_words, pack_mask, unpack_mask
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
@@ -137,14 +137,15 @@ def test_json_schemas_hold_on_a_rambling_model(tiny):
         jsonschema.validate(json.loads("".join(u.text for u in got)), schema)
 
 
-def test_tags_and_json_object(tiny):
+def test_structural_tag_and_json_object(tiny):
     model, tok = tiny
     grammars = Grammars(tok, model.spec.vocab_size, {tok.eos_id})
     schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"]}
-    tags = [Tag('<tool_call>\n{"name": "find", "arguments": ', schema, "}\n</tool_call>")]
+    call = {"type": "tag", "begin": '<tool_call>\n{"name": "find", "arguments": ', "end": "}\n</tool_call>",
+            "content": {"type": "json_schema", "json_schema": schema}}
     batch = ContinuousBatch(model, tok, slots=2, context=512)
     requests = [Request(tok.encode("KING."), SamplingParams(max_new_tokens=300, temperature=1.0, seed=1), None,
-                        constraint=grammars.tags(tags, "\n", at_least_one=True, only_one=True)),
+                        constraint=grammars.structural_tag(call)),
                 Request(tok.encode("KING."), SamplingParams(max_new_tokens=1500, temperature=1.0, seed=2), None,
                         constraint=grammars.json_object())]
     updates = run(batch, requests)
