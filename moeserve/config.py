@@ -212,6 +212,7 @@ class ServeConfig:
     ctx_size: int = 4096  # tokens per slot
     max_queue: int = 64
     prefill_chunk: int = 512
+    prefix_reuse: bool = True  # copy the KV of prompt tokens another slot holds instead of computing it
     threads: int | None = None  # CPU threads of torch (None: its choice)
     api_key: str | None = None
     served_model_name: str | None = None

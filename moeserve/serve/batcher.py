@@ -3,9 +3,10 @@
 Handlers (on the event loop) submit jobs and cancel them; both only put a message in the thread's inbox. The
 thread takes the messages between steps, so a request joins the running batch, or leaves it (a client that went
 away frees its KV slot), at the next step. Each job's updates go back through its `sink`, a function the handler
-gave that is safe to call from this thread. A handler's sink is a LoopSink (an asyncio queue on its event loop):
-the updates of one step for every LoopSink of a loop go over in one call, so the event loop wakes once a step, not
-once a token. The thread also keeps the metrics: time to first token, inter-token latency, tokens, running and
+gave that is safe to call from this thread. A handler's sink is a LoopSink (an asyncio queue on its event loop,
+items tagged with the choice they belong to: the n choices of one API request share a queue): the updates of one
+step for every LoopSink of a loop go over in one call, so the event loop wakes once a step, not once a token. The
+n choices of a request are submitted together (submit_many): all of them fit in the server, or none is queued. The thread also keeps the metrics: time to first token, inter-token latency, tokens, running and
 waiting requests, and logs (MOESERVE_LOG=info) every step slower than SLOW_STEP_S with what it computed. Under
 torchrun it leads the other ranks' batches (serve/mirror.py): each step's changes go to them before the step, each
 sampling's tokens after it.
@@ -37,12 +38,14 @@ SLOW_STEP_S = 0.25  # a step longer than this is logged (MOESERVE_LOG=info) with
 
 @dataclass(frozen=True, eq=False)
 class LoopSink:
-    """A job's updates into an asyncio queue that a handler on `loop` reads."""
+    """A job's updates into an asyncio queue that a handler on `loop` reads, as (index, item): index is the job's
+    choice in its API request."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    index: int = 0
 
     def __call__(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
 
 def deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -100,14 +103,23 @@ class Engine:
                sink: Callable[[Update | Exception], None], constraint: TokenConstraint | None = None) -> Job:
         """Queue a checked request (batch.check) or raise QueueFull; constraint: the grammar its tokens follow
         (under torchrun rank 0 alone holds it: the other ranks take its tokens)."""
+        return self.submit_many(prompt_ids, [params], top_logprobs, [sink], [constraint])[0]
+
+    def submit_many(self, prompt_ids: list[int], params: list[SamplingParams], top_logprobs: int | None,
+                    sinks: list[Callable[[Update | Exception], None]],
+                    constraints: list[TokenConstraint | None]) -> list[Job]:
+        """Queue one request per params (the choices of one prompt, in order: the first reads the prompt, the others
+        copy its KV), each with its sink and constraint, or raise QueueFull when they do not all fit."""
         with self._lock:
-            if self._open >= self.capacity:
+            if self._open + len(params) > self.capacity:
                 raise QueueFull
-            self._open += 1
-        job = Job(Request(prompt_ids, params, self._on_update, top_logprobs, constraint=constraint), sink)
-        job.request.tag = job
-        self._put(("add", job))
-        return job
+            self._open += len(params)
+        jobs = [Job(Request(prompt_ids, p, self._on_update, top_logprobs, constraint=c), sink)
+                for p, sink, c in zip(params, sinks, constraints, strict=True)]
+        for job in jobs:
+            job.request.tag = job
+            self._put(("add", job))
+        return jobs
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop the job at the next step (nothing more is sent to it)."""
@@ -181,7 +193,7 @@ class Engine:
     def _send(self, job: Job, item: Update | Exception) -> None:
         """Give an item to the job's sink: at once, or with the step's other items for the same loop."""
         if isinstance(job.sink, LoopSink):
-            self._pending.setdefault(job.sink.loop, []).append((job.sink.queue, item))
+            self._pending.setdefault(job.sink.loop, []).append((job.sink.queue, (job.sink.index, item)))
         else:
             job.sink(item)
 
@@ -213,6 +225,7 @@ class Engine:
         if job.last_token is None:
             m.ttft.observe(now - job.arrival)
             m.prompt_tokens.inc(len(request.prompt_ids))
+            m.prompt_tokens_cached.inc(request.reused)
         else:
             m.itl.observe(now - job.last_token)
         job.last_token = now

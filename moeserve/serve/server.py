@@ -72,7 +72,7 @@ def system_fingerprint(model_dir: str | Path) -> str:
 def serving_batch(config: RunConfig, serve: ServeConfig, model, tokenizer) -> ContinuousBatch:
     """The continuous batch the serve options describe (every rank builds the same one)."""
     return ContinuousBatch(model, tokenizer, serve.parallel, serve.ctx_size, serve.prefill_chunk,
-                           cuda_graph=config.cuda_graph)
+                           cuda_graph=config.cuda_graph, prefix_reuse=serve.prefix_reuse)
 
 
 def follow_rank_0(config: RunConfig, serve: ServeConfig, tokenizer, load: Callable[[], object]) -> int:
