@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                "fit": "the weights with the lowest miss_penalty (in units of one high-precision expert copy)"}
     for name, helptext in (("simulate", "replay a trace through a mixed-precision expert cache"),
                            ("fit", "fit the weights of HOBBIT's multi-dimensional policy on a trace")):
-        sp = tsub.add_parser(name, help=helptext, description=f"{helptext}; prints JSON: {outputs[name]}.")
+        sp = tsub.add_parser(name, help=helptext, description=f"{helptext}; prints a table (--json: JSON) of "
+                                                                f"{outputs[name]}.")
+        sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
         sp.add_argument("--trace", required=True, help="trace file from `moeserve trace record`")
         sp.add_argument("--high-slots", type=int, required=True, help="cache slots for high-precision experts")
         sp.add_argument("--low-slots", type=int, default=0, help="cache slots for low-precision experts (default 0)")

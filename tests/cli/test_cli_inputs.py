@@ -95,16 +95,24 @@ def test_trace_writes_the_given_path_and_reports_real_bytes(capsys, tmp_path, by
 
     code, out, err = run(capsys, "trace", "fit", "--trace", path, "--high-slots", 2, "--low-slots", 2)
     assert code == 0 and "[trace fit: 35/35 candidates" in err
+    assert out.startswith("weights ") and "moeserve trace simulate --weights " in out  # a table by default
 
-    simulate = ["trace", "simulate", "--trace", path, "--high-slots", 2, "--low-slots", 2]
+    simulate = ["trace", "simulate", "--trace", path, "--high-slots", 2, "--low-slots", 2, "--json"]
     code, out, _ = run(capsys, *simulate)
     result = json.loads(out)
     assert code == 0 and "bytes_moved" not in result and result["miss_penalty"] > 0
+    code, table, _ = run(capsys, *simulate[:-1])  # by default the same numbers as a table, one row each
+    rows = {line[:12].strip(): line[12:].strip() for line in table.splitlines()}
+    assert code == 0 and "{" not in table and "bytes moved" not in rows
+    assert rows["requests"].startswith(f"{result['requests']:,} expert loads")
+    assert rows["hits"] == f"{result['hits']:,} ({result['hit_rate']:.1%} hit rate)"
+    assert rows["miss penalty"] == f"{result['miss_penalty']:.1f} high-precision expert copies"
 
     store = tmp_path / "store"
     assert run(capsys, "offload-prepare", "--model", byte_model_dir, "--out", store, "--group", 32)[0] == 0
     code, out, _ = run(capsys, *simulate, "--store", store)
     with_store = json.loads(out)
+    assert "bytes moved" in run(capsys, *simulate[:-1], "--store", store)[1]
     from moeserve.offload.store import ExpertStore
 
     high, low = (ExpertStore.open(store).expert_bytes(low=b) for b in (False, True))
