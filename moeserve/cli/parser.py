@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moeserve.cli.options import (DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg, hybrid_args,
-                                  model_args, offload_group, parallel_args, sampling_args, threads_arg)
+from moeserve.cli.options import (DEFAULT_PROMPT, DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg,
+                                  hybrid_args, model_args, offload_group, parallel_args, sampling_args, threads_arg)
 from moeserve.cli.serving_args import batch_parser, bench_parser, serve_parser
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
@@ -20,8 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text from prompts (streams it)",
-                       description="Generate text. With no prompt, uses a Shakespeare opening for the demo model.")
-    g.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts (batched together)")
+                       description=f"Generate text. With no PROMPT the model continues {DEFAULT_PROMPT!r}, a "
+                                   f"Shakespeare opening like the built-in demo's training text; any other --model "
+                                   f"gets the same default, so give it a prompt of your own.")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help=f"one or more prompts, batched together (default {DEFAULT_PROMPT!r} for the demo and for "
+                        f"any other --model alike)")
     model_args(g)
     sampling_args(g, max_new_tokens=200)
     g.add_argument("--chat", action="store_true",
