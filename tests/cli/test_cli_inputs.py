@@ -117,3 +117,25 @@ def test_trace_writes_the_given_path_and_reports_real_bytes(capsys, tmp_path, by
 
     high, low = (ExpertStore.open(store).expert_bytes(low=b) for b in (False, True))
     assert with_store["bytes_moved"] == with_store["high_misses"] * high + with_store["low_misses"] * low > 0
+
+
+def test_batch_policy_line_says_what_runs_where():
+    """batch's policy line is words, not a dict: sizes, and where each part runs; without a GPU it says the GPU side
+    of the policy runs on the CPU too instead of `ffn_on_gpu: True`."""
+    import torch
+
+    from moeserve.cli.batch import policy_line
+    from moeserve.plan.policy import ThroughputPolicy
+
+    policy = ThroughputPolicy(64, 16, attention_on_gpu=False, ffn_on_gpu=True, weights_gpu_fraction=0.2,
+                              kv_gpu_fraction=0.25)
+    assert policy_line(policy, torch.device("cuda", 0)) == (
+        "[policy: batch of 64 sequences in 4 micro-batches of 16; attention on the CPU over a host KV cache, MoE FFN "
+        "on the GPU; 20% of the layer weights resident on the GPU, the rest streamed from pinned host memory; KV cache "
+        "of 1 of 4 micro-batches on the GPU]")
+    cpu = policy_line(policy, torch.device("cpu"))
+    assert cpu.startswith("[policy: batch of 64 sequences in 4 micro-batches of 16; no GPU (cpu): ")
+    assert "computed on the CPU" in cpu and "ffn_on_gpu" not in cpu and "True" not in cpu
+    one = ThroughputPolicy(8, 8, True, False, 1.0, 1.0)
+    assert policy_line(one, torch.device("cuda")).startswith(
+        "[policy: batch of 8 sequences in 1 micro-batch of 8; attention on the GPU, MoE FFN on the CPU; 100% of")

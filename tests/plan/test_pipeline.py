@@ -223,4 +223,5 @@ def test_batch_cli_auto_policy_from_a_profile(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("KING.", "To be", "Ay")))
     status, err = _batch(tmp_path, capsys, "--auto", "--profile", str(tmp_path / "h100.json"), "--gpu-memory", "2GiB")
     assert status == 0, err
-    assert "[policy: {'batch_size'" in err and len(_lines(tmp_path)) == 3
+    assert "[policy: batch of " in err and "no GPU (cpu): attention, the MoE FFN" in err
+    assert len(_lines(tmp_path)) == 3
