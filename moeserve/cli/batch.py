@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from moeserve.cli.common import check_output_path
+from moeserve.cli.common import check_output_path, no_gpu_budget_note
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.loader import load_model, resolve_device, resolve_dtype
@@ -55,6 +55,10 @@ def run(args) -> int:
     requests = tokenize_requests(read_requests(args.input, bad), tok, spec.max_position_embeddings, bad)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if budget is not None and device.type != "cuda":
+        print(no_gpu_budget_note(args.gpu_memory, "host memory as if it were the GPU's: the policy's share of the "
+                                 "layer weights held whole (the rest copied layer by layer) and its batch"),
+              file=sys.stderr)
     policy = None if args.auto else _manual_policy(args)
     model = load_model(args.model, device="cpu", dtype=dtype, progress=True)
     prompt_len = max((len(r.prompt_ids) for r in requests), default=1)
