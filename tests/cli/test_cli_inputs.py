@@ -160,3 +160,17 @@ def test_gpu_memory_without_a_gpu_and_offload_say_what_they_do(capsys, tmp_path,
     code, _, err = run(capsys, *gen, "--offload", store, "--high-slots", 2, "--all-high")
     assert code == 0 and "no GPU" not in err
     assert "cached in 2 high + 0 low slots in host RAM, policy hobbit; --all-high: every expert at full precision" in err
+
+
+def test_progress_on_a_stderr_that_is_no_terminal_is_whole_lines(capsys, tmp_path, byte_model_dir, plain_progress):
+    """quantize, eval ppl and offload-prepare with stderr captured (no terminal): progress comes as whole bracketed
+    lines, never a bar's carriage-return redraws or fragments."""
+    out = tmp_path / "q"
+    for argv in (["quantize", "--model", byte_model_dir, "--out", out, "--bits", 4, "--method", "rtn", "--group", 32],
+                 ["eval", "ppl", "--model", byte_model_dir, "--max-tokens", 200, "--window", 64],
+                 ["offload-prepare", "--model", byte_model_dir, "--out", tmp_path / "store", "--group", 32]):
+        code, _, err = run(capsys, *argv)
+        assert code == 0 and "\r" not in err and "%|" not in err and "it/s" not in err
+        progress = [line for line in err.splitlines() if not line.startswith("moeserve: note:")]
+        assert progress and all(line.startswith("[") and line.endswith("]") for line in progress), err
+        assert len(progress) == len(set(progress)), err  # the final count once
