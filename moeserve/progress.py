@@ -50,6 +50,21 @@ class Progress:
         elif self.enabled and time.perf_counter() - self.last >= PLAIN_INTERVAL_S:
             self._line()
 
+    def write(self, text: str) -> None:
+        """A line of its own on stderr (above a terminal's bar), whether or not progress is shown."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    def set_total(self, total: int) -> None:
+        """The work turned out to be `total` units (a budget cut it short)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def close(self) -> None:
         """End the bar; in plain mode a last line with the final count, if any line was printed."""
         if self.bar is not None:
