@@ -37,7 +37,7 @@ def prepare(config: RunConfig, spec: ModelSpec, kv_batch: int, kv_tokens: int) -
 
 def no_gpu_budget_note(size, limits: str) -> str:
     """The one line that says what --gpu-memory SIZE limits on a run without a GPU."""
-    return f"moeserve: note: no GPU, so --gpu-memory {size} limits {limits}"
+    return f"moeserve: note: the run has no GPU, so --gpu-memory {size} limits {limits}"
 
 
 def offload_line(run: runtime.Runtime) -> str | None:

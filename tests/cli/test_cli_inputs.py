@@ -147,19 +147,19 @@ def test_gpu_memory_without_a_gpu_and_offload_say_what_they_do(capsys, tmp_path,
     gen = ["generate", "--model", byte_model_dir, "--device", "cpu", "--max-new-tokens", 2, "ab"]
     code, _, err = run(capsys, *gen, "--gpu-memory", "1GiB")
     assert code == 0
-    assert "moeserve: note: no GPU, so --gpu-memory 1GiB limits nothing: every part runs on the CPU" in err
+    assert "moeserve: note: the run has no GPU, so --gpu-memory 1GiB limits nothing: every part runs on the CPU" in err
 
     store = tmp_path / "store"
     assert run(capsys, "offload-prepare", "--model", byte_model_dir, "--out", store, "--group", 32)[0] == 0
     code, _, err = run(capsys, *gen, "--offload", store, "--gpu-memory", "32MiB")
     lines = err.splitlines()
-    assert code == 0 and lines[0] == ("moeserve: note: no GPU, so --gpu-memory 32MiB limits host RAM for the expert "
-                                      "cache's slots (planned after the dense weights and KV cache)")
-    assert lines[1].startswith(f"[offload: experts from {store}, cached in ") and "in host RAM, planned from " in lines[1]
+    assert code == 0 and lines[0] == ("moeserve: note: the run has no GPU, so --gpu-memory 32MiB limits host RAM for "
+                                      "the expert cache's slots (planned after the dense weights and KV cache)")
+    assert lines[1].startswith(f"[offload: experts from {store}, cached in ") and " in host RAM, planned " in lines[1]
     assert "a missed expert may run its 4-bit copy or be skipped, which changes the output; --all-high" in lines[1]
     code, _, err = run(capsys, *gen, "--offload", store, "--high-slots", 2, "--all-high")
     assert code == 0 and "no GPU" not in err
-    assert "cached in 2 high + 0 low slots in host RAM, policy hobbit; --all-high: every expert at full precision" in err
+    assert "2 high + 0 low slots in host RAM, policy hobbit; --all-high: every expert at full precision" in err
 
 
 def test_progress_on_a_stderr_that_is_no_terminal_is_whole_lines(capsys, tmp_path, byte_model_dir, plain_progress):

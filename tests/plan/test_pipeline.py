@@ -231,6 +231,6 @@ def test_batch_gpu_memory_without_a_gpu_says_what_it_limits(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"prompt": "KING."}\n')
     status, err = _batch(tmp_path, capsys, "--gpu-memory", "1GiB")
     assert status == 0, err
-    assert err.splitlines()[0] == ("moeserve: note: no GPU, so --gpu-memory 1GiB limits host memory as if it were the "
-                                   "GPU's: the policy's share of the layer weights held whole (the rest copied layer "
-                                   "by layer) and its batch")
+    assert err.splitlines()[0] == ("moeserve: note: the run has no GPU, so --gpu-memory 1GiB limits host memory as "
+                                   "if it were the GPU's: the policy's share of the layer weights held whole (the "
+                                   "rest copied layer by layer) and its batch")
