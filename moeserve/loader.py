@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointReader, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
+from moeserve.progress import Progress, track
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import install_quantized_modules, read_manifest, stored_to_current
@@ -99,8 +99,8 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     spec = model.spec
     manifest = read_manifest(reader.path)  # None for a float checkpoint
     tensors = [t for t in tensors_to_load(model) if skip is None or not skip(t[0][0])]
-    with tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0) as bar:
-        for names, meta, is_buffer in bar:  # an error clears the bar (closed by `with`), so it prints on its own line
+    with Progress(len(tensors), "loading weights", "tensors", progress, transient=True) as bar:
+        for names, meta, is_buffer in tensors:  # an error closes the bar (by `with`), so it prints on its own line
             name = names[0]
             t = read_tensor(reader, name, spec.family, tensor_experts(spec, name),
                             None if index_of is None else index_of(name))
@@ -114,6 +114,7 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
             t = t if is_buffer else nn.Parameter(t, requires_grad=False)
             for alias in names:
                 set_tensor(model, alias, t, is_buffer)
+            bar.update(1)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
 
@@ -132,7 +133,7 @@ def read_dense_quantized(model: MoETransformer, reader: CheckpointReader, device
     (read_weights must skip their tensors)."""
     spec = model.spec
     names = convertible(model)
-    for name in tqdm(names, desc="quantizing dense layers", unit="layer", disable=not progress, leave=False, delay=1.0):
+    for name in track(names, "quantizing dense layers", "layers", progress, transient=True):
         bias = None
         if model.get_submodule(name).bias is not None:
             bias = read_tensor(reader, name + ".bias", spec.family, tensor_experts(spec, name)).to(device, dtype)

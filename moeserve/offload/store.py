@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_expert_sample, expert_sample_digest,
                                  read_tensor, save_safetensors_atomic, tensors_digest, validate_safetensors,
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.kernels import pack
+from moeserve.progress import track
 from moeserve.quant import hqq, mxfp4
 from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.quant.qlinear import QuantizedLinear
@@ -236,10 +236,9 @@ def read_source_experts(reader: CheckpointReader, spec, layer: int) -> SourceExp
 def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
     """(layer, its SourceExperts, their source digest) of each MoE layer in `layers`, read one layer at a time from
     the checkpoint (peak memory: one layer's experts as stored)."""
-    with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
-        for i in bar:
-            experts = read_source_experts(reader, spec, i)
-            yield i, experts, experts.digest()
+    for i in track(layers, "expert store", "layers", progress):
+        experts = read_source_experts(reader, spec, i)
+        yield i, experts, experts.digest()
 
 
 def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
@@ -342,7 +341,7 @@ class ExpertStore:
         moe = {i: SourceExperts.of_module(l.mlp.experts) for i, l in enumerate(model.model.layers)
                if hasattr(l.mlp, "experts")}
         layers = {i: layer_tensors(ex, low_bits, group)
-                  for i, ex in tqdm(moe.items(), desc="expert store", disable=not progress)}
+                  for i, ex in track(list(moe.items()), "expert store", "layers", progress)}
         digests = {i: ex.digest() for i, ex in moe.items()}
         sample = expert_sample_digest(model.spec, lambda layer, e, projection, row: moe[layer].sample_row(
             e, projection, row))
@@ -542,8 +541,7 @@ class ExpertStore:
         pinned. When pinning fails (out of pinned memory), the rest stays where it is (mapped or pageable:
         loads stage it through a small pinned buffer) and a warning says so."""
         pinned = {}
-        for n, layer in enumerate(tqdm(self.meta["layers"], desc="pinning expert store", unit="layer",
-                                       disable=not progress)):
+        for n, layer in enumerate(track(self.meta["layers"], "pinning expert store", "layers", progress)):
             layer_pinned = _pin_layer(self._tensors_of_layer(layer), f"past layer {n} of {len(self.meta['layers'])}")
             if layer_pinned is None:
                 break
