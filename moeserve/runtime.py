@@ -137,7 +137,8 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
                       str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens, bits=h.experts_bits,
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
-                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan))
+                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan),
+                      blas_workspaces=blas_workspaces(plan))
     placement_plan = choose_placement(spec, load_or_measure(), req)
     chosen = placement_plan.chosen
     hybrid = None
@@ -175,8 +176,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     else:
         refuse_quantized(Path(config.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
         low_bits, group = store_precision(spec, placement)
-    layout = hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
-                           plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes)
+    layout = replace(hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
+                                   plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes),
+                     blas_workspaces=blas_workspaces(plan))
     check_host_ram(footprint(spec, layout).host["expert store"])
     return replace(plan, store=store, low_bits=low_bits)
 
@@ -201,7 +203,15 @@ def dense_request(plan: RunPlan, budget: int) -> PlanRequest:
     offload cache's slots count it with plan/footprint.py)."""
     dtype = resolve_dtype(plan.config.dtype, resolve_device(plan.device))
     return PlanRequest(budget, available_ram(), dtype.itemsize, str(dtype).removeprefix("torch."), plan.kv_batch,
-                       plan.kv_tokens, pass_tokens=largest_pass(plan))
+                       plan.kv_tokens, pass_tokens=largest_pass(plan), blas_workspaces=blas_workspaces(plan))
+
+
+def blas_workspaces(plan: RunPlan) -> int:
+    """The cuBLAS workspaces the run's GPU holds (plan/footprint.py): the default stream's, and the capture stream's
+    when decode steps run as CUDA graphs; none without a GPU."""
+    if resolve_device(plan.device).type != "cuda":
+        return 0
+    return 2 if plan.config.cuda_graph else 1
 
 
 def largest_pass(plan: RunPlan) -> int:

@@ -174,7 +174,8 @@ class RunLayout:
     """A run's placement as data. device: where the dense part, the KV cache and resident experts live (cuda or cpu);
     kv_rows x kv_tokens: the KV cache allocated; pass_tokens / logit_rows: the largest forward pass (workspace);
     budget: the GPU budget the workspace's floor is a share of (None: no budget); staging: pinned host bytes the
-    copier stages pageable sources through; cuda_graph: decode steps are captured (a second cuBLAS workspace)."""
+    copier stages pageable sources through; blas_workspaces: the cuBLAS workspaces the run's GPU holds (2: decode in
+    CUDA graphs, 1: without graphs, 0: no GPU)."""
 
     device: str
     dtype_bytes: int
@@ -187,7 +188,7 @@ class RunLayout:
     logit_rows: int = 1
     budget: int | None = None
     staging: int = 0
-    cuda_graph: bool = True
+    blas_workspaces: int = 2
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def footprint(spec: ModelSpec, run: RunLayout) -> Footprint:
     if run.device != "cuda":  # the model device's parts are in host RAM
         return Footprint({}, {**gpu, "workspace": activations, **host})
     floor = 0 if run.budget is None else int(run.budget * WORKSPACE_SHARE)
-    blas = blas_workspace_bytes() * (2 if run.cuda_graph else 1)
+    blas = blas_workspace_bytes() * run.blas_workspaces
     return Footprint({**gpu, "workspace": max(activations, floor), "cuBLAS workspaces": blas}, host)
 
 

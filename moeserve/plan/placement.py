@@ -95,6 +95,7 @@ class PlanRequest:
     cache_slots: int | None = None  # --gpu-cache-experts S
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
     pass_tokens: int | None = None  # tokens of the run's largest forward pass (the workspace); None: prompt_len
+    blas_workspaces: int = 2  # cuBLAS workspaces the GPU holds (footprint.RunLayout): 2 with CUDA graphs, 0 no GPU
 
     @property
     def rated_dense_bits(self) -> int:
@@ -339,9 +340,9 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
 
 def _sized(layout: RunLayout, req: PlanRequest) -> RunLayout:
     """The layout with the request's largest pass (pass_tokens, else a prompt of prompt_len tokens), kv_batch logit
-    rows."""
+    rows and cuBLAS workspaces."""
     return replace(layout, pass_tokens=req.prompt_len if req.pass_tokens is None else req.pass_tokens,
-                   logit_rows=req.kv_batch)
+                   logit_rows=req.kv_batch, blas_workspaces=req.blas_workspaces)
 
 
 def _hybrid(spec: ModelSpec, req: PlanRequest, device: str, bits: int, group: int, cpu_layers: int, slots: int = 0,

@@ -235,9 +235,9 @@ def test_cublas_workspaces_one_per_stream(monkeypatch):
     graphs; CUBLAS_WORKSPACE_CONFIG sets their size."""
     spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
     graphs = footprint(spec, resident_layout(spec, "cuda", 2, 2, 64))
-    eager = footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), cuda_graph=False))
+    eager = footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), blas_workspaces=1))
     assert graphs.gpu["cuBLAS workspaces"] == 2 * eager.gpu["cuBLAS workspaces"] == 2 * 32 * 2**20
     assert "cuBLAS workspaces" not in footprint(spec, resident_layout(spec, "cpu", 4, 2, 64)).host
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
-    assert footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), cuda_graph=False)).gpu[
+    assert footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), blas_workspaces=1)).gpu[
         "cuBLAS workspaces"] == 4096 * 1024 * 2 + 16 * 1024 * 8

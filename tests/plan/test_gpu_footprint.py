@@ -47,7 +47,8 @@ def layout(run: moeserve.LLM, placement: str) -> RunLayout:
         store = run.runtime.hybrid.host.store
         out = hybrid_layout(spec, plan.hybrid, "cuda", 2, rows, tokens, store.meta["low_bits"], store.meta["group"],
                             streams=run.runtime.hybrid.streamer is not None)
-    return RunLayout(**{**vars(out), "pass_tokens": PROMPT, "logit_rows": 1, "cuda_graph": plan.config.cuda_graph})
+    blas = 2 if plan.config.cuda_graph else 1
+    return RunLayout(**{**vars(out), "pass_tokens": PROMPT, "logit_rows": 1, "blas_workspaces": blas})
 
 
 @pytest.mark.parametrize("graph", [True, False])
