@@ -29,7 +29,7 @@ from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
-from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import FORMAT, is_quantized_expert, read_manifest, stored_to_current
@@ -190,10 +190,12 @@ def fill_low_bit(model, reader: CheckpointReader, manifest: dict | None, own: di
 
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
                         hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
-                        reader: CheckpointReader | None = None, dense_bits: int = 16):
+                        reader: CheckpointReader | None = None, dense_bits: int = 16,
+                        collective_timeout: float = COLLECTIVE_TIMEOUT_S):
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both. dense_bits 8:
     the dense part's linear layers as 8-bit HQQ layers, equal to what loader.load_model makes of them.
-    Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
+    Collective: every rank of the process group calls it. reader: to observe what is read (tests);
+    collective_timeout: seconds the TP/EP groups' collectives wait for a peer."""
     device = resolve_device(device)
     if dense_bits not in DENSE_BITS:
         raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
@@ -204,13 +206,13 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
             check_experts(spec.moe.experts_at(i), ep)
     if tp > 1:
         check_tensor_parallel(spec, tp)
-    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
+    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank, collective_timeout)
     hierarchy = None
     if hierarchical:
         if ep != world or world % hierarchical:
             raise MoeserveError("a hierarchical all-to-all with G ranks per node needs EP over all ranks and G "
                                 "dividing the rank count")
-        hierarchy = (hierarchical, *node_groups(world, hierarchical, rank))
+        hierarchy = (hierarchical, *node_groups(world, hierarchical, rank, collective_timeout))
     tp_rank, ep_rank = tp_ranks.index(rank), ep_ranks.index(rank)
     error, model = None, None
     try:

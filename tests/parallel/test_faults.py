@@ -1,0 +1,157 @@
+"""A rank of an expert-parallel launch that dies (SIGKILL) or hangs (SIGSTOP) mid-generation or mid-serve: the others
+end within the collective timeout with one line on stderr, no traceback, and a streaming client gets an error.
+
+The ranks are started as torchrun starts them (its environment variables) but without its agent, which would stop
+the survivors itself on a local death: what is tested is what a rank does on its own, as on another node."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+REPO = str(Path(__file__).resolve().parents[2])
+TIMEOUT_S = 5  # --collective-timeout of these launches
+SLACK_S = 20  # a busy 2-core machine: tearing a rank down takes seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """`python -m moeserve ARGV` once per rank of a `world`-rank launch; each rank's stdout and stderr collected as
+    they come (a context manager: every rank still running is killed on exit)."""
+
+    def __init__(self, argv: list[str], world: int = 2, env: dict | None = None):
+        port = free_port()
+        self.procs, self.out, self.err = [], [], []
+        for rank in range(world):
+            rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            proc = subprocess.Popen([sys.executable, "-m", "moeserve", *argv], env=rank_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+            self.procs.append(proc)
+            for stream, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
+                sink.append([])
+                threading.Thread(target=self._drain, args=(stream, sink[-1]), daemon=True).start()
+
+    @staticmethod
+    def _drain(stream, chunks: list[bytes]) -> None:
+        while chunk := stream.read1(4096):
+            chunks.append(chunk)
+
+    def text(self, sink: list, rank: int) -> str:
+        return b"".join(sink[rank]).decode(errors="replace")
+
+    def wait_for(self, sink: list, rank: int, pattern: str, timeout: float = 120) -> re.Match:
+        """The first match of `pattern` in rank's output so far; fails when the rank ends or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.text(sink, rank))
+            if found:
+                return found
+            assert self.procs[rank].poll() is None, f"rank {rank} ended: {self.text(self.err, rank)[-2000:]}"
+            time.sleep(0.05)
+        raise AssertionError(f"rank {rank}: no {pattern!r} in {timeout} s: {self.text(self.err, rank)[-2000:]}")
+
+    def ends_with_one_line(self, rank: int, within: float) -> str:
+        """Rank's exit (nonzero, within `within` seconds) and its one-line error, the last line of its stderr."""
+        try:
+            code = self.procs[rank].wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {rank} still running {within} s after its peer stopped: "
+                                 f"{self.text(self.err, rank)[-2000:]}") from None
+        time.sleep(0.2)  # the reader threads take the last bytes
+        err = self.text(self.err, rank)
+        assert code == 2 and "Traceback" not in err, (code, err[-3000:])
+        line = err.strip().splitlines()[-1]
+        assert re.fullmatch(rf"moeserve: error: a peer rank stopped or stopped answering \(.+\); stopping rank "
+                            rf"{rank} too", line), err[-3000:]
+        return line
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()  # a stopped process dies of SIGKILL too
+                proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("victim,how", [(1, signal.SIGKILL), (0, signal.SIGSTOP)])
+def test_generate_ends_the_survivor_with_one_line(byte_model_dir, victim, how):
+    """A killed peer fails the survivor's next collective at once (gloo sees its sockets close); a hung one after
+    --collective-timeout."""
+    argv = ["generate", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--greedy", "--ignore-eos",
+            "--max-new-tokens", "60", "--collective-timeout", str(TIMEOUT_S), "HAMLET."]
+    with Ranks(argv) as ranks:
+        ranks.wait_for(ranks.out, 0, r"HAMLET\..")  # rank 0 streams: decoding has begun on both ranks
+        os.kill(ranks.procs[victim].pid, how)
+        t0 = time.monotonic()
+        line = ranks.ends_with_one_line(1 - victim, TIMEOUT_S + SLACK_S)
+        if how == signal.SIGSTOP:
+            assert time.monotonic() - t0 >= TIMEOUT_S - 1 and "time" in line.lower(), line  # gloo: "timed out", or
+            # "timeout caused pair closure" when the timeout struck another pair first
+
+
+def test_serve_a_dead_follower_fails_the_stream_and_stops_the_server(byte_model_dir):
+    argv = ["serve", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
+            "--collective-timeout", str(TIMEOUT_S)]
+    with Ranks(argv) as ranks:
+        url = ranks.wait_for(ranks.err, 0, r"listening on (http://\S+?);").group(1)
+        ranks.wait_for(ranks.err, 0, r"\[ready")
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"prompt": "HAMLET.", "max_tokens": 60, "stream": True, "temperature": 0,
+                                "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 2:  # tokens are flowing: every rank is in the step loop
+                    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        error = json.loads(events[-2])  # then [DONE]
+        assert error["error"]["code"] == "engine_error" and "a peer rank stopped" in error["error"]["message"], events
+        ranks.ends_with_one_line(0, TIMEOUT_S + SLACK_S)
+
+
+def test_serve_a_dead_rank_0_stops_its_followers(byte_model_dir):
+    argv = ["serve", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
+            "--collective-timeout", str(TIMEOUT_S)]
+    with Ranks(argv) as ranks:
+        ranks.wait_for(ranks.err, 0, r"\[ready")
+        os.kill(ranks.procs[0].pid, signal.SIGKILL)
+        ranks.ends_with_one_line(1, TIMEOUT_S + SLACK_S)
+
+
+def test_backend_errors_become_one_line():
+    from moeserve.parallel.faults import detail, from_backend
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:2957: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application. Check the logs of the remote worker.\nmore")
+    assert from_backend(gloo) and detail(gloo) == "Read error [127.0.0.1]:2957: Connection reset by peer"
+    assert from_backend(RuntimeError("Application timeout caused pair closure"))
+    assert not from_backend(RuntimeError("shape mismatch")) and not from_backend(ValueError("gloo"))
+
+
+def test_collective_timeout_must_be_positive(capsys):
+    from moeserve.cli import main
+
+    assert main(["generate", "--collective-timeout", "0", "x"]) == 2
+    assert capsys.readouterr().err == "moeserve: error: --collective-timeout 0 must be > 0 seconds\n"
