@@ -17,6 +17,7 @@ from moeserve.checkpoint import CheckpointReader
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.model.experts import ResidentExperts
+from moeserve.parallel.accounting import CountingReader
 from moeserve.parallel.expert_parallel import ExpertParallelExperts
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.loading import load_parallel_model
@@ -42,24 +43,6 @@ def suite(rank: int, world: int, rendezvous: str, cases: list, paths: dict) -> N
                 raise AssertionError(f"case {name}{tuple(args)} on rank {rank}/{world}: {e}") from e
     finally:
         dist.destroy_process_group()
-
-
-class CountingReader(CheckpointReader):
-    """Counts the bytes a rank materialises, per stored tensor, read whole or in part."""
-
-    def __init__(self, path):
-        super().__init__(path)
-        self.bytes_read: dict[str, int] = {}
-
-    def _count(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
-        return t
-
-    def get(self, name):
-        return self._count(name, super().get(name))
-
-    def get_slice(self, name, index):
-        return self._count(name, super().get_slice(name, index))
 
 
 def layer_case(rank: int, world: int, _paths, routing: str) -> None:
