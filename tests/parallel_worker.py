@@ -202,6 +202,29 @@ def hierarchical_case(rank: int, world: int, paths: dict) -> None:
         torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
 
 
+def static_step_case(rank: int, world: int, paths: dict) -> None:
+    """The static decode step (the shapes a CUDA graph captures, run eagerly here; GPUs take it by default) under EP,
+    in a continuous batch whose requests join one step apart: its decode passes are not forward() calls and have more
+    rows than the last prefill pass read tokens, so the EP layers must agree on their dispatch themselves. Greedy
+    tokens as one process."""
+    from moeserve.engine.batching import ContinuousBatch, Request
+    from moeserve.engine.cuda_graph import SlotDecoder
+
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + rank], [40], [77 - rank]]
+    ref = [r.token_ids for r in generate(moeserve.load_model(paths["mixtral"]), prompts, params)]
+    model = load_parallel_model(paths["mixtral"], rank, world, ep=world)
+    batch = ContinuousBatch(model, None, slots=len(prompts), context=16)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=False, static=True)
+    requests = [Request(p, params, lambda *_: None) for p in prompts]
+    for r in requests:  # one joins per step: prefill passes of 1 token, then decode passes of 1, 2, 3 rows
+        batch.add(r)
+        batch.step()
+    while batch.step():
+        pass
+    assert [r.gen.token_ids for r in requests] == ref
+
+
 def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
     """A checkpoint that lacks one expert: the rank that owns it names the tensor, the others say a peer
     failed; nobody waits for a collective that never comes."""
@@ -217,4 +240,4 @@ def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
 
 
 CASES = {"layer": layer_case, "model": model_case, "quantized": quantized_case, "hierarchical": hierarchical_case,
-         "bad_checkpoint": bad_checkpoint_case}
+         "static_step": static_step_case, "bad_checkpoint": bad_checkpoint_case}

@@ -38,6 +38,7 @@ CASES = {
         ("quantized", "q4", 1, 2), ("quantized", "q4", 2, 1),  # EP: own experts read; TP: low-bit dense slices
         ("quantized", "q3", 2, 1),  # 3-bit word planes and compensators sliced, float experts beside them
         ("quantized", "wide", 1, 2, 8), ("quantized", "wide", 2, 1, 8),  # --dense-bits 8, the head too
+        ("static_step",),  # the static decode step (GPUs' default) agrees on dispatch per layer
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
