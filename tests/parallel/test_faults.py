@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 REPO = str(Path(__file__).resolve().parents[2])
 TIMEOUT_S = 5  # --collective-timeout of these launches
 SLACK_S = 20  # a busy 2-core machine: tearing a rank down takes seconds
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))]
 
 
 def free_port() -> int:
@@ -62,7 +65,7 @@ class Ranks:
         """The first match of `pattern` in rank's output so far; fails when the rank ends or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = re.search(pattern, self.text(sink, rank))
+            found = re.search(pattern, self.text(sink, rank), re.DOTALL)
             if found:
                 return found
             assert self.procs[rank].poll() is None, f"rank {rank} ended: {self.text(self.err, rank)[-2000:]}"
@@ -94,12 +97,13 @@ class Ranks:
                 proc.wait(timeout=30)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("victim,how", [(1, signal.SIGKILL), (0, signal.SIGSTOP)])
-def test_generate_ends_the_survivor_with_one_line(byte_model_dir, victim, how):
-    """A killed peer fails the survivor's next collective at once (gloo sees its sockets close); a hung one after
-    --collective-timeout."""
-    argv = ["generate", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--greedy", "--ignore-eos",
-            "--max-new-tokens", "60", "--collective-timeout", str(TIMEOUT_S), "HAMLET."]
+def test_generate_ends_the_survivor_with_one_line(victim, how, device):
+    """A killed peer fails the survivor's next collective at once under gloo (it sees the sockets close); a hung one,
+    or any under NCCL, after --collective-timeout."""
+    argv = ["generate", "--ep", "2", "--device", device, "--greedy", "--ignore-eos", "--max-new-tokens", "400",
+            "--collective-timeout", str(TIMEOUT_S), "HAMLET."]  # the demo model: 400 tokens take far longer than a kill
     with Ranks(argv) as ranks:
         ranks.wait_for(ranks.out, 0, r"HAMLET\..")  # rank 0 streams: decoding has begun on both ranks
         os.kill(ranks.procs[victim].pid, how)
@@ -110,15 +114,15 @@ def test_generate_ends_the_survivor_with_one_line(byte_model_dir, victim, how):
             # "timeout caused pair closure" when the timeout struck another pair first
 
 
-def test_serve_a_dead_follower_fails_the_stream_and_stops_the_server(byte_model_dir):
-    argv = ["serve", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
+def test_serve_a_dead_follower_fails_the_stream_and_stops_the_server():
+    argv = ["serve", "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
             "--collective-timeout", str(TIMEOUT_S)]
     with Ranks(argv) as ranks:
         url = ranks.wait_for(ranks.err, 0, r"listening on (http://\S+?);").group(1)
         ranks.wait_for(ranks.err, 0, r"\[ready")
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json={"prompt": "HAMLET.", "max_tokens": 60, "stream": True, "temperature": 0,
+                          json={"prompt": "HAMLET.", "max_tokens": 400, "stream": True, "temperature": 0,
                                 "ignore_eos": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -130,8 +134,8 @@ def test_serve_a_dead_follower_fails_the_stream_and_stops_the_server(byte_model_
         ranks.ends_with_one_line(0, TIMEOUT_S + SLACK_S)
 
 
-def test_serve_a_dead_rank_0_stops_its_followers(byte_model_dir):
-    argv = ["serve", "--model", str(byte_model_dir), "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
+def test_serve_a_dead_rank_0_stops_its_followers():
+    argv = ["serve", "--ep", "2", "--device", "cpu", "--threads", "1", "--port", "0",
             "--collective-timeout", str(TIMEOUT_S)]
     with Ranks(argv) as ranks:
         ranks.wait_for(ranks.err, 0, r"\[ready")
