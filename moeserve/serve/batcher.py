@@ -65,6 +65,10 @@ class EngineFailed(Exception):
     others."""
 
 
+def engine_failed(error: Exception) -> EngineFailed:
+    return EngineFailed(f"the engine failed on this request: {type(error).__name__}: {error}")
+
+
 @dataclass(eq=False)
 class Job:
     request: Request
@@ -123,11 +127,11 @@ class Engine:
                 for p, sink, c in zip(params, sinks, constraints, strict=True)]
         for job in jobs:
             job.request.tag = job
-            if self.stopped is not None:
-                self._fail(job, self.stopped)
+            if self.stopped is not None:  # a peer rank is gone and the engine thread has ended: answer here
+                self._close(job, "error")
+                job.sink(engine_failed(self.stopped))
             else:
                 self._put(("add", job))
-        self._flush()
         return jobs
 
     def cancel(self, job: Job) -> None:
@@ -251,7 +255,7 @@ class Engine:
     def _fail(self, job: Job, error: Exception) -> None:
         """End a job with the engine's error: counted as `error`, its handler answers 500."""
         self._close(job, "error")
-        self._send(job, EngineFailed(f"the engine failed on this request: {type(error).__name__}: {error}"))
+        self._send(job, engine_failed(error))
 
     def _on_update(self, request: Request, update: Update) -> None:
         """Called by the batch for every sampled token (timings, counts, then the job's sink) and for a request whose

@@ -159,3 +159,57 @@ def test_collective_timeout_must_be_positive(capsys):
 
     assert main(["generate", "--collective-timeout", "0", "x"]) == 2
     assert capsys.readouterr().err == "moeserve: error: --collective-timeout 0 must be > 0 seconds\n"
+
+
+class DyingMirror:
+    """Rank 0's end of serve's mirror (serve/mirror.py) whose peer dies after `steps` steps: its broadcast then
+    fails as gloo's does."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def events(self, changes):
+        self.steps -= 1
+        if self.steps < 0:
+            raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                               "[127.0.0.1]:2957: Connection reset by peer")
+        return changes
+
+    def tokens(self, tokens):
+        return tokens
+
+
+def test_serve_engine_fails_every_job_when_a_peer_stops(tmp_path):
+    """Rank 0's engine thread in process: the running and the waiting job end with the error, the server is told once,
+    and a job submitted afterwards fails at once."""
+    import queue
+
+    import moeserve
+    from moeserve.engine.batching import ContinuousBatch
+    from moeserve.engine.params import SamplingParams
+    from moeserve.serve.batcher import Engine, EngineFailed
+    from moeserve.serve.metrics import Metrics
+    from moeserve.tokenizer import load_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        model, tok = moeserve.load_model(moeserve.DEMO_MODEL), load_tokenizer(moeserve.DEMO_MODEL)
+        told = []
+        engine = Engine(ContinuousBatch(model, tok, slots=1, context=64), Metrics("demo", 1), max_queue=1, threads=1,
+                        mirror=DyingMirror(steps=3), on_peer_stopped=told.append)
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        sinks = [queue.Queue(), queue.Queue()]  # one runs, one waits for the slot
+        for sink in sinks:
+            engine.submit(tok.encode("HAMLET."), params, None, sink.put)
+        engine.start()
+        for sink in sinks:
+            while not isinstance(item := sink.get(timeout=60), EngineFailed):
+                assert item.finish_reason is None, item  # tokens until the peer dies, never an end
+            assert "a peer rank stopped or stopped answering (Read error [127.0.0.1]:2957" in str(item), item
+        engine.stop()
+        assert len(told) == 1 and told[0] is engine.stopped
+        late = queue.Queue()
+        engine.submit(tok.encode("x"), params, None, late.put)
+        assert isinstance(late.get(timeout=5), EngineFailed)
+    finally:
+        dist.destroy_process_group()
