@@ -239,10 +239,11 @@ def load_parallel(plan: RunPlan, progress: bool) -> Runtime:
     """This rank's part of the model (TP slices, EP experts), and a sampling seed every rank shares."""
 
     config, p = plan.config, plan.config.parallel
-    rank, world, device = init_from_env(plan.device)
+    rank, world, device = init_from_env(plan.device, p.collective_timeout)
     model = load_parallel_model(config.model, rank, world, tp=p.tp, ep=p.ep, device=device, dtype=config.dtype,
                                 hierarchical=p.hierarchical_a2a, progress=progress and rank == 0,
-                                static_max_tokens=max(p.static_dispatch_tokens, 0), dense_bits=plan.dense_bits)
+                                static_max_tokens=max(p.static_dispatch_tokens, 0), dense_bits=plan.dense_bits,
+                                collective_timeout=p.collective_timeout)
     seed = [int.from_bytes(os.urandom(4), "little")]  # every rank must sample the same tokens: rank 0's seed
     dist.broadcast_object_list(seed, src=0)
     return Runtime(plan, model, seed=seed[0])

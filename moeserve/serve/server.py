@@ -111,6 +111,11 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
                                            timeout_graceful_shutdown=3))
     failure: list[BaseException] = []
 
+    def stop_serving(error: BaseException) -> None:
+        """The model cannot run any more (under torchrun, a peer rank is gone): end the server with `error`."""
+        failure.append(error)
+        server.should_exit = True
+
     def start() -> None:
         try:
             model = load()
@@ -120,7 +125,7 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
                       flush=True)
             warm = batch.warm_up()
             mirror = StepMirror(model.device) if ranks > 1 else None
-            engine = Engine(batch, metrics, serve.max_queue, serve.threads, mirror)
+            engine = Engine(batch, metrics, serve.max_queue, serve.threads, mirror, on_peer_stopped=stop_serving)
             engine.start()
             state.engine = engine
             graphs = describe_decode(batch, warm)
@@ -128,8 +133,7 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
             print(f"[ready: {name} on {model.device.type} {str(model.dtype).removeprefix('torch.')}, "
                   f"{serve.parallel} slots x {context} tokens, {graphs}{across}]", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
-            failure.append(e)
-            server.should_exit = True
+            stop_serving(e)
 
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     template_note = "fallback chat template" if template.fallback else f"chat template from {template.origin}"
