@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moeserve import runtime
+from moeserve.build import Runtime, build, describe_hybrid
 from moeserve.cli.options import DEFAULT_SERVE_CONTEXT
 from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
@@ -36,12 +37,12 @@ def ctx_size(given: int | None, spec: ModelSpec) -> int:
     return min(context, DEFAULT_SERVE_CONTEXT) if given is None else given
 
 
-def load(plan: runtime.RunPlan) -> runtime.Runtime:
-    """runtime.load with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
-    run = runtime.load(plan, progress=True)
+def load(plan: runtime.RunPlan) -> Runtime:
+    """build with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
+    run = build(plan, progress=True)
     if plan.config.parallel.ranks > 1 and not is_main_rank():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
-    line = runtime.describe_hybrid(run)
+    line = describe_hybrid(run)
     if line:
         print(line, file=sys.stderr, flush=True)
     return run

@@ -25,6 +25,7 @@ from moeserve.families import lookup
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
 from moeserve.parallel.collectives import raise_if_any_failed
+from moeserve.plan.layers import LayerPlacement
 from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
 from moeserve.parallel.hierarchical import node_groups
@@ -190,10 +191,13 @@ def fill_low_bit(model, reader: CheckpointReader, manifest: dict | None, own: di
 
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
                         hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
-                        reader: CheckpointReader | None = None, dense_bits: int = 16):
+                        reader: CheckpointReader | None = None, dense_bits: int = 16,
+                        layers: tuple[LayerPlacement, ...] | None = None):
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both. dense_bits 8:
     the dense part's linear layers as 8-bit HQQ layers, equal to what loader.load_model makes of them.
-    Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
+    Collective: every rank of the process group calls it. reader: to observe what is read (tests). layers: the MoE
+    layers' placements (RunPlan.layers; default: every one as the checkpoint stores them), whose experts the factory
+    makes before the parallel wrappers cut them."""
     device = resolve_device(device)
     if dense_bits not in DENSE_BITS:
         raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
@@ -216,7 +220,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     try:
         reader = reader or CheckpointReader(path)
         manifest = read_manifest(reader.path)  # None for a float checkpoint
-        model = meta_model(path)
+        model = meta_model(path, layers)
         dense = empty_dense_quantized(model, dense_bits) if dense_bits != 16 else []
         full = {name: t.shape for name, t in [*model.named_parameters(), *model.named_buffers()]}  # before slicing
         sliced = enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1) if tp > 1 else {}
