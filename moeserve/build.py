@@ -21,9 +21,10 @@ import torch.distributed as dist
 from moeserve.checkpoint import CheckpointReader
 from moeserve.config import check_cache_slots
 from moeserve.errors import MoeserveError
-from moeserve.factory import check_layers
+from moeserve.factory import ExpertSources, check_layers, place_experts
 from moeserve.loader import meta_model, read_model, resolve_device, resolve_dtype, unread_layers
-from moeserve.offload.setup import enable_offload
+from moeserve.offload.setup import offload_cache
+from moeserve.offload.slot_cache import SlotCache
 from moeserve.offload.store import ExpertStore, layer_experts, source_layers
 from moeserve.parallel.launch import init_from_env
 from moeserve.parallel.loading import load_parallel_model
@@ -69,17 +70,22 @@ def build(plan: RunPlan, progress: bool = True) -> Runtime:
     dtype = resolve_dtype(config.dtype, device)
     layers = plan.layers(dtype.itemsize)
     check_layers(layers)
-    stored = [p.layer for p in layers if p.stored]
+    from_store = tuple(p for p in layers if p.stored)  # their experts are made once the store's backend exists
     model = meta_model(config.model, tuple(p for p in layers if not p.stored))
     reader = CheckpointReader(config.model)
-    read_model(model, reader, device, dtype, plan.dense_bits, unread_layers(stored), progress)
+    read_model(model, reader, device, dtype, plan.dense_bits, unread_layers([p.layer for p in from_store]), progress)
     if plan.hybrid is not None:
-        from moeserve.hybrid.setup import enable_hybrid  # its device link needs triton
+        from moeserve.hybrid.setup import hybrid_runtime  # its device link needs triton
 
         store = plan.store or read_store(reader, plan, dtype, device, progress)
-        return Runtime(plan, model, hybrid=enable_hybrid(model, store, plan.hybrid, warm=True))
+        runtime = hybrid_runtime(model, store, plan.hybrid, warm=True)
+        place_experts(model, from_store, ExpertSources(plan.spec, store=store, hybrid=runtime, device=device))
+        return Runtime(plan, model, hybrid=runtime)
     if config.offload:
-        return Runtime(plan, model, cache=offload_cache(model, plan))
+        cache = planned_cache(model, plan)
+        place_experts(model, from_store, ExpertSources(plan.spec, store=plan.store, cache=cache, model=model,
+                                                       prefetch_layers=max(config.cache.prefetch, 0)))
+        return Runtime(plan, model, cache=cache)
     return Runtime(plan, model)
 
 
@@ -109,7 +115,7 @@ def build_parallel(plan: RunPlan, progress: bool) -> Runtime:
     return Runtime(plan, model, seed=seed[0])
 
 
-def offload_cache(model, plan: RunPlan):
+def planned_cache(model, plan: RunPlan) -> SlotCache:
     """HOBBIT's expert cache over the plan's store, its slots given or planned from the budget left after the
     loaded model and the KV cache."""
     c, store = plan.config.cache, plan.store
@@ -122,9 +128,8 @@ def offload_cache(model, plan: RunPlan):
                                max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
     check_cache_slots(high, low, c.t1, c.t2)
     try:
-        return enable_offload(model, store, high_slots=high, low_slots=low, policy=c.policy, mixed=not c.all_high,
-                              t1=c.t1, t2=c.t2, prefetch_layers=max(c.prefetch, 0), cooperative=c.cooperative,
-                              pin=c.pin, per_layer=c.per_layer)
+        return offload_cache(model, store, high_slots=high, low_slots=low, policy=c.policy, mixed=not c.all_high,
+                             t1=c.t1, t2=c.t2, cooperative=c.cooperative, pin=c.pin, per_layer=c.per_layer)
     except ValueError as e:
         raise MoeserveError(str(e)) from None
 

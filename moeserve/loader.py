@@ -1,4 +1,5 @@
-"""Build a MoETransformer from a checkpoint directory, streaming one tensor at a time to its device."""
+"""A MoETransformer from a checkpoint directory: the meta model (its resident experts from moeserve/factory.py) and
+the read pass that fills it, streaming one tensor at a time to its device."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointReader, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
+from moeserve.factory import ExpertSources, place_experts
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
+from moeserve.plan.layers import LayerPlacement, resident_layers
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
-from moeserve.factory import ExpertSources, place_experts
-from moeserve.plan.layers import LayerPlacement, resident_layers
 from moeserve.quant.manifest import install_quantized_dense, read_manifest, stored_to_current
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec

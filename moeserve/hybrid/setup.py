@@ -16,7 +16,7 @@ from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
 from moeserve.offload.store import ExpertStore
-from moeserve.plan.layers import GPU, hybrid_layers
+from moeserve.plan.layers import hybrid_layers
 from moeserve.spec import ModelSpec
 
 
@@ -69,19 +69,26 @@ def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
                             f"its layers must be the model's MoE layers {spec.moe.layer_indices()}")
 
 
-def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
-                  t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
-                  warm: bool = False, stream: bool | None = None) -> HybridRuntime:
-    """Give the placement's CPU layers HybridExperts sharing one runtime (returned; the options are HybridRuntime's),
-    made by the factory; in a low-bit run the other MoE layers' experts are the store's low-bit copies on the model
-    device. A placement naming a layer without routed experts is refused: that layer would stay dense and the
-    runtime would count experts it never runs."""
+def hybrid_runtime(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
+                   t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
+                   warm: bool = False, stream: bool | None = None) -> HybridRuntime:
+    """The one runtime the placement's CPU layers share (the options are HybridRuntime's), its bookkeeping the
+    model's step hook. A placement naming a layer without routed experts is refused: that layer would stay dense and
+    the runtime would count experts it never runs."""
     check_moe_layers(model.spec, placement)
     runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.moe.top_k, model.device, model.dtype,
                             t1, t2, threaded, host, warm, stream)
+    model.step_hooks.append(runtime.before_step)
+    return runtime
+
+
+def enable_hybrid(model, store: ExpertStore, placement: HybridPlacement, **options) -> HybridRuntime:
+    """hybrid_runtime (returned), and the experts of the layers the store holds made by the factory: HybridExperts
+    for the CPU layers; in a low-bit run the store's low-bit copies on the model device for the others. For a model
+    whose store layers' experts were left unread (tests and benchmarks; a run builds through moeserve.build)."""
+    runtime = hybrid_runtime(model, store, placement, **options)
     layers = hybrid_layers(model.spec, placement, model.dtype.itemsize, store.meta["low_bits"], store.meta["group"],
                            mapped=store.path is not None)
-    resident = [p for p in layers if p.residency != GPU or p.stored]  # a float run's resident layers are read
-    place_experts(model, tuple(resident), ExpertSources(model.spec, store=store, hybrid=runtime, device=model.device))
-    model.step_hooks.append(runtime.before_step)
+    place_experts(model, tuple(p for p in layers if p.stored),
+                  ExpertSources(model.spec, store=store, hybrid=runtime, device=model.device))
     return runtime

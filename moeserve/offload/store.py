@@ -362,22 +362,22 @@ class ExpertStore:
         refuse_quantized(Path(model_path), "building an expert store")
         reader = CheckpointReader(model_path)
         chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
-        store = cls.from_sources(spec, source_layers(reader, spec, chosen, progress), low_bits, group,
-                                 dtype, device, high, pin, mxfp4)
-        store.meta["source"]["experts_sample"] = checkpoint_expert_sample(reader, spec)
-        return store
+        return cls.from_sources(spec, source_layers(reader, spec, chosen, progress), low_bits, group, dtype, device,
+                                high, pin, mxfp4, checkpoint_expert_sample(reader, spec))
 
     @classmethod
     def from_sources(cls, spec, sources, low_bits: int = 4, group: int = 64, dtype: torch.dtype | None = None,
-                     device=None, high: bool = True, pin: bool = False, mxfp4: bool = False) -> "ExpertStore":
+                     device=None, high: bool = True, pin: bool = False, mxfp4: bool = False,
+                     sample: str | None = None) -> "ExpertStore":
         """The store of the MoE layers `sources` yields as (layer, SourceExperts, their digest), read by the caller
         (one layer at a time: peak memory one layer's experts as stored), built in RAM. low_bits 0 / high=False leave
         out the low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute
         dtype: no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
         dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
         (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
-        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4"). Its source records the layers'
-        digests only (no sample of the checkpoint's rows: it is matched to no checkpoint)."""
+        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4"); sample: the checkpoint's
+        sampled-rows digest (checkpoint_expert_sample) the source records, None for a store matched to no checkpoint
+        (a run's own, built from the rows it reads anyway)."""
         mxfp4 = mxfp4 and high and spec.moe.experts_mxfp4
         if low_bits:
             for inputs in (spec.hidden_size, spec.moe.expert_ffn):
@@ -389,7 +389,7 @@ class ExpertStore:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
                 pin = pinned is not None  # once refused, the rest stays pageable
                 tensors[i] = pinned if pin else tensors[i]
-        meta = store_meta(spec, sorted(tensors), low_bits, group, store_source(digests))
+        meta = store_meta(spec, sorted(tensors), low_bits, group, store_source(digests, sample))
         return cls({**meta, "high_mxfp4": True} if mxfp4 else meta, tensors.__getitem__)
 
     @classmethod
