@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moeserve import runtime
+from moeserve.build import Runtime, build, describe_hybrid
 from moeserve.cli.options import DEFAULT_SERVE_CONTEXT
 from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
@@ -40,7 +41,7 @@ def no_gpu_budget_note(size, limits: str) -> str:
     return f"moeserve: note: the run has no GPU, so --gpu-memory {size} limits {limits}"
 
 
-def offload_line(run: runtime.Runtime) -> str | None:
+def offload_line(run: Runtime) -> str | None:
     """An --offload run's cache in one line: its slots, where they are, and what a miss does. Mixed precision is
     offload's default and changes the output, so the line says so and names --all-high, which turns it off."""
     if run.cache is None:
@@ -67,12 +68,12 @@ def ctx_size(given: int | None, spec: ModelSpec) -> int:
     return min(context, DEFAULT_SERVE_CONTEXT) if given is None else given
 
 
-def load(plan: runtime.RunPlan) -> runtime.Runtime:
-    """runtime.load with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
-    run = runtime.load(plan, progress=True)
+def load(plan: runtime.RunPlan) -> Runtime:
+    """build with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
+    run = build(plan, progress=True)
     if plan.config.parallel.ranks > 1 and not is_main_rank():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
-    for line in (runtime.describe_hybrid(run), offload_line(run)):
+    for line in (describe_hybrid(run), offload_line(run)):
         if line and is_main_rank():
             print(line, file=sys.stderr, flush=True)
     return run

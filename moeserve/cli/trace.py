@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from moeserve import runtime
+from moeserve.build import build
 from moeserve.cli.common import check_output_path, print_table, read_text
 from moeserve.config import RunConfig, check_cache_slots
 from moeserve.errors import MoeserveError
@@ -33,7 +34,7 @@ def _trace_record(args) -> int:
                             f"{spec.max_position_embeddings} tokens")
     _, text = read_text(args.text, args.model, "--text")
     ids = tok.encode(text)[:args.max_tokens]
-    model = runtime.load(runtime.prepare(RunConfig.from_args(args, "trace record"), spec, 1, args.seq_len)).model
+    model = build(runtime.prepare(RunConfig.from_args(args, "trace record"), spec, 1, args.seq_len)).model
     trace = record_trace(model, [ids[s:s + args.seq_len] for s in range(0, len(ids), args.seq_len)], progress=True)
     trace.save(args.out)
     print(json.dumps({"out": args.out, "events": len(trace), "tokens": len(ids), "layers": trace.num_layers,

@@ -90,8 +90,11 @@ def layer_experts(meta: dict, layer: int) -> int:
     return meta.get("layer_experts", {}).get(str(layer), meta["num_experts"])
 
 
-def store_source(layer_digests: dict[int, str], experts_sample: str) -> dict:
-    return {"experts_sample": experts_sample, "layers_sha256": {str(i): d for i, d in sorted(layer_digests.items())}}
+def store_source(layer_digests: dict[int, str], experts_sample: str | None = None) -> dict:
+    """What a store's experts were made from: each layer's source digest and, when known, the sampled rows' digest
+    of the checkpoint (checkpoint.expert_sample_rows)."""
+    sample = {} if experts_sample is None else {"experts_sample": experts_sample}
+    return {**sample, "layers_sha256": {str(i): d for i, d in sorted(layer_digests.items())}}
 
 
 def _rebuild_hint(path: Path) -> str:
@@ -233,7 +236,7 @@ def read_source_experts(reader: CheckpointReader, spec, layer: int) -> SourceExp
     return SourceExperts(gate_up, down, *biases)
 
 
-def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
+def source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
     """(layer, its SourceExperts, their source digest) of each MoE layer in `layers`, read one layer at a time from
     the checkpoint (peak memory: one layer's experts as stored)."""
     for i in track(layers, "expert store", "layers", progress):
@@ -246,7 +249,7 @@ def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, grou
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    for i, experts, digests[i] in _source_layers(reader, spec, spec.moe.layer_indices(), progress):
+    for i, experts, digests[i] in source_layers(reader, spec, spec.moe.layer_indices(), progress):
         provenance = _provenance(digests[i], low_bits, group)
         f = _layer_file(out, i)
         if read_provenance(f) == provenance:
@@ -353,28 +356,39 @@ class ExpertStore:
                         group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
                         pin: bool = False, progress: bool = True, mxfp4: bool = False) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
-        offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
-        low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute dtype:
-        no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
+        offload-prepare writes, for a run that has no store on disk (from_sources says what the options do)."""
+        spec = ModelSpec.from_dir(model_path)
+        refuse_quantized(Path(model_path), "building an expert store")
+        reader = CheckpointReader(model_path)
+        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
+        return cls.from_sources(spec, source_layers(reader, spec, chosen, progress), low_bits, group, dtype, device,
+                                high, pin, mxfp4, checkpoint_expert_sample(reader, spec))
+
+    @classmethod
+    def from_sources(cls, spec, sources, low_bits: int = 4, group: int = 64, dtype: torch.dtype | None = None,
+                     device=None, high: bool = True, pin: bool = False, mxfp4: bool = False,
+                     sample: str | None = None) -> "ExpertStore":
+        """The store of the MoE layers `sources` yields as (layer, SourceExperts, their digest), read by the caller
+        (one layer at a time: peak memory one layer's experts as stored), built in RAM. low_bits 0 / high=False leave
+        out the low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute
+        dtype: no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
         dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
         (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
-        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4")."""
-        spec = ModelSpec.from_dir(model_path)
+        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4"); sample: the checkpoint's
+        sampled-rows digest (checkpoint_expert_sample) the source records, None for a store matched to no checkpoint
+        (a run's own, built from the rows it reads anyway)."""
         mxfp4 = mxfp4 and high and spec.moe.experts_mxfp4
-        refuse_quantized(Path(model_path), "building an expert store")
         if low_bits:
             for inputs in (spec.hidden_size, spec.moe.expert_ffn):
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
-        reader = CheckpointReader(model_path)
         tensors, digests = {}, {}
-        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
-        for i, experts, digests[i] in _source_layers(reader, spec, chosen, progress):
+        for i, experts, digests[i] in sources:
             tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high, mxfp4)
             if pin:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
                 pin = pinned is not None  # once refused, the rest stays pageable
                 tensors[i] = pinned if pin else tensors[i]
-        meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
+        meta = store_meta(spec, sorted(tensors), low_bits, group, store_source(digests, sample))
         return cls({**meta, "high_mxfp4": True} if mxfp4 else meta, tensors.__getitem__)
 
     @classmethod

@@ -34,6 +34,7 @@ from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
 from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
+from moeserve.plan.layers import LayerPlacement
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import FORMAT, is_quantized_expert, read_manifest, stored_to_current
@@ -197,12 +198,14 @@ def fill_low_bit(model, reader: CheckpointReader, manifest: dict | None, own: di
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
                         hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
                         reader: CountingReader | None = None, dense_bits: int = 16,
-                        collective_timeout: float = COLLECTIVE_TIMEOUT_S):
+                        collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+                        layers: tuple[LayerPlacement, ...] | None = None):
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both. dense_bits 8:
     the dense part's linear layers as 8-bit HQQ layers, equal to what loader.load_model makes of them.
     Collective: every rank of the process group calls it. reader: to observe what is read (tests, benches);
-    collective_timeout: seconds the TP/EP groups' collectives wait for a peer. Logs (MOESERVE_LOG=info) the
-    rank's LoadReport: bytes read and seconds."""
+    collective_timeout: seconds the TP/EP groups' collectives wait for a peer; layers: the MoE layers' placements
+    (RunPlan.layers; default: every one as the checkpoint stores them), whose experts the factory makes before the
+    parallel wrappers cut them. Logs (MOESERVE_LOG=info) the rank's LoadReport: bytes read and seconds."""
     start = time.perf_counter()
     device = resolve_device(device)
     if dense_bits not in DENSE_BITS:
@@ -226,7 +229,7 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
     try:
         reader = reader or CountingReader(path)
         manifest = read_manifest(reader.path)  # None for a float checkpoint
-        model = meta_model(path)
+        model = meta_model(path, layers)
         dense = empty_dense_quantized(model, dense_bits) if dense_bits != 16 else []
         full = {name: t.shape for name, t in [*model.named_parameters(), *model.named_buffers()]}  # before slicing
         sliced = enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1) if tp > 1 else {}

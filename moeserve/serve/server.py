@@ -91,7 +91,7 @@ def follow_rank_0(config: RunConfig, serve: ServeConfig, tokenizer, load: Callab
 
 
 def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[], object]) -> int:
-    """Serve until interrupted; `load` builds the model the run config places (runtime.load). Under torchrun rank 0
+    """Serve until interrupted; `load` builds the model the run config places (moeserve.build). Under torchrun rank 0
     serves and leads; the other ranks follow (follow_rank_0)."""
     ranks = config.parallel.ranks
     if ranks > 1 and os.environ.get("RANK", "0") != "0":
