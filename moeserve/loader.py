@@ -16,7 +16,7 @@ from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
-from moeserve.quant.manifest import install_quantized_modules, read_manifest, stored_to_current
+from moeserve.quant.manifest import install_quantized_modules, is_quantized_expert, read_manifest, stored_to_current
 from moeserve.quant.mxfp4 import use_stored_experts
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
@@ -72,8 +72,10 @@ def tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, boo
 
 
 def is_routed_expert(name: str) -> bool:
-    """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj)."""
-    return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name) is not None
+    """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj), and a
+    quantized checkpoint's (each expert's QuantizedLinear buffers)."""
+    return (re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name) is not None
+            or is_quantized_expert(name))
 
 
 def meta_model(path: str | Path) -> MoETransformer:

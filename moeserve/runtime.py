@@ -32,7 +32,7 @@ from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout, pl
 from moeserve.plan.hardware import load_or_measure
 from moeserve.plan.placement import PlanRequest, check_dense_budget, dense_layout, moe_layer_count
 from moeserve.plan.placement import plan_placement as choose_placement
-from moeserve.quant.manifest import refuse_quantized
+from moeserve.quant.manifest import read_manifest
 from moeserve.spec import ModelSpec
 
 
@@ -128,14 +128,15 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     --experts-bits, --gpu-cache-experts and --dense-bits narrow the candidates."""
     config, spec = plan.config, plan.spec
     budget = config.gpu_memory_bytes
-    refuse_quantized(Path(config.model), "--gpu-memory (the placement planner)")
+    stored = stored_experts(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cuda":
         check_budget(budget, device)
     h = config.hybrid
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
-                      str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens, bits=h.experts_bits,
+                      str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens,
+                      bits=h.experts_bits if stored is None else stored[0], group=None if stored is None else stored[1],
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
                       cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan))
     placement_plan = choose_placement(spec, load_or_measure(), req)
@@ -162,6 +163,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     store to build from --model; then the host RAM the experts need is checked, before anything is allocated."""
     config, spec, placement = plan.config, plan.spec, plan.hybrid
     dtype = resolve_dtype(config.dtype, resolve_device(plan.device))
+    stored = stored_experts(config)
+    if stored is not None:  # a quantized checkpoint's experts run at its bits, from a store of its experts
+        placement = replace(placement, bits=stored[0])
     store, mapped_bytes = None, None
     if config.offload:
         store = ExpertStore.open(config.offload)
@@ -173,12 +177,25 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
                                 f"(`moeserve offload-prepare --low-bits {placement.bits}`)")
         mapped_bytes = store.part_shapes(low=False)[0][1].itemsize
     else:
-        refuse_quantized(Path(config.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
-        low_bits, group = store_precision(spec, placement)
+        low_bits, group = stored or store_precision(spec, placement)
     layout = hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
                            plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes)
     check_host_ram(footprint(spec, layout).host["expert store"])
-    return replace(plan, store=store, low_bits=low_bits)
+    return replace(plan, hybrid=placement, store=store, low_bits=low_bits)
+
+
+def stored_experts(config: RunConfig) -> tuple[int, int] | None:
+    """(bits, group) of a moeserve quantized checkpoint's experts, which every placement runs as stored; None for a
+    float checkpoint. --experts-bits other than those bits is refused, naming them."""
+    manifest = read_manifest(Path(config.model))
+    if manifest is None:
+        return None
+    bits = config.hybrid.experts_bits
+    if bits is not None and bits != manifest["bits"]:
+        raise MoeserveError(f"--experts-bits {bits}: {config.model} is a moeserve quantized checkpoint of "
+                            f"{manifest['bits']}-bit experts, which run as stored; give --experts-bits "
+                            f"{manifest['bits']} or leave it out")
+    return manifest["bits"], manifest["group"]
 
 
 def open_offload_store(plan: RunPlan) -> RunPlan:

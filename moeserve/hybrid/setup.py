@@ -51,8 +51,7 @@ def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
 def resident_lowbit(store: ExpertStore, layer: int, device: torch.device) -> QuantizedExperts:
     """A resident layer of a low-bit run: the store's low-bit copies of its experts (with their biases, if any) on
     the model device, computed with the store's gated activation."""
-    pairs = [store.quantized_modules([p.to(device) for p in store.host_parts(layer, e, low=True)])
-             for e in range(layer_experts(store.meta, layer))]
+    pairs = [store.expert_modules(layer, e, device) for e in range(layer_experts(store.meta, layer))]
     return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs], store.act)
 
 
