@@ -14,6 +14,7 @@ from moeserve.hybrid.runtime import HybridRuntime
 from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
 from moeserve.offload.store import ExpertStore, layer_experts
+from moeserve.quant.manifest import read_manifest
 from moeserve.quant.qlinear import QuantizedExperts
 from moeserve.spec import ModelSpec
 
@@ -31,8 +32,9 @@ def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch
     run low-bit, the high copies: MXFP4 blocks kept as shipped (GPT-OSS: the CPU computes them packed), else floats
     in the compute dtype; low-bit copies for low-bit experts or mixed precision (quantized on a GPU when there is
     one: milliseconds a layer there, seconds to minutes on a CPU); page-locked when a GPU cache or the prompt
-    streamer copies from them."""
-    low_bits, group = store_precision(ModelSpec.from_dir(model_path), placement)
+    streamer copies from them. A moeserve quantized checkpoint's experts are taken as stored."""
+    stored = read_manifest(Path(model_path)) is not None  # its bits and group: from_checkpoint takes them
+    low_bits, group = (0, 0) if stored else store_precision(ModelSpec.from_dir(model_path), placement)
     on_gpu = device.type == "cuda" and bool(low_bits)
     pin = device.type == "cuda" and bool(placement.cache_slots or placement.stream_from)
     return ExpertStore.from_checkpoint(model_path, store_layers(placement), low_bits, group, dtype=dtype,
