@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     op = sub.add_parser("offload-prepare", help="build the expert store used by generate --offload",
                         description="Write every routed expert in high precision (as in the checkpoint) and low "
-                                    "precision (HQQ) to STORE, one file per layer (memory-mapped when used). "
-                                    "Rerunning an interrupted build resumes it.")
+                                    "precision (HQQ) to STORE, one file per layer (memory-mapped when used); a "
+                                    "moeserve quantized checkpoint's experts as stored. Rerunning an interrupted build "
+                                    "resumes it.")
     op.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
     op.add_argument("--out", required=True, help="store directory")
     op.add_argument("--low-bits", type=int, help="bits of the low-precision copies: 2, 3, 4 or 8 (default 4; a "
