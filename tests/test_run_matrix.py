@@ -6,6 +6,7 @@ tests/parallel (generate, eval ppl, serve)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -160,8 +161,12 @@ def test_quantized_checkpoint_refusals(quantized):
     float_store = ExpertStore.from_checkpoint(source, low_bits=0, progress=False)  # its float copies, in RAM
     with pytest.raises(moeserve.MoeserveError, match="holds float experts and their HQQ copies, .* is a moeserve"):
         float_store.check_model(ModelSpec.from_dir(path), path)
-    with pytest.raises(moeserve.MoeserveError, match="another quantized checkpoint"):
-        moeserve.LLM(quantized["mixtral-milo3"][0], **with_store(PLACEMENTS["offload"], store))
+    other = shutil.copytree(store, store.parent / "requantized")  # as if from another quantization of the source
+    meta = json.loads((other / "expert_store.json").read_text())
+    meta["quantized"]["checkpoint"] = "0" * 64
+    (other / "expert_store.json").write_text(json.dumps(meta))
+    with pytest.raises(moeserve.MoeserveError, match="built from another quantized checkpoint"):
+        moeserve.LLM(path, **with_store(PLACEMENTS["offload"], other))
 
 
 def test_planner_counts_a_quantized_checkpoints_experts_as_stored(quantized):

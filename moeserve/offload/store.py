@@ -545,8 +545,10 @@ class ExpertStore:
     def check_model(self, spec, model_path: str | Path) -> None:
         """This store holds the routed experts of the checkpoint at model_path: the same layers and shapes, and
         the same sampled expert rows (checkpoint.expert_sample_rows: a few KiB per layer, read from the
-        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source). A store that
-        records no sample (an older moeserve's) cannot be matched and is refused."""
+        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source); for a quantized
+        checkpoint, a store of its own experts (the same quantization, quantized_source.checkpoint_identity), for a
+        float one a store of float experts. A store that records no sample (an older moeserve's) cannot be matched
+        and is refused."""
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
                 ",".join(str(layer_experts(m, i)) for i in m["layers"]))
@@ -564,6 +566,10 @@ class ExpertStore:
             raise MoeserveError(f"expert store {where} holds experts computed otherwise than {path}'s "
                                 f"({_form_text(m)}; {path}: {_form_text(expert_form(spec))}); build one for it with "
                                 f"`moeserve offload-prepare --model {path} --out DIR`")
+        if model_expert_sample(path, spec) != m["source"].get("experts_sample"):
+            raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
+                                f"expert weights differ); build one for it with `moeserve offload-prepare "
+                                f"--model {path} --out DIR`")
         manifest = read_manifest(path)
         theirs_q = None if manifest is None else quantized_form(manifest, spec, m["layers"])
         if (theirs_q is None) != ("quantized" not in m):
@@ -575,10 +581,6 @@ class ExpertStore:
             raise MoeserveError(f"expert store {where} was built from another quantized checkpoint than {path} (its "
                                 f"quantization differs); build one for it with `moeserve offload-prepare --model "
                                 f"{path} --out DIR`")
-        if model_expert_sample(path, spec) != m["source"].get("experts_sample"):
-            raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
-                                f"expert weights differ); build one for it with `moeserve offload-prepare "
-                                f"--model {path} --out DIR`")
 
     # ---- reading one expert ----------------------------------------------------------------------
     @property
