@@ -129,6 +129,8 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     config, spec = plan.config, plan.spec
     budget = config.gpu_memory_bytes
     stored = stored_experts(config)
+    if stored is not None:  # the planner places a quantized checkpoint's experts at their stored bits
+        check_stored_bits(config, stored[0])
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cuda":
@@ -163,13 +165,12 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     store to build from --model; then the host RAM the experts need is checked, before anything is allocated."""
     config, spec, placement = plan.config, plan.spec, plan.hybrid
     dtype = resolve_dtype(config.dtype, resolve_device(plan.device))
-    stored = stored_experts(config)
-    if stored is not None:  # a quantized checkpoint's experts run at its bits, from a store of its experts
-        placement = replace(placement, bits=stored[0])
     store, mapped_bytes = None, None
     if config.offload:
         store = ExpertStore.open(config.offload)
         store.check_model(spec, config.model)
+        if store.quantized:  # a quantized checkpoint's experts run at its bits
+            placement = stored_placement(config, placement, store.meta["low_bits"])
         low_bits, group = store.meta["low_bits"], store.meta["group"]
         if placement.low and low_bits != placement.bits:
             raise MoeserveError(f"--experts-bits {placement.bits}: the store {config.offload} holds {low_bits}-bit "
@@ -177,6 +178,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
                                 f"(`moeserve offload-prepare --low-bits {placement.bits}`)")
         mapped_bytes = store.part_shapes(low=False)[0][1].itemsize
     else:
+        stored = stored_experts(config)
+        if stored is not None:  # a quantized checkpoint's experts run at its bits, from a store of its experts
+            placement = stored_placement(config, placement, stored[0])
         low_bits, group = stored or store_precision(spec, placement)
     layout = hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
                            plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes)
@@ -185,17 +189,25 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
 
 
 def stored_experts(config: RunConfig) -> tuple[int, int] | None:
-    """(bits, group) of a moeserve quantized checkpoint's experts, which every placement runs as stored; None for a
-    float checkpoint. --experts-bits other than those bits is refused, naming them."""
+    """(bits, group) of a moeserve quantized checkpoint's experts, which a placement without a float store runs as
+    stored; None for a float checkpoint."""
     manifest = read_manifest(Path(config.model))
-    if manifest is None:
-        return None
-    bits = config.hybrid.experts_bits
-    if bits is not None and bits != manifest["bits"]:
-        raise MoeserveError(f"--experts-bits {bits}: {config.model} is a moeserve quantized checkpoint of "
-                            f"{manifest['bits']}-bit experts, which run as stored; give --experts-bits "
-                            f"{manifest['bits']} or leave it out")
-    return manifest["bits"], manifest["group"]
+    return None if manifest is None else (manifest["bits"], manifest["group"])
+
+
+def stored_placement(config: RunConfig, placement: HybridPlacement, bits: int) -> HybridPlacement:
+    """The placement with its experts at a quantized checkpoint's `bits` (check_stored_bits)."""
+    check_stored_bits(config, bits)
+    return replace(placement, bits=bits)
+
+
+def check_stored_bits(config: RunConfig, bits: int) -> None:
+    """A quantized checkpoint's experts run at their stored `bits`: --experts-bits other than those is refused,
+    naming them."""
+    asked = config.hybrid.experts_bits
+    if asked is not None and asked != bits:
+        raise MoeserveError(f"--experts-bits {asked}: {config.model} is a moeserve quantized checkpoint of {bits}-bit "
+                            f"experts, which run as stored; give --experts-bits {bits} or leave it out")
 
 
 def open_offload_store(plan: RunPlan) -> RunPlan:

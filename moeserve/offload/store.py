@@ -313,10 +313,6 @@ def check_stored_bits(path, manifest: dict, bits: int | None, group: int | None,
                             f"they are; give {stored[0]}/{stored[1]} or leave them out")
 
 
-def _kind_text(form: dict | None) -> str:
-    return "float experts and their HQQ copies" if form is None else "a moeserve quantized checkpoint's experts"
-
-
 def read_provenance(f: Path, header: dict | None = None) -> dict | None:
     """What a layer file says it was made from, or None for a damaged, truncated or unmarked file."""
     try:
@@ -545,10 +541,10 @@ class ExpertStore:
     def check_model(self, spec, model_path: str | Path) -> None:
         """This store holds the routed experts of the checkpoint at model_path: the same layers and shapes, and
         the same sampled expert rows (checkpoint.expert_sample_rows: a few KiB per layer, read from the
-        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source); for a quantized
-        checkpoint, a store of its own experts (the same quantization, quantized_source.checkpoint_identity), for a
-        float one a store of float experts. A store that records no sample (an older moeserve's) cannot be matched
-        and is refused."""
+        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source); a store of a quantized
+        checkpoint's experts only for that checkpoint (the same quantization: quantized_source.checkpoint_identity),
+        while a float store of the source serves its quantized checkpoints too. A store that records no sample (an
+        older moeserve's) cannot be matched and is refused."""
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
                 ",".join(str(layer_experts(m, i)) for i in m["layers"]))
@@ -570,13 +566,14 @@ class ExpertStore:
             raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
                                 f"expert weights differ); build one for it with `moeserve offload-prepare "
                                 f"--model {path} --out DIR`")
+        if "quantized" not in m:
+            return  # float experts (and HQQ copies) of the source: they serve its quantized checkpoints too
         manifest = read_manifest(path)
-        theirs_q = None if manifest is None else quantized_form(manifest, spec, m["layers"])
-        if (theirs_q is None) != ("quantized" not in m):
-            raise MoeserveError(f"expert store {where} holds {_kind_text(m.get('quantized'))}, {path} is "
-                                f"{_kind_text(theirs_q)}; build one for it with `moeserve offload-prepare --model "
-                                f"{path} --out DIR`")
-        if theirs_q is not None and (theirs_q["checkpoint"], m["low_bits"], m["group"]) != (
+        if manifest is None:
+            raise MoeserveError(f"expert store {where} holds a moeserve quantized checkpoint's experts and {path} is "
+                                f"the float checkpoint; run that quantized checkpoint with it, or build a store for "
+                                f"{path} with `moeserve offload-prepare --model {path} --out DIR`")
+        if (quantized_form(manifest, spec, m["layers"])["checkpoint"], m["low_bits"], m["group"]) != (
                 m["quantized"].get("checkpoint"), manifest["bits"], manifest["group"]):
             raise MoeserveError(f"expert store {where} was built from another quantized checkpoint than {path} (its "
                                 f"quantization differs); build one for it with `moeserve offload-prepare --model "
