@@ -44,7 +44,7 @@ from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.loader import is_routed_expert, set_tensor, load_model  # noqa: E402
 from moeserve.model.layers import RotaryEmbedding  # noqa: E402
 from moeserve.model.transformer import MoETransformer  # noqa: E402
-from moeserve.offload.experts import enable_offload  # noqa: E402
+from moeserve.offload.setup import enable_offload  # noqa: E402
 from moeserve.plan.footprint import dense_bytes, plan_slots, resident_layout  # noqa: E402
 from moeserve.offload.store import ExpertStore, SourceExperts, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402

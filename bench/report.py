@@ -1,13 +1,15 @@
-"""Markdown tables from bench/results/*.json (the newest run per benchmark and device).
+"""Markdown tables from bench/results/*.json (the newest run per benchmark and device): docs/performance.md, and its
+headline table in README.md (between the README's two PERFORMANCE markers).
 
-    python bench/report.py                              # print the page
-    python bench/report.py --write docs/performance.md  # write it (the committed docs/performance.md)
+    python bench/report.py          # print the page
+    python bench/report.py --write  # write docs/performance.md and README.md's table (what is committed)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,12 +40,12 @@ def _variant(rec: dict) -> str:
     one, nor a 3-bit run a 4-bit one, nor a quality run of one model another model's (MoE block runs merge)."""
     if rec["name"] == "moe_block":
         return ""
-    if rec["name"] == "serve":
-        return serve_model(rec["config"])
+    if rec["name"] == "serve":  # a server placement (--cpu-moe, --offload ...) does not hide the plain one
+        return json.dumps([serve_model(rec["config"]), rec["config"].get("server_args") or ""])
     if rec["name"] == "batching":
         return json.dumps([serve_model(rec["config"]), rec["config"]["prefill_tokens"]])
     keys = ("tokens", "bits", "model") if rec["name"] == "quality" else ("tokens", "bits", "batch")
-    return json.dumps([rec["config"].get(k) for k in keys])
+    return json.dumps([rec.get("config", {}).get(k) for k in keys])
 
 
 def _with_newest_rows(old: dict | None, new: dict) -> dict:
@@ -401,7 +403,8 @@ def serve_table(rec: dict) -> list[str]:
     c = rec["config"]
     lines = [f"**Serving {serve_model(c)}, `moeserve serve`** (streaming HTTP clients at once vs the same requests "
              f"one after another; prompts {c['prompt_min']}-{c['prompt_max']} bytes, {c['gen']} greedy tokens each; server "
-             f"`{c['server']}`, threads {c.get('threads') or 'default'}; {_source(rec)})", "",
+             f"`{c['server']}`" + (f" started with `{c['server_args']}`" if c.get("server_args") else "")
+             + f", threads {c.get('threads') or 'default'}; {_source(rec)})", "",
              "| clients | tok/s | sequential tok/s | speedup | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "p99 ITL / 1-client ITL |", "|---:|---:|---:|---:|---|---|---:|"]
     for r in rec["levels"]:
@@ -513,15 +516,93 @@ def headline(runs: list[dict]) -> list[str]:
                          f"{best['tokens_per_s']:.0f} tok/s",
                          f"floor {rec['floor_tokens_per_s']:.0f} tok/s "
                          f"({best['tokens_per_s'] / rec['floor_tokens_per_s']:.0%})", _when(rec)))
+    rec = newest("deepseek")
+    for r in rec["decode"]["bf16"] if rec else []:
+        if r["batch"] == 1 and "cuda_graph" in r:
+            kv = rec["decode"]["kv_bytes_per_token"]["moeserve_latent"]
+            rows.append((f"decode, DeepSeek-V2-Lite shape, bf16, batch 1, CUDA graph (KV {kv / 1e3:.0f} KB/token, MLA "
+                         f"latents)", f"{r['cuda_graph']['steady_decode_tok_s']:.0f} tok/s",
+                         f"transformers {r['hf_decode_tok_s']:.0f} tok/s", _when(rec)))
+    rows += serve_rows([r for r in runs if r["name"] == "serve"])
+    for rec in (r for r in runs if r["name"] == "hybrid"):
+        rows += hybrid_rows(rec)
+    rec = newest("gpt_oss_20b_peer")
+    rows += [peer_row(rec)] if rec else []
+    return headline_table(rows)
+
+
+def headline_table(rows: list[tuple[str, str, str, str]]) -> list[str]:
     return ["| what | moeserve | reference | device, date |", "|---|---:|---|---|"] + [
         f"| {' | '.join(r)} |" for r in rows] + [""]
 
 
+def serve_rows(runs: list[dict]) -> list[tuple[str, str, str, str]]:
+    """`moeserve serve` on a GPU with its default placement, at the most clients of each model's newest run."""
+    rows = []
+    for rec in runs:
+        c = rec["config"]
+        if rec.get("device_type") != "cuda" or c.get("server_args"):
+            continue
+        top = max(rec["levels"], key=lambda r: r["clients"])
+        rows.append((f"`moeserve serve`, {top['clients']} streaming clients, {c['gen']} tokens each: "
+                     f"{serve_model(c)}", f"{top['concurrent']['tok_per_s']:,.0f} tok/s",
+                     f"the same requests one at a time: {top['sequential']['tok_per_s']:,.0f} tok/s "
+                     f"({top['speedup']:.1f}x)", _when(rec)))
+    return rows
+
+
+def hybrid_rows(rec: dict) -> list[tuple[str, str, str, str]]:
+    """Per shape of a hybrid run: tg / pp512 with the CPU layers' experts computed there (and with mixed precision),
+    against every expert on the CPU and HOBBIT's offload, each from the shape's newest rows."""
+    rows = []
+    for name, shape in rec["shapes"].items():
+        by = {row["column"]: row for row in shape["rows"]}
+        if "hybrid" not in by:
+            continue
+        at = by["hybrid"]["commit"]  # a figure measured at another commit names it
+
+        def tg(row: dict) -> str:
+            return f"{row['tg_tokens_per_s']:.1f}" + ("" if row["commit"] == at else f" (at {row['commit']})")
+
+        ours = [by[c] for c in ("hybrid", "hybrid+mixed") if c in by and by[c]["commit"] == at]
+        rate = ", ".join(f"{r['tg_tokens_per_s']:.1f}" + (f" / {r['pp_tokens_per_s']:,.0f}"
+                                                          if r.get("pp_tokens_per_s") else "") for r in ours)
+        refs = [f"floor {by['hybrid']['floor_tokens_per_s']:.0f}"]
+        refs += [f"every expert on the CPU {tg(by['cpu'])}"] if "cpu" in by else []
+        refs += [f"HOBBIT offload {tg(by['hobbit-offload'])}"] if "hobbit-offload" in by else []
+        s = shape["shape"]
+        rows.append((f"tg / pp512, {name} shape, 4-bit experts, {shape['budget_bytes'] / 2 ** 30:.3g} GiB GPU: "
+                     f"{by['hybrid']['cpu_layers']} of {s['num_layers']} layers' experts on the CPU"
+                     + (" / with `--mixed-precision`" if len(ours) > 1 else ""), f"{rate} tok/s", "; ".join(refs),
+                     f"{rec['device']} + {rec['cpu']}, {shape['measured'][:10]}"))
+    return rows
+
+
+def _peer_setting(key: str) -> str:
+    """A peer run's setting as the flag both programs take: n_cpu_moe_10 -> `--n-cpu-moe 10`."""
+    n = re.fullmatch(r"n_cpu_moe_(\d+)", key)
+    return f"`--n-cpu-moe {n.group(1)}`" if n else {"all_experts_on_cpu": "`--cpu-moe`"}.get(key, key)
+
+
+def peer_row(rec: dict) -> tuple[str, str, str, str]:
+    """A same-machine run against llama.cpp: each configuration's tg / pp512, and llama.cpp's with the ratios."""
+    names = [_peer_setting(k) for k in rec["rates"]]
+    ours = ", ".join(f"{r['moeserve']['tg128'][0]:.1f} / {r['moeserve']['pp512'][0]:,.0f}"
+                     for r in rec["rates"].values())
+    theirs = ", ".join(f"{r['llama_cpp']['tg128'][0]:.1f} / {r['llama_cpp']['pp512'][0]:,.0f} "
+                       f"({rec['ratios'][k]['tg128']:.2f}x / {rec['ratios'][k]['pp512']:.2f}x)"
+                       for k, r in rec["rates"].items())
+    return (f"tg / pp512, {rec['shape'].split(':')[0]}, {' / '.join(names)}", f"{ours} tok/s",
+            f"llama.cpp {rec['llama_cpp_commit']} (same machine, same calls) {theirs}",
+            f"{rec['device']} + {rec['cpu'].split(' (')[0]}, {rec['date'][:10]}")
+
+
 HEADER = """# Performance
 
-Generated by `python bench/report.py --write docs/performance.md` from `bench/results/*.json`: the newest run of
-each benchmark per device (a run that measured only some rows keeps the other rows of the run before it, each
-marked with its date and commit). Do not edit by hand; rerun the benchmark and the report.
+Generated by `python bench/report.py --write` from `bench/results/*.json`: the newest run of each benchmark per
+device (a run that measured only some rows keeps the other rows of the run before it, each marked with its date and
+commit); README.md's performance table is the headline below, written by the same command. Do not edit by hand;
+rerun the benchmark and the report.
 
 Every figure is measured side by side in one run on the device named: moeserve, the peer (transformers, torch,
 cuBLAS) and the floor. The floor is the larger of the bytes that must move over the measured bandwidth of the
@@ -532,8 +613,15 @@ higher is better. Absolute times hold for the device named only.
 """
 
 
-def report(results_dir: Path) -> str:
-    runs = newest_runs(results_dir)
+PAGE = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+README_BEGIN = "<!-- PERFORMANCE: the headline of docs/performance.md, written by `python bench/report.py --write` -->"
+README_END = "<!-- PERFORMANCE: end -->"
+
+
+def report(results_dir: Path, runs: list[dict] | None = None) -> str:
+    """docs/performance.md: the headline, then every benchmark's tables (runs: newest_runs(results_dir), if read)."""
+    runs = newest_runs(results_dir) if runs is None else runs
     lines = [HEADER] + headline(runs) + ["## Tables", ""]
     lines += fused_moe_tables(ROOT / "moeserve" / "kernels" / "triton" / "configs", results_dir)
     for rec in runs:
@@ -541,18 +629,28 @@ def report(results_dir: Path) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def readme_with_headline(readme: str, runs: list[dict]) -> str:
+    """README.md with the text between its PERFORMANCE markers replaced by the headline table."""
+    begin, end = readme.find(README_BEGIN), readme.find(README_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"README.md lacks the lines {README_BEGIN!r} ... {README_END!r}")
+    return readme[:begin + len(README_BEGIN)] + "\n" + "\n".join(headline(runs)) + readme[end:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--write", metavar="PATH",
-                    help="write the page to PATH (docs/performance.md) instead of printing it")
+    ap.add_argument("--write", action="store_true",
+                    help=f"write {PAGE.relative_to(ROOT)} and the headline table in {README.name} instead of "
+                         "printing the page")
     args = ap.parse_args()
-    text = report(Path(args.results))
-    if args.write is None:
+    runs = newest_runs(Path(args.results))
+    text = report(Path(args.results), runs)
+    if not args.write:
         print(text, end="")
         return
-    Path(args.write).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.write).write_text(text)
+    PAGE.write_text(text)
+    README.write_text(readme_with_headline(README.read_text(), runs))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir, checkpoint_expert_sample,
                                   read_as_stored, read_tensor, save_safetensors_atomic, tensor_experts, tensors_digest,
@@ -29,6 +28,7 @@ from moeserve.checkpoint import (INDEX_FILE, CheckpointReader, check_output_dir,
 from moeserve.errors import MoeserveError
 from moeserve.loader import load_model, tensors_to_load
 from moeserve.model.transformer import MoETransformer
+from moeserve.progress import Progress, track
 from moeserve.quant import hqq, milo, mxfp4
 from moeserve.quant.dense import layer_linears
 from moeserve.quant.manifest import FORMAT, KINDS, MANIFEST, refuse_quantized
@@ -226,9 +226,9 @@ def plan_ranks(spec: ModelSpec, reader: CheckpointReader, tensors: list[TensorIn
     kurtosis = None
     if kinds:
         source = LayerSource(reader, spec)
-        with tqdm([t for t in tensors if t.kind in kinds], desc="weight kurtosis", disable=not progress,
-                  leave=False) as bar:
-            kurtosis = {t.name: weight_kurtosis(source.weight(t)) for t in bar}
+        kurtosis = {t.name: weight_kurtosis(source.weight(t))
+                    for t in track([t for t in tensors if t.kind in kinds], "weight kurtosis", "tensors", progress,
+                                   transient=True)}
     asked = assign_ranks(tensors, policy, kurtosis=kurtosis, frequency=frequency,
                          compensator_bits=cfg.compensator_bits)
     ranks, clamp = clamp_ranks(tensors, asked)
@@ -308,7 +308,7 @@ def _quantize_layers(source: LayerSource, tensors: list[TensorInfo], num_layers:
     for t in tensors:
         by_layer.setdefault(t.layer, []).append(t)
     digests = []
-    with tqdm(total=len(tensors), desc="quantizing", unit="tensor", disable=not progress) as bar:
+    with Progress(len(tensors), "quantizing", "tensors", progress) as bar:
         for layer in range(num_layers):
             shard = partial / f"layer-{layer:05d}.safetensors"
             todo = by_layer.get(layer, [])

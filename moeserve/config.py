@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from moeserve.demo import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import CACHE_POLICIES, EXPERT_BITS, STREAM_FROM
-from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.units import parse_bytes
 
@@ -50,6 +50,7 @@ class ParallelConfig:
     ep: int = flag(1, "--ep")
     hierarchical_a2a: int = flag(0, "--hierarchical-a2a")  # ranks per node of a hierarchical all-to-all (0: off)
     static_dispatch_tokens: int = flag(STATIC_MAX_TOKENS, "--static-dispatch-tokens")
+    collective_timeout: float = flag(COLLECTIVE_TIMEOUT_S, "--collective-timeout")  # seconds a rank waits for a peer
 
     @property
     def ranks(self) -> int:
@@ -150,6 +151,8 @@ class RunConfig:
         p = self.parallel
         if p.tp < 1 or p.ep < 1:
             raise MoeserveError("--tp and --ep must be >= 1")
+        if not p.collective_timeout > 0:
+            raise MoeserveError(f"--collective-timeout {p.collective_timeout:g} must be > 0 seconds")
         if p.ranks == 1:
             return
         if self.hybrid.requested or self.offload or self.planning:
@@ -212,6 +215,7 @@ class ServeConfig:
     ctx_size: int = 4096  # tokens per slot
     max_queue: int = 64
     prefill_chunk: int = 512
+    prefix_reuse: bool = True  # copy the KV of prompt tokens another slot holds instead of computing it
     threads: int | None = None  # CPU threads of torch (None: its choice)
     api_key: str | None = None
     served_model_name: str | None = None

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
-from tqdm import tqdm
+
+from moeserve.progress import Progress
 
 
 def perplexity(model, ids: list[int], window: int, batch_size: int = 8, progress: bool = True,
@@ -20,8 +20,7 @@ def perplexity(model, ids: list[int], window: int, batch_size: int = 8, progress
         windows = [windows[round(i * (len(windows) - 1) / (max_windows - 1))] if max_windows > 1 else windows[0]
                    for i in range(max_windows)]
     nll, count = 0.0, 0
-    bar = tqdm(total=sum(len(w) - 1 for w in windows), desc="perplexity", unit="tok", file=sys.stderr,
-               disable=not progress)
+    bar = Progress(sum(len(w) - 1 for w in windows), "perplexity", "tokens", progress)
     with torch.inference_mode():
         for b in range(0, len(windows), batch_size):
             batch = windows[b:b + batch_size]
@@ -34,8 +33,7 @@ def perplexity(model, ids: list[int], window: int, batch_size: int = 8, progress
             keep = torch.arange(n - 1, device=model.device)[None] < (lengths[:, None] - 1)  # [B, S-1]
             nll += losses[keep].sum().item()
             count += int(keep.sum())
-            bar.update(int(keep.sum()))
-            bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}")
+            bar.update(int(keep.sum()), note=f"perplexity {math.exp(nll / count):.3f}")
     bar.close()
     return {"tokens": count, "window": window, "windows": len(windows), "perplexity": math.exp(nll / count),
             "bits_per_token": nll / count / math.log(2)}

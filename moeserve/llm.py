@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 
 from moeserve import runtime
+from moeserve.build import build
 from moeserve.config import CacheConfig, HybridConfig, ParallelConfig, RunConfig
 from moeserve.demo import DEMO_MODEL
 from moeserve.engine.generate import iterate
@@ -60,7 +61,7 @@ class LLM:
         spec = ModelSpec.from_dir(config.model)
         context = min(spec.max_position_embeddings, context or DEFAULT_CONTEXT)
         self.plan = runtime.prepare(config, spec, max_batch, context)
-        self.runtime = runtime.load(self.plan, progress=progress)
+        self.runtime = build(self.plan, progress=progress)
         self.model = self.runtime.model
 
     @property

@@ -1,4 +1,5 @@
-"""Build a MoETransformer from a checkpoint directory, streaming one tensor at a time to its device."""
+"""A MoETransformer from a checkpoint directory: the meta model (its resident experts from moeserve/factory.py) and
+the read pass that fills it, streaming one tensor at a time to its device."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from moeserve.checkpoint import CheckpointReader, read_tensor, tensor_experts
 from moeserve.errors import MoeserveError
+from moeserve.factory import ExpertSources, place_experts
 from moeserve.model.layers import RotaryEmbedding
 from moeserve.model.transformer import MoETransformer
+from moeserve.progress import Progress, track
+from moeserve.plan.layers import LayerPlacement, resident_layers
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
-from moeserve.quant.manifest import install_quantized_modules, is_quantized_expert, read_manifest, stored_to_current
-from moeserve.quant.mxfp4 import use_stored_experts
+from moeserve.quant.manifest import install_quantized_dense, read_manifest, stored_to_current
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ModelSpec
 
@@ -72,22 +74,24 @@ def tensors_to_load(model: nn.Module) -> list[tuple[list[str], torch.Tensor, boo
 
 
 def is_routed_expert(name: str) -> bool:
-    """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj), and a
-    quantized checkpoint's (each expert's QuantizedLinear buffers)."""
-    return (re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name) is not None
-            or is_quantized_expert(name))
+    """The routed expert weights, also inside a tensor-parallel wrapper (...mlp.experts.inner.down_proj)."""
+    return re.search(r"\.mlp\.experts\.(\w+\.)?(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name) is not None
 
 
-def meta_model(path: str | Path) -> MoETransformer:
+def meta_model(path: str | Path, layers: tuple[LayerPlacement, ...] | None = None) -> MoETransformer:
     """The model of checkpoint `path` with every tensor on the meta device: shapes only, nothing read yet
-    (parallel loading cuts it to a rank's part before reading, see moeserve.parallel.loading)."""
+    (parallel loading cuts it to a rank's part before reading, see moeserve.parallel.loading). layers: the MoE
+    layers whose experts the factory makes now (default: every one as the checkpoint stores them); the others keep
+    the model code's float experts, unread, until the build places them."""
     spec = ModelSpec.from_dir(path)
     manifest = read_manifest(Path(path))
     with torch.device("meta"):
         model = MoETransformer(spec)
-        use_stored_experts(model)  # MXFP4 experts as shipped
         if manifest:
-            install_quantized_modules(model, manifest)
+            install_quantized_dense(model, manifest)
+    # the factory does not look at the float width: any dtype_bytes describes the checkpoint's experts
+    layers = resident_layers(spec, 2, manifest) if layers is None else layers
+    place_experts(model, layers, ExpertSources(spec, manifest))
     return model
 
 
@@ -101,8 +105,8 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
     spec = model.spec
     manifest = read_manifest(reader.path)  # None for a float checkpoint
     tensors = [t for t in tensors_to_load(model) if skip is None or not skip(t[0][0])]
-    with tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress, leave=False, delay=1.0) as bar:
-        for names, meta, is_buffer in bar:  # an error clears the bar (closed by `with`), so it prints on its own line
+    with Progress(len(tensors), "loading weights", "tensors", progress, transient=True) as bar:
+        for names, meta, is_buffer in tensors:  # an error closes the bar (by `with`), so it prints on its own line
             name = names[0]
             t = read_tensor(reader, name, spec.family, tensor_experts(spec, name),
                             None if index_of is None else index_of(name))
@@ -116,6 +120,7 @@ def read_weights(model: MoETransformer, reader: CheckpointReader, device: torch.
             t = t if is_buffer else nn.Parameter(t, requires_grad=False)
             for alias in names:
                 set_tensor(model, alias, t, is_buffer)
+            bar.update(1)
     model.rotary = RotaryEmbedding(spec).to(device)
     return model.eval()
 
@@ -134,7 +139,7 @@ def read_dense_quantized(model: MoETransformer, reader: CheckpointReader, device
     (read_weights must skip their tensors)."""
     spec = model.spec
     names = convertible(model)
-    for name in tqdm(names, desc="quantizing dense layers", unit="layer", disable=not progress, leave=False, delay=1.0):
+    for name in track(names, "quantizing dense layers", "layers", progress, transient=True):
         bias = None
         if model.get_submodule(name).bias is not None:
             bias = read_tensor(reader, name + ".bias", spec.family, tensor_experts(spec, name)).to(device, dtype)
@@ -149,25 +154,34 @@ def skipping_modules(modules: set[str], skip=None):
     return lambda name: name.rsplit(".", 1)[0] in modules or (skip is not None and skip(name))
 
 
-def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
-               routed_experts: bool | Collection[int] = True, dense_bits: int = 16) -> MoETransformer:
-    """routed_experts=False leaves the routed expert weights unread (on the meta device) for a backend
-    that brings its own, e.g. offload.enable_offload; a collection of layer indices reads only those layers'
-    (the hybrid backend brings the others'). dense_bits 8: the dense part's linear layers as 8-bit HQQ copies
-    (quant/dense.py), quantized as they are read."""
+def read_model(model: MoETransformer, reader: CheckpointReader, device: torch.device, dtype: torch.dtype,
+               dense_bits: int = 16, skip=None, progress: bool = False) -> MoETransformer:
+    """Fill `model`'s meta tensors from the checkpoint, each tensor read once: dense_bits 8 reads the dense part's
+    linear layers first and quantizes each as it is read (read_dense_quantized), then read_weights reads the rest
+    but what skip(name) leaves for a backend."""
     if dense_bits not in DENSE_BITS:
         raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
-    device = resolve_device(device)
-    model = meta_model(path)
-    dtype = resolve_dtype(dtype, device)
-    if routed_experts is True:
-        skip = None
-    elif routed_experts is False:
-        skip = is_routed_expert
-    else:
-        layers = {int(i) for i in routed_experts}
-        skip = lambda name: is_routed_expert(name) and int(name.split(".")[2]) not in layers  # noqa: E731
-    reader = CheckpointReader(path)
     if dense_bits != 16:
         skip = skipping_modules(read_dense_quantized(model, reader, device, dtype, dense_bits, progress), skip)
     return read_weights(model, reader, device, dtype, skip, progress=progress)
+
+
+def unread_layers(layers: Collection[int]):
+    """read_weights' skip(name) for the routed experts of MoE layers `layers`, which a backend brings."""
+    skipped = {int(i) for i in layers}
+    return lambda name: is_routed_expert(name) and int(name.split(".")[2]) in skipped
+
+
+def load_model(path: str | Path, device=None, dtype=None, progress: bool = False,
+               routed_experts: bool | Collection[int] = True, dense_bits: int = 16) -> MoETransformer:
+    """Every tensor of a checkpoint on one device (the resident model, what tests and benchmarks start from; a run
+    builds through moeserve.build). routed_experts=False leaves the routed expert weights unread (on the meta
+    device) for a backend that brings its own; a collection of layer indices reads only those layers'. dense_bits
+    8: the dense part's linear layers as 8-bit HQQ copies (quant/dense.py), quantized as they are read."""
+    device = resolve_device(device)
+    model = meta_model(path)
+    dtype = resolve_dtype(dtype, device)
+    moe = model.spec.moe.layer_indices()
+    kept = moe if routed_experts is True else () if routed_experts is False else {int(i) for i in routed_experts}
+    skip = unread_layers([i for i in moe if i not in kept])
+    return read_model(model, CheckpointReader(path), device, dtype, dense_bits, skip, progress)

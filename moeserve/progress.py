@@ -6,24 +6,30 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 PLAIN_INTERVAL_S = 5.0  # seconds between plain progress lines
+Item = TypeVar("Item")
 
 
 class Progress:
-    """count/total of `unit`s done; `enabled=False` shows nothing (other ranks, quiet library calls)."""
+    """count/total of `unit`s done; `enabled=False` shows nothing (other ranks, quiet library calls); `transient`:
+    a terminal's bar appears after a second and is erased when done (short steps such as loading weights)."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, enabled: bool = True):
+    def __init__(self, total: int | None, desc: str, unit: str, enabled: bool = True, transient: bool = False):
         self.total, self.desc, self.unit = total, desc, unit
         self.count, self.note = 0, ""
         self.enabled = enabled
         self.start = self.last = time.perf_counter()
         self.printed = False
+        self.shown = None  # (count, note) of the last plain line
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm  # only for a terminal; progress.py stays light to import
 
-            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=not transient,
+                            delay=1.0 if transient else 0.0)
 
     def __enter__(self) -> "Progress":
         return self
@@ -44,13 +50,29 @@ class Progress:
         elif self.enabled and time.perf_counter() - self.last >= PLAIN_INTERVAL_S:
             self._line()
 
+    def write(self, text: str) -> None:
+        """A line of its own on stderr (above a terminal's bar), whether or not progress is shown."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    def set_total(self, total: int) -> None:
+        """The work turned out to be `total` units (a budget cut it short)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def close(self) -> None:
         """End the bar; in plain mode a last line with the final count, if any line was printed."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         elif self.printed:
-            self._line()
+            if self.shown != (self.count, self.note):  # the final count, unless the last line showed it
+                self._line()
             self.printed = False
 
     def _line(self) -> None:
@@ -59,4 +81,13 @@ class Progress:
         note = f", {self.note}" if self.note else ""
         sys.stderr.write(f"[{self.desc}: {done} {self.unit}{note}, {now - self.start:.0f} s]\n")
         sys.stderr.flush()
-        self.last, self.printed = now, True
+        self.last, self.printed, self.shown = now, True, (self.count, self.note)
+
+
+def track(items: Sequence[Item], desc: str, unit: str, enabled: bool = True,
+          transient: bool = False) -> Iterator[Item]:
+    """Each of `items` in turn, counted by a Progress (closed when the loop ends or leaves early)."""
+    with Progress(len(items), desc, unit, enabled, transient) as bar:
+        for item in items:
+            yield item
+            bar.update(1)

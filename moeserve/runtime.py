@@ -1,36 +1,32 @@
-"""The one run path: RunConfig -> prepare (checks and the placement, nothing allocated) -> load (the model as placed).
+"""The one run path's first half: RunConfig -> prepare (checks and the placement, nothing allocated) -> RunPlan,
+which moeserve.build turns into the model as placed.
 
 Every entry point takes it: the CLI commands (generate, eval ppl, serve, bench, trace record), the server's loader
 and `moeserve.LLM`. `prepare` reads config.json only, so a run that cannot work fails before any weight is read:
 the options (RunConfig.validate), the hybrid placement against the model's MoE layers, the planner's choice under a
-GPU budget, the expert store against the checkpoint and the host RAM the experts need. `load` then builds the model
-in the one way the RunPlan names: resident (float or a quantized checkpoint), hybrid CPU/GPU experts, HOBBIT's
-offload cache, or one torchrun rank's part (--ep/--tp).
+GPU budget, the expert store against the checkpoint and the host RAM the experts need. The RunPlan then says per MoE
+layer where its experts live and at which precision (RunPlan.layers): resident (float or a quantized checkpoint),
+hybrid CPU/GPU experts, HOBBIT's offload cache, or one torchrun rank's part (--ep/--tp).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch.distributed as dist
-
-from moeserve.config import RunConfig, changed, check_cache_slots
+from moeserve.config import RunConfig, changed
 from moeserve.engine.batching import DEFAULT_PREFILL_TOKENS
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import check_host_ram, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.kernels.cpu.machine import physical_cores
-from moeserve.loader import load_model, resolve_device, resolve_dtype
+from moeserve.loader import resolve_device, resolve_dtype
 from moeserve.offload.budget import available_ram, check_budget
-from moeserve.offload.experts import enable_offload as enable_cache
-from moeserve.offload.store import ExpertStore, layer_experts
-from moeserve.parallel.launch import init_from_env
-from moeserve.parallel.loading import load_parallel_model
-from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout, plan_slots
+from moeserve.offload.store import ExpertStore
+from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout
 from moeserve.plan.hardware import load_or_measure
-from moeserve.plan.placement import PlanRequest, check_dense_budget, dense_layout, moe_layer_count
+from moeserve.plan.layers import LayerPlacement, Shard, hybrid_layers, offload_layers, resident_layers
+from moeserve.plan.placement import PlanRequest, check_dense_budget, moe_layer_count
 from moeserve.plan.placement import plan_placement as choose_placement
 from moeserve.quant.manifest import read_manifest
 from moeserve.spec import ModelSpec
@@ -57,32 +53,19 @@ class RunPlan:
     low_bits: int | None = None
     cache_budget: int | None = None
 
-
-@dataclass
-class Runtime:
-    """A loaded run: the model, and the expert cache or hybrid runtime that serves its experts (for their stats)."""
-    plan: RunPlan
-    model: object
-    cache: object | None = None  # offload.slot_cache.SlotCache of an --offload run
-    hybrid: object | None = None  # hybrid.runtime.HybridRuntime of a hybrid run
-    seed: int | None = None  # under --ep/--tp: a sampling seed every rank shares (rank 0's), when none was given
-
-    def placement_name(self) -> str:
-        """A few words on where the experts live, for bench's table and the Python API."""
-        p, model = self.plan, self.model
-        dtype = str(model.dtype).removeprefix("torch.")
-        dense = f", dense part {p.dense_bits}-bit" if p.dense_bits != 16 else ""
-        if p.plan_line:
-            return p.plan_line.removeprefix("[plan: ").split(";")[0] + f"{dense} ({model.device.type}, {dtype})"
-        if p.hybrid is not None:
-            return p.hybrid.describe(model.device.type, dtype, dense_bits=p.dense_bits).removeprefix(
-                "[placement: ").removesuffix("]")
-        if p.config.offload:
-            c = p.config.cache
-            return f"offload ({p.config.gpu_memory or f'{c.high_slots}+{c.low_slots} slots'}, {dtype})"
-        ranks = p.config.parallel
-        across = f", --tp {ranks.tp} --ep {ranks.ep}" if ranks.ranks > 1 else ""
-        return f"resident ({model.device.type}, {dtype}{across})"
+    def layers(self, dtype_bytes: int) -> tuple[LayerPlacement, ...]:
+        """Each MoE layer's placement (plan/layers.py) for a compute dtype of dtype_bytes: what the build makes."""
+        config, spec = self.config, self.spec
+        p = config.parallel
+        if p.ranks > 1:
+            return resident_layers(spec, dtype_bytes, read_manifest(Path(config.model)), Shard(p.ep, p.tp))
+        if self.hybrid is not None:
+            low_bits, group = ((self.store.meta["low_bits"], self.store.meta["group"]) if self.store is not None
+                               else stored_experts(config) or store_precision(spec, self.hybrid))
+            return hybrid_layers(spec, self.hybrid, dtype_bytes, low_bits, group, mapped=self.store is not None)
+        if config.offload:
+            return offload_layers(spec, dtype_bytes, mixed=not config.cache.all_high)
+        return resident_layers(spec, dtype_bytes, read_manifest(Path(config.model)))
 
 
 def prepare(config: RunConfig, spec: ModelSpec | None = None, kv_batch: int = 1,
@@ -140,7 +123,8 @@ def plan_placement(plan: RunPlan) -> RunPlan:
                       str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens,
                       bits=h.experts_bits if stored is None else stored[0], group=None if stored is None else stored[1],
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
-                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan))
+                      cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan),
+                      blas_workspaces=blas_workspaces(plan))
     placement_plan = choose_placement(spec, load_or_measure(), req)
     chosen = placement_plan.chosen
     hybrid = None
@@ -182,8 +166,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
         if stored is not None:  # a quantized checkpoint's experts run at its bits, from a store of its experts
             placement = stored_placement(config, placement, stored[0])
         low_bits, group = stored or store_precision(spec, placement)
-    layout = hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
-                           plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes)
+    layout = replace(hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
+                                   plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes),
+                     blas_workspaces=blas_workspaces(plan))
     check_host_ram(footprint(spec, layout).host["expert store"])
     return replace(plan, hybrid=placement, store=store, low_bits=low_bits)
 
@@ -230,80 +215,18 @@ def dense_request(plan: RunPlan, budget: int) -> PlanRequest:
     offload cache's slots count it with plan/footprint.py)."""
     dtype = resolve_dtype(plan.config.dtype, resolve_device(plan.device))
     return PlanRequest(budget, available_ram(), dtype.itemsize, str(dtype).removeprefix("torch."), plan.kv_batch,
-                       plan.kv_tokens, pass_tokens=largest_pass(plan))
+                       plan.kv_tokens, pass_tokens=largest_pass(plan), blas_workspaces=blas_workspaces(plan))
+
+
+def blas_workspaces(plan: RunPlan) -> int:
+    """The cuBLAS workspaces the run's GPU holds (plan/footprint.py): the default stream's, and the capture stream's
+    when decode steps run as CUDA graphs; none without a GPU."""
+    if resolve_device(plan.device).type != "cuda":
+        return 0
+    return 2 if plan.config.cuda_graph else 1
 
 
 def largest_pass(plan: RunPlan) -> int:
     """Tokens of the run's largest forward pass (the footprint's workspace): the engine's prefill chunk, or every
     token the KV cache holds when that is less."""
     return min(plan.kv_batch * plan.kv_tokens, DEFAULT_PREFILL_TOKENS)
-
-
-def load(plan: RunPlan, progress: bool = True) -> Runtime:
-    """The model as the plan places it: one process (resident, hybrid or offloaded experts) or this torchrun rank's
-    part (--ep/--tp)."""
-    if plan.hybrid is not None:
-        return load_hybrid(plan, progress)
-    if plan.config.parallel.ranks > 1:
-        return load_parallel(plan, progress)
-
-    config = plan.config
-    model = load_model(config.model, device=plan.device, dtype=config.dtype, progress=progress,
-                       routed_experts=not config.offload, dense_bits=plan.dense_bits)
-    cache = enable_offload(model, plan) if config.offload else None
-    return Runtime(plan, model, cache=cache)
-
-
-def load_parallel(plan: RunPlan, progress: bool) -> Runtime:
-    """This rank's part of the model (TP slices, EP experts), and a sampling seed every rank shares."""
-
-    config, p = plan.config, plan.config.parallel
-    rank, world, device = init_from_env(plan.device)
-    model = load_parallel_model(config.model, rank, world, tp=p.tp, ep=p.ep, device=device, dtype=config.dtype,
-                                hierarchical=p.hierarchical_a2a, progress=progress and rank == 0,
-                                static_max_tokens=max(p.static_dispatch_tokens, 0), dense_bits=plan.dense_bits)
-    seed = [int.from_bytes(os.urandom(4), "little")]  # every rank must sample the same tokens: rank 0's seed
-    dist.broadcast_object_list(seed, src=0)
-    return Runtime(plan, model, seed=seed[0])
-
-
-def load_hybrid(plan: RunPlan, progress: bool) -> Runtime:
-    """The model with its CPU layers' experts in host RAM (the plan's store, or read from the checkpoint)."""
-    from moeserve.hybrid.setup import build_store, enable_hybrid, store_layers  # its device link needs triton
-
-    config, placement = plan.config, plan.hybrid
-    device = resolve_device(plan.device)
-    dtype = resolve_dtype(config.dtype, device)
-    stored = set(store_layers(placement))
-    model = load_model(config.model, device=device, dtype=dtype, progress=progress,
-                       routed_experts=[i for i in placement.moe_layers if i not in stored], dense_bits=plan.dense_bits)
-    store = plan.store or build_store(config.model, placement, dtype, device, progress=progress)
-    return Runtime(plan, model, hybrid=enable_hybrid(model, store, placement, warm=True))
-
-
-def enable_offload(model, plan: RunPlan):
-    """HOBBIT's expert cache over the plan's store, its slots given or planned from the budget left after the
-    loaded model and the KV cache."""
-    c, store = plan.config.cache, plan.store
-    if plan.cache_budget is None:
-        high, low = c.high_slots, c.low_slots
-    else:
-        base = dense_layout(model.spec, dense_request(plan, plan.cache_budget), plan.dense_bits, plan.cache_budget)
-        high, low = plan_slots(model.spec, base, store.expert_bytes(low=False),
-                               0 if c.all_high else store.expert_bytes(low=True), reserve=model.spec.moe.top_k,
-                               max_slots=sum(layer_experts(store.meta, i) for i in store.meta["layers"]))
-    check_cache_slots(high, low, c.t1, c.t2)
-    try:
-        return enable_cache(model, store, high_slots=high, low_slots=low, policy=c.policy, mixed=not c.all_high,
-                            t1=c.t1, t2=c.t2, prefetch_layers=max(c.prefetch, 0), cooperative=c.cooperative,
-                            pin=c.pin, per_layer=c.per_layer)
-    except ValueError as e:
-        raise MoeserveError(str(e)) from None
-
-
-def describe_hybrid(runtime: Runtime) -> str | None:
-    """The hybrid placement's one line (`[placement: ...]`), when the run has one and no plan line said it."""
-    p, model = runtime.plan, runtime.model
-    if p.hybrid is None or p.plan_line:
-        return None
-    return p.hybrid.describe(model.device.type, str(model.dtype).removeprefix("torch."), p.low_bits, p.dense_bits)

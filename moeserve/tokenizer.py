@@ -33,6 +33,9 @@ class ByteTokenizer:
         """Each token id's bytes (b"" for BOS and EOS): the vocabulary a grammar library matches text against."""
         return [self.token_bytes(i) for i in range(self.vocab_size)]
 
+    def show(self, texts) -> None:
+        """Nothing to do: no special token of this vocabulary has a text (HFTokenizer.show)."""
+
     def save(self, path: str | Path) -> None:
         Path(path, BYTE_TOKENIZER_FILE).write_text(
             json.dumps({"type": "bytes", "bos_id": self.bos_id, "eos_id": self.eos_id}) + "\n")
@@ -59,13 +62,32 @@ class HFTokenizer:
         self._tok.no_padding()
         self.adds_special_tokens = adds_special_tokens
         self.vocab_size = self._tok.get_vocab_size()
+        self.shown: dict[int, str] = {}  # special tokens decoded to their text (show)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's ids, with the special tokens transformers adds when add_special_tokens."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens and self.adds_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        """The text of ids; special tokens stand for no text, except those shown."""
+        if not self.shown or not any(i in self.shown for i in ids):
+            return self._tok.decode(ids, skip_special_tokens=True)
+        out, run = [], []
+        for i in ids:
+            if i in self.shown:
+                out += [self._tok.decode(run, skip_special_tokens=True), self.shown[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self._tok.decode(run, skip_special_tokens=True)
+
+    def show(self, texts) -> None:
+        """Decode the special tokens whose texts are `texts` to those texts, and let grammars write them: a chat
+        format written with special tokens (harmony's <|channel|>, GLM-4.5's <arg_key>) is read from the answer's
+        text."""
+        wanted = set(texts)
+        self.shown = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                      if t.special and t.content in wanted}
 
     def token_bytes(self, token: int) -> bytes:
         """The text one token decodes to, as UTF-8 (a piece of a character decodes to U+FFFD)."""
@@ -87,7 +109,7 @@ class HFTokenizer:
             else:
                 out[i] = piece.replace("\u2581", " ").encode("utf-8")
         for i, added in self._tok.get_added_tokens_decoder().items():
-            out[i] = b"" if added.special else added.content.encode("utf-8")
+            out[i] = b"" if added.special and i not in self.shown else added.content.encode("utf-8")
         return out
 
 

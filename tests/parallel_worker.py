@@ -17,6 +17,7 @@ from moeserve.checkpoint import CheckpointReader
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.model.experts import ResidentExperts
+from moeserve.parallel.accounting import CountingReader
 from moeserve.parallel.expert_parallel import ExpertParallelExperts
 from moeserve.parallel.groups import split_range
 from moeserve.parallel.loading import load_parallel_model
@@ -42,24 +43,6 @@ def suite(rank: int, world: int, rendezvous: str, cases: list, paths: dict) -> N
                 raise AssertionError(f"case {name}{tuple(args)} on rank {rank}/{world}: {e}") from e
     finally:
         dist.destroy_process_group()
-
-
-class CountingReader(CheckpointReader):
-    """Counts the bytes a rank materialises, per stored tensor, read whole or in part."""
-
-    def __init__(self, path):
-        super().__init__(path)
-        self.bytes_read: dict[str, int] = {}
-
-    def _count(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
-        return t
-
-    def get(self, name):
-        return self._count(name, super().get(name))
-
-    def get_slice(self, name, index):
-        return self._count(name, super().get_slice(name, index))
 
 
 def layer_case(rank: int, world: int, _paths, routing: str) -> None:
@@ -219,6 +202,29 @@ def hierarchical_case(rank: int, world: int, paths: dict) -> None:
         torch.testing.assert_close(model(tokens), ref, atol=1e-5, rtol=1e-5)
 
 
+def static_step_case(rank: int, world: int, paths: dict) -> None:
+    """The static decode step (the shapes a CUDA graph captures, run eagerly here; GPUs take it by default) under EP,
+    in a continuous batch whose requests join one step apart: its decode passes are not forward() calls and have more
+    rows than the last prefill pass read tokens, so the EP layers must agree on their dispatch themselves. Greedy
+    tokens as one process."""
+    from moeserve.engine.batching import ContinuousBatch, Request
+    from moeserve.engine.cuda_graph import SlotDecoder
+
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + rank], [40], [77 - rank]]
+    ref = [r.token_ids for r in generate(moeserve.load_model(paths["mixtral"]), prompts, params)]
+    model = load_parallel_model(paths["mixtral"], rank, world, ep=world)
+    batch = ContinuousBatch(model, None, slots=len(prompts), context=16)
+    batch.decoder = SlotDecoder(model, batch.kv, graph=False, static=True)
+    requests = [Request(p, params, lambda *_: None) for p in prompts]
+    for r in requests:  # one joins per step: prefill passes of 1 token, then decode passes of 1, 2, 3 rows
+        batch.add(r)
+        batch.step()
+    while batch.step():
+        pass
+    assert [r.gen.token_ids for r in requests] == ref
+
+
 def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
     """A checkpoint that lacks one expert: the rank that owns it names the tensor, the others say a peer
     failed; nobody waits for a collective that never comes."""
@@ -234,4 +240,4 @@ def bad_checkpoint_case(rank: int, world: int, paths: dict) -> None:
 
 
 CASES = {"layer": layer_case, "model": model_case, "quantized": quantized_case, "hierarchical": hierarchical_case,
-         "bad_checkpoint": bad_checkpoint_case}
+         "static_step": static_step_case, "bad_checkpoint": bad_checkpoint_case}

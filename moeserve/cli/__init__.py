@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoeserve: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - resource failures get one line too
+        if "torch.distributed" in sys.modules:  # under torchrun: a peer rank that died ends this one with one line
+            from moeserve.parallel.faults import peer_failure  # torch is loaded by then
+
+            stopped = peer_failure(e)
+            if stopped is not None:
+                sys.stderr.write(f"moeserve: error: {stopped}\n")
+                return 2
         if type(e).__name__ == "OutOfMemoryError":
             print("moeserve: error: out of GPU memory; try --device cpu, a smaller batch or --dtype bfloat16",
                   file=sys.stderr)

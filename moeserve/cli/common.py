@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 from moeserve import runtime
+from moeserve.build import Runtime, build, describe_hybrid
 from moeserve.cli.options import DEFAULT_SERVE_CONTEXT
 from moeserve.config import RunConfig
 from moeserve.errors import MoeserveError
+from moeserve.loader import resolve_device
 from moeserve.spec import ModelSpec
 
 
@@ -20,11 +22,41 @@ def is_main_rank() -> bool:
 
 
 def prepare(config: RunConfig, spec: ModelSpec, kv_batch: int, kv_tokens: int) -> runtime.RunPlan:
-    """runtime.prepare, and the planner's one line on stderr (rank 0) when it chose the placement."""
+    """runtime.prepare, and on stderr (rank 0) what --gpu-memory limits without a GPU and the planner's one line
+    when it chose the placement."""
     plan = runtime.prepare(config, spec, kv_batch, kv_tokens)
-    if plan.plan_line and is_main_rank():
+    if not is_main_rank():
+        return plan
+    if config.gpu_memory is not None and resolve_device(plan.device).type != "cuda":
+        limits = ("host RAM for the expert cache's slots (planned after the dense weights and KV cache)"
+                  if config.offload else "nothing: every part runs on the CPU, within the RAM available")
+        print(no_gpu_budget_note(config.gpu_memory, limits), file=sys.stderr, flush=True)
+    if plan.plan_line:
         print(plan.plan_line, file=sys.stderr, flush=True)
     return plan
+
+
+def no_gpu_budget_note(size, limits: str) -> str:
+    """The one line that says what --gpu-memory SIZE limits on a run without a GPU."""
+    return f"moeserve: note: the run has no GPU, so --gpu-memory {size} limits {limits}"
+
+
+def offload_line(run: Runtime) -> str | None:
+    """An --offload run's cache in one line: its slots, where they are, and what a miss does. Mixed precision is
+    offload's default and changes the output, so the line says so and names --all-high, which turns it off."""
+    if run.cache is None:
+        return None
+    config, st = run.plan.config, run.cache.summary()
+    where = "GPU memory" if run.model.device.type == "cuda" else "host RAM"
+    budget = f", planned from --gpu-memory {config.gpu_memory}" if config.gpu_memory is not None else ""
+    if config.cache.all_high:
+        misses = "--all-high: every expert at full precision, the output equal to the resident model's"
+    else:
+        misses = (f"mixed precision (HOBBIT): by gate weight a missed expert may run its "
+                  f"{run.plan.store.meta['low_bits']}-bit copy or be skipped, which changes the output; --all-high "
+                  f"runs every expert at full precision")
+    return (f"[offload: experts from {config.offload}, cached in {st['high_slots']} high + {st['low_slots']} low "
+            f"slots in {where}{budget}, policy {st['policy']}; {misses}]")
 
 
 def ctx_size(given: int | None, spec: ModelSpec) -> int:
@@ -36,14 +68,14 @@ def ctx_size(given: int | None, spec: ModelSpec) -> int:
     return min(context, DEFAULT_SERVE_CONTEXT) if given is None else given
 
 
-def load(plan: runtime.RunPlan) -> runtime.Runtime:
-    """runtime.load with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
-    run = runtime.load(plan, progress=True)
+def load(plan: runtime.RunPlan) -> Runtime:
+    """build with progress; the hybrid placement's line on stderr; under --ep/--tp only rank 0 prints."""
+    run = build(plan, progress=True)
     if plan.config.parallel.ranks > 1 and not is_main_rank():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one copy of the output, from rank 0
-    line = runtime.describe_hybrid(run)
-    if line:
-        print(line, file=sys.stderr, flush=True)
+    for line in (describe_hybrid(run), offload_line(run)):
+        if line and is_main_rank():
+            print(line, file=sys.stderr, flush=True)
     return run
 
 

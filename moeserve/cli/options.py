@@ -12,7 +12,7 @@ from pathlib import Path
 from moeserve.demo import DEMO_MODEL
 from moeserve.engine.params import SamplingParams
 from moeserve.hybrid.placement import STREAM_FROM
-from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
 
 
@@ -75,6 +75,10 @@ def parallel_args(p: argparse.ArgumentParser) -> None:
                    help=f"with --ep: when no rank has more than T tokens in a forward pass, dispatch with static "
                         f"padded buffers (no host sync per layer; decode) instead of exchanged split sizes "
                         f"(default {STATIC_MAX_TOKENS}; 0 = always dynamic)")
+    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S, metavar="SECONDS",
+                   help=f"under torchrun: how long a rank waits in a collective for a peer before it stops with one "
+                        f"line (a peer that died stops it at once on CPUs; default {COLLECTIVE_TIMEOUT_S:g}; it also "
+                        f"bounds the wait for the slowest rank's load)")
 
 
 def offload_args(o) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moeserve.cli.options import (DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg, hybrid_args,
-                                  model_args, offload_group, parallel_args, sampling_args, threads_arg)
+from moeserve.cli.options import (DEFAULT_PROMPT, DEMO_DIR, EXPLAIN_TOKENS, TUNE_TOKENS, Parser, dense_bits_arg,
+                                  hybrid_args, model_args, offload_group, parallel_args, sampling_args, threads_arg)
 from moeserve.cli.serving_args import batch_parser, bench_parser, serve_parser
 from moeserve.train.options import DESCRIPTION as TRAIN_DESCRIPTION
 from moeserve.train.options import add_train_args
@@ -20,8 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text from prompts (streams it)",
-                       description="Generate text. With no prompt, uses a Shakespeare opening for the demo model.")
-    g.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts (batched together)")
+                       description=f"Generate text. With no PROMPT the model continues {DEFAULT_PROMPT!r}, a "
+                                   f"Shakespeare opening like the built-in demo's training text; any other --model "
+                                   f"gets the same default, so give it a prompt of your own.")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help=f"one or more prompts, batched together (default {DEFAULT_PROMPT!r} for the demo and for "
+                        f"any other --model alike)")
     model_args(g)
     sampling_args(g, max_new_tokens=200)
     g.add_argument("--chat", action="store_true",
@@ -128,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                "fit": "the weights with the lowest miss_penalty (in units of one high-precision expert copy)"}
     for name, helptext in (("simulate", "replay a trace through a mixed-precision expert cache"),
                            ("fit", "fit the weights of HOBBIT's multi-dimensional policy on a trace")):
-        sp = tsub.add_parser(name, help=helptext, description=f"{helptext}; prints JSON: {outputs[name]}.")
+        sp = tsub.add_parser(name, help=helptext, description=f"{helptext}; prints a table (--json: JSON) of "
+                                                                f"{outputs[name]}.")
+        sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
         sp.add_argument("--trace", required=True, help="trace file from `moeserve trace record`")
         sp.add_argument("--high-slots", type=int, required=True, help="cache slots for high-precision experts")
         sp.add_argument("--low-slots", type=int, default=0, help="cache slots for low-precision experts (default 0)")

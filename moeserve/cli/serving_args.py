@@ -74,6 +74,10 @@ def serve_parser(sub) -> None:
     sv.add_argument("--prefill-chunk", type=int, default=512, metavar="T",
                     help="token slots one prefill pass computes between decode steps (default 512): longer prompts "
                          "are read in chunks, so running streams keep flowing")
+    sv.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                    help="copy the KV of prompt tokens another slot holds (a shared system prompt, earlier turns, "
+                         "the other choices of n > 1) instead of computing it (default: on; --no-prefix-reuse "
+                         "computes every prompt whole, a baseline for bench/prefix_cache.py)")
     sv.add_argument("--api-key", default=None, metavar="KEY",
                     help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (default: none)")
     sv.add_argument("--served-model-name", default=None, metavar="NAME",

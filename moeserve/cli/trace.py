@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from moeserve import runtime
-from moeserve.cli.common import check_output_path, read_text
+from moeserve.build import build
+from moeserve.cli.common import check_output_path, print_table, read_text
 from moeserve.config import RunConfig, check_cache_slots
 from moeserve.errors import MoeserveError
 from moeserve.offload.policies import POLICIES, CachePolicy
@@ -16,6 +17,8 @@ from moeserve.offload.trace import RoutingTrace, record_trace
 from moeserve.quant.hqq import BITS
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import load_tokenizer
+from moeserve.units import format_bytes
+
 
 def run(args) -> int:
     return {"record": _trace_record, "simulate": _trace_simulate, "fit": _trace_fit}[args.trace_command](args)
@@ -31,7 +34,7 @@ def _trace_record(args) -> int:
                             f"{spec.max_position_embeddings} tokens")
     _, text = read_text(args.text, args.model, "--text")
     ids = tok.encode(text)[:args.max_tokens]
-    model = runtime.load(runtime.prepare(RunConfig.from_args(args, "trace record"), spec, 1, args.seq_len)).model
+    model = build(runtime.prepare(RunConfig.from_args(args, "trace record"), spec, 1, args.seq_len)).model
     trace = record_trace(model, [ids[s:s + args.seq_len] for s in range(0, len(ids), args.seq_len)], progress=True)
     trace.save(args.out)
     print(json.dumps({"out": args.out, "events": len(trace), "tokens": len(ids), "layers": trace.num_layers,
@@ -57,7 +60,13 @@ def _sim_options(args) -> dict:
 def _trace_fit(args) -> int:
     trace = _read_trace(args)
     weights, penalty = fit_policy_weights(trace, args.high_slots, args.low_slots, progress=True, **_sim_options(args))
-    print(json.dumps({"weights": dict(zip(("lru", "lfu", "lhu", "fld"), weights)), "miss_penalty": penalty}))
+    named = dict(zip(("lru", "lfu", "lhu", "fld"), weights))
+    if args.json:
+        print(json.dumps({"weights": named, "miss_penalty": penalty}))
+        return 0
+    print_table([("weights", ", ".join(f"{k} {w:g}" for k, w in named.items())),
+                 ("miss penalty", f"{penalty:.1f} high-precision expert copies"),
+                 ("use them", f"moeserve trace simulate --weights {','.join(f'{w:g}' for w in weights)}")])
     return 0
 
 
@@ -76,8 +85,26 @@ def _trace_simulate(args) -> int:
     result = simulate(trace, policy, args.high_slots, args.low_slots, **sizes, **_sim_options(args)).as_dict()
     if not args.store:
         del result["bytes_moved"]  # in penalty units without a store's expert sizes: the miss penalty again
-    print(json.dumps({"policy": policy.name, "weights": policy.weights, **result}))
+    if args.json:
+        print(json.dumps({"policy": policy.name, "weights": policy.weights, **result}))
+        return 0
+    print_table(simulate_rows(policy, result, args.bits_low))
     return 0
+
+
+def simulate_rows(policy: CachePolicy, result: dict, bits_low: int) -> list[tuple[str, str]]:
+    """simulate's result as the rows of a two-column table (what `--json` prints, in words)."""
+    weights = ", ".join(f"{k} {w:g}" for k, w in zip(("lru", "lfu", "lhu", "fld"), policy.weights))
+    rows = [("policy", f"{policy.name} (weights {weights})"),
+            ("requests", f"{result['requests']:,} expert loads asked of the cache"),
+            ("hits", f"{result['hits']:,} ({result['hit_rate']:.1%} hit rate)"),
+            ("high misses", f"{result['high_misses']:,} copies at full precision"),
+            ("low misses", f"{result['low_misses']:,} copies at {bits_low} bits"),
+            ("skipped", f"{result['skipped']:,} experts left out by mixed precision"),
+            ("miss penalty", f"{result['miss_penalty']:.1f} high-precision expert copies")]
+    if "bytes_moved" in result:
+        rows.append(("bytes moved", format_bytes(result["bytes_moved"])))
+    return rows
 
 
 def _store_expert_bytes(path: str, bits_low: int, num_experts: int) -> dict[str, int]:

@@ -14,7 +14,8 @@ prompt, earlier turns, the other choices of an `n > 1` request) instead of compu
 (KVCache rows are the model's own entries, so every placement and CUDA graphs keep working). A request whose prompt
 shares at least PREFIX_MIN tokens beyond its own with a prompt still being read waits for that read rather than
 repeat it. At least the prompt's last token is always computed (its logits start the output). `Request.reused` counts
-the prompt tokens that were not computed.
+the prompt tokens that were not computed. With prefix_reuse off every prompt is computed whole (a baseline for
+bench/prefix_cache.py).
 
 Each request samples with its own SamplingParams and generator (a seed gives the tokens `generate` gives that
 prompt alone), ends on its own EOS, stop strings and limits, and reports every token through `on_update`. The work
@@ -137,11 +138,13 @@ class Request:
 
 class ContinuousBatch:
     def __init__(self, model, tokenizer, slots: int, context: int, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                 eos_ids=None, cuda_graph: bool = True):
+                 eos_ids=None, cuda_graph: bool = True, prefix_reuse: bool = True):
         """slots: requests decoded together; context: tokens per request (prompt + output); prefill_tokens: token
         slots (rows x padded chunk length) one prefill pass may compute; cuda_graph: replay decode steps as CUDA
-        graphs (one per padded batch size) where the model allows it."""
+        graphs (one per padded batch size) where the model allows it; prefix_reuse: copy the KV of prompt tokens
+        another row holds instead of computing it."""
         self.model, self.tokenizer, self.context, self.prefill_tokens = model, tokenizer, context, prefill_tokens
+        self.prefix_reuse = prefix_reuse
         self.eos = set(model.spec.eos_token_ids if eos_ids is None else eos_ids)
         self.kv = SlotKVCache(model.spec, slots, context, model.device, model.dtype)
         self.decoder = SlotDecoder(model, self.kv, graph=cuda_graph and model.device.type == "cuda")
@@ -233,7 +236,7 @@ class ContinuousBatch:
     def _admit(self, r: Request) -> None:
         """Give r the free row whose kept tokens share the longest prefix with its prompt (else the one free the
         longest); the shared tokens count as read."""
-        shared = [shared_prefix(self.kept[row], r.prompt_ids) for row in self.free]
+        shared = [shared_prefix(self.kept[row], r.prompt_ids) if self.prefix_reuse else 0 for row in self.free]
         best = max(range(len(self.free)), key=lambda i: (shared[i], -i))
         r.slot = self.free.pop(best)
         r.cached = r.reused = min(shared[best], len(r.prompt_ids) - 1)
@@ -243,6 +246,8 @@ class ContinuousBatch:
     def _reuse(self, r: Request, reading: list[Request]) -> bool:
         """Copy into r's row the next tokens of its prompt that another row holds (the most of them); False when r
         should wait instead: a prompt in `reading` (still being read, ahead of r) shares PREFIX_MIN more of them."""
+        if not self.prefix_reuse:
+            return True
         want = len(r.prompt_ids) - 1  # its last token is computed: its logits start the output
         found = [(q.shares(r.prompt_ids), q.slot) for q in self.active if q is not r and q.slot is not None]
         found += [(shared_prefix(self.kept[row], r.prompt_ids), row) for row in self.free]

@@ -6,8 +6,12 @@ accepts the token drawn. ContinuousBatch._draw masks the constrained rows of the
 sampled alike), so a grammar holds whatever the model prefers; once the grammar is complete only the stop tokens
 are allowed, which ends the request with "eos".
 
+`AfterText` holds a grammar back until the answer's text holds a marker: a reasoning model thinks in free text up to
+its end-of-thinking tag (`</think>`), and the grammar holds what follows.
+
 `Grammars` compiles grammars for one tokenizer with xgrammar (the `structured` extra): JSON schemas, any JSON
-object, and tag sequences (tool calls: a fixed opening text, a JSON schema, a closing text). xgrammar was chosen
+object, and xgrammar structural tags (tool calls: fixed texts around their arguments, built per tool-call format
+by serve/tool_formats). xgrammar was chosen
 over llguidance by bench/structured_mask.py: per-token masks of 1-4 us against llguidance's 10-350 us (258 and
 a synthetic 151k-token vocabulary, one CPU thread), for a compile of 1-75 ms that Grammars caches per grammar.
 """
@@ -17,7 +21,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -90,15 +93,6 @@ def require_xgrammar():
     return xgrammar
 
 
-@dataclass(frozen=True)
-class Tag:
-    """One kind of tagged JSON: `begin`, a JSON value matching `schema`, then `end` (a tool call of one function:
-    '<tool_call>\\n{"name": "f", "arguments": ', its parameters' schema, '}\\n</tool_call>')."""
-    begin: str
-    schema: dict
-    end: str
-
-
 class GrammarConstraint:
     """A TokenConstraint over an xgrammar matcher of one compiled grammar, and `keep` (packed int32 [W]): the tokens
     JSON text may hold at all."""
@@ -120,6 +114,38 @@ class GrammarConstraint:
         return self.matcher.is_terminated()
 
 
+class AfterText:
+    """A TokenConstraint that lets the answer run free until its text holds `marker`, then holds it to `inner` from
+    the next token on (the grammar sees none of the text up to and with the marker's token). While free, any token of
+    the vocabulary may come but the stop tokens: an answer that stopped before the marker would skip its grammar."""
+
+    def __init__(self, inner: TokenConstraint, marker: bytes, table: list[bytes], free: torch.Tensor):
+        """table: each token id's bytes; free: packed int32 [W], the tokens allowed before the marker."""
+        self.inner, self.marker, self.table, self.free = inner, marker, table, free
+        self.tail = b""  # the last bytes of the free text (the start of a marker split over tokens)
+        self.started = False  # the marker came: the grammar holds
+
+    def fill(self, bits: torch.Tensor) -> None:
+        if self.started:
+            self.inner.fill(bits)
+        else:
+            bits.copy_(self.free)
+
+    def accept(self, token: int) -> None:
+        if self.started:
+            self.inner.accept(token)
+            return
+        if not 0 <= token < len(self.table):
+            raise MoeserveError(f"token {token} is outside the vocabulary")
+        text = self.tail + self.table[token]
+        self.started = self.marker in text
+        self.tail = text[max(0, len(text) - len(self.marker) + 1):]
+
+    @property
+    def done(self) -> bool:
+        return self.started and self.inner.done
+
+
 class Grammars:
     """Grammars compiled for one tokenizer and model vocabulary (padded vocabularies: the extra ids never allowed),
     cached by their text; each new constraint is a fresh matcher of a cached grammar. Safe to use from several
@@ -136,6 +162,9 @@ class Grammars:
         # newline (the tool-call tags' separator; JSON strings take none from xgrammar) are never allowed
         table = tokenizer.vocab_bytes() + [b""] * (vocab_size - tokenizer.vocab_size)
         self.keep = pack_mask(torch.tensor([not any(b < 0x20 and b != 0x0A for b in t) for t in table[:vocab_size]]))
+        self.table = table[:vocab_size]
+        stops = set(stop_ids)  # free text (AfterText): every token of the tokenizer's but the stop tokens
+        self.free = pack_mask(torch.tensor([i < tokenizer.vocab_size and i not in stops for i in range(vocab_size)]))
         self.cache: OrderedDict[str, object] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -148,16 +177,15 @@ class Grammars:
         """Output that is one JSON object."""
         return self.json_schema({"type": "object"})
 
-    def tags(self, tags: list[Tag], separator: str, at_least_one: bool, only_one: bool) -> GrammarConstraint:
-        """Output that is a sequence of `tags` joined by `separator` and nothing else (at_least_one: not empty;
-        only_one: one tag at most)."""
-        fmt = {"type": "tags_with_separator", "separator": separator, "at_least_one": at_least_one,
-               "stop_after_first": only_one,
-               "tags": [{"type": "tag", "begin": t.begin, "end": t.end,
-                         "content": {"type": "json_schema", "json_schema": t.schema, "max_whitespace_cnt": 1}}
-                         for t in tags]}
-        return self._make(("tags", fmt), lambda: self.compiler.compile_structural_tag(
+    def structural_tag(self, fmt: dict) -> GrammarConstraint:
+        """Output that follows `fmt`, an xgrammar structural-tag format (tags, sequences, JSON schemas, their XML
+        styles), and nothing else."""
+        return self._make(("structural_tag", fmt), lambda: self.compiler.compile_structural_tag(
             {"type": "structural_tag", "format": fmt}))
+
+    def after(self, marker: str, inner: TokenConstraint) -> AfterText:
+        """`inner` from the token after the answer's text holds `marker` (free text up to it)."""
+        return AfterText(inner, marker.encode("utf-8"), self.table, self.free)
 
     def _make(self, key, compile_fn) -> GrammarConstraint:
         text = json.dumps(key, sort_keys=True)

@@ -9,10 +9,9 @@ import torch
 
 from moeserve.model.experts import ExpertBackend
 from moeserve.offload.host_compute import CpuPairs
-from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import LOW, SKIP
-from moeserve.offload.slot_cache import CacheSettings, Miss, SlotCache, Tier
-from moeserve.offload.store import ExpertStore, layer_experts
+from moeserve.offload.slot_cache import SlotCache
+from moeserve.offload.store import layer_experts
 
 
 class OffloadedExperts(ExpertBackend):
@@ -91,35 +90,3 @@ class OffloadedExperts(ExpertBackend):
         if on_cpu:
             out += self.cache.cpu.run_layer(self.layer, x_host, work).to(x.device)
 
-
-def enable_offload(model, store: ExpertStore, *, high_slots: int, low_slots: int = 0, policy: str = "hobbit",
-                   weights: tuple | None = None, mixed: bool = True, t1: float = 0.6, t2: float = 0.9,
-                   prefetch_layers: int = 0, cooperative: bool = False, pin: bool = True,
-                   bandwidth: float | None = None, prefetch_min_accuracy: float = 0.5,
-                   per_layer: bool = False) -> SlotCache:
-    """Replace every MoE layer's experts by OffloadedExperts sharing one cache; returns the cache.
-
-    high_slots / low_slots are the cache's capacities; each pool gets top_k more slots for experts used
-    once and for frees deferred while a chunk is in flight (plan/footprint.py plan_slots counts them).
-    prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate
-    input and prefetches the experts they would pick (HOBBIT's adaptive prefetch), while at least
-    prefetch_min_accuracy of the recent predictions are used (0: always). per_layer: each layer gets its own
-    share of the slots (mixtral-offloading's per-layer caches) instead of one pool. cooperative: misses
-    may run on the CPU when that is faster than copying them. pin: on a GPU, page-lock the store first."""
-    if pin and model.device.type == "cuda":
-        store.pin(progress=True)
-    reserve = model.spec.moe.top_k
-    tiers = (Tier(high_slots, low=False, reserve=reserve),
-             Tier(low_slots, low=True, reserve=reserve) if mixed else Tier(0, low=True))
-    settings = CacheSettings(tiers, miss=Miss.CHOOSE if cooperative else Miss.COPY, per_layer=per_layer, mixed=mixed,
-                             t1=t1, t2=t2, prefetch_min_accuracy=prefetch_min_accuracy, bandwidth=bandwidth)
-    cache = SlotCache(store, CachePolicy.named(policy, model.spec.num_layers, weights), settings, model.device,
-                      model.dtype)
-    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    for n, i in enumerate(moe):
-        following = moe[n + 1:n + 1 + prefetch_layers]
-        gates = (torch.cat([model.model.layers[j].mlp.gate.weight for j in following]).detach()
-                 if following else None)
-        model.model.layers[i].mlp.experts = OffloadedExperts(i, model.spec.moe.experts_at(i), model.spec.moe.top_k,
-                                                             cache, following, gates)
-    return cache

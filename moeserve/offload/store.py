@@ -33,16 +33,16 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_expert_sample, expert_sample_digest,
                                  read_tensor, save_safetensors_atomic, tensors_digest, validate_safetensors,
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.kernels import pack
-from moeserve.quant import hqq, milo, mxfp4
 from moeserve.offload.quantized_source import (LOW_PARTS, PROJECTIONS, part_leaves, projection_shapes,
                                                quantized_form, read_layer)
+from moeserve.progress import track
+from moeserve.quant import hqq, milo, mxfp4
 from moeserve.quant.manifest import read_manifest
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ClampedSwiGLU, ModelSpec
@@ -95,8 +95,11 @@ def layer_experts(meta: dict, layer: int) -> int:
     return meta.get("layer_experts", {}).get(str(layer), meta["num_experts"])
 
 
-def store_source(layer_digests: dict[int, str], experts_sample: str) -> dict:
-    return {"experts_sample": experts_sample, "layers_sha256": {str(i): d for i, d in sorted(layer_digests.items())}}
+def store_source(layer_digests: dict[int, str], experts_sample: str | None = None) -> dict:
+    """What a store's experts were made from: each layer's source digest and, when known, the sampled rows' digest
+    of the checkpoint (checkpoint.expert_sample_rows)."""
+    sample = {} if experts_sample is None else {"experts_sample": experts_sample}
+    return {**sample, "layers_sha256": {str(i): d for i, d in sorted(layer_digests.items())}}
 
 
 def _rebuild_hint(path: Path) -> str:
@@ -248,13 +251,12 @@ def read_source_experts(reader: CheckpointReader, spec, layer: int) -> SourceExp
     return SourceExperts(gate_up, down, *biases)
 
 
-def _source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
+def source_layers(reader: CheckpointReader, spec, layers: list[int], progress: bool):
     """(layer, its SourceExperts, their source digest) of each MoE layer in `layers`, read one layer at a time from
     the checkpoint (peak memory: one layer's experts as stored)."""
-    with tqdm(layers, desc="expert store", unit="layer", disable=not progress) as bar:
-        for i in bar:
-            experts = read_source_experts(reader, spec, i)
-            yield i, experts, experts.digest()
+    for i in track(layers, "expert store", "layers", progress):
+        experts = read_source_experts(reader, spec, i)
+        yield i, experts, experts.digest()
 
 
 def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, group: int,
@@ -262,7 +264,7 @@ def _write_layers(reader: CheckpointReader, spec, out: Path, low_bits: int, grou
     """Each MoE layer's file: kept when it records the digest of the source experts read now and these settings,
     else built (again); returns the source digest of each layer."""
     digests = {}
-    for i, experts, digests[i] in _source_layers(reader, spec, spec.moe.layer_indices(), progress):
+    for i, experts, digests[i] in source_layers(reader, spec, spec.moe.layer_indices(), progress):
         provenance = _provenance(digests[i], low_bits, group)
         f = _layer_file(out, i)
         if read_provenance(f) == provenance:
@@ -374,7 +376,7 @@ class ExpertStore:
         moe = {i: SourceExperts.of_module(l.mlp.experts) for i, l in enumerate(model.model.layers)
                if hasattr(l.mlp, "experts")}
         layers = {i: layer_tensors(ex, low_bits, group)
-                  for i, ex in tqdm(moe.items(), desc="expert store", disable=not progress)}
+                  for i, ex in track(list(moe.items()), "expert store", "layers", progress)}
         digests = {i: ex.digest() for i, ex in moe.items()}
         sample = expert_sample_digest(model.spec, lambda layer, e, projection, row: moe[layer].sample_row(
             e, projection, row))
@@ -386,32 +388,44 @@ class ExpertStore:
                         group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
                         pin: bool = False, progress: bool = True, mxfp4: bool = False) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
-        offload-prepare writes, for a run that has no store on disk. low_bits 0 / high=False leave out the
-        low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute dtype:
-        no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
-        dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
-        (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
-        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4"). A moeserve quantized checkpoint's
-        experts are taken as stored (from_quantized): low_bits must be its bits (or 0), group and high are moot."""
+        offload-prepare writes, for a run that has no store on disk (from_sources says what the options do). A
+        moeserve quantized checkpoint's experts are taken as stored (from_quantized): low_bits must be its bits (or
+        0), group, device, high and mxfp4 are moot."""
         manifest = read_manifest(Path(model_path))
         if manifest is not None:
             check_stored_bits(model_path, manifest, low_bits or None, None, "the low-bit experts")
             return cls.from_quantized(model_path, manifest, layers, dtype, pin, progress)
         spec = ModelSpec.from_dir(model_path)
+        reader = CheckpointReader(model_path)
+        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
+        return cls.from_sources(spec, source_layers(reader, spec, chosen, progress), low_bits, group, dtype, device,
+                                high, pin, mxfp4, checkpoint_expert_sample(reader, spec))
+
+    @classmethod
+    def from_sources(cls, spec, sources, low_bits: int = 4, group: int = 64, dtype: torch.dtype | None = None,
+                     device=None, high: bool = True, pin: bool = False, mxfp4: bool = False,
+                     sample: str | None = None) -> "ExpertStore":
+        """The store of the MoE layers `sources` yields as (layer, SourceExperts, their digest), read by the caller
+        (one layer at a time: peak memory one layer's experts as stored), built in RAM. low_bits 0 / high=False leave
+        out the low-bit / float copies (layer_tensors); dtype: the float copies' and the biases' dtype (the compute
+        dtype: no conversion when the CPU runs them); device: where the low-bit copies are quantized and MXFP4 blocks
+        dequantized (a GPU takes milliseconds per layer, a CPU seconds); pin: page-lock each layer as it is built
+        (copies to a GPU are then DMA; pin() later would hold two copies at once); mxfp4: where the checkpoint ships
+        MXFP4 experts, their high copies stay packed as shipped (meta "high_mxfp4"); sample: the checkpoint's
+        sampled-rows digest (checkpoint_expert_sample) the source records, None for a store matched to no checkpoint
+        (a run's own, built from the rows it reads anyway)."""
         mxfp4 = mxfp4 and high and spec.moe.experts_mxfp4
         if low_bits:
             for inputs in (spec.hidden_size, spec.moe.expert_ffn):
                 hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
-        reader = CheckpointReader(model_path)
         tensors, digests = {}, {}
-        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
-        for i, experts, digests[i] in _source_layers(reader, spec, chosen, progress):
+        for i, experts, digests[i] in sources:
             tensors[i] = layer_tensors(experts.to(device), low_bits, group, dtype, high, mxfp4)
             if pin:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
                 pin = pinned is not None  # once refused, the rest stays pageable
                 tensors[i] = pinned if pin else tensors[i]
-        meta = store_meta(spec, chosen, low_bits, group, store_source(digests, checkpoint_expert_sample(reader, spec)))
+        meta = store_meta(spec, sorted(tensors), low_bits, group, store_source(digests, sample))
         return cls({**meta, "high_mxfp4": True} if mxfp4 else meta, tensors.__getitem__)
 
     @classmethod
@@ -424,7 +438,7 @@ class ExpertStore:
         chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
         form = quantized_form(manifest, spec, chosen)
         tensors, digests = {}, {}
-        for i in tqdm(chosen, desc="expert store", unit="layer", disable=not progress):
+        for i in track(chosen, "expert store", "layers", progress):
             tensors[i], digests[i] = read_layer(reader, manifest, spec, i, form, dtype, spec.moe.expert_bias)
             if pin:
                 pinned = _pin_layer(tensors[i], f"from layer {i} on")
@@ -478,7 +492,7 @@ class ExpertStore:
         out.mkdir(parents=True, exist_ok=True)
         try:
             digests = {}
-            for i in tqdm(layers, desc="expert store", unit="layer", disable=not progress):
+            for i in track(layers, "expert store", "layers", progress):
                 tensors, digests[i] = read_layer(reader, manifest, spec, i, form, None, spec.moe.expert_bias)
                 provenance = _provenance(digests[i], bits, group)
                 if read_provenance(_layer_file(out, i)) != provenance:
@@ -678,8 +692,7 @@ class ExpertStore:
         pinned. When pinning fails (out of pinned memory), the rest stays where it is (mapped or pageable:
         loads stage it through a small pinned buffer) and a warning says so."""
         pinned = {}
-        for n, layer in enumerate(tqdm(self.meta["layers"], desc="pinning expert store", unit="layer",
-                                       disable=not progress)):
+        for n, layer in enumerate(track(self.meta["layers"], "pinning expert store", "layers", progress)):
             layer_pinned = _pin_layer(self._tensors_of_layer(layer), f"past layer {n} of {len(self.meta['layers'])}")
             if layer_pinned is None:
                 break

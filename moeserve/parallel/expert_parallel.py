@@ -52,7 +52,9 @@ class ExpertParallelExperts(ExpertBackend):
         dispatch all-to-all is in flight)."""
         T = x.shape[0]
         mine = self._share(T)
-        finish = self._start(x[mine], expert_ids[mine], expert_weights[mine])
+        static = self.plan is not None and self.hierarchy is None
+        capacity = self.plan.layer_capacity(T) if static else None  # rows per destination, or None: dynamic
+        finish = self._start(x[mine], expert_ids[mine], expert_weights[mine], capacity)
         extra = dense(x) if dense is not None else None  # overlaps the dispatch all-to-all
         y = finish()  # [share, D]
         if self.tp is not None:
@@ -68,10 +70,11 @@ class ExpertParallelExperts(ExpertBackend):
         r = split_range(T, rank, size)
         return slice(r.start, r.stop)
 
-    def _start(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> Callable:
-        """Send this rank's tokens (asynchronously); returns finish() -> their gate-weighted outputs [T, D]."""
+    def _start(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+               capacity: int | None) -> Callable:
+        """Send this rank's tokens (asynchronously), in static buffers of `capacity` rows per destination or
+        dynamically (None); returns finish() -> their gate-weighted outputs [T, D]."""
         P, T, D = self.size, x.shape[0], x.shape[1]
-        capacity = self.plan.capacity if self.plan is not None and self.hierarchy is None else None
         if capacity is not None:
             assert T <= capacity, "the dispatch plan was agreed for fewer tokens than this layer got"
             sends = static_rows(x, expert_ids, expert_weights, self.per_rank, P, capacity, self.base)  # [P*C, D|k|k]

@@ -8,9 +8,11 @@ groups built from them.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from moeserve.errors import MoeserveError
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,15 @@ def split_range(n: int, rank: int, size: int) -> range:
     return range(start, start + per + (rank < extra))
 
 
-def new_groups(grid: RankGrid, rank: int):
-    """(tp group, ep group) process groups of `rank`; every rank must call this (new_group is collective)."""
+def new_groups(grid: RankGrid, rank: int, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    """(tp group, ep group) process groups of `rank`; every rank must call this (new_group is collective).
+    timeout_s: their collectives' wait for a peer (a new group does not take the default group's)."""
     import torch.distributed as dist  # on use: the rank-grid arithmetic stays importable without torch
 
     mine = {}
     for kind, groups in (("tp", grid.tp_groups()), ("ep", grid.ep_groups())):
         for ranks in groups:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine[kind] = (group, ranks)
     return mine["tp"], mine["ep"]

@@ -6,19 +6,25 @@ Ranks are numbered node * G + local (G ranks per node)."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S
 
-def node_groups(world: int, per_node: int, rank: int):
-    """(intra-node group, inter-node group of the same local index) for `rank`; collective: all ranks call."""
+
+def node_groups(world: int, per_node: int, rank: int, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    """(intra-node group, inter-node group of the same local index) for `rank`; collective: all ranks call.
+    timeout_s: their collectives' wait for a peer."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     intra = inter = None
     for n in range(world // per_node):
-        g = dist.new_group(list(range(n * per_node, (n + 1) * per_node)))
+        g = dist.new_group(list(range(n * per_node, (n + 1) * per_node)), timeout=timeout)
         if rank // per_node == n:
             intra = g
     for local in range(per_node):
-        g = dist.new_group(list(range(local, world, per_node)))
+        g = dist.new_group(list(range(local, world, per_node)), timeout=timeout)
         if rank % per_node == local:
             inter = g
     return intra, inter

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from moeserve.errors import MoeserveError
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died fails the others instead of hanging
 
-
-def init_from_env(device: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, device of this rank); NCCL on GPUs, gloo on CPUs."""
+def init_from_env(device: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> tuple[int, int, torch.device]:
+    """(rank, world size, device of this rank); NCCL on GPUs, gloo on CPUs. timeout_s bounds every wait for a peer
+    in a collective (--collective-timeout): a peer that hung fails the others then instead of hanging them (one that
+    died fails gloo's at once), see faults.py."""
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise MoeserveError("tensor and expert parallelism (--tp, --ep) run under torchrun: "
                             "torchrun --nproc-per-node N -m moeserve generate --tp N ...")
@@ -25,7 +26,7 @@ def init_from_env(device: str) -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, dev
 
 

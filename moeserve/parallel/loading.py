@@ -16,6 +16,9 @@ loading ends with a collective in which the ranks that failed tell the others (s
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
 
@@ -24,12 +27,14 @@ from moeserve.errors import MoeserveError
 from moeserve.families import lookup
 from moeserve.loader import is_routed_expert, meta_model, read_weights, resolve_device, resolve_dtype
 from moeserve.model.experts import LoopedExperts, expert_tensors, set_expert_tensor
+from moeserve.parallel.accounting import CountingReader, LoadReport, checkpoint_bytes
 from moeserve.parallel.collectives import raise_if_any_failed
 from moeserve.parallel.expert_parallel import enable_expert_parallel
 from moeserve.parallel.groups import RankGrid, check_experts, expert_share, new_groups, split_range
 from moeserve.parallel.hierarchical import node_groups
 from moeserve.parallel.tensor_parallel import check_tensor_parallel, enable_tensor_parallel, tp_index
-from moeserve.parallel.defaults import STATIC_MAX_TOKENS
+from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
+from moeserve.plan.layers import LayerPlacement
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.quant.dense import DENSE_GROUP, convertible, quantize_linear, replace_module
 from moeserve.quant.manifest import FORMAT, is_quantized_expert, read_manifest, stored_to_current
@@ -37,6 +42,8 @@ from moeserve.quant.mxfp4 import BLOCK
 from moeserve.quant.qlinear import QuantizedExperts, QuantizedLinear
 from moeserve.quant.slicing import Parts, join, slice_parts
 from moeserve.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 def read_expert_shard(reader: CheckpointReader, layer: int, family: str, ffn_size: int, experts: range,
@@ -190,10 +197,16 @@ def fill_low_bit(model, reader: CheckpointReader, manifest: dict | None, own: di
 
 def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, device="cpu", dtype=None,
                         hierarchical: int = 0, static_max_tokens: int = STATIC_MAX_TOKENS, progress: bool = False,
-                        reader: CheckpointReader | None = None, dense_bits: int = 16):
+                        reader: CountingReader | None = None, dense_bits: int = 16,
+                        collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+                        layers: tuple[LayerPlacement, ...] | None = None):
     """This rank's part of the model: TP slices (tp > 1), EP experts (ep > 1), coordinated when both. dense_bits 8:
     the dense part's linear layers as 8-bit HQQ layers, equal to what loader.load_model makes of them.
-    Collective: every rank of the process group calls it. reader: to observe what is read (tests)."""
+    Collective: every rank of the process group calls it. reader: to observe what is read (tests, benches);
+    collective_timeout: seconds the TP/EP groups' collectives wait for a peer; layers: the MoE layers' placements
+    (RunPlan.layers; default: every one as the checkpoint stores them), whose experts the factory makes before the
+    parallel wrappers cut them. Logs (MOESERVE_LOG=info) the rank's LoadReport: bytes read and seconds."""
+    start = time.perf_counter()
     device = resolve_device(device)
     if dense_bits not in DENSE_BITS:
         raise MoeserveError(f"--dense-bits {dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
@@ -204,19 +217,19 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
             check_experts(spec.moe.experts_at(i), ep)
     if tp > 1:
         check_tensor_parallel(spec, tp)
-    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank)
+    (tp_group, tp_ranks), (ep_group, ep_ranks) = new_groups(grid, rank, collective_timeout)
     hierarchy = None
     if hierarchical:
         if ep != world or world % hierarchical:
             raise MoeserveError("a hierarchical all-to-all with G ranks per node needs EP over all ranks and G "
                                 "dividing the rank count")
-        hierarchy = (hierarchical, *node_groups(world, hierarchical, rank))
+        hierarchy = (hierarchical, *node_groups(world, hierarchical, rank, collective_timeout))
     tp_rank, ep_rank = tp_ranks.index(rank), ep_ranks.index(rank)
     error, model = None, None
     try:
-        reader = reader or CheckpointReader(path)
+        reader = reader or CountingReader(path)
         manifest = read_manifest(reader.path)  # None for a float checkpoint
-        model = meta_model(path)
+        model = meta_model(path, layers)
         dense = empty_dense_quantized(model, dense_bits) if dense_bits != 16 else []
         full = {name: t.shape for name, t in [*model.named_parameters(), *model.named_buffers()]}  # before slicing
         sliced = enable_tensor_parallel(model, tp_group, tp_rank, tp, slice_experts=ep == 1) if tp > 1 else {}
@@ -236,5 +249,8 @@ def load_parallel_model(path, rank: int, world: int, tp: int = 1, ep: int = 1, d
                      model.device, model.dtype)
     except MoeserveError as e:
         error = e
+    else:
+        log.info("%s", LoadReport(rank, world, reader.total_read, checkpoint_bytes(path),
+                                  time.perf_counter() - start).line())
     raise_if_any_failed(error, device)
     return model

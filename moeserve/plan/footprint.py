@@ -20,13 +20,19 @@ Counted once here:
   the workspace             activations of the largest forward pass (`activation_bytes`); under a budget at least
                             WORKSPACE_SHARE of it, for the allocator's slack and the kernels' scratch, which no
                             shape formula sees
+  the cuBLAS workspaces     torch gives each (cuBLAS handle, stream) its own workspace from the caching allocator:
+                            one for the default stream, one more for the stream CUDA graphs are captured on
+                            (kernels/cuda_graph.py); `blas_workspace_bytes` (32 MiB, Hopper's default, unless
+                            CUBLAS_WORKSPACE_CONFIG sets it; older GPUs take less, so this over-counts there)
 
-Parts: gpu {dense weights, resident experts, KV cache, cache slots, stream ring, workspace}; host {expert store,
-pinned staging}, and on a CPU run the model device's parts too. Parts of zero bytes are left out of the table.
+Parts: gpu {dense weights, resident experts, KV cache, cache slots, stream ring, workspace, cuBLAS workspaces}; host
+{expert store, pinned staging}, and on a CPU run the model device's parts too. Parts of zero bytes are left out of the table.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field, replace
 
 from moeserve.errors import MoeserveError
@@ -41,6 +47,14 @@ from moeserve.units import format_bytes
 WORKSPACE_SHARE = 0.05  # of a GPU budget kept free at least: allocator slack, kernel scratch (module docstring)
 LOW_SHARE = 0.25  # of the expert memory an offload cache gives its low-precision slots
 GPU, HOST = "gpu", "host"
+HOPPER_BLAS_WORKSPACE = 4096 * 1024 * 8  # torch's default cuBLAS workspace on compute capability 9.0 and later
+
+
+def blas_workspace_bytes() -> int:
+    """One stream's cuBLAS workspace (module docstring): CUBLAS_WORKSPACE_CONFIG's `:KiB:COUNT` pairs summed when
+    set, else Hopper's default."""
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    return sum(int(kib) * 1024 * int(n) for kib, n in pairs) if pairs else HOPPER_BLAS_WORKSPACE
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,8 @@ class RunLayout:
     """A run's placement as data. device: where the dense part, the KV cache and resident experts live (cuda or cpu);
     kv_rows x kv_tokens: the KV cache allocated; pass_tokens / logit_rows: the largest forward pass (workspace);
     budget: the GPU budget the workspace's floor is a share of (None: no budget); staging: pinned host bytes the
-    copier stages pageable sources through."""
+    copier stages pageable sources through; blas_workspaces: the cuBLAS workspaces the run's GPU holds (2: decode in
+    CUDA graphs, 1: without graphs, 0: no GPU)."""
 
     device: str
     dtype_bytes: int
@@ -173,6 +188,7 @@ class RunLayout:
     logit_rows: int = 1
     budget: int | None = None
     staging: int = 0
+    blas_workspaces: int = 2
 
 
 @dataclass(frozen=True)
@@ -214,7 +230,8 @@ def footprint(spec: ModelSpec, run: RunLayout) -> Footprint:
     if run.device != "cuda":  # the model device's parts are in host RAM
         return Footprint({}, {**gpu, "workspace": activations, **host})
     floor = 0 if run.budget is None else int(run.budget * WORKSPACE_SHARE)
-    return Footprint({**gpu, "workspace": max(activations, floor)}, host)
+    blas = blas_workspace_bytes() * run.blas_workspaces
+    return Footprint({**gpu, "workspace": max(activations, floor), "cuBLAS workspaces": blas}, host)
 
 
 def minimum_budget(without_workspace: int, activations: int) -> int:

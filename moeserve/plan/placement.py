@@ -96,6 +96,7 @@ class PlanRequest:
     cache_slots: int | None = None  # --gpu-cache-experts S
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
     pass_tokens: int | None = None  # tokens of the run's largest forward pass (the workspace); None: prompt_len
+    blas_workspaces: int = 2  # cuBLAS workspaces the GPU holds (footprint.RunLayout): 2 with CUDA graphs, 0 no GPU
 
     @property
     def rated_dense_bits(self) -> int:
@@ -226,8 +227,8 @@ def check_dense_budget(spec: ModelSpec, req: PlanRequest, dense_bits: int = 16) 
         at = "" if dense_bits == 16 else f" with {dense_bits}-bit linear layers (--dense-bits {dense_bits})"
         raise MoeserveError(
             f"--gpu-memory {format_bytes(req.budget)} cannot hold the dense part of the model{at}: attention, "
-            f"embeddings, norms, routers, shared experts and a KV cache of {req.kv_batch} x {req.kv_tokens} tokens "
-            f"need {format_bytes(need)}; give at least that")
+            f"embeddings, norms, routers, shared experts, a KV cache of {req.kv_batch} x {req.kv_tokens} tokens and "
+            f"the activations and cuBLAS workspaces need {format_bytes(need)}; give at least that")
 
 
 @dataclass(frozen=True)
@@ -340,9 +341,9 @@ def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
 
 def _sized(layout: RunLayout, req: PlanRequest) -> RunLayout:
     """The layout with the request's largest pass (pass_tokens, else a prompt of prompt_len tokens), kv_batch logit
-    rows."""
+    rows and cuBLAS workspaces."""
     return replace(layout, pass_tokens=req.prompt_len if req.pass_tokens is None else req.pass_tokens,
-                   logit_rows=req.kv_batch)
+                   logit_rows=req.kv_batch, blas_workspaces=req.blas_workspaces)
 
 
 def _hybrid(spec: ModelSpec, req: PlanRequest, device: str, bits: int, group: int, cpu_layers: int, slots: int = 0,

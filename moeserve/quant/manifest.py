@@ -30,7 +30,7 @@ def refuse_quantized(path: Path, command: str) -> None:
 
 
 def is_quantized_expert(name: str) -> bool:
-    """A tensor of one routed expert's low-bit layer, as install_quantized_modules names them
+    """A tensor of one routed expert's low-bit layer, as quantized_experts names them
     (model.layers.0.mlp.experts.gate_up.3.qweight)."""
     return re.search(r"\.mlp\.experts\.(gate_up|down)\.\d+\.\w+$", name) is not None
 
@@ -56,7 +56,8 @@ def read_manifest(path: Path) -> dict | None:
 
 
 def _check_manifest(f: Path, manifest) -> None:
-    """The fields install_quantized_modules reads are there and well-formed: a damaged manifest is named, once."""
+    """The fields install_quantized_dense and quantized_experts read are there and well-formed: a damaged manifest
+    is named, once."""
     problem = None
     if not isinstance(manifest, dict):
         problem = "it does not hold a JSON object"
@@ -85,25 +86,36 @@ def stored_to_current(manifest: dict | None, name: str, t: torch.Tensor) -> torc
     return planar_from_units(t) if three_bit else t
 
 
-def install_quantized_modules(model: nn.Module, manifest: dict) -> None:
-    """Replace the float modules the manifest names by empty QuantizedLinear / QuantizedExperts."""
-    cfg = dict(bits=manifest["bits"], group=manifest["group"], compensator_bits=manifest["compensator_bits"])
-    experts: dict[str, dict[str, list]] = {}
+def quantized_config(manifest: dict) -> dict:
+    """QuantizedLinear's keyword arguments every layer of the manifest shares."""
+    return dict(bits=manifest["bits"], group=manifest["group"], compensator_bits=manifest["compensator_bits"])
+
+
+def install_quantized_dense(model: nn.Module, manifest: dict) -> None:
+    """Replace the dense modules the manifest names by empty QuantizedLinear layers (their experts:
+    quantized_experts)."""
     for name, t in manifest["tensors"].items():
-        out_f, in_f = t["shape"]
-        if t["kind"] == "expert":  # the float stack's per-expert biases (GPT-OSS) become each layer's own
-            stack, proj, e = name.rsplit(".", 2)
-            bias = getattr(model.get_submodule(stack), f"{proj}_proj_bias", None) is not None
-        else:
-            bias = getattr(model.get_submodule(name), "bias", None) is not None
-        q = QuantizedLinear(in_f, out_f, rank=t["rank"], bias=bias, **cfg)
         if t["kind"] == "expert":
-            experts.setdefault(stack, {"gate_up": [], "down": []})[proj].append((int(e), q))
-        else:
-            parent, leaf = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), leaf, q)
-    for stack, parts in experts.items():
-        parent, leaf = stack.rsplit(".", 1)
-        gate_up = [q for _, q in sorted(parts["gate_up"], key=lambda p: p[0])]
-        down = [q for _, q in sorted(parts["down"], key=lambda p: p[0])]
-        setattr(model.get_submodule(parent), leaf, QuantizedExperts(gate_up, down, model.spec.moe.expert_act))
+            continue
+        out_f, in_f = t["shape"]
+        bias = getattr(model.get_submodule(name), "bias", None) is not None
+        parent, leaf = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), leaf, QuantizedLinear(in_f, out_f, rank=t["rank"], bias=bias,
+                                                                   **quantized_config(manifest)))
+
+
+def quantized_experts(spec, manifest: dict, layer: int) -> QuantizedExperts:
+    """Empty QuantizedExperts of MoE layer `layer` as the manifest stores them (one QuantizedLinear per expert and
+    projection, ranks as recorded; the float stack's per-expert biases, where the family has them, become each
+    layer's own), created on the current default device."""
+    stack = f"model.layers.{layer}.mlp.experts"
+    parts: dict[str, list] = {"gate_up": [], "down": []}
+    for name, t in manifest["tensors"].items():
+        if t["kind"] != "expert" or not name.startswith(stack + "."):
+            continue
+        _, proj, e = name.rsplit(".", 2)
+        out_f, in_f = t["shape"]
+        parts[proj].append((int(e), QuantizedLinear(in_f, out_f, rank=t["rank"], bias=spec.moe.expert_bias,
+                                                    **quantized_config(manifest))))
+    gate_up, down = ([q for _, q in sorted(parts[p], key=lambda p: p[0])] for p in ("gate_up", "down"))
+    return QuantizedExperts(gate_up, down, spec.moe.expert_act)

@@ -1,12 +1,14 @@
 """An answer's text split into reasoning, content and tool calls, whole or piece by piece as it streams: the
-thinking section first (serve/reasoning.py), then tool-call blocks out of the content (serve/tool_calls.py)."""
+thinking section first (serve/reasoning.py), then the calls out of the content (a tool-call format's parser,
+serve/tool_formats). Harmony answers are split by their channels instead (serve/tool_formats/harmony.py), behind
+the same three members: feed, thinks, called."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from moeserve.serve.reasoning import ThinkSplitter
-from moeserve.serve.tool_calls import Call, ToolCallParser
+from moeserve.serve.tool_calls import Call, CallParser
 
 
 @dataclass
@@ -17,7 +19,7 @@ class Piece:
 
 
 class ChatOutput:
-    def __init__(self, thinking: ThinkSplitter | None = None, tools: ToolCallParser | None = None):
+    def __init__(self, thinking: ThinkSplitter | None = None, tools: CallParser | None = None):
         """thinking: split a thinking section off (templates that write one); tools: parse tool calls (requests
         with tools)."""
         self.thinking, self.tools = thinking, tools

@@ -8,11 +8,18 @@ It is rendered in jinja2's immutable sandbox with trim_blocks, lstrip_blocks and
 writes, so it is encoded without adding the tokenizer's own, as transformers' apply_chat_template encodes it. A
 checkpoint with no template (the demo) gets FALLBACK: each message as a speaker heading and its lines, as the
 demo's plays are written, encoded with the tokenizer's special tokens (the demo's: a BOS).
+
+A tool call's arguments reach the template as `Arguments`: a mapping (Qwen's and Llama's `tojson`, GLM's
+`.items()`) that is its JSON text where a template joins it to a string (DeepSeek's `'...' + arguments`) or
+prints it, so every family's published template renders calls fed back as OpenAI sends them. A template that tells
+an assistant turn of calls by its content being none (DeepSeek-V3's and R1's: `message['content'] is none`) gets
+None there when the message has calls and no text, whether the client sent null or "".
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -30,6 +37,7 @@ FALLBACK = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant.\n{% endif %}"
 )
+NONE_CONTENT = re.compile(r"content(?:'\])?\s+is\s+none")  # a template testing a message's content against none
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -47,6 +55,7 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
             self.source = source  # its text: what it can write (thinking sections, tool-call blocks)
+            self.none_content = bool(NONE_CONTENT.search(source))
         except JinjaError as e:
             raise MoeserveError(f"cannot read the chat template in {origin}: {e}") from None
         self.special_tokens = special_tokens or {}
@@ -73,7 +82,7 @@ class ChatTemplate:
         tool objects, as transformers' apply_chat_template passes them; extra: more template variables (a request's
         chat_template_kwargs: enable_thinking), which never replace the conversation, its tools or the special
         tokens."""
-        variables = {**extra, **self.special_tokens, "messages": messages,
+        variables = {**extra, **self.special_tokens, "messages": [_for_template(m, self.none_content) for m in messages],
                      "add_generation_prompt": add_generation_prompt, "tools": tools or None, "documents": None}
         try:
             return self.template.render(**variables)
@@ -89,6 +98,38 @@ class ChatTemplate:
     def tokens(self, text: str, tokenizer) -> list[int]:
         """Token ids of a rendered conversation (special tokens added only for the fallback, which writes none)."""
         return tokenizer.encode(text, add_special_tokens=self.fallback)
+
+
+class Arguments(dict):
+    """A tool call's arguments object, which is its JSON text in string contexts (printed, joined with +)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other):
+        return str(self) + other
+
+    def __radd__(self, other):
+        return other + str(self)
+
+
+def _for_template(message, none_content: bool):
+    """The message with each tool call's arguments object as Arguments, and (none_content) None for the content of
+    an assistant turn of calls alone; other messages as they are."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+
+    def wrap(call):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("arguments"), dict)):
+            return call
+        return {**call, "function": {**function, "arguments": Arguments(function["arguments"])}}
+
+    out = {**message, "tool_calls": [wrap(c) for c in calls]}
+    if none_content and calls and not message.get("content"):
+        out["content"] = None
+    return out
 
 
 def _raise_exception(message: str):

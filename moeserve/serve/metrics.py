@@ -26,8 +26,12 @@ class Metrics:
         self.slots_total = Gauge("moeserve:kv_slots_total", "KV cache slots (--parallel).", label,
                                  registry=r).labels(model_name)
         self.slots_total.set(slots)
-        self.prompt_tokens = Counter("moeserve:prompt_tokens", "Prompt tokens read (prefill).", label,
-                                     registry=r).labels(model_name)
+        self.prompt_tokens = Counter("moeserve:prompt_tokens", "Prompt tokens read (prefill), computed or reused.",
+                                     label, registry=r).labels(model_name)
+        self.prompt_tokens_cached = Counter("moeserve:prompt_tokens_cached", "Prompt tokens whose KV was reused "
+                                            "(copied from another KV row or kept in its own), not computed: the "
+                                            "prefix-reuse hit rate is this over moeserve:prompt_tokens.", label,
+                                            registry=r).labels(model_name)
         self.generation_tokens = Counter("moeserve:generation_tokens", "Tokens generated (EOS included).", label,
                                          registry=r).labels(model_name)
         self._finished = Counter("moeserve:request_success", "Requests finished, by finish reason "

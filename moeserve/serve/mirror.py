@@ -9,7 +9,10 @@ So every rank owns a ContinuousBatch of the same slots, and rank 0's engine lead
 - each sampled token comes from rank 0 (a broadcast after every sampling), so a request ends on every rank at the
   same step whatever each rank's own sampling drew;
 - a stop from rank 0 ends the others' loops. An idle engine still steps (and broadcasts) about once a second,
-  which keeps the others within the process group's timeout.
+  which keeps the others within the process group's timeout (--collective-timeout).
+
+A rank that died or hung fails the next collective of the others (parallel/faults.py): rank 0 fails its requests
+and stops serving, the others stop following; each ends with one line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.engine.batching import ContinuousBatch, Request, Update
+from moeserve.parallel.faults import peer_failure
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,11 @@ def follow(batch: ContinuousBatch, mirror: StepMirror) -> None:
                 batch.cancel(requests.pop(change.key))
         try:
             batch.step()
-        except Exception:  # noqa: BLE001 - rank 0 failed the same step: it drops its running requests, so do the same
+        except Exception as e:  # noqa: BLE001 - rank 0 failed the same step: it drops its running requests, so do
+            # the same; a peer rank that is gone ends this loop
+            stopped = peer_failure(e)
+            if stopped is not None:
+                raise stopped from None
             traceback.print_exc(file=sys.stderr)
             for r in batch.drop_active():
                 requests.pop(r.tag, None)

@@ -3,9 +3,11 @@
 Bodies are read as JSON and checked by pydantic in strict mode: a field of the wrong type (a string for
 `max_tokens`, a number for `stream`) is a 400 naming the field, not a silent conversion. `null` is the field's
 default (the openai client sends it for an explicit None). Fields of the OpenAI API that this server does not
-implement are accepted at their neutral values (penalties 0, `n` 1, `best_of` 1, no `logit_bias`, no `functions`
-or `function_call`, the older names of tools) and refused otherwise, so no answer pretends to honour them; fields
-it does not know are ignored, as OpenAI's own clients send some. Structured output (`response_format`), tools
+implement are accepted at their neutral values (penalties 0, no `logit_bias`, no `functions` or `function_call`,
+the older names of tools) and refused otherwise, so no answer pretends to honour them; fields
+it does not know are ignored, as OpenAI's own clients send some. `n` (and completions' `best_of`) run that many
+choices of one prompt, at most MAX_CHOICES; a seeded request's choice i samples with seed + i (choice_params), so
+the choices differ and a repeated request repeats them. Structured output (`response_format`), tools
 (`tools`, `tool_choice`, `parallel_tool_calls`) and `chat_template_kwargs` are read into typed models here; what
 they do is the app's (serve/app.py).
 """
@@ -13,14 +15,16 @@ they do is the app's (serve/app.py).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from moeserve.engine.params import SamplingParams
+from moeserve.engine.params import SEED_LIMIT, SamplingParams
 from moeserve.errors import MoeserveError
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n and best_of: the choices one request may run
 PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
@@ -119,8 +123,7 @@ class Sampling(Strict):
     @model_validator(mode="after")
     def _implemented(self):
         """Options this server does not implement are accepted only at their neutral values."""
-        neutral = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
-                   "echo": False, "suffix": ""}
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "suffix": ""}
         for name, value in neutral.items():
             given = getattr(self, name, None)
             if given is not None and given != value:
@@ -128,6 +131,18 @@ class Sampling(Strict):
         if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("ignore_eos cannot be combined with a JSON response_format (the grammar ends the answer)")
         return self
+
+    @field_validator("n")
+    @classmethod
+    def _choices_in_range(cls, value):
+        if not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be in [1, {MAX_CHOICES}] (the choices one request may run), got {value}")
+        return value
+
+    @property
+    def choices(self) -> int:
+        """The choices the engine runs for this request (n; completions: best_of where given)."""
+        return self.n
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters (max_tokens: this request's, or the endpoint's default)."""
@@ -147,8 +162,25 @@ class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = None  # run this many choices, answer the n of highest cumulative logprob
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _best_of_holds_n(self):
+        if self.best_of is None:
+            return self
+        if not 1 <= self.best_of <= MAX_CHOICES:
+            raise ValueError(f"best_of must be in [1, {MAX_CHOICES}] (the choices one request may run), got "
+                             f"{self.best_of}")
+        if self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and self.best_of > 1:
+            raise ValueError("best_of cannot be combined with stream (the best choices are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        return self.best_of or self.n
 
     def one_prompt(self) -> str | list[int]:
         """The prompt as text or token ids: one per request (a list of one is unwrapped)."""
@@ -326,6 +358,12 @@ class TextConfig(Strict):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(Strict):
+    """reasoning: effort "none" turns a thinking template's section off; other efforts are not supported (the
+    template decides how much the model thinks)."""
+    effort: Literal["none"] | None = None
+
+
 class ResponsesRequest(Strict):
     """POST /v1/responses: one answer to `input` (a string, or message and function-call items) after
     `instructions` (a system message). Nothing is stored: previous_response_id and conversation are refused."""
@@ -346,13 +384,18 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = None
     conversation: str | dict | None = None
     background: bool = False
-    reasoning: dict | None = None
+    reasoning: ReasoningConfig | None = None
 
-    @field_validator("previous_response_id", "conversation", "reasoning")
+    @field_validator("previous_response_id", "conversation")
     @classmethod
     def _not_kept(cls, value):
-        raise ValueError("is not supported (this server keeps no responses and has no reasoning settings): send the "
-                         "whole conversation as input")
+        raise ValueError("is not supported (this server keeps no responses): send the whole conversation as input")
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's variables: reasoning effort "none" writes no thinking section (enable_thinking
+        false)."""
+        return {"enable_thinking": False} if self.reasoning and self.reasoning.effort == "none" else {}
 
     @field_validator("background")
     @classmethod
@@ -442,3 +485,11 @@ def parse(model: type[Strict], body: bytes) -> Strict:
         message = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{field}: {message}" if field else message, "invalid_value",
                        path[0] if path else None) from None
+
+
+def choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
+    """The sampling parameters of each of `count` choices: choice i of a seeded request samples with seed + i
+    (modulo 2**64), so choices differ, choice 0 is what n = 1 gives, and the same request repeats its choices."""
+    if params.seed is None:
+        return [params] * count
+    return [replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(count)]

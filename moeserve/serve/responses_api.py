@@ -19,8 +19,9 @@ from moeserve.serve.chat_output import ChatOutput
 from moeserve.serve.tool_calls import Call
 
 
-def responses_usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def responses_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The Responses API's usage: cached_tokens are the input tokens whose KV was reused, not computed."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -30,6 +30,7 @@ from moeserve.errors import MoeserveError
 from moeserve.serve.app import ServerState, build_app
 from moeserve.serve.batcher import Engine
 from moeserve.serve.chat_template import ChatTemplate
+from moeserve.serve.tool_formats import detect
 from moeserve.serve.metrics import Metrics
 from moeserve.serve.mirror import StepMirror, follow
 
@@ -71,7 +72,7 @@ def system_fingerprint(model_dir: str | Path) -> str:
 def serving_batch(config: RunConfig, serve: ServeConfig, model, tokenizer) -> ContinuousBatch:
     """The continuous batch the serve options describe (every rank builds the same one)."""
     return ContinuousBatch(model, tokenizer, serve.parallel, serve.ctx_size, serve.prefill_chunk,
-                           cuda_graph=config.cuda_graph)
+                           cuda_graph=config.cuda_graph, prefix_reuse=serve.prefix_reuse)
 
 
 def follow_rank_0(config: RunConfig, serve: ServeConfig, tokenizer, load: Callable[[], object]) -> int:
@@ -90,13 +91,16 @@ def follow_rank_0(config: RunConfig, serve: ServeConfig, tokenizer, load: Callab
 
 
 def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[], object]) -> int:
-    """Serve until interrupted; `load` builds the model the run config places (runtime.load). Under torchrun rank 0
+    """Serve until interrupted; `load` builds the model the run config places (moeserve.build). Under torchrun rank 0
     serves and leads; the other ranks follow (follow_rank_0)."""
     ranks = config.parallel.ranks
     if ranks > 1 and os.environ.get("RANK", "0") != "0":
         return follow_rank_0(config, serve, tokenizer, load)
     name = serve.served_model_name or Path(config.model).resolve().name
     template = ChatTemplate.from_dir(config.model)
+    tool_format = detect(template.source)
+    if tool_format is not None:  # its special tokens are read from the answers' text
+        tokenizer.show(tool_format.markers)
     metrics = Metrics(name, serve.parallel)
     context = serve.ctx_size
     state = ServerState(tokenizer, template, name, context, spec.vocab_size, metrics, serve.metrics, serve.api_key,
@@ -107,6 +111,11 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
                                            timeout_graceful_shutdown=3))
     failure: list[BaseException] = []
 
+    def stop_serving(error: BaseException) -> None:
+        """The model cannot run any more (under torchrun, a peer rank is gone): end the server with `error`."""
+        failure.append(error)
+        server.should_exit = True
+
     def start() -> None:
         try:
             model = load()
@@ -116,7 +125,7 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
                       flush=True)
             warm = batch.warm_up()
             mirror = StepMirror(model.device) if ranks > 1 else None
-            engine = Engine(batch, metrics, serve.max_queue, serve.threads, mirror)
+            engine = Engine(batch, metrics, serve.max_queue, serve.threads, mirror, on_peer_stopped=stop_serving)
             engine.start()
             state.engine = engine
             graphs = describe_decode(batch, warm)
@@ -124,8 +133,7 @@ def run(config: RunConfig, serve: ServeConfig, spec, tokenizer, load: Callable[[
             print(f"[ready: {name} on {model.device.type} {str(model.dtype).removeprefix('torch.')}, "
                   f"{serve.parallel} slots x {context} tokens, {graphs}{across}]", file=sys.stderr, flush=True)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
-            failure.append(e)
-            server.should_exit = True
+            stop_serving(e)
 
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     template_note = "fallback chat template" if template.fallback else f"chat template from {template.origin}"

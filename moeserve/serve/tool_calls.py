@@ -1,10 +1,12 @@
-"""Tool calls in the Hermes format that Qwen2 and Qwen3 (MoE included) templates teach:
-`<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call.
+"""Tool calls out of an answer's text: what every tool-call format shares (serve/tool_formats has one module per
+format).
 
-`ToolCallParser` takes an answer's content piece by piece and splits it into plain text and complete calls: text
-from a `<tool_call>` (or what could be its start) on is held until the block closes; a block whose inside is not a
-call (not JSON, no name) is given back as text. `tags` gives the grammar pieces that force calls
-(tool_choice "required" or a named function: engine/constraints.py's Grammars.tags).
+A `Call` is one parsed call (name, JSON arguments). A `CallParser` takes an answer's content piece by piece and
+splits it into plain text and complete calls; `BlockParser` is the one of formats whose calls sit in blocks between
+an opening and a closing marker (Hermes's <tool_call>, DeepSeek's <｜tool▁calls▁begin｜>, GLM's <tool_call>): text
+from an opening marker (or what could be its start) on is held until the block closes, then `read` turns the
+block's inside into calls; a block that holds none (not JSON, no name) is given back as text, and so is a block
+still open when the answer ends.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from moeserve.engine.constraints import Tag
 from moeserve.serve.reasoning import held
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-SEPARATOR = "\n"  # between blocks of parallel calls
+Function = tuple[str, dict]  # a tool the answer may call: its name and its parameters' JSON schema
 
 
 @dataclass
@@ -33,34 +34,41 @@ class Call:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def knows_tools(template_source: str) -> bool:
-    """Whether a chat template teaches this format (then tools are rendered, calls parsed): Qwen2, Qwen2.5, Qwen3
-    and Hermes templates show the model the JSON shape, `{"name": <function-name>, "arguments": ...}`, inside
-    <tool_call> tags. Templates whose <tool_call> blocks hold another shape (Qwen3-Coder's XML parameters,
-    GLM-4.5's arg_key/arg_value pairs) show no <function-name> placeholder and are not taken for it."""
-    return OPEN in template_source and "<function-name>" in template_source
+class CallParser(Protocol):
+    calls: list[Call]  # the calls made so far
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[Call]]:
+        """The plain text and the calls that `text` (the next piece of content) makes final; final: the answer
+        ended (nothing is held back)."""
 
 
-def tags(functions: list[tuple[str, dict]]) -> list[Tag]:
-    """One grammar tag per (name, parameters schema): a block calling that function with valid arguments."""
-    return [Tag(f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', schema, f"}}\n{CLOSE}")
-            for name, schema in functions]
+def json_arguments(schema: dict) -> dict:
+    """The structural-tag content of a call's arguments: one JSON value matching `schema`, at most one whitespace
+    character in a row (a model under a grammar must not pad its JSON forever)."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
 
 
-def read_call(block: str) -> Call | None:
-    """The call inside one block, or None when it holds none."""
-    try:
-        obj = json.loads(block)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+def call_sequence(tags: list[dict], separator: str, parallel: bool) -> dict:
+    """The structural tag of one or more calls (one only unless parallel), each one of `tags`, joined by
+    `separator`."""
+    return {"type": "tags_with_separator", "separator": separator, "at_least_one": True,
+            "stop_after_first": not parallel, "tags": tags}
 
 
-class ToolCallParser:
-    def __init__(self):
+def tag(begin: str, content: dict, end: str) -> dict:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def arguments_text(args) -> str:
+    """A call's arguments as JSON text (a string is taken as JSON text already)."""
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+class BlockParser:
+    def __init__(self, open_: str, close: str, read: Callable[[str], list[Call] | None]):
+        """open_, close: the markers around a block; read: a block's inside -> its calls, or None when it holds
+        none."""
+        self.open, self.close, self.read = open_, close, read
         self.buffer = ""
         self.calls: list[Call] = []
 
@@ -74,25 +82,25 @@ class ToolCallParser:
             return "" if (self.calls or calls) and not piece.strip() else piece
 
         while True:
-            start = self.buffer.find(OPEN)
+            start = self.buffer.find(self.open)
             if start < 0:
-                keep = 0 if final else held(self.buffer, OPEN)
+                keep = 0 if final else held(self.buffer, self.open)
                 out += plain(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            end = self.buffer.find(CLOSE, start)
+            end = self.buffer.find(self.close, start + len(self.open))
             if end < 0:
                 out += plain(self.buffer[:start])
                 self.buffer = self.buffer[start:]
                 if final:
                     out, self.buffer = out + self.buffer, ""
                 break
-            call = read_call(self.buffer[start + len(OPEN):end])
-            if call is None:
-                out += self.buffer[:end + len(CLOSE)]
+            found = self.read(self.buffer[start + len(self.open):end])
+            if not found:
+                out += self.buffer[:end + len(self.close)]
             else:
                 out += plain(self.buffer[:start])
-                calls.append(call)
-            self.buffer = self.buffer[end + len(CLOSE):]
+                calls += found
+            self.buffer = self.buffer[end + len(self.close):]
         self.calls += calls
         return out, calls

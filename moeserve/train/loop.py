@@ -9,7 +9,6 @@ and, for a student, a teacher's KD term on the staged schedule of distill.py. He
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -17,11 +16,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from moeserve.evaluate import perplexity
 from moeserve.model.router import TopKRouter
 from moeserve.model.transformer import MoETransformer
+from moeserve.progress import Progress
 from moeserve.spec import ModelSpec
 from moeserve.train.arch import AUX_LOSS_COEF
 from moeserve.train.distill import DistillConfig, kd_loss, kd_weight_at
@@ -200,12 +199,11 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
                         "seconds": round(time.perf_counter() - t0, 1)})
         if teacher is not None:
             history[-1]["kd_loss"] = round(sum(recent_kd) / len(recent_kd), 4)  # 0 once staged KD has stopped
-        tqdm.write(f"step {step}: train loss {history[-1]['train_loss']:.4f} nats, held-out {bpb:.4f} bits/byte",
-                   file=sys.stderr)
+        bar.write(f"step {step}: train loss {history[-1]['train_loss']:.4f} nats, held-out {bpb:.4f} bits/byte")
         recent.clear()
         recent_kd.clear()
 
-    bar = tqdm(total=steps, desc="training", unit="step", mininterval=1.0, file=sys.stderr)
+    bar = Progress(steps, "training", "steps")
     t0 = time.perf_counter()
     step = 0
     while step < steps:
@@ -216,12 +214,12 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
             per_step = (elapsed - t_fit) / (FIT_AT - FIT_FROM)
             fitted = fit_steps(steps, step, elapsed, per_step, budget)
             if fitted < steps:
-                tqdm.write(f"{per_step * 1e3:.0f} ms/step: {steps} steps would exceed --minutes {cfg.minutes:g}; "
-                           f"training {fitted} steps (rerun with --steps {fitted} --minutes 0 to reproduce)",
-                           file=sys.stderr)
-                steps = bar.total = fitted
+                bar.write(f"{per_step * 1e3:.0f} ms/step: {steps} steps would exceed --minutes {cfg.minutes:g}; "
+                          f"training {fitted} steps (rerun with --steps {fitted} --minutes 0 to reproduce)")
+                steps = fitted
+                bar.set_total(fitted)
         if budget and elapsed > budget:
-            tqdm.write(f"--minutes {cfg.minutes:g} ran out at step {step}; stopping early", file=sys.stderr)
+            bar.write(f"--minutes {cfg.minutes:g} ran out at step {step}; stopping early")
             stopped_early = True
             break
         lr = lr_at(step, steps, cfg)
@@ -231,8 +229,7 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
         step += 1
         recent.append(loss)
         recent_kd.append(kd)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", aux=f"{aux:.3f}", lr=f"{lr:.1e}", refresh=False)
+        bar.update(1, note=f"loss {loss:.3f}, aux {aux:.3f}, lr {lr:.1e}")
         if step % cfg.eval_every == 0 or step == steps:
             evaluate(step)
     if recent:

@@ -69,3 +69,36 @@ def test_quality_runs_of_two_models_render_as_two_tables(tmp_path):
             "hidden 512, expert FFN 256)**") in text
     assert text.count("| milo | 3 | all=150KB | int3 | 4.0500 | +1.25% | 50% |") == 2
     assert text.count("HOBBIT mixed precision") == 1 and "4.2000 -> 4.3000 (+2.38%), 25.0% of the expert" in text
+
+
+def test_committed_performance_page_and_readme_table_are_what_the_results_generate():
+    """docs/performance.md and README.md's performance table are `python bench/report.py --write`'s output for the
+    committed bench/results: a new result, or a hand edit of either page, fails here until the report is rerun."""
+    results = report.ROOT / "bench" / "results"
+    runs = report.newest_runs(results)
+    assert report.PAGE.read_text() == report.report(results, runs), "rerun `python bench/report.py --write`"
+    readme = report.README.read_text()
+    assert readme == report.readme_with_headline(readme, runs), "rerun `python bench/report.py --write`"
+    headline = "\n".join(report.headline(runs))
+    assert headline in readme and headline in report.PAGE.read_text()
+
+
+def serve_run(date: str, server_args: str | None, tok_per_s: float) -> dict:
+    level = dict(clients=64, concurrent=dict(tok_per_s=tok_per_s, ttft_p50_ms=1, ttft_p99_ms=2, itl_p50_ms=1,
+                                             itl_p99_ms=2), sequential=dict(tok_per_s=100.0), speedup=tok_per_s / 100)
+    return dict(name="serve", date=date, device="GPU X", device_type="cuda", torch="t", transformers="tf",
+                git=dict(commit="abcdef123"), levels=[level],
+                config=dict(model="/x/demo", server_args=server_args, server="[ready]", prompt_min=16,
+                            prompt_max=160, gen=64))
+
+
+def test_serve_runs_with_another_placement_keep_their_own_table(tmp_path):
+    """A newer serve run with --cpu-moe does not hide the plain one; the headline quotes the plain one."""
+    for i, rec in enumerate([serve_run("2026-01-01T00:00", None, 900.0),
+                             serve_run("2026-01-02T00:00", "--cpu-moe", 300.0)]):
+        (tmp_path / f"serve-{i}.json").write_text(json.dumps(rec))
+    runs = report.newest_runs(tmp_path)
+    assert len(runs) == 2
+    (row,) = report.serve_rows(runs)
+    assert row[:3] == ("`moeserve serve`, 64 streaming clients, 64 tokens each: demo", "900 tok/s",
+                       "the same requests one at a time: 100 tok/s (9.0x)")

@@ -129,6 +129,16 @@ def test_help_everywhere():
         assert e.value.code == 0
 
 
+def test_generate_help_names_the_default_prompt_for_every_model(capsys):
+    """The default prompt is the demo's kind of text and is also what any other --model gets: the help says both."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "With no PROMPT the model continues 'HAMLET. To be, or not to be'" in text
+    assert "any other --model gets the same default" in text
+    assert "(default 'HAMLET. To be, or not to be' for the demo and for any other --model alike)" in text
+
+
 def test_stop_escapes_as_the_shell_passes_them(capsys):
     """`--stop "\\n\\n"` in a shell passes backslash-n twice: it must stop at a blank line, not never."""
     code, out, _ = run_cli(capsys, "generate", "ROMEO.", "--greedy", "--stop", r"\n\n", "--no-stream",

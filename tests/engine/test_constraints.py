@@ -11,7 +11,7 @@ import torch
 
 import moeserve
 from moeserve.engine.batching import ContinuousBatch, Request
-from moeserve.engine.constraints import Grammars, Tag, constrain, mask_words, pack_mask, unpack_mask
+from moeserve.engine.constraints import AfterText, Grammars, constrain, mask_words, pack_mask, unpack_mask
 from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
@@ -137,14 +137,15 @@ def test_json_schemas_hold_on_a_rambling_model(tiny):
         jsonschema.validate(json.loads("".join(u.text for u in got)), schema)
 
 
-def test_tags_and_json_object(tiny):
+def test_structural_tag_and_json_object(tiny):
     model, tok = tiny
     grammars = Grammars(tok, model.spec.vocab_size, {tok.eos_id})
     schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"]}
-    tags = [Tag('<tool_call>\n{"name": "find", "arguments": ', schema, "}\n</tool_call>")]
+    call = {"type": "tag", "begin": '<tool_call>\n{"name": "find", "arguments": ', "end": "}\n</tool_call>",
+            "content": {"type": "json_schema", "json_schema": schema}}
     batch = ContinuousBatch(model, tok, slots=2, context=512)
     requests = [Request(tok.encode("KING."), SamplingParams(max_new_tokens=300, temperature=1.0, seed=1), None,
-                        constraint=grammars.tags(tags, "\n", at_least_one=True, only_one=True)),
+                        constraint=grammars.structural_tag(call)),
                 Request(tok.encode("KING."), SamplingParams(max_new_tokens=1500, temperature=1.0, seed=2), None,
                         constraint=grammars.json_object())]
     updates = run(batch, requests)
@@ -169,3 +170,51 @@ def test_constrain_on_cuda_matches_cpu():
     gpu = constrain(logits.cuda(), [0, 3, 7], constraints(), {})
     assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
     assert cpu.argmax(-1).tolist() == tokens
+
+
+class Digits:
+    """A constraint of digits only, recording what it accepts."""
+
+    def __init__(self, vocab: int):
+        self.allowed = torch.zeros(vocab, dtype=torch.bool)
+        self.allowed[ord("0"):ord("9") + 1] = True
+        self.accepted = []
+
+    def fill(self, bits):
+        bits.copy_(pack_mask(self.allowed))
+
+    def accept(self, token):
+        assert self.allowed[token]
+        self.accepted.append(token)
+
+    @property
+    def done(self):
+        return len(self.accepted) == 2
+
+
+def test_after_text_is_free_until_the_marker_then_holds_the_grammar():
+    """Before the marker every token but the stop tokens may come (a marker split over tokens counts); from the token
+    after it the inner grammar's mask and acceptance hold."""
+    vocab, stop = 260, 257
+    table = [bytes([i]) for i in range(256)] + [b"</think>", b"", b"", b""]
+    free = torch.ones(vocab, dtype=torch.bool)
+    free[stop] = False
+    inner = Digits(vocab)
+    c = AfterText(inner, b"</think>", table, pack_mask(free))
+    bits = torch.zeros(mask_words(vocab), dtype=torch.int32)
+    for token in b"hmm </thi":
+        c.fill(bits)
+        assert torch.equal(unpack_mask(bits[None], vocab)[0], free) and not c.done
+        c.accept(token)
+    c.accept(ord("n"))
+    c.accept(ord("k"))
+    assert not c.started
+    c.accept(ord(">"))  # "</think>" over four tokens
+    c.fill(bits)
+    assert torch.equal(unpack_mask(bits[None], vocab)[0], inner.allowed)
+    c.accept(ord("4"))
+    c.accept(ord("2"))
+    assert c.done and inner.accepted == [ord("4"), ord("2")]
+    whole = AfterText(Digits(vocab), b"</think>", table, pack_mask(free))
+    whole.accept(256)  # the marker as one token
+    assert whole.started

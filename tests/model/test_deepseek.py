@@ -198,7 +198,7 @@ def test_expert_stores_take_fp8_checkpoints(fp8_pair, tmp_path):
     resident model of the dequantized twin computes."""
     from moeserve.hybrid.placement import HybridPlacement
     from moeserve.hybrid.setup import build_store, enable_hybrid
-    from moeserve.offload.experts import enable_offload
+    from moeserve.offload.setup import enable_offload
     from moeserve.offload.store import ExpertStore
 
     fp8, twin = fp8_pair

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moeserve
-from moeserve.offload.experts import enable_offload
+from moeserve.offload.setup import enable_offload
 from moeserve.offload.slot_cache import SlotCache
 from moeserve.offload.store import ExpertStore
 

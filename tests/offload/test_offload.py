@@ -13,7 +13,7 @@ from moeserve.engine.generate import generate
 from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.kernels.pack import units_from_planar
-from moeserve.offload.experts import enable_offload
+from moeserve.offload.setup import enable_offload
 from moeserve.offload.policies import POLICIES, CachePolicy
 from moeserve.offload.simulate import simulate
 from moeserve.offload.store import META_FILE, ExpertStore

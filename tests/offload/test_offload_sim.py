@@ -116,10 +116,10 @@ def test_cli_trace_record_simulate_fit(capsys, byte_model_dir, tmp_path):
     assert main(["trace", "record", "--model", str(byte_model_dir), "--out", str(out), "--seq-len", "32",
                  "--max-tokens", "96"]) == 0
     assert json.loads(capsys.readouterr().out)["events"] == 96 * 2
-    assert main(["trace", "simulate", "--trace", str(out), "--high-slots", "2", "--policy", "lru"]) == 0
+    assert main(["trace", "simulate", "--trace", str(out), "--high-slots", "2", "--policy", "lru", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["policy"] == "lru" and r["requests"] + r["skipped"] == 96 * 2 * 2
-    assert main(["trace", "fit", "--trace", str(out), "--high-slots", "2", "--low-slots", "1"]) == 0
+    assert main(["trace", "fit", "--trace", str(out), "--high-slots", "2", "--low-slots", "1", "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["weights"]) == {"lru", "lfu", "lhu", "fld"}
     assert main(["trace", "simulate", "--trace", str(out), "--high-slots", "2", "--weights", "1,2"]) == 2
     assert "four" in capsys.readouterr().err

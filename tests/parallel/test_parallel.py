@@ -4,9 +4,12 @@ cases (tests/parallel_worker.py)."""
 
 import functools
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +38,7 @@ CASES = {
         ("quantized", "q4", 1, 2), ("quantized", "q4", 2, 1),  # EP: own experts read; TP: low-bit dense slices
         ("quantized", "q3", 2, 1),  # 3-bit word planes and compensators sliced, float experts beside them
         ("quantized", "wide", 1, 2, 8), ("quantized", "wide", 2, 1, 8),  # --dense-bits 8, the head too
+        ("static_step",),  # the static decode step (GPUs' default) agrees on dispatch per layer
         ("bad_checkpoint",)],
     4: [("layer", "random"), ("layer", "one_expert"),
         ("model", ["mixtral", "qwen2_moe"], 1, 4, 128), ("model", ["mixtral"], 1, 4, 0),
@@ -179,21 +183,41 @@ def test_dispatch_layouts():
     assert copy.counts.tolist() == [0, 0, 1, 2] and copy.local_ids.tolist() == [[0], [0], [0]]
 
 
-def _torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(argv: list[str], nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "moeserve", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
+
+
+def expert_and_dense_bytes(path) -> tuple[int, int]:
+    """Bytes of the checkpoint's routed-expert tensors and of the rest, from its safetensors headers."""
+    from moeserve.checkpoint import validate_safetensors
+
+    sizes = {"experts": 0, "dense": 0}
+    for file in Path(path).glob("*.safetensors"):
+        for name, meta in validate_safetensors(file).items():
+            if name != "__metadata__":
+                start, end = meta["data_offsets"]
+                sizes["experts" if ".experts." in name else "dense"] += end - start
+    return sizes["experts"], sizes["dense"]
 
 
 def test_cli_generate_under_torchrun_matches_single_process(byte_model_dir, capsys):
+    """Same text as one process; each rank logs its start-up (MOESERVE_LOG=info): it read its half of the routed
+    experts and the dense part whole, not the checkpoint."""
     from moeserve.cli import main
 
     argv = ["generate", "--model", str(byte_model_dir), "--greedy", "--max-new-tokens", "8", "Words, words"]
     assert main(argv) == 0
     single = capsys.readouterr().out
-    proc = _torchrun([*argv, "--ep", "2"])
+    proc = _torchrun([*argv, "--ep", "2"], env={"MOESERVE_LOG": "info"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == single.strip().splitlines()[-1]  # rank 0 prints, same text
+    experts, dense = expert_and_dense_bytes(byte_model_dir)
+    reads = re.findall(r"rank (\d) of 2 read .*\((\d+) bytes, \d+% of the checkpoint's .*\) in [\d.]+ s",
+                       proc.stderr)
+    assert sorted((int(r), int(n)) for r, n in reads) == [(0, experts // 2 + dense), (1, experts // 2 + dense)], (
+        proc.stderr[-2000:])
 
 
 def test_cli_eval_ppl_under_torchrun_matches_single_process(byte_model_dir, capsys):

@@ -6,6 +6,7 @@ sizing. GPU totals against torch's peak: tests/test_gpu.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -197,10 +198,10 @@ def test_workspace_is_the_activations_or_the_budget_share():
 def test_plan_slots_fill_the_budget_after_the_dense_part():
     spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
     high, low = expert_bytes(spec, Precision.float(2)), expert_bytes(spec, Precision.hqq(4, 64))
-    base = resident_layout(spec, "cuda", 2, 2, 64, budget=64 << 20, experts=False)
+    base = resident_layout(spec, "cuda", 2, 2, 64, budget=192 << 20, experts=False)
     fixed = footprint(spec, base).gpu_total
     h, lo = plan_slots(spec, base, high, low, reserve=2)
-    left = (64 << 20) - fixed - 2 * (high + low)
+    left = (192 << 20) - fixed - 2 * (high + low)
     assert h * high + lo * low <= left < (h + 1) * high + lo * low and lo == int(left * 0.25 // low)
     assert plan_slots(spec, base, high, low, reserve=2, max_slots=5) == (5, 5)
     with pytest.raises(MoeserveError, match="too small: .* need .*; give at least that"):
@@ -227,3 +228,16 @@ def test_cli_plan_prints_the_chosen_footprint(capsys, mixtral, h100_json):
     totals = [line.split() for line in table if " total " in line]
     assert totals == [["gpu", "total", *format_bytes(chosen["gpu_bytes"]).split()],
                       ["host", "total", *format_bytes(chosen["host_bytes"]).split()]]
+
+
+def test_cublas_workspaces_one_per_stream(monkeypatch):
+    """A GPU run holds the default stream's cuBLAS workspace, and the capture stream's when it decodes in CUDA
+    graphs; CUBLAS_WORKSPACE_CONFIG sets their size."""
+    spec = ModelSpec.from_dir(moeserve.DEMO_MODEL)
+    graphs = footprint(spec, resident_layout(spec, "cuda", 2, 2, 64))
+    eager = footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), blas_workspaces=1))
+    assert graphs.gpu["cuBLAS workspaces"] == 2 * eager.gpu["cuBLAS workspaces"] == 2 * 32 * 2**20
+    assert "cuBLAS workspaces" not in footprint(spec, resident_layout(spec, "cpu", 4, 2, 64)).host
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert footprint(spec, replace(resident_layout(spec, "cuda", 2, 2, 64), blas_workspaces=1)).gpu[
+        "cuBLAS workspaces"] == 4096 * 1024 * 2 + 16 * 1024 * 8

@@ -1,7 +1,8 @@
 """The footprint ledger's GPU total against torch's peak allocation: the demo model and a tiny Mixtral loaded on the
 GPU in bf16 in each placement (resident, --cpu-moe, --n-cpu-moe 1 with cache slots, --offload), then a short greedy
-generate; the peak since before the load is within 5% of footprint's GPU total for that run. CPU checks of each
-part: tests/plan/test_footprint.py."""
+generate, with and without CUDA graphs; the peak since before the load is within 5% of footprint's GPU total for that
+run. Each run starts without cuBLAS workspaces, as a fresh process does. CPU checks of each part:
+tests/plan/test_footprint.py."""
 
 from __future__ import annotations
 
@@ -46,22 +47,23 @@ def layout(run: moeserve.LLM, placement: str) -> RunLayout:
         store = run.runtime.hybrid.host.store
         out = hybrid_layout(spec, plan.hybrid, "cuda", 2, rows, tokens, store.meta["low_bits"], store.meta["group"],
                             streams=run.runtime.hybrid.streamer is not None)
-    return RunLayout(**{**vars(out), "pass_tokens": PROMPT, "logit_rows": 1})
+    blas = 2 if plan.config.cuda_graph else 1
+    return RunLayout(**{**vars(out), "pass_tokens": PROMPT, "logit_rows": 1, "blas_workspaces": blas})
 
 
-@pytest.mark.xfail(strict=True, reason="measured on an H200 (2026-11-29): the peak is 30-110 MB above the ledger on "
-                                      "these tiny models (0.3-12 MB): the CUDA runtime's own allocations (cuBLAS "
-                                      "workspace, kernel scratch, graph pools) are not in the ledger yet")
+@pytest.mark.parametrize("graph", [True, False])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("name", ["demo", "tiny_mixtral"])
-def test_gpu_total_matches_the_peak(models, name, placement):
+def test_gpu_total_matches_the_peak(models, name, placement, graph):
     path, store = models[name]
     options = {k: store if v == "{store}" else v for k, v in PLACEMENTS[placement].items()}
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    run = moeserve.LLM(path, max_batch=1, context=PROMPT + NEW, device="cuda", dtype="bfloat16", **options)
+    run = moeserve.LLM(path, max_batch=1, context=PROMPT + NEW, device="cuda", dtype="bfloat16",
+                       cuda_graph=graph, **options)
     prompt = torch.randint(3, min(run.model.spec.vocab_size, 97), (PROMPT,), generator=torch.Generator().manual_seed(0))
     run.generate([prompt.tolist()], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     torch.cuda.synchronize()

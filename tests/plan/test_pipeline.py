@@ -223,4 +223,14 @@ def test_batch_cli_auto_policy_from_a_profile(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("KING.", "To be", "Ay")))
     status, err = _batch(tmp_path, capsys, "--auto", "--profile", str(tmp_path / "h100.json"), "--gpu-memory", "2GiB")
     assert status == 0, err
-    assert "[policy: {'batch_size'" in err and len(_lines(tmp_path)) == 3
+    assert "[policy: batch of " in err and "no GPU (cpu): attention, the MoE FFN" in err
+    assert len(_lines(tmp_path)) == 3
+
+
+def test_batch_gpu_memory_without_a_gpu_says_what_it_limits(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "KING."}\n')
+    status, err = _batch(tmp_path, capsys, "--gpu-memory", "1GiB")
+    assert status == 0, err
+    assert err.splitlines()[0] == ("moeserve: note: the run has no GPU, so --gpu-memory 1GiB limits host memory as "
+                                   "if it were the GPU's: the policy's share of the layer weights held whole (the "
+                                   "rest copied layer by layer) and its batch")

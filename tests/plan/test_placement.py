@@ -11,8 +11,8 @@ from checks import GiB, H100, MIXTRAL_CONFIG, QWEN3_30B_CONFIG
 from moeserve.cli import main
 from moeserve.errors import MoeserveError
 from moeserve.hybrid import memory
-from moeserve.plan.footprint import (WORKSPACE_SHARE, Precision, activation_bytes, checkpoint_precision, dense_bytes,
-                                     expert_bytes, kv_cache_bytes, minimum_budget)
+from moeserve.plan.footprint import (WORKSPACE_SHARE, Precision, activation_bytes, blas_workspace_bytes,
+                                     checkpoint_precision, dense_bytes, expert_bytes, kv_cache_bytes, minimum_budget)
 from moeserve.plan.hardware import HardwareProfile
 from moeserve.plan.placement import (PRECISION_SPEEDUP, Costs, PlanRequest, candidates, choose, dense_minimum,
                                      plan_placement)
@@ -49,11 +49,13 @@ def test_tiny_hybrid_candidate_by_hand(monkeypatch, prompt):
     kv = 2 * 2 * 2 * 40 * 32 * 2  # k and v, 2 layers, 1 sequence and the spare row of 40 tokens, 1 head of 32, bf16
     assert kv_cache_bytes(TINY, 2, 40, 2) == kv
     # the prompt's activations: per token 4 D, queries and the new k and v (2 x 32 + 2 x 32), gate and up of the
-    # 2 experts (2 x 2 x 128), bf16; fp32 logits of one row (more than WORKSPACE_SHARE of this budget)
-    workspace = prompt * (4 * 64 + 128 + 2 * 256) * 2 + 100 * 4
-    fixed = dense + kv + workspace
-    budget = int(fixed + 7.5 * eb)
-    assert workspace > WORKSPACE_SHARE * budget
+    # 2 experts (2 x 2 x 128), bf16; fp32 logits of one row; the budget's WORKSPACE_SHARE when that is more (the two
+    # cuBLAS workspaces make this tiny model's budget large beside its activations)
+    activations = prompt * (4 * 64 + 128 + 2 * 256) * 2 + 100 * 4
+    blas = 2 * blas_workspace_bytes()  # the default stream's and the graph capture stream's
+    budget = int((dense + kv + blas + 7.5 * eb) / (1 - WORKSPACE_SHARE))
+    workspace = max(activations, int(budget * WORKSPACE_SHARE))
+    fixed = dense + kv + workspace + blas
     req = PlanRequest(budget, GiB, 2, kv_tokens=40, prompt_len=prompt, gen_len=8, bits=16)
     resident, hybrid = candidates(TINY, HW, req, COSTS)
     assert resident.kind == "resident" and not resident.fits and "GPU memory" in resident.problem
@@ -61,7 +63,7 @@ def test_tiny_hybrid_candidate_by_hand(monkeypatch, prompt):
     assert hybrid.gpu_bytes == fixed + 7 * eb  # 4 resident experts, 1 slot, the ring's 2
     assert hybrid.footprint.gpu == {"dense weights": dense, "resident experts": 4 * eb, "KV cache": kv,
                                     "cache slots": eb, "stream ring": 2 * eb if prompt >= 32 else 0,
-                                    "workspace": workspace} or prompt < 32
+                                    "workspace": workspace, "cuBLAS workspaces": blas} or prompt < 32
 
     # decode: dense weights but the embedding table, KV of prompt + 4 positions; 1.25 layers' experts on the GPU (a
     # resident layer and a quarter of the CPU layer's picks hit the cache), 0.75 on the CPU
@@ -233,17 +235,19 @@ def test_cli_plan_for_decode_of_an_mla_model(capsys, hf_checkpoints, h100_json):
     expert = 3 * spec.hidden_size * spec.moe.expert_ffn * 2
     layer = spec.moe.num_experts * expert
     activations = activation_bytes(spec, 128, 1, 2)
-    budget = minimum_budget(dense + kv + int(1.5 * layer), activations)
+    blas = 2 * blas_workspace_bytes()
+    budget = minimum_budget(dense + kv + blas + int(1.5 * layer), activations)
     workspace = max(activations, int(budget * WORKSPACE_SHARE))
     base = ["plan", "--model", path, "--profile", h100_json, "--cpu-memory", "1GiB", "--json", "--dense-bits", "16"]
     assert main([str(a) for a in base + ["--gpu-memory", f"{budget}B"]]) == 0
     report = json.loads(capsys.readouterr().out)
     resident, hybrid, offload = report["candidates"]  # float experts only: no group divides expert FFN 24
     assert (resident["kind"], resident["fits"], resident["gpu_bytes"]) == ("resident", False,
-                                                                        dense + kv + 2 * layer + workspace)
+                                                                        dense + kv + 2 * layer + workspace + blas)
     slots = int(0.5 * layer) // expert  # 1.5 layers' room less the ring of a layer's experts
     assert hybrid["where"] == f"2/2 MoE layers' experts on the CPU (bfloat16), {slots} GPU cache slots"
-    assert hybrid["gpu_bytes"] == dense + kv + workspace + (spec.moe.num_experts + slots) * expert and hybrid["streams"]
+    assert hybrid["gpu_bytes"] == dense + kv + workspace + blas + (spec.moe.num_experts + slots) * expert
+    assert hybrid["streams"]
     assert hybrid["host_bytes"] == 2 * layer and report["chosen"] == 1
     assert hybrid["flags"] == ["--cpu-moe", "--gpu-cache-experts", str(slots)] and offload["kind"] == "offload"
 

@@ -197,7 +197,7 @@ def test_logprobs_shapes(client):
     (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
     (b'{"prompt": "x", "stream": 1}', 400, "stream: Input should be a valid boolean"),
     (b'{"prompt": 5}', 400, "prompt"),
-    (b'{"prompt": "x", "n": 2}', 400, "n = 2 is not supported"),
+    (b'{"prompt": "x", "n": 17}', 400, "n: must be in [1, 16]"),
     (b'{"prompt": "x", "seed": -1}', 400, "seed"),
     (b'{"prompt": "x", "stop": [""]}', 400, "stop strings must not be empty"),
     (b'{"prompt": [300]}', 400, "vocabulary"),

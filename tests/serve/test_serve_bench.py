@@ -1,5 +1,5 @@
-"""bench/serve.py and bench/serve_soak.py --quick: they run against a CPU server and write complete result JSON;
-bench/batching.py --quick: the same requests without HTTP."""
+"""bench/serve.py, bench/serve_soak.py and bench/prefix_cache.py --quick: they run against a CPU server and write
+complete result JSON; bench/batching.py --quick: the same requests without HTTP."""
 
 import json
 import os
@@ -53,3 +53,17 @@ def test_batching_bench_quick(tmp_path):
         assert level["prefill_steps"] >= 1 and level["itl_p99_ms"] >= level["itl_p50_ms"] > 0
         assert max(map(int, level["decode_step_p50_ms"])) == level["clients"]
         assert level["steps"] >= 16 and len(level["slowest"]) == 5
+
+
+def test_prefix_cache_bench_quick(tmp_path):
+    """2 clients x 2 turns on the demo, with prefix reuse and without: every field, cached tokens only with reuse."""
+    r = run_quick("prefix_cache.py", tmp_path)
+    assert r["name"] == "prefix_cache" and r["config"]["clients"] == 2 and r["device"] and r["date"]
+    on, off = r["runs"]["prefix_reuse"], r["runs"]["no_prefix_reuse"]
+    for run in (on, off):
+        assert run["requests"] == 4 and run["generated_tokens"] == 4 * 8 and run["tok_per_s"] > 0
+        assert [t["turn"] for t in run["turns"]] == [1, 2] and run["ttft_p99_ms"] >= run["ttft_p50_ms"] > 0
+        assert run["prompt_tokens"] == sum(t["prompt_tokens"] for t in run["turns"])
+    assert on["prompt_tokens"] == off["prompt_tokens"] and off["cached_tokens"] == 0 == off["hit_rate"]
+    assert 0 < on["cached_tokens"] < on["prompt_tokens"] and on["turns"][1]["cached_tokens"] > 0
+    assert set(r["ratios"]) == {"tok_per_s", "ttft_p50", "ttft_p99"} and r["ratios"]["tok_per_s"] > 0

@@ -7,7 +7,8 @@ import pytest
 
 from moeserve.serve.chat_output import ChatOutput
 from moeserve.serve.reasoning import ThinkSplitter, opens_thinking
-from moeserve.serve.tool_calls import ToolCallParser, knows_tools
+from moeserve.serve.tool_formats import detect
+from moeserve.serve.tool_formats.hermes import Hermes
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 CASES = [  # (answer, starts in thinking, reasoning, content, calls)
@@ -24,7 +25,7 @@ CASES = [  # (answer, starts in thinking, reasoning, content, calls)
 
 
 def split(pieces, in_thinking):
-    out = ChatOutput(ThinkSplitter(in_thinking), ToolCallParser())
+    out = ChatOutput(ThinkSplitter(in_thinking), Hermes().parser([]))
     reasoning, content, calls = "", "", []
     for n, p in enumerate(pieces):
         got = out.feed(p, final=n == len(pieces) - 1)
@@ -51,7 +52,7 @@ def test_prompt_that_opens_thinking():
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opens_thinking("hi")
 
 
-def test_only_templates_that_teach_the_json_shape_take_tools():
+def test_only_templates_that_teach_the_json_shape_are_hermes():
     hermes = 'calls within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": {}}'
     glm = "<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value></tool_call>"
-    assert knows_tools(hermes) and not knows_tools(glm) and not knows_tools("{{ messages }}")
+    assert detect(hermes).name == "Hermes/Qwen" and detect(glm).name == "GLM-4.5" and detect("{{ messages }}") is None

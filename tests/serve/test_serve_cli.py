@@ -43,5 +43,6 @@ def test_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     for flag in ("--host", "--port", "--parallel", "--ctx-size", "--api-key", "--metrics", "--max-queue", "--threads",
-                 "--prefill-chunk", "--offload", "--device", "--dtype", "--served-model-name", "--no-cuda-graph"):
+                 "--prefill-chunk", "--offload", "--device", "--dtype", "--served-model-name", "--no-cuda-graph",
+                 "--no-prefix-reuse"):
         assert flag in out

@@ -114,6 +114,19 @@ def test_prompts_sharing_a_prefix_read_it_once(demo):
     assert requests[4].reused >= system - 1  # text[500:] follows the system text too: the kept rows hold it
 
 
+def test_without_prefix_reuse_every_prompt_is_computed_whole(demo):
+    """prefix_reuse off (serve --no-prefix-reuse): identical prompts, running and kept, are each read whole, and get
+    what they get alone."""
+    model, tok = demo
+    text = (Path(moeserve.DEMO_MODEL) / "heldout.txt").read_text()
+    batch = ContinuousBatch(model, tok, slots=2, context=128, prefill_tokens=32, prefix_reuse=False)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    requests = [Request(tok.encode(text[:70]), params, None) for _ in range(3)]
+    updates = run(batch, requests, {0: requests[:2], 8: requests[2:]})
+    assert_alone(model, tok, requests, updates)
+    assert [r.reused for r in requests] == [0, 0, 0]
+
+
 def test_a_kept_row_taken_by_another_prompt_is_overwritten(demo):
     """A row's kept tokens are reused only as far as they match: a prompt differing after a few tokens reads the
     rest into that row, and gets what it gets alone."""

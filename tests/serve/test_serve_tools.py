@@ -1,7 +1,8 @@
 """What applications send a chat server, through the official openai client against the app in process around a
 tiny random Qwen3-MoE that chats as Qwen3 does (qwen_chat.py): structured output held by a grammar, tool calls
 (rendered by the template, forced by a grammar, parsed whole and streamed, fed back), reasoning content and
-chat_template_kwargs."""
+chat_template_kwargs. The template opens a thinking section, after which a grammar starts: the tests of the
+grammar alone turn thinking off (enable_thinking false; the Responses API's reasoning effort "none")."""
 
 import json
 
@@ -26,6 +27,7 @@ from single_thread import one_thread  # noqa: F401 - autouse fixture
 pytest.importorskip("xgrammar")
 CONTEXT = 2048
 USER = [{"role": "user", "content": "what is the weather in paris"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
 
 
@@ -82,7 +84,7 @@ def test_required_tool_call_is_forced_and_parsed(client):
 
 def test_named_tool_call_streams_whole_calls(client):
     kw = dict(model="qwen", messages=USER, tools=[WEATHER, SEARCH], max_tokens=600, temperature=1.0, seed=5,
-              tool_choice={"type": "function", "function": {"name": "search"}})
+              tool_choice={"type": "function", "function": {"name": "search"}}, extra_body=NO_THINKING)
     chunks = list(client.chat.completions.create(stream=True, **kw))
     calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
     assert chunks[-1].choices[0].finish_reason == "tool_calls" and calls
@@ -137,13 +139,37 @@ def test_structured_output_holds_for_20_random_schemas(client):
             text = r.choices[0].text
         else:
             r = client.chat.completions.create(model="qwen", messages=USER, max_tokens=800, temperature=1.0, seed=n,
-                                               response_format=fmt)
+                                               response_format=fmt, extra_body=NO_THINKING)
             text = r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop", (n, text)
         jsonschema.validate(json.loads(text), schema)
     r = client.chat.completions.create(model="qwen", messages=USER, max_tokens=800, temperature=1.0, seed=3,
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "json_object"}, extra_body=NO_THINKING)
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_a_grammar_starts_after_the_thinking_section(qwen, client):
+    """The template opens a thinking section: each choice thinks in free text (no stop token until </think>), then
+    its content is held to the grammar (a JSON schema; a forced tool call), or it runs out of tokens first."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    for extra in ({"response_format": fmt}, {"tools": [WEATHER], "tool_choice": "required"}):
+        r = client.chat.completions.create(model="qwen", messages=USER, max_tokens=200, temperature=1.0, seed=1, n=8,
+                                           **extra)
+        closed = [c for c in r.choices if c.finish_reason != "length"]
+        assert closed and all(c.message.reasoning_content for c in r.choices)
+        for c in closed:
+            if "tools" in extra:
+                assert c.finish_reason == "tool_calls" and c.message.content is None
+                check_call(c.message.tool_calls[0], {"get_weather": SCHEMAS["get_weather"]})
+            else:
+                assert c.finish_reason == "stop" and json.loads(c.message.content) in ({"ok": True}, {"ok": False})
+            with pytest.raises(json.JSONDecodeError):  # free text, not the grammar's JSON
+                json.loads(c.message.reasoning_content)
+    _, http = qwen
+    r = http.post("/v1/responses", json={"input": "x", "reasoning": {"effort": "high"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
 
 
 def test_responses_api_whole_and_streamed(qwen, client):
@@ -174,7 +200,8 @@ def test_responses_api_tools_and_structured_output(client):
     tools = [{"type": "function", **t["function"]} for t in (WEATHER, SEARCH)]
     kw = dict(model="qwen", input=[{"role": "user", "content": "weather?"}, call,
                                    {"type": "function_call_output", "call_id": "call_3", "output": "sunny"}],
-              tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=300, temperature=1.0)
+              tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=300, temperature=1.0,
+              reasoning={"effort": "none"})
     r = client.responses.create(**kw)
     calls = [i for i in r.output if i.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1
@@ -186,6 +213,7 @@ def test_responses_api_tools_and_structured_output(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
               "required": ["ok", "n"], "additionalProperties": False}
     r = client.responses.create(model="qwen", input="json please", max_output_tokens=300, temperature=1.0,
-                                text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}})
+                                text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
+                                reasoning={"effort": "none"})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), schema)
