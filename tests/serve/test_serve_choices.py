@@ -3,8 +3,6 @@ engine (4 slots), talked to with the official openai client. The choices of one 
 first reads it, the others copy its columns: Request.reused); a seeded choice i samples as an n = 1 request with seed
 + i would."""
 
-import sys
-import time
 from pathlib import Path
 
 import openai
@@ -91,13 +89,6 @@ def test_n_choices_stream_interleaved_with_one_usage_chunk(client):
     assert sum(c.usage is not None for c in chunks) == 1
 
 
-def test_greedy_choices_are_equal(client):
-    """n = 3 without sampling: three choices, the same tokens each."""
-    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt(5)}], n=3,
-                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert len(r.choices) == 3 and len({c.message.content for c in r.choices}) == 1
-
-
 def test_best_of_answers_the_n_of_highest_cumulative_logprob(client):
     kw = dict(model="demo", prompt=prompt(2), max_tokens=6, temperature=1.2, seed=11, extra_body={"ignore_eos": True})
     every = client.completions.create(n=4, logprobs=0, **kw)
@@ -152,37 +143,3 @@ def test_cached_tokens_and_the_prefix_reuse_metrics(served, client):
     chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt(4)}],
                                           max_tokens=2)
     assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
-
-
-@pytest.fixture(scope="module")
-def long_context(tmp_path_factory):
-    """The app around a tiny random Mixtral-shaped checkpoint of 4,096 positions (bench/random_checkpoint.py's tiny
-    shape, one layer, the byte vocabulary): room for a 1,000-token shared prefix."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from random_checkpoint import shape_config, write_random_checkpoint
-
-    path = tmp_path_factory.mktemp("tiny-long")
-    write_random_checkpoint(shape_config("tiny", 1), path, device=torch.device("cpu"))
-    model, tok = moeserve.load_model(path, dtype=torch.float32), load_tokenizer(path)
-    engine = Engine(ContinuousBatch(model, tok, slots=2, context=2048), Metrics("tiny", 2), max_queue=2, threads=1)
-    engine.start()
-    state = ServerState(tok, ChatTemplate.from_dir(path), "tiny", 2048, 258, Metrics("tiny", 2), engine=engine)
-    yield TestClient(build_app(state))
-    engine.stop()
-
-
-def test_a_shared_1000_token_prefix_is_reused(long_context):
-    """Two completions sharing a 1,000-token prefix: the second reports the prefix as cached tokens, and its time to
-    first token (printed, not asserted: a timing) drops."""
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=long_context, max_retries=0)
-    prefix = (TEXT * 2)[:1000]  # 1,000 bytes: 1,000 tokens of the byte vocabulary
-    ttft, usage = [], []
-    for tail in (" First question?", " Second one?"):
-        start = time.perf_counter()
-        r = client.completions.create(model="tiny", prompt=prefix + tail, max_tokens=1, temperature=0)
-        ttft.append(time.perf_counter() - start)
-        usage.append(r.usage)
-    print(f"time to first token: {ttft[0] * 1e3:.1f} ms, then {ttft[1] * 1e3:.1f} ms with "
-          f"{usage[1].prompt_tokens_details.cached_tokens} of {usage[1].prompt_tokens} prompt tokens cached")
-    assert usage[0].prompt_tokens_details.cached_tokens == 0
-    assert usage[1].prompt_tokens_details.cached_tokens >= 1000
