@@ -296,8 +296,11 @@ class ContinuousBatch:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Each request's next token from its row of logits [B, V], with its own sampling parameters; a request
-        whose own part raises (its token, logprobs, text, stop checks, update) fails alone (_fail)."""
-        logits = logits.float()
+        whose own part raises (its token, logprobs, text, stop checks, update) fails alone (_fail). Greedy rows
+        without logprobs or a grammar take the argmax of the logits as they are (the same token in any float dtype);
+        the others read float32 logits."""
+        if not all(r.params.greedy and r.top_logprobs is None and r.constraint is None for r in requests):
+            logits = logits.float()
         errors: dict[int, Exception] = {}
         tokens = self._draw(requests, logits, errors)
         if self.sync_tokens is not None:  # rank 0's: a request it failed fails on every rank
@@ -316,6 +319,8 @@ class ContinuousBatch:
         """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
         exception in errors, by index). A request with a constraint draws from the tokens it allows (its row of
         the masked rows), and its constraint accepts the token drawn."""
+        if all(r.params.greedy and r.constraint is None for r in requests):
+            return logits.argmax(-1).tolist()  # every row plain greedy: one argmax, no row indexing
         tokens = [FAILED] * len(requests)
         bound = [i for i, r in enumerate(requests) if r.constraint is not None]
         masked = constrain(logits, bound, [requests[i].constraint for i in bound], errors) if bound else None

@@ -69,7 +69,8 @@ class StepRunner:
             self.use_graph, self.graphs, self.outputs, self.carried, self.pending = False, [], [], [], []
         if self.use_graph:
             for buf, x in zip(self.inputs, inputs):
-                buf.copy_(x)
+                if buf is not x:  # the decoder passes its own static buffers (SlotDecoder._stage)
+                    buf.copy_(x)
         else:
             self.inputs, self.carried, self.pending = list(inputs), [], []
         for i in range(len(self.cuts) + 1):
@@ -113,7 +114,7 @@ class StepRunner:
         """Each segment after `warmup` eager runs on a side stream (Triton compiles, allocator fills; a segment's
         inputs are the static tensors of the segments before it, written by the real step that follows: the
         warm-up runs write only the KV slot that step writes anyway)."""
-        self.inputs = [x.clone() for x in inputs]
+        self.inputs = list(inputs)  # the decoder's buffers, the same tensors every step
         pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for i in range(len(self.cuts) + 1):
             graph, out = capture(self._segment(i), self.warmup, self.model.device, pool)
@@ -162,6 +163,7 @@ class SlotDecoder:
         self.model, self.kv, self.use_graph, self.warmup = model, kv, graph, warmup
         self.static = graph if static is None else static
         self.runners: dict[int, StepRunner] = {}  # padded size -> its step
+        self.staged: dict[int, tuple] = {}  # padded size -> (pinned host, device, copy event, input views): _stage
         self.pool = None
 
     def __call__(self, tokens: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
@@ -169,16 +171,33 @@ class SlotDecoder:
         device, B = self.model.device, len(rows)
         if self.static:
             size = padded_batch(B, self.kv.slots)
-            pad = size - B
-            logits = self._runner(size)(
-                torch.tensor(tokens + [0] * pad, device=device)[:, None],  # tokens [Bp, 1]
-                torch.tensor(positions + [0] * pad, device=device)[:, None],  # positions [Bp, 1]
-                torch.tensor(rows + [self.kv.spare] * pad, device=device))  # rows [Bp]
+            logits = self._runner(size)(*self._stage(size, tokens, positions, rows))
             self.kv.commit()
             return logits[:B, -1]
         self.kv.use(rows, max(positions) + 1)
         tokens_t, positions_t = (torch.tensor(x, device=device)[:, None] for x in (tokens, positions))  # [B, 1]
         return self.model(tokens_t, positions_t, kv=self.kv, last_only=True)[:, -1]
+
+    def _stage(self, size: int, tokens: list[int], positions: list[int], rows: list[int]) -> tuple[torch.Tensor, ...]:
+        """The step's inputs at padded size `size` (pad entries: token 0 at position 0 in the cache's spare row) in
+        the decoder's own buffers: written in a pinned host buffer, then one copy to the device; -> tokens [Bp, 1],
+        positions [Bp, 1], rows [Bp], the same tensors every step (a graph's static inputs)."""
+        if size not in self.staged:
+            cuda = self.model.device.type == "cuda"
+            host = torch.empty(3, size, dtype=torch.long, pin_memory=cuda)  # [3, Bp]: tokens, positions, rows
+            dev = host.to(self.model.device) if cuda else host
+            self.staged[size] = (host, dev, torch.cuda.Event() if cuda else None,
+                                 (dev[0].view(size, 1), dev[1].view(size, 1), dev[2]))
+        host, dev, copied, inputs = self.staged[size]
+        if copied is not None:
+            copied.synchronize()  # the last step's copy has read the host buffer (done: its logits were read)
+        B, view = len(rows), host.numpy()
+        view[0, :B], view[1, :B], view[2, :B] = tokens, positions, rows
+        view[:2, B:], view[2, B:] = 0, self.kv.spare
+        if copied is not None:
+            dev.copy_(host, non_blocking=True)
+            copied.record()
+        return inputs
 
     def graphed_sizes(self) -> list[int]:
         """The padded sizes whose step is captured (whole, or in segments)."""
