@@ -2,7 +2,7 @@
 
 POST /v1/completions, POST /v1/chat/completions (stream: server-sent events ending `data: [DONE]`), POST
 /v1/responses (serve/responses_api.py), GET /v1/models, GET /health (503 while the model loads), GET /metrics (unless --no-metrics), POST /tokenize,
-POST /detokenize. With --api-key, /v1/* and the tokenizer endpoints need `Authorization: Bearer KEY` (the scheme in
+POST /detokenize; the /v1 ones also without the prefix (/chat/completions: llama-server serves both). With --api-key, /v1/* and the tokenizer endpoints need `Authorization: Bearer KEY` (the scheme in
 any case). With --allowed-origins, browsers on those origins may call it (CORS, preflights answered).
 Every error is OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 
@@ -204,6 +204,10 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)
         return fmt.whole("".join(text), finish, responses_usage(len(chat.ids), sampled, cached_tokens(jobs)))
 
+    # the same endpoints without /v1, for clients whose base URL has none (llama-server serves both)
+    for path, endpoint, method in (("/models", models, "GET"), ("/completions", completions, "POST"),
+                                   ("/chat/completions", chat_completions, "POST"), ("/responses", responses, "POST")):
+        app.add_api_route(path, endpoint, methods=[method])
     return app
 
 

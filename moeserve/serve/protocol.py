@@ -57,8 +57,9 @@ class StreamOptions(Strict):
 
 
 class JsonSchemaSpec(Strict):
-    """response_format.json_schema: the schema the answer must match (strict or not, the grammar holds it)."""
-    name: str = Field(min_length=1)
+    """response_format.json_schema: the schema the answer must match (strict or not, the grammar holds it). The name
+    is optional: nothing reads it, and clients written for llama-server leave it out."""
+    name: str | None = Field(default=None, min_length=1)
     schema_: dict = Field(default_factory=dict, alias="schema")
     description: str | None = None
     strict: bool | None = None
@@ -346,11 +347,16 @@ class TextFormat(Strict):
     description: str | None = None
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("schema is required with type 'json_schema'")
+        return self
+
     def response_format(self) -> ResponseFormat:
         if self.type != "json_schema":
             return ResponseFormat(type=self.type)
-        spec = JsonSchemaSpec.model_validate({"name": self.name or "output", "schema": self.schema_ or {},
-                                              "strict": self.strict})
+        spec = JsonSchemaSpec.model_validate({"name": self.name, "schema": self.schema_, "strict": self.strict})
         return ResponseFormat(type="json_schema", json_schema=spec)
 
 

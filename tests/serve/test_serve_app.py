@@ -177,3 +177,34 @@ def test_ignore_eos_cannot_outrun_a_grammar(app):
     r = app.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "ignore_eos" in r.json()["error"]["message"]
 
+
+
+def test_endpoints_answer_without_the_v1_prefix(app):
+    """/chat/completions, /completions, /responses and /models are the /v1 endpoints (llama-server serves both)."""
+    chat = {**CHAT, "max_tokens": 4, "temperature": 0}
+    for path, body in (("/chat/completions", chat), ("/completions", {"prompt": "KING.", "max_tokens": 4,
+                                                                       "temperature": 0})):
+        short, full = app.post(path, json=body), app.post("/v1" + path, json=body)
+        assert short.status_code == 200 and full.status_code == 200, short.text
+        assert short.json()["choices"] == full.json()["choices"]
+    r = app.post("/responses", json={"input": "Who's there?", "max_output_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["output"][0]["type"] == "message", r.text
+    assert app.get("/models").json() == app.get("/v1/models").json()
+    assert app.delete("/chat/completions").status_code == 405
+
+
+def test_json_schema_without_a_name_is_held(app):
+    pytest.importorskip("xgrammar")
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 7}, "minItems": 2, "maxItems": 2}
+    r = app.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "response_format": {
+        "type": "json_schema", "json_schema": {"schema": schema}}})
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert len(answer) == 2 and all(isinstance(x, int) and 3 <= x <= 7 for x in answer)
+
+
+def test_responses_json_schema_needs_a_schema(app):
+    r = app.post("/v1/responses", json={"input": "x", "max_output_tokens": 2,
+                                         "text": {"format": {"type": "json_schema", "name": "f"}}})
+    assert r.status_code == 400, r.text
+    assert "schema is required" in r.json()["error"]["message"] and r.json()["error"]["param"].startswith("text")
