@@ -22,7 +22,7 @@ from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.kernels.cpu.machine import physical_cores
 from moeserve.loader import resolve_device, resolve_dtype
 from moeserve.offload.budget import available_ram, check_budget
-from moeserve.offload.disk_cache import check_budget as check_disk_budget
+from moeserve.offload.disk_cache import check_disk_budget
 from moeserve.offload.store import ExpertStore
 from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout
 from moeserve.plan.hardware import load_or_measure

@@ -87,12 +87,23 @@ def minimum_budget(store: ExpertStore, precisions: tuple[bool, ...], top_k: int)
     return top_k * slot_bytes(store, precisions)
 
 
-def check_budget(store: ExpertStore, precisions: tuple[bool, ...], top_k: int, budget: int) -> None:
+def check_disk_budget(store: ExpertStore, precisions: tuple[bool, ...], top_k: int, budget: int) -> None:
     """A MoeserveError naming the minimum when `budget` cannot hold one token's experts of a layer."""
     need = minimum_budget(store, precisions, top_k)
     if budget < need:
         raise MoeserveError(f"--cpu-memory {format_bytes(budget)} is below the disk tier's minimum of "
                             f"{format_bytes(need)} ({top_k} experts, one layer's top-k); give at least that")
+
+
+def _arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """The cache's bytes, page-locked when asked and the OS allows it (else pageable, with a note)."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:
+            print(f"moeserve: note: could not pin the disk tier's {format_bytes(nbytes)} RAM cache "
+                  f"({str(e).splitlines()[0]}); it stays pageable", file=sys.stderr)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class DiskCache:
@@ -103,7 +114,7 @@ class DiskCache:
         if store.path is None:
             raise MoeserveError("--cpu-memory needs an expert store on disk (--offload STORE from "
                                 "`moeserve offload-prepare`)")
-        check_budget(store, precisions, top_k, budget)
+        check_disk_budget(store, precisions, top_k, budget)
         self.store, self.budget = store, budget
         self.extents = {}  # layer -> name -> Extent
         for layer in layers:
@@ -115,39 +126,35 @@ class DiskCache:
             self.extents[layer] = layer_extents(f)
         self.slot_size = slot_bytes(store, precisions)
         self.slots = budget // self.slot_size
-        self.arena = torch.empty(self.slots * self.slot_size, dtype=torch.uint8, pin_memory=pin)  # [budget] bytes
+        self.arena = _arena(self.slots * self.slot_size, pin)  # [slots * slot_size <= budget] bytes
         self._arena_np = self.arena.numpy()
         self._free = list(range(self.slots - 1, -1, -1))
         self._where: OrderedDict[tuple[int, int, bool], tuple[int, list[torch.Tensor], int]] = OrderedDict()
         self.held_bytes = 0  # bytes of the experts the slots hold now
-        self.stats = DiskStats(direct=direct)
-        self._fds = {layer: self._open(store.layer_file(layer)) for layer in layers}
+        self.stats = DiskStats()
         largest = max(e.nbytes for extents in self.extents.values() for e in extents.values())
         self._bounce = mmap.mmap(-1, _aligned(largest, ALIGN) + 2 * ALIGN)  # page-aligned
-        if direct and not self._direct_works(layers[0]):
-            self.stats.direct = False
-            for layer, fd in self._fds.items():
-                os.close(fd)
-                self._fds[layer] = self._open(store.layer_file(layer))
-            print(f"moeserve: note: {store.path}'s filesystem refuses O_DIRECT; the disk tier reads through the page "
-                  f"cache and drops what it read (posix_fadvise DONTNEED)", file=sys.stderr)
-
-    def _open(self, path: Path) -> int:
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.stats.direct else 0)
-        try:
-            return os.open(path, flags)
-        except OSError:
+        self._fds: dict[int, int] = {}
+        if direct and hasattr(os, "O_DIRECT"):
+            self.stats.direct = self._open_direct(layers)
             if not self.stats.direct:
-                raise
-            return os.open(path, os.O_RDONLY)  # _direct_works sees the reads fail or not
+                print(f"moeserve: note: {store.path}'s filesystem refuses O_DIRECT; the disk tier reads through the "
+                      f"page cache and drops what it read (posix_fadvise DONTNEED)", file=sys.stderr)
+        if not self.stats.direct:
+            self._fds = {layer: os.open(store.layer_file(layer), os.O_RDONLY) for layer in layers}
 
-    def _direct_works(self, layer: int) -> bool:
-        if not hasattr(os, "O_DIRECT"):
-            return False
+    def _open_direct(self, layers: tuple[int, ...]) -> bool:
+        """Open the layer files with O_DIRECT and read a block of the first; False (nothing left open) where the
+        filesystem refuses either."""
         try:
-            os.preadv(self._fds[layer], [memoryview(self._bounce)[:ALIGN]], 0)
+            for layer in layers:
+                self._fds[layer] = os.open(self.store.layer_file(layer), os.O_RDONLY | os.O_DIRECT)
+            os.preadv(self._fds[layers[0]], [memoryview(self._bounce)[:ALIGN]], 0)
             return True
         except OSError:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
             return False
 
     # ---- lookups ---------------------------------------------------------------------------------------

@@ -162,3 +162,15 @@ def test_bench_script_quick(tmp_path):
     assert result["same_tokens"] and result["store_expert_bytes"] >= 1.49 * result["cpu_memory"]
     assert result["disk_tg_tokens_per_s"] > 0 and result["tg_disk_bytes_per_token"] > 0
     assert result["disk_held_bytes"] <= result["cpu_memory"]
+
+
+def test_a_filesystem_without_o_direct_reads_through_the_page_cache(store_dir, monkeypatch, capsys):
+    """Where O_DIRECT is refused the cache says so in one note and reads buffered, the same bytes."""
+    monkeypatch.setattr(DiskCache, "_open_direct", lambda self, layers: False)
+    store = ExpertStore.open(store_dir)
+    cache = DiskCache(store, tuple(store.meta["layers"]), 1 << 20, (False,), top_k=2)
+    assert not cache.stats.direct and "refuses O_DIRECT" in capsys.readouterr().err
+    for got, want in zip(cache.parts(store.meta["layers"][-1], 3, False), store.host_parts(store.meta["layers"][-1],
+                                                                                              3, False), strict=True):
+        assert torch.equal(got, want)
+    cache.close()
