@@ -137,6 +137,17 @@ def test_cli_generate_and_bench_with_a_ram_cap(capsys, byte_model_dir, store_dir
     assert disk["disk_bytes_read"] > 0 and disk["disk_held_bytes"] <= int(cap)
 
 
+def test_llm_takes_the_cap_as_a_keyword(byte_model_dir, store_dir):
+    """LLM(..., cpu_memory=bytes) runs the disk tier: the same tokens as LLM without it."""
+    options = dict(cpu_moe=True, offload=str(store_dir), device="cpu", context=32)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = [r.token_ids for r in moeserve.LLM(byte_model_dir, **options).generate([[5, 9, 200, 7]], params)]
+    cap = expert_total(ExpertStore.open(store_dir), False) // 2
+    llm = moeserve.LLM(byte_model_dir, cpu_memory=cap, **options)
+    assert [r.token_ids for r in llm.generate([[5, 9, 200, 7]], params)] == expected
+    assert llm.plan.disk_budget == cap and llm.runtime.hybrid.disk.stats.bytes_read > 0
+
+
 def test_cli_errors(expect_cli_error, byte_model_dir, store_dir):
     gen = ["generate", "--model", byte_model_dir, "--max-new-tokens", "2", "--device", "cpu"]
     need = minimum_budget(ExpertStore.open(store_dir), (False,), 2)
