@@ -31,6 +31,7 @@ from moeserve.plan.placement import PlanRequest, check_dense_budget, moe_layer_c
 from moeserve.plan.placement import plan_placement as choose_placement
 from moeserve.quant.manifest import read_manifest, refuse_quantized
 from moeserve.spec import ModelSpec
+from moeserve.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,9 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     disk_budget = config.hybrid.cpu_memory_bytes
     if disk_budget is not None:
         check_disk_budget(store, read_precisions(placement), spec.moe.top_k, disk_budget)
-        check_host_ram(disk_budget)
+        if disk_budget > available_ram():
+            raise MoeserveError(f"--cpu-memory {format_bytes(disk_budget)} is more than the "
+                                f"{format_bytes(available_ram())} of host RAM available now; give at most that")
     else:
         check_host_ram(footprint(spec, layout).host["expert store"])
     return replace(plan, store=store, low_bits=low_bits, disk_budget=disk_budget)

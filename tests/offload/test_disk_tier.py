@@ -155,6 +155,8 @@ def test_cli_errors(expect_cli_error, byte_model_dir, store_dir):
                             "below the disk tier's minimum", watch=store_dir)
     assert "give at least" in line
     expect_cli_error(gen + ["--cpu-moe", "--cpu-memory", "1GiB"], "needs --offload STORE")
+    expect_cli_error(gen + ["--cpu-moe", "--offload", store_dir, "--cpu-memory", "100000GiB"], "of host RAM available",
+                     watch=store_dir)
     expect_cli_error(gen + ["--cpu-moe", "--offload", store_dir, "--cpu-memory", "lots"], "is not a size",
                      watch=store_dir)
     expect_cli_error(gen + ["--cpu-moe", "--offload", store_dir, "--cpu-memory", "1GiB", "--gpu-cache-experts", "2"],
