@@ -30,6 +30,7 @@ from moeserve.parallel.launch import init_from_env
 from moeserve.parallel.loading import load_parallel_model
 from moeserve.plan.footprint import plan_slots
 from moeserve.plan.placement import dense_layout
+from moeserve.quant.manifest import read_manifest
 from moeserve.runtime import RunPlan, dense_request
 
 
@@ -95,7 +96,10 @@ def read_store(reader: CheckpointReader, plan: RunPlan, dtype: torch.dtype, devi
     pass through `reader`, one layer at a time."""
     from moeserve.hybrid.setup import store_settings  # its device link needs triton
 
-    s = store_settings(plan.spec, plan.hybrid, device)
+    manifest = read_manifest(reader.path)
+    s = store_settings(plan.spec, plan.hybrid, device, manifest is not None)
+    if manifest is not None:  # a quantized checkpoint's experts, as stored
+        return ExpertStore.from_quantized(reader.path, manifest, list(s.layers), dtype, s.pin, progress)
     return ExpertStore.from_sources(plan.spec, source_layers(reader, plan.spec, list(s.layers), progress), s.low_bits,
                                     s.group, dtype, s.device, s.high, s.pin, mxfp4=True)
 

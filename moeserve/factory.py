@@ -60,8 +60,7 @@ def store_low_copies(p: LayerPlacement, src: ExpertSources) -> nn.Module:
     """The store's low-bit copies of the layer's experts (with their biases, if any) on the model device, computed
     with the store's gated activation."""
     store = src.store
-    pairs = [store.quantized_modules([t.to(src.device) for t in store.host_parts(p.layer, e, low=True)])
-             for e in range(layer_experts(store.meta, p.layer))]
+    pairs = [store.expert_modules(p.layer, e, src.device) for e in range(layer_experts(store.meta, p.layer))]
     return QuantizedExperts([g for g, _ in pairs], [d for _, d in pairs], store.act)
 
 

@@ -29,7 +29,7 @@ from moeserve.plan.hardware import load_or_measure
 from moeserve.plan.layers import LayerPlacement, Shard, hybrid_layers, offload_layers, resident_layers
 from moeserve.plan.placement import PlanRequest, check_dense_budget, moe_layer_count
 from moeserve.plan.placement import plan_placement as choose_placement
-from moeserve.quant.manifest import read_manifest, refuse_quantized
+from moeserve.quant.manifest import read_manifest
 from moeserve.spec import ModelSpec
 from moeserve.units import format_bytes
 
@@ -65,7 +65,7 @@ class RunPlan:
             return resident_layers(spec, dtype_bytes, read_manifest(Path(config.model)), Shard(p.ep, p.tp))
         if self.hybrid is not None:
             low_bits, group = ((self.store.meta["low_bits"], self.store.meta["group"]) if self.store is not None
-                               else store_precision(spec, self.hybrid))
+                               else stored_experts(config) or store_precision(spec, self.hybrid))
             return hybrid_layers(spec, self.hybrid, dtype_bytes, low_bits, group, mapped=self.store is not None)
         if config.offload:
             return offload_layers(spec, dtype_bytes, mixed=not config.cache.all_high)
@@ -115,14 +115,17 @@ def plan_placement(plan: RunPlan) -> RunPlan:
     --experts-bits, --gpu-cache-experts and --dense-bits narrow the candidates."""
     config, spec = plan.config, plan.spec
     budget = config.gpu_memory_bytes
-    refuse_quantized(Path(config.model), "--gpu-memory (the placement planner)")
+    stored = stored_experts(config)
+    if stored is not None:  # the planner places a quantized checkpoint's experts at their stored bits
+        check_stored_bits(config, stored[0])
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cuda":
         check_budget(budget, device)
     h = config.hybrid
     req = PlanRequest(budget if device.type == "cuda" else None, available_ram(), dtype.itemsize,
-                      str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens, bits=h.experts_bits,
+                      str(dtype).removeprefix("torch."), plan.kv_batch, plan.kv_tokens,
+                      bits=h.experts_bits if stored is None else stored[0], group=None if stored is None else stored[1],
                       cpu_layers=None if plan.hybrid is None else len(plan.hybrid.cpu_layers),
                       cache_slots=h.gpu_cache_experts, dense_bits=config.dense_bits, pass_tokens=largest_pass(plan),
                       blas_workspaces=blas_workspaces(plan))
@@ -155,6 +158,8 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     if config.offload:
         store = ExpertStore.open(config.offload)
         store.check_model(spec, config.model)
+        if store.quantized:  # a quantized checkpoint's experts run at its bits
+            placement = stored_placement(config, placement, store.meta["low_bits"])
         low_bits, group = store.meta["low_bits"], store.meta["group"]
         if placement.low and low_bits != placement.bits:
             raise MoeserveError(f"--experts-bits {placement.bits}: the store {config.offload} holds {low_bits}-bit "
@@ -162,8 +167,10 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
                                 f"(`moeserve offload-prepare --low-bits {placement.bits}`)")
         mapped_bytes = store.part_shapes(low=False)[0][1].itemsize
     else:
-        refuse_quantized(Path(config.model), "--cpu-moe/--n-cpu-moe without --offload STORE")
-        low_bits, group = store_precision(spec, placement)
+        stored = stored_experts(config)
+        if stored is not None:  # a quantized checkpoint's experts run at its bits, from a store of its experts
+            placement = stored_placement(config, placement, stored[0])
+        low_bits, group = stored or store_precision(spec, placement)
     layout = replace(hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
                                    plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes),
                      blas_workspaces=blas_workspaces(plan))
@@ -175,7 +182,29 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
                                 f"{format_bytes(available_ram())} of host RAM available now; give at most that")
     else:
         check_host_ram(footprint(spec, layout).host["expert store"])
-    return replace(plan, store=store, low_bits=low_bits, disk_budget=disk_budget)
+    return replace(plan, hybrid=placement, store=store, low_bits=low_bits, disk_budget=disk_budget)
+
+
+def stored_experts(config: RunConfig) -> tuple[int, int] | None:
+    """(bits, group) of a moeserve quantized checkpoint's experts, which a placement without a float store runs as
+    stored; None for a float checkpoint."""
+    manifest = read_manifest(Path(config.model))
+    return None if manifest is None else (manifest["bits"], manifest["group"])
+
+
+def stored_placement(config: RunConfig, placement: HybridPlacement, bits: int) -> HybridPlacement:
+    """The placement with its experts at a quantized checkpoint's `bits` (check_stored_bits)."""
+    check_stored_bits(config, bits)
+    return replace(placement, bits=bits)
+
+
+def check_stored_bits(config: RunConfig, bits: int) -> None:
+    """A quantized checkpoint's experts run at their stored `bits`: --experts-bits other than those is refused,
+    naming them."""
+    asked = config.hybrid.experts_bits
+    if asked is not None and asked != bits:
+        raise MoeserveError(f"--experts-bits {asked}: {config.model} is a moeserve quantized checkpoint of {bits}-bit "
+                            f"experts, which run as stored; give --experts-bits {bits} or leave it out")
 
 
 def open_offload_store(plan: RunPlan) -> RunPlan:

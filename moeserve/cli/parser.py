@@ -107,12 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     op = sub.add_parser("offload-prepare", help="build the expert store used by generate --offload",
                         description="Write every routed expert in high precision (as in the checkpoint) and low "
-                                    "precision (HQQ) to STORE, one file per layer (memory-mapped when used). "
-                                    "Rerunning an interrupted build resumes it.")
+                                    "precision (HQQ) to STORE, one file per layer (memory-mapped when used); a "
+                                    "moeserve quantized checkpoint's experts as stored. Rerunning an interrupted build "
+                                    "resumes it.")
     op.add_argument("--model", default=str(DEMO_DIR), help="checkpoint directory (default: the demo model)")
     op.add_argument("--out", required=True, help="store directory")
-    op.add_argument("--low-bits", type=int, default=4, help="bits of the low-precision copies: 2, 3, 4 or 8 (default 4)")
-    op.add_argument("--group", type=int, default=64, help="quantization group size (default 64)")
+    op.add_argument("--low-bits", type=int, help="bits of the low-precision copies: 2, 3, 4 or 8 (default 4; a "
+                                                  "moeserve quantized checkpoint: its own, its experts taken as stored)")
+    op.add_argument("--group", type=int, help="quantization group size (default 64; a quantized checkpoint: its own)")
 
     t = sub.add_parser("trace", help="record expert-routing traces and replay them through cache policies",
                        description="Routing traces for the expert cache (HOBBIT): record one from a model reading a "

@@ -17,6 +17,7 @@ from moeserve.offload.host_compute import HostExperts
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2
 from moeserve.offload.store import ExpertStore
 from moeserve.plan.layers import hybrid_layers
+from moeserve.quant.manifest import read_manifest
 from moeserve.spec import ModelSpec
 
 
@@ -41,12 +42,14 @@ class StoreSettings:
     pin: bool
 
 
-def store_settings(spec: ModelSpec, placement: HybridPlacement, device: torch.device) -> StoreSettings:
+def store_settings(spec: ModelSpec, placement: HybridPlacement, device: torch.device,
+                   quantized: bool = False) -> StoreSettings:
     """The experts the placement needs in RAM: unless the experts run low-bit, the high copies (MXFP4 blocks kept as
     shipped: GPT-OSS's CPU computes them packed; else floats in the compute dtype); low-bit copies for low-bit
     experts or mixed precision (quantized on a GPU when there is one: milliseconds a layer there, seconds to minutes
-    on a CPU); page-locked when a GPU cache or the prompt streamer copies from them."""
-    low_bits, group = store_precision(spec, placement)
+    on a CPU); page-locked when a GPU cache or the prompt streamer copies from them. quantized: a moeserve quantized
+    checkpoint's, whose experts the store takes as stored (low_bits and group 0: its own)."""
+    low_bits, group = (0, 0) if quantized else store_precision(spec, placement)
     on_gpu = device.type == "cuda" and bool(low_bits)
     pin = device.type == "cuda" and bool(placement.cache_slots or placement.stream_from)
     return StoreSettings(tuple(store_layers(placement)), low_bits, group, not placement.low,
@@ -56,7 +59,7 @@ def store_settings(spec: ModelSpec, placement: HybridPlacement, device: torch.de
 def build_store(model_path: str | Path, placement: HybridPlacement, dtype: torch.dtype, device: torch.device,
                 progress: bool = True) -> ExpertStore:
     """The store the placement needs (store_settings), read from the checkpoint on its own (no store on disk)."""
-    s = store_settings(ModelSpec.from_dir(model_path), placement, device)
+    s = store_settings(ModelSpec.from_dir(model_path), placement, device, read_manifest(Path(model_path)) is not None)
     return ExpertStore.from_checkpoint(model_path, list(s.layers), s.low_bits, s.group, dtype=dtype, device=s.device,
                                        high=s.high, pin=s.pin, progress=progress, mxfp4=True)
 

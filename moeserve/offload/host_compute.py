@@ -3,6 +3,8 @@ model's dtype, an MXFP4 high copy (a store that keeps GPT-OSS's experts as shipp
 kernels (dequantize + matmul in the model's dtype where they do not build), the low-bit copy through QuantizedLinear
 (the generated CPU kernels for a few rows, else dequantize + matmul), each with the store's biases and gated
 activation (GPT-OSS) as the resident experts apply them. Shared by offload's cooperative mode and the hybrid backend.
+A store of a quantized checkpoint's experts has one copy, its low-bit one, which serves either precision: each expert
+as the resident QuantizedExperts computes it (its compensator at its own rank added in torch: (x V^T) U^T).
 
 A layer's CPU work is one call, `run_layer`. When every pair reads a low-bit copy the generated kernels read, or
 every pair reads an MXFP4 high copy, that is one native call for the whole layer (kernels/cpu moe_layer: grouping,
@@ -16,7 +18,7 @@ added back to their tokens by the resident backend's combine (same order, so the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,7 +70,7 @@ class HostExperts:
         """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
         low-bit copies can (where the kernels read their layout: native_layer), high ones when they are MXFP4 (float
         copies run through torch)."""
-        return self.disk is None and (low or self.store.mxfp4)
+        return self.disk is None and (low or self.store.mxfp4 or self.store.quantized)
 
     def parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
         """One expert's tensors: from the disk tier's cache (valid until its next miss) or the store itself."""
@@ -77,7 +79,7 @@ class HostExperts:
 
     def native_kernel(self, low: bool) -> CpuKernel | None:
         """The generated kernel native layers of this precision run on (None: none builds here)."""
-        return default_kernel(self.store.meta["low_bits"]) if low else default_kernel(4, mxfp4=True)
+        return default_kernel(self.store.meta["low_bits"]) if low or self.store.quantized else default_kernel(4, mxfp4=True)
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
@@ -108,21 +110,27 @@ class HostExperts:
     def low(self, layer: int, expert: int) -> tuple:
         """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once; through the
         disk tier, at each call)."""
-        parts = self.parts(layer, expert, low=True)
         if self.disk is not None:
-            return self.store.quantized_modules(parts)
-        key = parts[0].data_ptr()
+            return self.store.quantized_modules(self.parts(layer, expert, low=True),
+                                                self.store.expert_ranks(layer, expert))
+        key = self.store.host_parts(layer, expert, low=True)[0].data_ptr()
         if key not in self._low:
-            self._low[key] = self.store.quantized_modules(parts)
+            self._low[key] = self.store.expert_modules(layer, expert)
         return self._low[key]
+
+    def with_copy(self, pairs: CpuPairs) -> CpuPairs:
+        """pairs as they read the store: every pair from the low-bit copy in a store of a quantized checkpoint."""
+        return replace(pairs, low=True) if self.store.quantized and pairs.low is not True else pairs
 
     def warm(self, layers: list[int], low: bool) -> None:
         """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
         compute dtype (or an MXFP4 one repacked for the CPU kernels), a low-bit one repacked for the CPU kernels
-        (where they read it); pages a mapped store in. Through the disk tier, nothing: no expert is kept beyond its cache slot."""
+        (where they read it); pages a mapped store in. Through the disk tier, nothing: no expert is kept beyond its
+        cache slot."""
         if self.disk is not None:
             return
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
+        low = low or self.store.quantized
         for layer in layers:
             for e in range(layer_experts(self.store.meta, layer)):
                 if not low:
@@ -139,6 +147,7 @@ class HostExperts:
 
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
+        low = low or self.store.quantized
         if not low and self.store.mxfp4:
             return self.run_mxfp4(layer, [(expert, rows.shape[0])], rows)
         if not low:
@@ -153,6 +162,7 @@ class HostExperts:
         """Every expert of the layer at a precision (low-bit copies, or MXFP4 high copies) repacked for the native
         MoE call with its biases and the store's activation (once per layer), or None where the generated kernels
         do not read them (float high copies, a layout they do not read, no kernel on this machine)."""
+        low = low or self.store.quantized
         key = (layer, low)
         if key not in self._layers:
             self._layers[key] = self._native_experts(layer, x, low) if self.native(low) else None
@@ -168,8 +178,8 @@ class HostExperts:
             return LayerExperts.of([e.gate_up for e in experts], [e.down for e in experts], biases, act)
         mods = [self.low(layer, e) for e in range(n)]
         kernel = self.native_kernel(True)
-        if kernel is None or not all(applies(m, x, None) and m.rank == 0 for m in mods[0]):
-            return None
+        if kernel is None or not all(applies(m, x, None) for m in mods[0]) or any(m.rank for p in mods for m in p):
+            return None  # compensators (a MiLo checkpoint's) are added in torch, expert by expert
         biases = ([g.bias for g, _ in mods], [d.bias for _, d in mods]) if self.store.biased else None
         return LayerExperts.of([packed_weight(g, kernel) for g, _ in mods], [packed_weight(d, kernel) for _, d in mods],
                                biases, act)
@@ -177,6 +187,7 @@ class HostExperts:
     def start_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs, threads: int) -> PendingLayer | None:
         """run_layer on `threads` of the native pool's helpers, returning at once (the result, float32, from
         PendingLayer.result()), where the layer is one native call; else None."""
+        pairs = self.with_copy(pairs)
         experts = self._native_for(layer, x, pairs)
         if experts is None:
             return None
@@ -191,6 +202,7 @@ class HostExperts:
 
     def run_layer(self, layer: int, x: torch.Tensor, pairs: CpuPairs) -> torch.Tensor:
         """x [T, D] on the CPU -> [T, D] in x's dtype: the sum over the pairs of weight * expert(x[token])."""
+        pairs = self.with_copy(pairs)
         experts = self._native_for(layer, x, pairs)
         if experts is not None:
             return moe_layer(self.native_kernel(pairs.low), experts, x, pairs.expert_ids, pairs.weights,

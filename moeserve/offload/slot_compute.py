@@ -156,12 +156,13 @@ class SlotExperts:
                 and self.triton_reads(pool, x, tokens))
 
     def triton_reads(self, pool: int, x: torch.Tensor, tokens: int) -> bool:
-        """A pool of low-bit slots whose layout the Triton low-bit kernels read for `tokens` rows of x's kind, or of
-        MXFP4 slots the Triton MXFP4 kernels read on x's device (device_pass)."""
+        """A pool of low-bit slots without compensators (a MiLo checkpoint's slots compute expert by expert, each
+        QuantizedLinear adding its own) whose layout the Triton low-bit kernels read for `tokens` rows of x's kind, or
+        of MXFP4 slots the Triton MXFP4 kernels read on x's device (device_pass)."""
         first = self.pools[pool].weights[0]
         if isinstance(first, Mxfp4Expert):
             return triton_serves(x) and x.dtype in TRITON_DTYPES
-        return (isinstance(first, tuple) and isinstance(first[0], QuantizedLinear)
+        return (isinstance(first, tuple) and isinstance(first[0], QuantizedLinear) and not any(m.rank for m in first)
                 and all(triton_applies(x, tokens, m.bits, m.group, m.in_features) for m in first))
 
     def stacks(self, pool: int):

@@ -11,6 +11,10 @@ slot dequantizes as it computes (quant/mxfp4.Mxfp4Expert). Experts with biases (
 (expert_bias, expert_act), which every backend computing from the store applies; stores of other families hold
 neither the tensors nor the fields.
 
+A store built from a moeserve quantized checkpoint (offload/quantized_source.py) holds the checkpoint's experts as
+they are: one low-bit copy at its bits and group (meta "quantized"), with MiLo's compensators as further parts, served
+for either precision.
+
 Provenance, so that a store never silently serves another model's experts:
   - each layer file records in its header the sha256 of the source experts it was made from and its
     low-precision settings; a rebuild reuses a file only when both match the source and settings it has now;
@@ -35,19 +39,20 @@ from moeserve.checkpoint import (CheckpointReader, check_output_dir, checkpoint_
                                  write_text_atomic)
 from moeserve.errors import MoeserveError
 from moeserve.kernels import pack
+from moeserve.offload.quantized_source import (LOW_PARTS, PROJECTIONS, part_leaves, projection_shapes,
+                                               quantized_form, read_layer)
 from moeserve.progress import track
-from moeserve.quant import hqq, mxfp4
-from moeserve.quant.manifest import read_manifest, refuse_quantized
+from moeserve.quant import hqq, milo, mxfp4
+from moeserve.quant.manifest import read_manifest
 from moeserve.quant.qlinear import QuantizedLinear
 from moeserve.spec import ClampedSwiGLU, ModelSpec
 
 META_FILE = "expert_store.json"
-LOW_PARTS = ("qweight", "scale", "zero")
 MXFP4_PARTS = ("blocks", "scales")  # a projection's high copy in a store that keeps MXFP4 as shipped
-PROJECTIONS = ("gate_up", "down")
 UNITS_LAYOUT = 2  # pack.py layout whose 3-bit rows are read by a permutation (pack.planar_from_units)
 PROVENANCE = "moeserve_expert_store"  # safetensors metadata key of a layer file: what it was made from
 META_FIELDS = ("layers", "num_experts", "hidden", "ffn", "low_bits", "group")
+DEFAULT_LOW_BITS, DEFAULT_GROUP = 4, 64  # offload-prepare's low-bit copies of a float checkpoint
 
 
 def _layer_file(path: Path, layer: int) -> Path:
@@ -123,7 +128,10 @@ def _well_formed(meta) -> bool:
     if not isinstance(meta, dict) or any(k not in meta for k in META_FIELDS):
         return False
     layers, source, act = meta["layers"], meta.get("source", {}), meta.get("expert_act")
+    quantized = meta.get("quantized", {"rank": 0, "compensator_bits": 16, "ranks": {}})
     return (isinstance(layers, list) and bool(layers) and all(isinstance(i, int) for i in layers)
+            and isinstance(quantized, dict) and isinstance(quantized.get("rank"), int)
+            and quantized.get("compensator_bits") in (3, 8, 16) and isinstance(quantized.get("ranks"), dict)
             and isinstance(source, dict) and isinstance(source.get("layers_sha256", {}), dict)
             and isinstance(meta.get("expert_bias", False), bool)
             and (act is None or isinstance(act, dict) and all(isinstance(act.get(k), (int, float))
@@ -142,7 +150,7 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
         raise MoeserveError(f"{e}; {_rebuild_hint(path)}") from None
     D, F = meta["hidden"], meta["ffn"]
     for e in range(layer_experts(meta, layer)):
-        shapes = ([(f"{e}.high.{n}.{p}", [rows, cols // mxfp4.BLOCK] + ([mxfp4.BLOCK // 2] if p == "blocks" else []))
+        shapes = (quantized_shapes(meta, e) if "quantized" in meta else [(f"{e}.high.{n}.{p}", [rows, cols // mxfp4.BLOCK] + ([mxfp4.BLOCK // 2] if p == "blocks" else []))
                    for n, (rows, cols) in zip(PROJECTIONS, ((2 * F, D), (D, F))) for p in MXFP4_PARTS]
                   if meta.get("high_mxfp4") else [(f"{e}.high.gate_up", [2 * F, D]), (f"{e}.high.down", [D, F])])
         if meta.get("expert_bias"):
@@ -156,6 +164,13 @@ def check_layer_file(path: Path, layer: int, meta: dict) -> None:
         if read_provenance(f, header) != _provenance(recorded, meta["low_bits"], meta["group"]):
             raise MoeserveError(f"{f} was not built with the source and settings {META_FILE} records; "
                                 f"{_rebuild_hint(path)}")
+
+
+def quantized_shapes(meta: dict, e: int) -> list[tuple[str, list[int]]]:
+    """(name, shape) of expert e's parts in a store of a quantized checkpoint (biases aside)."""
+    D, F, form = meta["hidden"], meta["ffn"], meta["quantized"]
+    return [(f"{e}.low.{n}.{leaf}", shape) for n, (rows, cols) in zip(PROJECTIONS, ((2 * F, D), (D, F)))
+            for leaf, shape in projection_shapes(form, meta["low_bits"], meta["group"], rows, cols).items()]
 
 
 class SourceExperts:
@@ -283,6 +298,23 @@ def model_expert_sample(path: Path, spec) -> str:
     return sample
 
 
+def quantized_meta(spec, manifest: dict, form: dict, digests: dict[int, str], path: Path) -> dict:
+    """expert_store.json of a store of a quantized checkpoint's experts (offload/quantized_source.py)."""
+    source = store_source(digests, model_expert_sample(path, spec))
+    meta = store_meta(spec, list(digests), manifest["bits"], manifest["group"], source)
+    return {**meta, "quantized": form}
+
+
+def check_stored_bits(path, manifest: dict, bits: int | None, group: int | None, asked: str) -> None:
+    """A MoeserveError naming the stored bits and group when `asked` wants other ones of a quantized checkpoint
+    (None: not asked)."""
+    stored = (manifest["bits"], manifest["group"])
+    if bits not in (None, stored[0]) or group not in (None, stored[1]):
+        raise MoeserveError(f"{asked} {bits or stored[0]}/{group or stored[1]}: {path} is a moeserve quantized "
+                            f"checkpoint of {stored[0]}-bit experts (group {stored[1]}), which the store takes as "
+                            f"they are; give {stored[0]}/{stored[1]} or leave them out")
+
+
 def read_provenance(f: Path, header: dict | None = None) -> dict | None:
     """What a layer file says it was made from, or None for a damaged, truncated or unmarked file."""
     try:
@@ -356,9 +388,14 @@ class ExpertStore:
                         group: int = 64, dtype: torch.dtype | None = None, device=None, high: bool = True,
                         pin: bool = False, progress: bool = True, mxfp4: bool = False) -> "ExpertStore":
         """The store of a checkpoint's MoE layers `layers` (default: all) built in RAM, nothing written: what
-        offload-prepare writes, for a run that has no store on disk (from_sources says what the options do)."""
+        offload-prepare writes, for a run that has no store on disk (from_sources says what the options do). A
+        moeserve quantized checkpoint's experts are taken as stored (from_quantized): low_bits must be its bits (or
+        0), group, device, high and mxfp4 are moot."""
+        manifest = read_manifest(Path(model_path))
+        if manifest is not None:
+            check_stored_bits(model_path, manifest, low_bits or None, None, "the low-bit experts")
+            return cls.from_quantized(model_path, manifest, layers, dtype, pin, progress)
         spec = ModelSpec.from_dir(model_path)
-        refuse_quantized(Path(model_path), "building an expert store")
         reader = CheckpointReader(model_path)
         chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
         return cls.from_sources(spec, source_layers(reader, spec, chosen, progress), low_bits, group, dtype, device,
@@ -392,16 +429,41 @@ class ExpertStore:
         return cls({**meta, "high_mxfp4": True} if mxfp4 else meta, tensors.__getitem__)
 
     @classmethod
-    def build(cls, model_path: str | Path, out: str | Path, low_bits: int = 4, group: int = 64,
+    def from_quantized(cls, model_path: str | Path, manifest: dict, layers: list[int] | None = None,
+                       dtype: torch.dtype | None = None, pin: bool = False,
+                       progress: bool = True) -> "ExpertStore":
+        """The store of a moeserve quantized checkpoint's MoE layers `layers` (default: all) in RAM: its experts as
+        stored (offload/quantized_source.py), biases in `dtype`; pin as from_checkpoint's."""
+        spec, reader = ModelSpec.from_dir(model_path), CheckpointReader(model_path)
+        chosen = spec.moe.layer_indices() if layers is None else sorted(layers)
+        form = quantized_form(manifest, spec, chosen)
+        tensors, digests = {}, {}
+        for i in track(chosen, "expert store", "layers", progress):
+            tensors[i], digests[i] = read_layer(reader, manifest, spec, i, form, dtype, spec.moe.expert_bias)
+            if pin:
+                pinned = _pin_layer(tensors[i], f"from layer {i} on")
+                pin = pinned is not None
+                tensors[i] = pinned if pin else tensors[i]
+        return cls(quantized_meta(spec, manifest, form, digests, Path(model_path)), tensors.__getitem__)
+
+    @classmethod
+    def build(cls, model_path: str | Path, out: str | Path, low_bits: int | None = None, group: int | None = None,
               progress: bool = True) -> "ExpertStore":
-        """Write the store of a checkpoint layer by layer (peak memory: one layer's experts), then open it.
+        """Write the store of a checkpoint layer by layer (peak memory: one layer's experts), then open it. low_bits
+        and group: the low-bit copies' (default DEFAULT_LOW_BITS, DEFAULT_GROUP); a moeserve quantized checkpoint's
+        experts are taken as stored, so only its own bits and group are accepted.
 
         Into an existing store (an interrupted or earlier build) a layer file is reused only when it records
         the digest of the source experts read now and these settings; any other is built again. A user error
         met on the way removes the directory if this call created it."""
         out = check_output_dir(out)
         spec = ModelSpec.from_dir(model_path)
-        refuse_quantized(Path(model_path), "offload-prepare")
+        manifest = read_manifest(Path(model_path))
+        if manifest is not None:
+            check_stored_bits(model_path, manifest, low_bits, group, "--low-bits/--group")
+            return cls._build_quantized(model_path, manifest, spec, out, progress)
+        low_bits = DEFAULT_LOW_BITS if low_bits is None else low_bits
+        group = DEFAULT_GROUP if group is None else group
         for inputs in (spec.hidden_size, spec.moe.expert_ffn):  # gate_up and down: fail before writing anything
             hqq.check_shape(torch.empty(1, inputs, device="meta"), low_bits, group)
         reader = CheckpointReader(model_path)
@@ -412,6 +474,32 @@ class ExpertStore:
             meta = store_meta(spec, list(digests), low_bits, group,
                               store_source(digests, checkpoint_expert_sample(reader, spec)))
             write_text_atomic(json.dumps(meta), out / META_FILE)
+        except MoeserveError:
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        return cls.open(out)
+
+    @classmethod
+    def _build_quantized(cls, model_path: str | Path, manifest: dict, spec, out: Path,
+                         progress: bool) -> "ExpertStore":
+        """build() of a quantized checkpoint: each layer file kept when it records the digest of the checkpoint
+        tensors read now, else written; then the meta, then the store opened."""
+        reader, layers = CheckpointReader(model_path), spec.moe.layer_indices()
+        form = quantized_form(manifest, spec, layers)
+        bits, group = manifest["bits"], manifest["group"]
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            digests = {}
+            for i in track(layers, "expert store", "layers", progress):
+                tensors, digests[i] = read_layer(reader, manifest, spec, i, form, None, spec.moe.expert_bias)
+                provenance = _provenance(digests[i], bits, group)
+                if read_provenance(_layer_file(out, i)) != provenance:
+                    (out / META_FILE).unlink(missing_ok=True)
+                    save_safetensors_atomic(tensors, _layer_file(out, i), metadata={PROVENANCE: json.dumps(provenance)})
+            write_text_atomic(json.dumps(quantized_meta(spec, manifest, form, digests, Path(model_path))),
+                              out / META_FILE)
         except MoeserveError:
             if created:
                 shutil.rmtree(out, ignore_errors=True)
@@ -467,8 +555,10 @@ class ExpertStore:
     def check_model(self, spec, model_path: str | Path) -> None:
         """This store holds the routed experts of the checkpoint at model_path: the same layers and shapes, and
         the same sampled expert rows (checkpoint.expert_sample_rows: a few KiB per layer, read from the
-        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source). A store that
-        records no sample (an older moeserve's) cannot be matched and is refused."""
+        checkpoint, or recorded in a moeserve quantized checkpoint's manifest from its source); a store of a quantized
+        checkpoint's experts only for that checkpoint (the same quantization: quantized_source.checkpoint_identity),
+        while a float store of the source serves its quantized checkpoints too. A store that records no sample (an
+        older moeserve's) cannot be matched and is refused."""
         m, path, where = self.meta, Path(model_path), self.path or "(in memory)"
         ours = (m.get("num_layers"), m["layers"], m["hidden"], m["ffn"],
                 ",".join(str(layer_experts(m, i)) for i in m["layers"]))
@@ -490,6 +580,18 @@ class ExpertStore:
             raise MoeserveError(f"expert store {where} was built from another checkpoint than {path} (their "
                                 f"expert weights differ); build one for it with `moeserve offload-prepare "
                                 f"--model {path} --out DIR`")
+        if "quantized" not in m:
+            return  # float experts (and HQQ copies) of the source: they serve its quantized checkpoints too
+        manifest = read_manifest(path)
+        if manifest is None:
+            raise MoeserveError(f"expert store {where} holds a moeserve quantized checkpoint's experts and {path} is "
+                                f"the float checkpoint; run that quantized checkpoint with it, or build a store for "
+                                f"{path} with `moeserve offload-prepare --model {path} --out DIR`")
+        if (quantized_form(manifest, spec, m["layers"])["checkpoint"], m["low_bits"], m["group"]) != (
+                m["quantized"].get("checkpoint"), manifest["bits"], manifest["group"]):
+            raise MoeserveError(f"expert store {where} was built from another quantized checkpoint than {path} (its "
+                                f"quantization differs); build one for it with `moeserve offload-prepare --model "
+                                f"{path} --out DIR`")
 
     # ---- reading one expert ----------------------------------------------------------------------
     @property
@@ -503,6 +605,11 @@ class ExpertStore:
         return bool(self.meta.get("high_mxfp4"))
 
     @property
+    def quantized(self) -> bool:
+        """Whether the store holds a quantized checkpoint's experts: one low-bit copy, served for either precision."""
+        return "quantized" in self.meta
+
+    @property
     def biased(self) -> bool:
         """Whether each expert has biases (GPT-OSS): the last two parts of either precision."""
         return bool(self.meta.get("expert_bias"))
@@ -511,7 +618,8 @@ class ExpertStore:
         """Tensor names of one expert, in the order of part_shapes(): high gate_up, down (an MXFP4 store: gate_up's
         and down's MXFP4_PARTS), or low gate_up's and down's LOW_PARTS; then, for biased experts, gate_up's and
         down's biases."""
-        names = ([f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in LOW_PARTS] if low
+        leaves = part_leaves(self.meta["quantized"]) if self.quantized else LOW_PARTS
+        names = ([f"{expert}.low.{n}.{p}" for n in PROJECTIONS for p in leaves] if low or self.quantized
                  else [f"{expert}.high.{n}.{p}" for n in PROJECTIONS for p in MXFP4_PARTS] if self.mxfp4
                  else [f"{expert}.high.{n}" for n in PROJECTIONS])
         return names + ([f"{expert}.bias.{n}" for n in PROJECTIONS] if self.biased else [])
@@ -535,26 +643,55 @@ class ExpertStore:
         """(shape, dtype) of each buffer of a device slot holding one expert at a precision: float high copies (and
         the biases beside them) in the compute dtype, packed parts (low-bit, MXFP4) as stored."""
         parts = self.part_shapes(low)
-        return parts if low else [(shape, t if t == torch.uint8 else dtype) for shape, t in parts]
+        return parts if low or self.quantized else [(shape, t if t == torch.uint8 else dtype) for shape, t in parts]
 
     def slot_weights(self, low: bool):
         """parts -> what a slot computes with (offload/slot_compute.slot_ffn): QuantizedLinear modules (low),
         an Mxfp4Expert (an MXFP4 store's high copy), else the float tensors themselves."""
-        return self.quantized_modules if low else mxfp4.Mxfp4Expert.of_parts if self.mxfp4 else tuple
+        if low or self.quantized:
+            return lambda parts: self.quantized_modules(parts, reloaded=True)
+        return mxfp4.Mxfp4Expert.of_parts if self.mxfp4 else tuple
 
-    def quantized_modules(self, parts: list[torch.Tensor]) -> tuple[QuantizedLinear, QuantizedLinear]:
-        """(gate_up, down) QuantizedLinear over a low-precision expert's parts, with their biases if any (no copy)."""
+    def quantized_modules(self, parts: list[torch.Tensor], ranks: tuple[int, int] | None = None,
+                          reloaded: bool = False) -> tuple[QuantizedLinear, QuantizedLinear]:
+        """(gate_up, down) QuantizedLinear over a low-precision expert's parts, with their biases if any (no copy).
+        A quantized checkpoint's compensators: at the store's padded rank, or cut to `ranks` (the expert's own,
+        expert_ranks: the resident model's compensator exactly). reloaded: the parts are a cache slot's buffers
+        (QuantizedLinear.reloaded)."""
         D, F, bits, group = self.meta["hidden"], self.meta["ffn"], self.meta["low_bits"], self.meta["group"]
-        n = len(LOW_PARTS)
+        form = self.meta.get("quantized", {"rank": 0, "compensator_bits": 16})
+        leaves = part_leaves(form) if self.quantized else LOW_PARTS
+        n = len(leaves)
         biases = parts[2 * n:] or (None, None)
         mods = []
         for i, (out_f, in_f) in enumerate(((2 * F, D), (D, F))):
-            q = QuantizedLinear(in_f, out_f, bits, group)
-            for p, t in zip(LOW_PARTS, parts[n * i:n * i + n]):
+            named = dict(zip(leaves, parts[n * i:n * i + n]))
+            comp = {k: t for k, t in named.items() if k not in LOW_PARTS}
+            rank = form["rank"] if ranks is None else ranks[i]
+            if comp and ranks is not None:
+                comp = milo.compensator_slice(comp, rank)
+            q = QuantizedLinear(in_f, out_f, bits, group, rank if comp else 0, form["compensator_bits"])
+            for p in LOW_PARTS:
+                setattr(q, p, named[p])
+            for p, t in comp.items() if rank else ():
                 setattr(q, p, t)
             q.bias = biases[i]  # a view of the part: a slot's module reads what is loaded into it
+            q.reloaded = reloaded
             mods.append(q)
         return tuple(mods)
+
+    def expert_ranks(self, layer: int, expert: int) -> tuple[int, int] | None:
+        """A quantized checkpoint's (gate_up, down) compensator ranks of one expert (None for other stores)."""
+        if not self.quantized:
+            return None
+        return tuple(self.meta["quantized"]["ranks"][str(layer)][expert])
+
+    def expert_modules(self, layer: int, expert: int, device=None) -> tuple[QuantizedLinear, QuantizedLinear]:
+        """(gate_up, down) QuantizedLinear of one expert's low-bit copy on `device` (None: where it is, no copy), as
+        the resident model computes it (a quantized checkpoint's compensators at the expert's own ranks)."""
+        parts = self.host_parts(layer, expert, low=True)
+        parts = parts if device is None else [p.to(device) for p in parts]
+        return self.quantized_modules(parts, self.expert_ranks(layer, expert))
 
     def pin(self, progress: bool = False) -> int:
         """Copy the store into page-locked RAM so that loads are asynchronous DMA copies; returns the layers

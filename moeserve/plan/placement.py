@@ -91,6 +91,7 @@ class PlanRequest:
     prompt_len: int = 512  # the estimates' workload: prefill of prompt_len tokens, decode after it
     gen_len: int = 128
     bits: int | None = None  # --experts-bits: only candidates at these bits
+    group: int | None = None  # with bits: their quantization group as a quantized checkpoint stores its experts
     cpu_layers: int | None = None  # --cpu-moe / --n-cpu-moe N: only candidates with these CPU layers
     cache_slots: int | None = None  # --gpu-cache-experts S
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
@@ -328,7 +329,7 @@ def _group(spec: ModelSpec, bits: int) -> int:
 def _bits(spec: ModelSpec, req: PlanRequest) -> list[tuple[int, int]]:
     """(bits, group) of the expert precisions to rate: --experts-bits, or those of PLAN_BITS the shape allows."""
     if req.bits is not None:
-        return [(req.bits, _group(spec, req.bits))]
+        return [(req.bits, _group(spec, req.bits) if req.group is None else req.group)]
     out = []
     for bits in PLAN_BITS:
         try:

@@ -234,3 +234,30 @@ def compensator_parts(bits: int, out_features: int, in_features: int, rows: rang
         g = _group(n)
         parts[f"comp_{name}_scale"] = whole if g == n else [(slice(None), group_range(run, g))]
     return parts
+
+
+def padded_compensator(bufs: dict[str, torch.Tensor], bits: int, rank: int, to_rank: int) -> dict[str, torch.Tensor]:
+    """A rank-r compensator's buffers grown to `to_rank` components that are exactly zero (their U columns and V rows
+    dequantize to 0: bf16 zeros, or integer code 0 with scale 1), so that experts of different ranks share one shape
+    (an expert store's slots) and compute the same (x V^T) U^T. compensator_slice undoes it."""
+    extra = to_rank - rank
+    if extra < 0:
+        raise MoeserveError(f"cannot pad a rank-{rank} compensator to rank {to_rank}")
+    out = {}
+    for name, t in bufs.items():
+        along = 1 if name == "comp_u" else 0  # bf16 U [out, r]; every other buffer has the rank first
+        shape = list(t.shape)
+        shape[along] = extra
+        if name.endswith("_scale"):
+            fill = torch.ones(shape, dtype=t.dtype)
+        elif name.endswith("_q") and bits == 3:  # packed codes shifted by 3: code 0 is 3 in every field
+            fill = pack(torch.full((extra, t.shape[1] * 32 // 3), 3, dtype=torch.uint8), 3)
+        else:
+            fill = torch.zeros(shape, dtype=t.dtype)
+        out[name] = torch.cat([t.cpu(), fill], dim=along)
+    return out
+
+
+def compensator_slice(bufs: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The first `rank` components of a compensator's buffers (contiguous copies; padded_compensator's inverse)."""
+    return {name: (t[:, :rank] if name == "comp_u" else t[:rank]).contiguous() for name, t in bufs.items()}

@@ -47,6 +47,10 @@ def triton_applies(x: torch.Tensor, rows: int, bits: int, group: int, in_feature
 
 
 class QuantizedLinear(nn.Module):
+    # True for a module over a cache slot's buffers, which other experts are copied into at the same addresses: its
+    # compensator is dequantized on every call instead of cached by address (cached_compensator)
+    reloaded = False
+
     def __init__(self, in_features: int, out_features: int, bits: int, group: int, rank: int = 0,
                  compensator_bits: int = 16, bias: bool = False):
         super().__init__()
@@ -104,6 +108,8 @@ class QuantizedLinear(nn.Module):
         """compensator(dtype), dequantized once per (dtype, storage) and kept (see the module docstring)."""
         if not self.rank:
             return None
+        if self.reloaded:
+            return tuple(t.contiguous() for t in self.compensator(dtype))
         key = (dtype, self.comp_v.data_ptr() if self.compensator_bits == 16 else self.comp_v_q.data_ptr())
         cached = getattr(self, "_uv_cache", None)
         if cached is None or cached[0] != key:

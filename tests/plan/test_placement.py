@@ -328,16 +328,6 @@ def test_gpu_memory_errors_before_loading(expect_cli_error, byte_model_dir, quic
     expect_cli_error(offload + ["--gpu-memory", "64KiB", "x"], "cannot hold the dense part", watch=store)
 
 
-def test_quantized_checkpoint_is_not_planned(expect_cli_error, byte_model_dir, tmp_path):
-    import shutil
-
-    quantized = tmp_path / "q"
-    shutil.copytree(byte_model_dir, quantized)
-    (quantized / "moeserve_quant.json").write_text("{}")
-    expect_cli_error(["generate", "--model", quantized, "--device", "cpu", "--gpu-memory", "1GiB", "x"],
-                     "is a moeserve quantized checkpoint", watch=quantized)
-
-
 def test_help_explains_planning_and_bench(capsys):
     for argv, phrases in ((["generate", "--help"], ("placement planner", "--gpu-memory SIZE")),
                           (["eval", "ppl", "--help"], ("placement planner",)),

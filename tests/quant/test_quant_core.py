@@ -165,6 +165,28 @@ def test_compensator_storage_round_trip(bits, max_rel):
         assert torch.allclose(V2.abs().amax(1), V.abs().amax(1), rtol=2e-3)
 
 
+@pytest.mark.parametrize("bits", [16, 8, 3])
+def test_padded_compensator_adds_exact_zero_components_and_slices_back(bits):
+    """An expert store pads compensators to one rank: the extra components dequantize to exactly zero, the product
+    (x V^T) U^T matches the float64 one of the stored rank, and the slice gives the stored buffers back."""
+    U, V = torch.randn(96, 5), torch.randn(5, 128)
+    bufs = milo.compensator_to_buffers(U, V, bits)
+    padded = milo.padded_compensator(bufs, bits, 5, 8)
+    assert {n: t.shape for n, t in padded.items()} == {n: t.shape for n, t in milo.compensator_buffers(96, 128, 8,
+                                                                                                        bits).items()}
+    U5, V5 = milo.compensator_from_buffers(bufs, bits, 96, 128, 5)
+    U8, V8 = milo.compensator_from_buffers(padded, bits, 96, 128, 8)
+    assert torch.equal(U8[:, :5], U5) and torch.equal(V8[:5], V5)
+    assert not U8[:, 5:].any() and not V8[5:].any()
+    x = torch.randn(3, 128)
+    want = (x.double() @ V5.double().T) @ U5.double().T  # [3, 96]
+    assert torch.allclose((x @ V8.T) @ U8.T, want.float(), rtol=1e-4, atol=1e-4)
+    back = milo.compensator_slice(padded, 5)
+    assert all(torch.equal(back[n], bufs[n]) for n in bufs)
+    with pytest.raises(MoeserveError, match="rank-5 compensator to rank 4"):
+        milo.padded_compensator(bufs, bits, 5, 4)
+
+
 def test_int3_compensator_costs_less_than_int8_and_bf16():
     sizes = [milo.compensator_bytes((4096, 14336), 32, b) for b in (3, 8, 16)]
     assert sizes[0] < sizes[1] < sizes[2]

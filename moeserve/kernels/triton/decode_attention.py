@@ -69,7 +69,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q3, keys, values, rows if rows is not None else q3, m2, acc, best, total, S,
         scale if scale is not None else Dh ** -0.5, q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1),
         keys.stride(2), values.stride(0), values.stride(1), values.stride(2), m2.stride(0) if m2.shape[0] > 1 else 0,
-        m2.stride(1), G=G, G_PAD=max(16, triton.next_power_of_2(G)), DH=Dh, BLOCK_S=BLOCK_S, SPLIT_S=split_s,
+        m2.stride(1), split_s, G=G, G_PAD=max(16, triton.next_power_of_2(G)), DH=Dh, BLOCK_S=BLOCK_S,
         SPLITS=splits, HAS_ROWS=rows is not None, MASK_BOOL=mask.dtype == torch.bool, EXACT=exact, num_warps=4)
     decode_attention_merge_kernel[(B, H)](acc, best, total, out, out.stride(0), out.stride(2), H=H, DH=Dh,
                                           SPLITS=splits, num_warps=1 if Dh <= 64 else 2)

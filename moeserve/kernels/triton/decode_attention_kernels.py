@@ -25,8 +25,8 @@ def dot_exact(a, b, EXACT: tl.constexpr):
 @triton.jit
 def decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, S, scale,
                                   sq_b, sq_h, sk_r, sk_h, sk_s, sv_r, sv_h, sv_s, sm_b, sm_s,
-                                  G: tl.constexpr, G_PAD: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr,
-                                  SPLIT_S: tl.constexpr, SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
+                                  SPLIT_S, G: tl.constexpr, G_PAD: tl.constexpr, DH: tl.constexpr,
+                                  BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, HAS_ROWS: tl.constexpr,
                                   MASK_BOOL: tl.constexpr, EXACT: tl.constexpr):
     """For sequence b, KV head g, split sp: over columns [sp * SPLIT_S, (sp + 1) * SPLIT_S) of its cache row
     (rows[b], or b), acc [G, DH] = sum_s exp(q.k_s * scale + mask_s - max) v_s, max [G] and sum [G] of the exps.
