@@ -1,7 +1,7 @@
 """The disk tier at batch 1: every MoE layer's experts on the CPU (--cpu-moe) from a store on disk 1.5x the host RAM
 given to them (--cpu-memory), against the same run with the whole store mapped in RAM: greedy tokens equal, decode
-tokens/s, bytes read from disk per decode token (tg_disk_bytes_per_token; disk_bytes_per_token: over every token the model
-ran, the prompt's too, as the run's stats line counts them), the RAM cache's hit rate.
+tokens/s, bytes read from disk per decode token (tg_disk_bytes_per_token; disk_bytes_per_token: over every token the
+model ran, the prompt's too, as the run's stats line counts them), the RAM cache's hit rate.
 
 Shapes (random weights; the store written layer by layer to --dir, then opened as `--offload STORE` opens it):
   mixtral8  Mixtral-8x7B's layers (D 4096, expert FFN 14336, 8 experts top-2), 8 of its 32 layers, 4-bit HQQ
