@@ -148,6 +148,24 @@ def test_llm_takes_the_cap_as_a_keyword(byte_model_dir, store_dir):
     assert llm.plan.disk_budget == cap and llm.runtime.hybrid.disk.stats.bytes_read > 0
 
 
+def test_a_quantized_checkpoints_store_through_the_disk_tier(capsys, byte_model_dir, tmp_path):
+    """A MiLo checkpoint's store (low-bit experts with compensators) read through a cache of 3/4 of its experts: the
+    same text as over the mapped store."""
+    q, store = tmp_path / "q", tmp_path / "qs"
+    assert main(["quantize", "--model", str(byte_model_dir), "--out", str(q), "--bits", "4", "--group", "32",
+                 "--method", "milo", "--ranks", "experts=4"]) == 0
+    assert main(["offload-prepare", "--model", str(q), "--out", str(store)]) == 0
+    base = ["generate", "--model", str(q), "--greedy", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu",
+            "HAM", "--cpu-moe", "--offload", str(store)]
+    capsys.readouterr()
+    assert main(base) == 0
+    expected = capsys.readouterr().out
+    cap = expert_total(ExpertStore.open(store), True) * 3 // 4
+    assert main(base + ["--cpu-memory", f"{cap}B"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == expected and "[disk tier:" in captured.err
+
+
 def test_cli_errors(expect_cli_error, byte_model_dir, store_dir):
     gen = ["generate", "--model", byte_model_dir, "--max-new-tokens", "2", "--device", "cpu"]
     need = minimum_budget(ExpertStore.open(store_dir), (False,), 2)
