@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from moeserve.errors import MoeserveError
 from moeserve.hybrid.link import LINK_ROWS, DeviceLink, link_wanted, start_link
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
 from moeserve.hybrid.memory import read_precisions, ring_slots
@@ -16,7 +17,6 @@ from moeserve.hybrid.stream import ExpertStreamer
 from moeserve.hybrid.worker import CpuWorker
 from moeserve.kernels.cpu import pool
 from moeserve.kernels.cpu.machine import physical_cores
-from moeserve.errors import MoeserveError
 from moeserve.offload.disk_cache import DiskCache
 from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
@@ -76,6 +76,8 @@ class HybridRuntime:
             raise MoeserveError("--cpu-memory (experts read from disk) does not combine with --gpu-cache-experts")
         self.disk = None
         if disk_budget is not None:
+            if host is not None:
+                raise ValueError("a shared HostExperts reads the store itself: give disk_budget or host, not both")
             self.disk = DiskCache(store, placement.cpu_layers, disk_budget, read_precisions(placement), top_k,
                                   pin=device.type == "cuda")
             stream = False
