@@ -193,7 +193,8 @@ class DiskCache:
             out[:] = np.frombuffer(self._bounce, np.uint8, n, offset - first)
         else:
             self._fill(fd, memoryview(out), offset, n)
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+            if hasattr(os, "posix_fadvise"):  # Linux: drop the pages just read
+                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
 
     def _fill(self, fd: int, buf: memoryview, offset: int, need: int) -> None:
         """Read into buf from offset until `need` bytes are in (a read past the file's end comes back short)."""
