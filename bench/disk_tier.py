@@ -5,7 +5,7 @@ model ran, the prompt's too, as the run's stats line counts them), the RAM cache
 
 Shapes (random weights; the store written layer by layer to --dir, then opened as `--offload STORE` opens it):
   mixtral8  Mixtral-8x7B's layers (D 4096, expert FFN 14336, 8 experts top-2), 8 of its 32 layers, 4-bit HQQ
-            experts (group 64): a 5.5 GiB store, a 3.7 GiB RAM cap
+            experts (group 64): a store of about 6 GiB, a RAM cap of about 4 GiB
   quick     (--quick) 4 layers, D 128, F 256, 8 experts top-2, float32 experts on the CPU: seconds
 Routing: the CPU layers replay the trained demo model's routing of held-out text (bench/offload.py DemoRouting; 8
 experts, top-2), whose locality is what a cache of 2/3 of the experts can use; `--routing model`: the random routers
