@@ -79,7 +79,7 @@ def build(plan: RunPlan, progress: bool = True) -> Runtime:
         from moeserve.hybrid.setup import hybrid_runtime  # its device link needs triton
 
         store = plan.store or read_store(reader, plan, dtype, device, progress)
-        runtime = hybrid_runtime(model, store, plan.hybrid, warm=True)
+        runtime = hybrid_runtime(model, store, plan.hybrid, warm=True, disk_budget=plan.disk_budget)
         place_experts(model, from_store, ExpertSources(plan.spec, store=store, hybrid=runtime, device=device))
         return Runtime(plan, model, hybrid=runtime)
     if config.offload:

@@ -83,10 +83,21 @@ class HybridConfig:
     experts_bits: int | None = flag(None, "--experts-bits")
     mixed_precision: bool = flag(False, "--mixed-precision")
     stream_from: int | None = flag(None, "--stream-from")
+    cpu_memory: str | int | None = flag(None, "--cpu-memory")  # host RAM for the CPU experts of a store on disk
 
     @property
     def requested(self) -> bool:
         return self.cpu_moe or self.n_cpu_moe is not None
+
+    @property
+    def cpu_memory_bytes(self) -> int | None:
+        """--cpu-memory in bytes (None: not given): the disk tier's RAM cache budget (offload/disk_cache.py)."""
+        if self.cpu_memory is None or isinstance(self.cpu_memory, int):
+            return self.cpu_memory
+        size = parse_bytes(self.cpu_memory)
+        if size is None:
+            raise MoeserveError(f"--cpu-memory {self.cpu_memory!r} is not a size like 100GiB")
+        return size
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,9 @@ class RunConfig:
     def validate(self) -> RunConfig:
         """The one-line errors of options that cannot be met or do not go together; returns self."""
         self.gpu_memory_bytes  # noqa: B018 - a bad size is named here
+        if self.hybrid.cpu_memory_bytes is not None and not self.offload:
+            raise MoeserveError("--cpu-memory caps the RAM of experts read from a store on disk: it needs --offload "
+                                "STORE (from `moeserve offload-prepare`) and --cpu-moe or --n-cpu-moe N")
         if self.dense_bits is not None and self.dense_bits not in DENSE_BITS:
             raise MoeserveError(f"--dense-bits {self.dense_bits} is not one of {', '.join(map(str, DENSE_BITS))}")
         self._check_parallel()
@@ -204,6 +218,9 @@ class RunConfig:
             raise MoeserveError(f"unknown cache policy {h.cache_policy!r}; choose one of {', '.join(CACHE_POLICIES)}")
         if h.experts_bits is not None and h.experts_bits not in EXPERT_BITS:
             raise MoeserveError(f"--experts-bits {h.experts_bits} is not one of {', '.join(map(str, EXPERT_BITS))}")
+        if h.cpu_memory is not None and h.gpu_cache_experts:
+            raise MoeserveError("--cpu-memory (experts read from disk) does not combine with --gpu-cache-experts: "
+                                "the GPU cache copies from the store's mapping")
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from pathlib import Path
 from moeserve.config import RunConfig, changed
 from moeserve.engine.batching import DEFAULT_PREFILL_TOKENS
 from moeserve.errors import MoeserveError
-from moeserve.hybrid.memory import check_host_ram, store_precision
+from moeserve.hybrid.memory import check_host_ram, read_precisions, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
 from moeserve.kernels.cpu.machine import physical_cores
 from moeserve.loader import resolve_device, resolve_dtype
 from moeserve.offload.budget import available_ram, check_budget
+from moeserve.offload.disk_cache import check_disk_budget
 from moeserve.offload.store import ExpertStore
 from moeserve.plan.footprint import engine_kv_rows, footprint, hybrid_layout
 from moeserve.plan.hardware import load_or_measure
@@ -30,6 +31,7 @@ from moeserve.plan.placement import PlanRequest, check_dense_budget, moe_layer_c
 from moeserve.plan.placement import plan_placement as choose_placement
 from moeserve.quant.manifest import read_manifest
 from moeserve.spec import ModelSpec
+from moeserve.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class RunPlan:
     run uses (a plan without a GPU says cpu); plan_line: the planner's one line (None without --gpu-memory); store:
     the expert store opened and checked against the checkpoint (hybrid with --offload, or offload); low_bits/group:
     the precision of the hybrid's low-bit copies (None: float only); cache_budget: offload's slot budget in bytes
-    (None: slots given)."""
+    (None: slots given); disk_budget: host RAM for the CPU layers' experts of a store read from disk (--cpu-memory:
+    the disk tier; None: the store's mapping, or the store in RAM)."""
     config: RunConfig
     spec: ModelSpec
     kv_batch: int
@@ -52,6 +55,7 @@ class RunPlan:
     store: object | None = None
     low_bits: int | None = None
     cache_budget: int | None = None
+    disk_budget: int | None = None
 
     def layers(self, dtype_bytes: int) -> tuple[LayerPlacement, ...]:
         """Each MoE layer's placement (plan/layers.py) for a compute dtype of dtype_bytes: what the build makes."""
@@ -146,7 +150,8 @@ def plan_placement(plan: RunPlan) -> RunPlan:
 
 def hybrid_source(plan: RunPlan) -> RunPlan:
     """The hybrid's store (--offload STORE, checked against the model and the placement) or the precision of the
-    store to build from --model; then the host RAM the experts need is checked, before anything is allocated."""
+    store to build from --model; then the host RAM the experts need is checked, before anything is allocated: with
+    --cpu-memory (the disk tier) that budget, at least one layer's top-k experts, not the store."""
     config, spec, placement = plan.config, plan.spec, plan.hybrid
     dtype = resolve_dtype(config.dtype, resolve_device(plan.device))
     store, mapped_bytes = None, None
@@ -169,8 +174,15 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
     layout = replace(hybrid_layout(spec, placement, plan.device, dtype.itemsize, engine_kv_rows(plan.kv_batch),
                                    plan.kv_tokens, low_bits, group, plan.dense_bits, mapped_float_bytes=mapped_bytes),
                      blas_workspaces=blas_workspaces(plan))
-    check_host_ram(footprint(spec, layout).host["expert store"])
-    return replace(plan, hybrid=placement, store=store, low_bits=low_bits)
+    disk_budget = config.hybrid.cpu_memory_bytes
+    if disk_budget is not None:
+        check_disk_budget(store, read_precisions(placement), spec.moe.top_k, disk_budget)
+        if disk_budget > available_ram():
+            raise MoeserveError(f"--cpu-memory {format_bytes(disk_budget)} is more than the "
+                                f"{format_bytes(available_ram())} of host RAM available now; give at most that")
+    else:
+        check_host_ram(footprint(spec, layout).host["expert store"])
+    return replace(plan, hybrid=placement, store=store, low_bits=low_bits, disk_budget=disk_budget)
 
 
 def stored_experts(config: RunConfig) -> tuple[int, int] | None:

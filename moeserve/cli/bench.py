@@ -34,8 +34,14 @@ def run(args) -> int:
         return 0
     if args.json:
         print(json.dumps({"model": args.model, "placement": placement, "device": model.device.type,
-                          "dtype": str(model.dtype).removeprefix("torch."), "results": [r.as_dict() for r in results]},
-                         indent=2))
+                          "dtype": str(model.dtype).removeprefix("torch."), "results": [r.as_dict() for r in results],
+                          **disk_tier(run)}, indent=2))
     else:
         print(table(results, Path(args.model).name, placement))
     return 0
+
+
+def disk_tier(run) -> dict:
+    """{"disk_tier": the disk tier's counts over every test} for a run reading experts from disk, else {}."""
+    st = run.hybrid.summary() if run.hybrid is not None else {}
+    return {"disk_tier": {k: v for k, v in st.items() if k.startswith("disk_")}} if "disk_budget" in st else {}

@@ -84,6 +84,11 @@ def expert_lines(run) -> list[str]:
             + (f", {st['admitted']} copied into the cache" if 'admitted' in st else "")
             + (f", {st['streamed_pairs']} of the prompt's on the GPU ({st['experts_streamed']} experts streamed, "
                f"{format_bytes(st['bytes_streamed'])})" if st.get("experts_streamed") else "") + "]")
+        if "disk_budget" in st:
+            lines.append(f"[disk tier: {format_bytes(st['disk_budget'])} RAM cache ({st['disk_slots']} experts), hit "
+                         f"rate {st['disk_hit_rate']:.1%}, {format_bytes(st['disk_bytes_read'])} read from disk, "
+                         f"{format_bytes(st['disk_bytes_per_token'])} per token"
+                         f"{'' if st['disk_direct'] else ' (through the page cache)'}]")
     return lines
 
 

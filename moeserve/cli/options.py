@@ -142,6 +142,10 @@ def hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                    help=f"a prompt (layer call) of T or more tokens copies the CPU layers' experts it needs to the GPU "
                         f"and computes them there, where many rows are cheap (default {STREAM_FROM}; 0: prompts run "
                         f"on the CPU too)")
+    h.add_argument("--cpu-memory", default=None, metavar="SIZE",
+                   help="with --offload STORE: host RAM for the CPU layers' experts, e.g. 100GiB; a store larger than "
+                        "that stays on disk and a RAM cache of SIZE keeps the recently used experts (read from the "
+                        "store on a miss: slower, same output)")
     if store_option:
         h.add_argument("--offload", metavar="STORE", default=None,
                        help="with --cpu-moe/--n-cpu-moe: the expert store to read experts from (default: built in RAM "

@@ -97,7 +97,8 @@ class HybridExperts(ExpertBackend):
             out = y if out is None else out + y
         if out is None:
             out = torch.zeros_like(x)
-        rt.count(ids.numel(), on_gpu, on_cpu, choice, streamed)
+        rt.count(ids.numel(), on_gpu, on_cpu, choice, streamed,
+                 x.shape[0] if self.layer == rt.placement.cpu_layers[0] else 0)
         return out if shared is None else out + shared
 
     @staticmethod

@@ -20,6 +20,12 @@ def ring_slots(expert_bytes: int, num_experts: int) -> int:
     return max(2, min(STREAM_RING_BYTES // max(expert_bytes, 1), num_experts))
 
 
+def read_precisions(placement: HybridPlacement) -> tuple[bool, ...]:
+    """The copies the CPU layers' experts are read at (False: high, True: low-bit): the run's precision, and with
+    mixed precision in a float run the low-bit copies too."""
+    return tuple(sorted({placement.low, placement.mixed or placement.low}))
+
+
 def store_precision(spec, placement: HybridPlacement) -> tuple[int, int]:
     """(low bits, group) of the store build_store makes for this placement (low bits 0: no low-bit copies)."""
     D, F = spec.hidden_size, spec.moe.expert_ffn

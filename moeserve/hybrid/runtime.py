@@ -9,13 +9,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from moeserve.errors import MoeserveError
 from moeserve.hybrid.link import LINK_ROWS, DeviceLink, link_wanted, start_link
 from moeserve.hybrid.placement import CACHE_POLICIES, HybridPlacement
-from moeserve.hybrid.memory import ring_slots
+from moeserve.hybrid.memory import read_precisions, ring_slots
 from moeserve.hybrid.stream import ExpertStreamer
 from moeserve.hybrid.worker import CpuWorker
 from moeserve.kernels.cpu import pool
 from moeserve.kernels.cpu.machine import physical_cores
+from moeserve.offload.disk_cache import DiskCache
 from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
 from moeserve.offload.precision import HOBBIT_T1, HOBBIT_T2, LOW, SKIP, choose_precision
@@ -42,13 +44,14 @@ class HybridStats:
     skipped: int = 0  # mixed precision: below the gate-weight threshold
     low_pairs: int = 0  # mixed precision: on the low-bit copy
     streamed_pairs: int = 0  # a prompt's pairs whose experts were streamed to the model device
+    tokens: int = 0  # token rows through the first CPU layer: the tokens the model ran
 
 
 class HybridRuntime:
     def __init__(self, store: ExpertStore, placement: HybridPlacement, num_layers: int, top_k: int,
                  device: torch.device, dtype: torch.dtype, t1: float = HOBBIT_T1, t2: float = HOBBIT_T2,
                  threaded: bool | None = None, host: HostExperts | None = None, warm: bool = False,
-                 stream: bool | None = None):
+                 stream: bool | None = None, disk_budget: int | None = None):
         """t1, t2: HOBBIT's thresholds (mixed precision); threaded: CPU experts on the worker thread (default:
         when the model is on a GPU, whose work they overlap) or inline; host: the CPU's view of this store, shared
         with other runtimes (its converted and repacked experts too); warm: prepare every CPU expert now (HostExperts
@@ -56,7 +59,10 @@ class HybridRuntime:
         GPU, when the placement's stream_from is not 0). With a GPU and every CPU pair on one precision a layer computes
         in one native call (HostExperts.native: the low-bit copies, with mixed precision's skips alone, or MXFP4 high
         copies without mixed precision; cache slots the Triton kernels read) the CPU experts are driven from the
-        device (hybrid/link.py) and a cache is kept between steps (before_step, the model's step hook)."""
+        device (hybrid/link.py) and a cache is kept between steps (before_step, the model's step hook).
+        disk_budget: host RAM bytes for the CPU layers' experts of a store on disk larger than that (the disk tier,
+        offload/disk_cache.py; page-locked with a GPU): its experts are read from disk on a miss, prompts run on the
+        CPU too (no streaming: the streamer reads the store's mapping) and no GPU cache (refused)."""
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
@@ -66,9 +72,18 @@ class HybridRuntime:
         # leave one core to this thread
         self.helpers = max(threads - 1, 1) if threaded else 0
         pool.configure(cores, spin_us(device.type))
-        self.host = host or HostExperts(store, dtype)
+        if disk_budget is not None and placement.cache_slots:
+            raise MoeserveError("--cpu-memory (experts read from disk) does not combine with --gpu-cache-experts")
+        self.disk = None
+        if disk_budget is not None:
+            if host is not None:
+                raise ValueError("a shared HostExperts reads the store itself: give disk_budget or host, not both")
+            self.disk = DiskCache(store, placement.cpu_layers, disk_budget, read_precisions(placement), top_k,
+                                  pin=device.type == "cuda")
+            stream = False
+        self.host = host or HostExperts(store, dtype, self.disk)
         if warm:
-            for low in {placement.low, placement.mixed or placement.low}:
+            for low in read_precisions(placement):
                 self.host.warm(list(placement.cpu_layers), low)
         self.cache = None
         if placement.cache_slots:
@@ -134,10 +149,11 @@ class HybridRuntime:
         return self.placement.low if choice is None or self.placement.low else choice == LOW
 
     def count(self, pairs: int, on_gpu: torch.Tensor | None, on_cpu: torch.Tensor | None,
-              choice: torch.Tensor | None, streamed: bool = False) -> None:
+              choice: torch.Tensor | None, streamed: bool = False, tokens: int = 0) -> None:
         """Add one call's pairs to the stats (None masks: every pair on the CPU; streamed: the on_cpu pairs were
-        streamed to the model device instead)."""
+        streamed to the model device instead; tokens: the call's rows, for the first CPU layer's calls)."""
         st = self.stats
+        st.tokens += tokens
         gpu = 0 if on_gpu is None else int(on_gpu.sum())
         cpu = pairs if on_cpu is None else int(on_cpu.sum())
         st.skipped += pairs - gpu - cpu
@@ -166,6 +182,8 @@ class HybridRuntime:
         out = {**asdict(totals), "cache_slots": self.placement.cache_slots}
         if self.cache is not None:
             out.update(admitted=self.cache.admitted, bytes_copied=self.cache.bytes_copied)
+        if self.disk is not None:
+            out.update(self.disk.summary(), disk_bytes_per_token=self.disk.stats.bytes_read / max(totals.tokens, 1))
         if self.streamer is not None:
             out.update(experts_streamed=self.streamer.experts_streamed, bytes_streamed=self.streamer.bytes_copied)
         if self.link is not None:
@@ -177,6 +195,8 @@ class HybridRuntime:
 
     def close(self) -> None:
         self.worker.close()
+        if self.disk is not None:
+            self.disk.close()
         if self.link is not None:
             self.link.close()
             self.link = None

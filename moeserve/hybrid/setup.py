@@ -74,13 +74,13 @@ def check_moe_layers(spec: ModelSpec, placement: HybridPlacement) -> None:
 
 def hybrid_runtime(model, store: ExpertStore, placement: HybridPlacement, *, t1: float = HOBBIT_T1,
                    t2: float = HOBBIT_T2, threaded: bool | None = None, host: HostExperts | None = None,
-                   warm: bool = False, stream: bool | None = None) -> HybridRuntime:
+                   warm: bool = False, stream: bool | None = None, disk_budget: int | None = None) -> HybridRuntime:
     """The one runtime the placement's CPU layers share (the options are HybridRuntime's), its bookkeeping the
     model's step hook. A placement naming a layer without routed experts is refused: that layer would stay dense and
     the runtime would count experts it never runs."""
     check_moe_layers(model.spec, placement)
     runtime = HybridRuntime(store, placement, model.spec.num_layers, model.spec.moe.top_k, model.device, model.dtype,
-                            t1, t2, threaded, host, warm, stream)
+                            t1, t2, threaded, host, warm, stream, disk_budget)
     model.step_hooks.append(runtime.before_step)
     return runtime
 

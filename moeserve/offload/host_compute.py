@@ -26,6 +26,7 @@ from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, Pe
                                        moe_layer, pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
+from moeserve.offload.disk_cache import DiskCache
 from moeserve.offload.store import ExpertStore, layer_experts
 from moeserve.quant.mxfp4 import Mxfp4Expert
 
@@ -53,10 +54,13 @@ class CpuPairs:
 
 
 class HostExperts:
-    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None):
+    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None, disk: DiskCache | None = None):
         """dtype: the compute dtype of high-precision experts (the model's); store copies of another dtype are
-        converted once, on first use, and kept."""
-        self.store, self.dtype = store, dtype
+        converted once, on first use, and kept. disk: the disk tier's RAM cache the experts are read through (a
+        store larger than the RAM given to it): then nothing derived from an expert is kept (it would outgrow the
+        budget), each expert computes from its cache slot one after another, and the native whole-layer calls and
+        the CPU kernels' kept repacks are off."""
+        self.store, self.dtype, self.disk = store, dtype, disk
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
@@ -66,7 +70,12 @@ class HostExperts:
         """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
         low-bit copies can (where the kernels read their layout: native_layer), high ones when they are MXFP4 (float
         copies run through torch)."""
-        return low or self.store.mxfp4 or self.store.quantized
+        return self.disk is None and (low or self.store.mxfp4 or self.store.quantized)
+
+    def parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
+        """One expert's tensors: from the disk tier's cache (valid until its next miss) or the store itself."""
+        return self.disk.parts(layer, expert, low) if self.disk is not None else self.store.host_parts(layer, expert,
+                                                                                                        low)
 
     def native_kernel(self, low: bool) -> CpuKernel | None:
         """The generated kernel native layers of this precision run on (None: none builds here)."""
@@ -76,6 +85,8 @@ class HostExperts:
         """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
         the compute dtype (the store's tensors when it matches: no copy)."""
         key = (layer, expert)
+        if self.disk is not None:
+            return tuple(p if self.dtype in (None, p.dtype) else p.to(self.dtype) for p in self.parts(*key, low=False))
         if key not in self._high:
             parts = self.store.host_parts(layer, expert, low=False)
             self._high[key] = tuple(p if self.dtype in (None, p.dtype) else p.to(self.dtype) for p in parts)
@@ -87,7 +98,7 @@ class HostExperts:
         key = (layer, expert)
         if key not in self._mxfp4:
             kernel = default_kernel(4, mxfp4=True)
-            if kernel is None:
+            if kernel is None or self.disk is not None:
                 return None
             w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
             self._mxfp4[key] = CpuMxfp4Expert(
@@ -97,7 +108,11 @@ class HostExperts:
         return self._mxfp4[key]
 
     def low(self, layer: int, expert: int) -> tuple:
-        """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once)."""
+        """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once; through the
+        disk tier, at each call)."""
+        if self.disk is not None:
+            return self.store.quantized_modules(self.parts(layer, expert, low=True),
+                                                self.store.expert_ranks(layer, expert))
         key = self.store.host_parts(layer, expert, low=True)[0].data_ptr()
         if key not in self._low:
             self._low[key] = self.store.expert_modules(layer, expert)
@@ -110,7 +125,10 @@ class HostExperts:
     def warm(self, layers: list[int], low: bool) -> None:
         """Prepare every expert of these layers now rather than at its first token: a float copy converted to the
         compute dtype (or an MXFP4 one repacked for the CPU kernels), a low-bit one repacked for the CPU kernels
-        (where they read it); pages a mapped store in."""
+        (where they read it); pages a mapped store in. Through the disk tier, nothing: no expert is kept beyond its
+        cache slot."""
+        if self.disk is not None:
+            return
         probe = torch.empty(1, self.store.meta["hidden"])  # [1, D]: a decode row
         low = low or self.store.quantized
         for layer in layers:
@@ -219,7 +237,7 @@ class HostExperts:
         if None in experts:
             out, start = torch.empty_like(x), 0
             for e, n in groups:
-                w = Mxfp4Expert.of_parts(self.store.host_parts(layer, e, low=False))
+                w = Mxfp4Expert.of_parts(self.parts(layer, e, low=False))
                 out[start:start + n] = w.ffn(x[start:start + n], self.store.act)
                 start += n
             return out
@@ -236,14 +254,15 @@ class HostExperts:
     def run_low(self, layer: int, groups: list[tuple[int, int]], x: torch.Tensor) -> torch.Tensor:
         """Row blocks of x [n, D] through the low-bit copies of groups' (expert, rows) -> [n, D] in x's dtype: each
         projection of every expert in one native call where the kernels read the layout, else one expert after
-        another (QuantizedLinear)."""
-        mods = [self.low(layer, e) for e, _ in groups]
-        rows = [n for _, n in groups]
-        h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32
-        if h is not None:
-            y = quantized_linear_batch([down for _, down in mods], glu(h, self.store.act), rows)  # [n, D] float32
-            if y is not None:
-                return y.to(x.dtype)
+        another (QuantizedLinear; always through the disk tier, whose slots hold a few experts at a time)."""
+        if self.disk is None:
+            mods = [self.low(layer, e) for e, _ in groups]
+            rows = [n for _, n in groups]
+            h = quantized_linear_batch([gate_up for gate_up, _ in mods], x, rows)  # [n, 2F] float32
+            if h is not None:
+                y = quantized_linear_batch([down for _, down in mods], glu(h, self.store.act), rows)  # [n, D] fp32
+                if y is not None:
+                    return y.to(x.dtype)
         out, start = torch.empty_like(x), 0
         for e, n in groups:
             out[start:start + n] = self.run(layer, e, True, x[start:start + n])

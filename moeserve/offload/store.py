@@ -624,6 +624,12 @@ class ExpertStore:
                  else [f"{expert}.high.{n}" for n in PROJECTIONS])
         return names + ([f"{expert}.bias.{n}" for n in PROJECTIONS] if self.biased else [])
 
+    def layer_file(self, layer: int) -> Path:
+        """The safetensors file of one layer of a store on disk (the disk tier reads experts from it)."""
+        if self.path is None:
+            raise MoeserveError("this expert store is in RAM: it has no layer files")
+        return _layer_file(self.path, layer)
+
     def host_parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
         """One expert's tensors in slow memory (pinned, RAM or mapped), no copy."""
         t = self._tensors_of_layer(layer)
