@@ -29,6 +29,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -216,8 +217,9 @@ def run_method(spec, store, device, dtype, budget, method: str, args, bandwidth,
     opts = dict(METHODS[method])
     naive = opts.pop("naive", False)
     model = dense_model(spec, device, dtype)
-    base = resident_layout(spec, "cuda", dtype.itemsize, 1, args.prompt + args.new_tokens, dense_bits,
-                           budget=budget, experts=False)  # the dense part and a KV cache of one row
+    base = replace(resident_layout(spec, "cuda", dtype.itemsize, 1, args.prompt + args.new_tokens, dense_bits,
+                                   budget=budget, experts=False),  # the dense part and a KV cache of one row
+                   blas_workspaces=2 if device.type == "cuda" else 0)  # on the CPU the slots hold no cuBLAS's
     low_bytes = store.expert_bytes(True) if opts["mixed"] else 0
     high, low = (0, 0) if naive else plan_slots(spec, base, store.expert_bytes(False), low_bytes,
                                                  reserve=spec.moe.top_k)
