@@ -51,8 +51,8 @@ class Runtime:
         if p.plan_line:
             return p.plan_line.removeprefix("[plan: ").split(";")[0] + f"{dense} ({model.device.type}, {dtype})"
         if p.hybrid is not None:
-            return p.hybrid.describe(model.device.type, dtype, dense_bits=p.dense_bits).removeprefix(
-                "[placement: ").removesuffix("]")
+            return p.hybrid.describe(model.device.type, host_experts_format(p, dtype),
+                                     dense_bits=p.dense_bits).removeprefix("[placement: ").removesuffix("]")
         if p.config.offload:
             c = p.config.cache
             return f"offload ({p.config.gpu_memory or f'{c.high_slots}+{c.low_slots} slots'}, {dtype})"
@@ -143,4 +143,11 @@ def describe_hybrid(runtime: Runtime) -> str | None:
     p, model = runtime.plan, runtime.model
     if p.hybrid is None or p.plan_line:
         return None
-    return p.hybrid.describe(model.device.type, str(model.dtype).removeprefix("torch."), p.low_bits, p.dense_bits)
+    return p.hybrid.describe(model.device.type, host_experts_format(p, str(model.dtype).removeprefix("torch.")),
+                             p.low_bits, p.dense_bits)
+
+
+def host_experts_format(plan: RunPlan, dtype: str) -> str:
+    """The format float CPU experts compute in: MXFP4 as shipped when the build reads them from an MXFP4 checkpoint
+    (plan/layers.py hybrid_layers), else the compute dtype (an --offload store holds float copies)."""
+    return "MXFP4" if plan.spec.moe.experts_mxfp4 and plan.store is None else dtype

@@ -142,3 +142,14 @@ def test_a_pool_of_mxfp4_slots_runs_in_one_triton_pass(mxfp4_checkpoint):
             if kept[t, j]:
                 ref[t] += weights[t, j] * slot_ffn(pool.weights[int(slots[t, j])], x[t:t + 1], store.act)[0]
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_placement_line_names_mxfp4_cpu_experts(mxfp4_checkpoint):
+    """The run's placement line and bench's placement name say the CPU experts run MXFP4 as shipped, not the
+    compute dtype; 4-bit experts keep their bits."""
+    from moeserve.build import describe_hybrid
+
+    run = moeserve.LLM(mxfp4_checkpoint, cpu_moe=True)
+    assert "experts on CPU (MXFP4)" in describe_hybrid(run.runtime) and "on CPU (MXFP4)" in run.placement
+    run = moeserve.LLM(mxfp4_checkpoint, cpu_moe=True, experts_bits=4)
+    assert "experts on CPU (4-bit)" in describe_hybrid(run.runtime)
