@@ -21,9 +21,9 @@ import torch.distributed as dist
 from moeserve.checkpoint import CheckpointReader
 from moeserve.config import check_cache_slots
 from moeserve.errors import MoeserveError
-from moeserve.factory import ExpertSources, check_layers, place_experts
+from moeserve.factory import check_layers
 from moeserve.loader import meta_model, read_model, resolve_device, resolve_dtype, unread_layers
-from moeserve.offload.setup import offload_cache
+from moeserve.offload.setup import offload_cache, place_offloaded
 from moeserve.offload.slot_cache import SlotCache
 from moeserve.offload.store import ExpertStore, layer_experts, source_layers
 from moeserve.parallel.launch import init_from_env
@@ -76,16 +76,14 @@ def build(plan: RunPlan, progress: bool = True) -> Runtime:
     reader = CheckpointReader(config.model)
     read_model(model, reader, device, dtype, plan.dense_bits, unread_layers([p.layer for p in from_store]), progress)
     if plan.hybrid is not None:
-        from moeserve.hybrid.setup import hybrid_runtime  # its device link needs triton
+        from moeserve.hybrid.setup import enable_hybrid  # its device link needs triton
 
         store = plan.store or read_store(reader, plan, dtype, device, progress)
-        runtime = hybrid_runtime(model, store, plan.hybrid, warm=True, disk_budget=plan.disk_budget)
-        place_experts(model, from_store, ExpertSources(plan.spec, store=store, hybrid=runtime, device=device))
-        return Runtime(plan, model, hybrid=runtime)
+        return Runtime(plan, model, hybrid=enable_hybrid(model, store, plan.hybrid, warm=True,
+                                                         disk_budget=plan.disk_budget))
     if config.offload:
         cache = planned_cache(model, plan)
-        place_experts(model, from_store, ExpertSources(plan.spec, store=plan.store, cache=cache, model=model,
-                                                       prefetch_layers=max(config.cache.prefetch, 0)))
+        place_offloaded(model, cache, max(config.cache.prefetch, 0))
         return Runtime(plan, model, cache=cache)
     return Runtime(plan, model)
 

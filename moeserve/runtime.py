@@ -41,9 +41,9 @@ class RunPlan:
     hybrid: the CPU/GPU expert placement (None: experts on the model device, or offloaded); device: the device the
     run uses (a plan without a GPU says cpu); plan_line: the planner's one line (None without --gpu-memory); store:
     the expert store opened and checked against the checkpoint (hybrid with --offload, or offload); low_bits/group:
-    the precision of the hybrid's low-bit copies (None: float only); cache_budget: offload's slot budget in bytes
-    (None: slots given); disk_budget: host RAM for the CPU layers' experts of a store read from disk (--cpu-memory:
-    the disk tier; None: the store's mapping, or the store in RAM)."""
+    the precision of the hybrid store's low-bit copies (hybrid_source; None without a hybrid placement);
+    cache_budget: offload's slot budget in bytes (None: slots given); disk_budget: host RAM for the CPU layers'
+    experts of a store read from disk (--cpu-memory: the disk tier; None: the store's mapping, or the store in RAM)."""
     config: RunConfig
     spec: ModelSpec
     kv_batch: int
@@ -54,6 +54,7 @@ class RunPlan:
     plan_line: str | None = None
     store: object | None = None
     low_bits: int | None = None
+    group: int | None = None
     cache_budget: int | None = None
     disk_budget: int | None = None
 
@@ -64,9 +65,8 @@ class RunPlan:
         if p.ranks > 1:
             return resident_layers(spec, dtype_bytes, read_manifest(Path(config.model)), Shard(p.ep, p.tp))
         if self.hybrid is not None:
-            low_bits, group = ((self.store.meta["low_bits"], self.store.meta["group"]) if self.store is not None
-                               else stored_experts(config) or store_precision(spec, self.hybrid))
-            return hybrid_layers(spec, self.hybrid, dtype_bytes, low_bits, group, mapped=self.store is not None)
+            return hybrid_layers(spec, self.hybrid, dtype_bytes, self.low_bits, self.group,
+                                 mapped=self.store is not None)
         if config.offload:
             return offload_layers(spec, dtype_bytes, mixed=not config.cache.all_high)
         return resident_layers(spec, dtype_bytes, read_manifest(Path(config.model)))
@@ -182,7 +182,7 @@ def hybrid_source(plan: RunPlan) -> RunPlan:
                                 f"{format_bytes(available_ram())} of host RAM available now; give at most that")
     else:
         check_host_ram(footprint(spec, layout).host["expert store"])
-    return replace(plan, hybrid=placement, store=store, low_bits=low_bits, disk_budget=disk_budget)
+    return replace(plan, hybrid=placement, store=store, low_bits=low_bits, group=group, disk_budget=disk_budget)
 
 
 def stored_experts(config: RunConfig) -> tuple[int, int] | None:

@@ -34,11 +34,18 @@ def offload_cache(model, store: ExpertStore, *, high_slots: int, low_slots: int 
 
 
 def enable_offload(model, store: ExpertStore, *, prefetch_layers: int = 0, **options) -> SlotCache:
-    """offload_cache (returned; the options are its), and every MoE layer's OffloadedExperts made by the factory.
-    prefetch_layers = n > 0: each layer applies the next n MoE layers' routers (stacked) to its own gate input and
-    prefetches the experts they would pick (HOBBIT's adaptive prefetch). For a model whose routed experts were left
-    unread (tests and benchmarks; a run builds through moeserve.build)."""
+    """offload_cache (returned; the options are its), and every MoE layer's OffloadedExperts over it
+    (place_offloaded). For a model whose routed experts were left unread (tests and benchmarks; a run builds through
+    moeserve.build)."""
     cache = offload_cache(model, store, **options)
-    place_experts(model, offload_layers(model.spec, model.dtype.itemsize, cache.settings.mixed),
-                  ExpertSources(model.spec, store=store, cache=cache, model=model, prefetch_layers=prefetch_layers))
+    place_offloaded(model, cache, prefetch_layers)
     return cache
+
+
+def place_offloaded(model, cache: SlotCache, prefetch_layers: int = 0) -> None:
+    """Every MoE layer's experts made by the factory as OffloadedExperts sharing `cache`. prefetch_layers = n > 0:
+    each layer applies the next n MoE layers' routers (stacked) to its own gate input and prefetches the experts they
+    would pick (HOBBIT's adaptive prefetch)."""
+    place_experts(model, offload_layers(model.spec, model.dtype.itemsize, cache.settings.mixed),
+                  ExpertSources(model.spec, store=cache.store, cache=cache, model=model,
+                                prefetch_layers=prefetch_layers))
