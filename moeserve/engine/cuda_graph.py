@@ -46,7 +46,8 @@ class StepRunner:
     between segments the host runs that layer's experts (MoEBlock.finish) and copies their output where the next
     segment reads it. No cuts: the whole step is one graph. A capture that fails warns once and the same pieces run
     eagerly from then on. `begin(inputs)` starts the step (model.decode_begin over the decoder's cache); the KV
-    bookkeeping around a call (reserve, commit) is the decoder's."""
+    bookkeeping around a call (reserve, commit) is the decoder's. The inputs are the same tensors every call (the
+    decoder's buffers, SlotDecoder._stage), which the graphs read in place."""
 
     def __init__(self, model, kv: SlotKVCache, cuts: list[int], begin: Callable[..., DecodeState],
                  graph: bool, warmup: int, pool=None):
@@ -67,11 +68,7 @@ class StepRunner:
         """The step's inputs -> logits [B, 1, V] (with graphs: valid until the next call)."""
         if self.use_graph and not self.graphs and not captured(lambda: self._capture(inputs), "the decode step"):
             self.use_graph, self.graphs, self.outputs, self.carried, self.pending = False, [], [], [], []
-        if self.use_graph:
-            for buf, x in zip(self.inputs, inputs):
-                if buf is not x:  # the decoder passes its own static buffers (SlotDecoder._stage)
-                    buf.copy_(x)
-        else:
+        if not self.use_graph:
             self.inputs, self.carried, self.pending = list(inputs), [], []
         for i in range(len(self.cuts) + 1):
             if self.use_graph:
@@ -114,7 +111,7 @@ class StepRunner:
         """Each segment after `warmup` eager runs on a side stream (Triton compiles, allocator fills; a segment's
         inputs are the static tensors of the segments before it, written by the real step that follows: the
         warm-up runs write only the KV slot that step writes anyway)."""
-        self.inputs = list(inputs)  # the decoder's buffers, the same tensors every step
+        self.inputs = list(inputs)  # the decoder's buffers, the same tensors every call
         pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for i in range(len(self.cuts) + 1):
             graph, out = capture(self._segment(i), self.warmup, self.model.device, pool)
