@@ -319,15 +319,15 @@ class ContinuousBatch:
         """The sampled token of each request (greedy rows in one argmax), FAILED where its sampling raised (the
         exception in errors, by index). A request with a constraint draws from the tokens it allows (its row of
         the masked rows), and its constraint accepts the token drawn."""
-        if all(r.params.greedy and r.constraint is None for r in requests):
-            return logits.argmax(-1).tolist()  # every row plain greedy: one argmax, no row indexing
         tokens = [FAILED] * len(requests)
         bound = [i for i, r in enumerate(requests) if r.constraint is not None]
         masked = constrain(logits, bound, [requests[i].constraint for i in bound], errors) if bound else None
         rows = {i: masked[j:j + 1] for j, i in enumerate(bound)}  # index -> its masked logits [1, V]
         plain = [i for i, r in enumerate(requests) if r.params.greedy and i not in rows]
         held = [j for j, i in enumerate(bound) if requests[i].params.greedy and i not in errors]
-        for picked, picks in ((plain, logits[plain]), ([bound[j] for j in held], masked[held] if held else None)):
+        everyone = len(plain) == len(requests)  # no row indexing (a copy) when every row is plain greedy
+        for picked, picks in ((plain, logits if everyone else logits[plain]),
+                              ([bound[j] for j in held], masked[held] if held else None)):
             if picked:
                 for i, t in zip(picked, picks.argmax(-1).tolist()):
                     tokens[i] = t
