@@ -22,17 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeserve.checkpoint import validate_safetensors
+from moeserve.checkpoint import SAFETENSORS_DTYPES, validate_safetensors
 from moeserve.errors import MoeserveError
 from moeserve.offload.store import UNITS_LAYOUT, ExpertStore, read_provenance
 from moeserve.units import format_bytes
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page: any block size divides it)
 PART_ALIGN = 64  # start of each part within a slot (any dtype's view, cache lines)
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ def layer_extents(path: Path) -> dict[str, Extent]:
     with open(path, "rb") as f:
         start = 8 + int.from_bytes(f.read(8), "little")  # the data follow the length and the JSON header
     return {name: Extent(start + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0],
-                         DTYPES[v["dtype"]], tuple(v["shape"]))
+                         SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]))
             for name, v in header.items() if name != "__metadata__"}
 
 
