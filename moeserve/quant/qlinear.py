@@ -152,6 +152,7 @@ class QuantizedExperts(LoopedExperts):
         self.num_experts, self.act = len(gate_up), act
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self._stacked = None
+        self._mma = None
 
     def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return self.down[e](glu(self.gate_up[e](rows), self.act))
@@ -204,9 +205,37 @@ class QuantizedExperts(LoopedExperts):
                            act=self.act)  # [k, D] fp32, slot order
         return gather_combine(y, None, expert_weights, expert_ids.shape[1], x.dtype)
 
+    def mma_experts(self, x: torch.Tensor, num_tokens: int):
+        """The experts in the 4-bit MMA kernels' layout (kernels/cuda/w4_moe.py, built once, beside the packed
+        copy) when those kernels take this call: switched on, 2..MAX_ROWS tokens of 16-bit x on an Ampere+ GPU,
+        4-bit experts of whole 64-input groups with no biases, compensators or clamped SwiGLU; else None."""
+        from moeserve.kernels.cuda import w4_moe
+
+        if not (w4_moe.enabled() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and self.act is None
+                and 2 <= num_tokens <= w4_moe.MAX_ROWS and not needs_grad(x)):
+            return None
+        gate_up, down = self.stacked(x.dtype)
+        if not (w4_moe.applies(gate_up.bits, gate_up.group, tuple(gate_up.qweight.shape[1:2]) + (down.qweight.shape[1],),
+                               gate_up.in_features, gate_up.bias is not None or down.bias is not None,
+                               gate_up.u is not None or down.u is not None)
+                and w4_moe.usable(x.device.index or 0)):
+            return None
+        key = (gate_up.qweight.data_ptr(), down.qweight.data_ptr())
+        if self._mma is None or self._mma[0] != key:
+            self._mma = (key, w4_moe.W4Experts(*(
+                w4_moe.W4Projection.of(p.qweight, p.scale, p.zero, p.group, p.in_features, gate_up=p is gate_up)
+                for p in (gate_up, down))))
+        return self._mma[1]
+
     def run_sorted(self, x_sorted: torch.Tensor, table) -> torch.Tensor:
         if self.kernel_path(x_sorted, table.num_tokens) not in LOWBIT_PATHS:  # slots: forward's autograd fallback
             return super().run_sorted(x_sorted, table)
+        mma = self.mma_experts(x_sorted, table.num_tokens)
+        if mma is not None:
+            from moeserve.kernels.cuda.w4_moe import w4_experts
+
+            return w4_experts(x_sorted, mma, table.offsets, table.num_tokens,
+                              x_sorted.shape[0] // table.num_tokens)  # [T*k, D] fp32
         from moeserve.kernels.triton.lowbit import lowbit_experts
 
         return lowbit_experts(x_sorted, *self.stacked(x_sorted.dtype), table, act=self.act)  # [T*k, D] fp32
