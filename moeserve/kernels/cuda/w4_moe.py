@@ -62,8 +62,6 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=8)
 def usable(device_index: int) -> bool:
     """An Ampere or later GPU and the kernels' PTX (shipped, cached or built by nvcc); else a one-line note."""
-    import torch.cuda
-
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return False
     try:
