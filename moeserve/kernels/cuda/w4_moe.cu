@@ -70,6 +70,20 @@ __device__ __forceinline__ uint32_t to16x2(float lo, float hi) {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
+// the words and scale/zero of W4_AHEAD chunks from chunk kc (those before kc1) of the warp's W4_RT tiles
+__device__ __forceinline__ void load_batch(const uint4* wp, const uint2* sp, size_t wstride, size_t sstride, int kc,
+                                           int kc1, int chunks_per_group, uint4 (&w)[W4_AHEAD][W4_RT],
+                                           uint2 (&s)[W4_AHEAD][W4_RT]) {
+#pragma unroll
+  for (int u = 0; u < W4_AHEAD; ++u)
+#pragma unroll
+    for (int r = 0; r < W4_RT; ++r)
+      if (kc + u < kc1) {
+        w[u][r] = __ldcs(wp + r * wstride + (size_t)(kc + u) * 32);
+        s[u][r] = __ldg(sp + r * sstride + (size_t)((kc + u) / chunks_per_group) * 8);
+      }
+}
+
 template <int NT, bool GATE_UP, bool BF16>
 __device__ __forceinline__ void w4_moe(const uint16_t* __restrict__ x, const uint4* __restrict__ w,
                                        const uint2* __restrict__ sz, void* __restrict__ out,
@@ -112,26 +126,12 @@ __device__ __forceinline__ void w4_moe(const uint16_t* __restrict__ x, const uin
     // weights and scales of the next W4_AHEAD chunks load while this batch multiplies
     uint4 cw[W4_AHEAD][W4_RT];
     uint2 cs[W4_AHEAD][W4_RT];
-#pragma unroll
-    for (int u = 0; u < W4_AHEAD; ++u)
-#pragma unroll
-      for (int r = 0; r < W4_RT; ++r)
-        if (kc0 + u < kc1) {
-          cw[u][r] = __ldcs(wp + r * wstride + (size_t)(kc0 + u) * 32);
-          cs[u][r] = __ldg(sp + r * sstride + (size_t)((kc0 + u) / chunks_per_group) * 8);
-        }
+    load_batch(wp, sp, wstride, sstride, kc0, kc1, chunks_per_group, cw, cs);
 
     for (int kc = kc0; kc < kc1; kc += W4_AHEAD) {
       uint4 nw[W4_AHEAD][W4_RT];
       uint2 ns[W4_AHEAD][W4_RT];
-#pragma unroll
-      for (int u = 0; u < W4_AHEAD; ++u)
-#pragma unroll
-        for (int r = 0; r < W4_RT; ++r)
-          if (kc + W4_AHEAD + u < kc1) {
-            nw[u][r] = __ldcs(wp + r * wstride + (size_t)(kc + W4_AHEAD + u) * 32);
-            ns[u][r] = __ldg(sp + r * sstride + (size_t)((kc + W4_AHEAD + u) / chunks_per_group) * 8);
-          }
+      load_batch(wp, sp, wstride, sstride, kc + W4_AHEAD, kc1, chunks_per_group, nw, ns);
 #pragma unroll
       for (int u = 0; u < W4_AHEAD; ++u) {
         const int k = kc + u;
