@@ -13,7 +13,10 @@ ISAS = {
     "avx512": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma")),
     "avx2": (8, 16, ("-mavx2", "-mfma", "-mf16c")),
     "portable": (8, 16, ()),  # GCC/Clang vector extensions: any CPU, the compiler picks the instructions
+    # int8 activations on VNNI's u8 x s8 dots (codegen_int8.py): an opt-in arithmetic, never chosen by `isas`
+    "avx512_vnni": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma")),
 }
+INT8_ISA = "avx512_vnni"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class CpuInfo:
         if {"avx2", "fma", "f16c"} <= self.flags:
             out.append("avx2")
         return out + ["portable"]
+
+    @property
+    def int8_dots(self) -> bool:
+        """Whether this CPU runs the int8-activation kernels (INT8_ISA: AVX-512 with VNNI)."""
+        return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= self.flags
 
 
 def _cache_size(level: int, kind: str, default: int) -> int:
