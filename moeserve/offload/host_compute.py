@@ -62,8 +62,8 @@ class HostExperts:
         store larger than the RAM given to it): then nothing derived from an expert is kept (it would outgrow the
         budget), each expert computes from its cache slot one after another, and the native whole-layer calls and
         the CPU kernels' kept repacks are off. int8 (--cpu-int8): the native whole-layer calls and the MXFP4 kernels
-        quantize their inputs to int8 and multiply on the CPU's int8 dots (kernels/cpu/codegen_int8.py; about 0.5%
-        relative error); a MoeserveError here on a CPU without them."""
+        quantize their inputs to int8 and multiply on the CPU's int8 dots (kernels/cpu/codegen_int8.py; about 1%
+        relative error per expert); a MoeserveError here on a CPU without them."""
         if int8:
             check_int8_dots()
         self.store, self.dtype, self.disk, self.int8 = store, dtype, disk, int8
