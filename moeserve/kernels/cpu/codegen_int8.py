@@ -56,8 +56,16 @@ def rec_macro() -> str:
 def prepare_rows(bits: int) -> str:
     """C of `prepare_rows(x, m, ldx, n_groups, group, rec)`: each row's record (module docstring)."""
     order = ", ".join(str(v) for v in byte_order(bits))
-    return f"""/* rec [m, REC(n_groups, group)]: each row's inputs quantized per {ACT_BLOCK} values to int8 (symmetric), with
-   their scales, sums and per-group zero-point terms (codegen_int8.py) */
+    V = range(ACT_BLOCK // 16)  # float vectors a block
+    loads = "\n".join(f"          const VF v{i} = LOADF(xb + {16 * i});" for i in V)
+    absmax = "_mm512_abs_ps(v0)" if len(V) == 1 else "_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))"
+    # to the nearest integer, ties to even (the default rounding mode), saturated to int8 (|x * inv| <= 127)
+    rounds = "\n".join(f"          const VI i{i} = _mm512_cvtps_epi32(MUL(v{i}, inv));\n"
+                       f"          _mm_storeu_si128((__m128i*)(qv + h * {ACT_BLOCK} + {16 * i}), "
+                       f"_mm512_cvtsepi32_epi8(i{i}));" for i in V)
+    sums = "i0" if len(V) == 1 else "_mm512_add_epi32(i0, i1)"
+    return f"""/* rec [m, REC(n_groups, group)]: each row's inputs quantized per {ACT_BLOCK} values to int8
+   (symmetric), with their scales, sums and per-group zero-point terms (codegen_int8.py) */
 static const unsigned char UNIT_BYTE_ORDER[32] = {{{order}}};
 
 static void prepare_rows(const float* x, int m, int ldx, int n_groups, int group, float* rec) {{
@@ -76,17 +84,13 @@ static void prepare_rows(const float* x, int m, int ldx, int n_groups, int group
         for (int h = 0; h < {BLOCKS}; h++) {{
           const int kb = ku * {BLOCKS} + h;
           const float* xb = xr + (size_t)kb * {ACT_BLOCK};
-          float amax = 0.0f;
-          for (int i = 0; i < {ACT_BLOCK}; i++) amax = fmaxf(amax, fabsf(xb[i]));
-          const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-          int32_t sum = 0;
-          for (int i = 0; i < {ACT_BLOCK}; i++) {{
-            qv[h * {ACT_BLOCK} + i] = (int8_t)nearbyintf(xb[i] * inv);
-            sum += qv[h * {ACT_BLOCK} + i];
-          }}
+{loads}
+          const float amax = _mm512_reduce_max_ps({absmax});
+          const VF inv = SET1F(amax > 0.0f ? 127.0f / amax : 0.0f);
+{rounds}
           d[kb] = amax / 127.0f;
-          qs[kb] = sum;
-          gsum += d[kb] * (float)sum;
+          qs[kb] = _mm512_reduce_add_epi32({sums});
+          gsum += d[kb] * (float)qs[kb];
         }}
         for (int i = 0; i < 32; i++) q[(size_t)ku * 32 + i] = qv[UNIT_BYTE_ORDER[i]];
       }}
