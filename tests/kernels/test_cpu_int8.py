@@ -1,8 +1,8 @@
 """The int8-activation CPU kernels (INT8_ISA, AVX512-VNNI; codegen_int8.py): against a float64 emulation of their
-algebra (inputs rounded to int8 per block of ACT_BLOCK values, then exact) to float rounding, and against the exact float64 product
-of the dequantized weights within a bounded error (2/4/8-bit affine codes and MXFP4, 1..16 rows, odd output counts,
-groups 32..128); the batched and whole-layer calls; the one-line error without VNNI. Kernel tests skip on CPUs without
-VNNI."""
+algebra (inputs rounded to int8 per block of ACT_BLOCK values, then exact) to float rounding, and against the exact
+float64 product of the dequantized weights within a bounded error (2/4/8-bit affine codes and MXFP4, 1..16 rows, odd
+output counts, groups 32..128); the batched and whole-layer calls; the one-line error without VNNI. Kernel tests skip
+on CPUs without VNNI."""
 
 import pytest
 import torch

@@ -452,8 +452,8 @@ static void projection(moe_job* j, atomic_long* next, int tiles, const float* in
   while (next_run(next, (long)j->nb * tiles, nth, &lo, &hi))
     for (long job = lo; job < hi; job++) {{
       const int e = j->used[job / tiles], tile = (int)(job % tiles), r0 = j->first[e];
-      output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * REC(ng, j->group), ng, w[e], s[e], z[e],
-                  W, j->group, out + (size_t)r0 * ld_out, ld_out, tile * TILE_VECTORS, gb);
+      output_tile(in + (size_t)r0 * ld_in, j->first[e + 1] - r0, ld_in, sums + (size_t)r0 * REC(ng, j->group), ng,
+                  w[e], s[e], z[e], W, j->group, out + (size_t)r0 * ld_out, ld_out, tile * TILE_VECTORS, gb);
     }}
 }}
 
