@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from moeserve.demo import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import CACHE_POLICIES, EXPERT_BITS, STREAM_FROM
+from moeserve.kernels.cpu.machine import check_int8_dots
 from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.units import parse_bytes
@@ -84,6 +85,7 @@ class HybridConfig:
     mixed_precision: bool = flag(False, "--mixed-precision")
     stream_from: int | None = flag(None, "--stream-from")
     cpu_memory: str | int | None = flag(None, "--cpu-memory")  # host RAM for the CPU experts of a store on disk
+    cpu_int8: bool = flag(False, "--cpu-int8")  # low-bit / MXFP4 CPU experts on int8 activations (VNNI dots)
 
     @property
     def requested(self) -> bool:
@@ -218,6 +220,8 @@ class RunConfig:
             raise MoeserveError(f"unknown cache policy {h.cache_policy!r}; choose one of {', '.join(CACHE_POLICIES)}")
         if h.experts_bits is not None and h.experts_bits not in EXPERT_BITS:
             raise MoeserveError(f"--experts-bits {h.experts_bits} is not one of {', '.join(map(str, EXPERT_BITS))}")
+        if h.cpu_int8:
+            check_int8_dots()
         if h.cpu_memory is not None and h.gpu_cache_experts:
             raise MoeserveError("--cpu-memory (experts read from disk) does not combine with --gpu-cache-experts: "
                                 "the GPU cache copies from the store's mapping")

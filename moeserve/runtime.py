@@ -106,7 +106,7 @@ def hybrid_placement(config: RunConfig, spec: ModelSpec, every: bool | None = No
         spec.moe.layer_indices(), every, n, slots or 0,
         len(physical_cores()) if h.cpu_threads is None else h.cpu_threads, h.mixed_precision,
         16 if bits is None else bits, h.cache_policy, spec.moe.num_experts, STREAM_FROM if stream_from is None
-        else stream_from)
+        else stream_from, h.cpu_int8)
 
 
 def plan_placement(plan: RunPlan) -> RunPlan:

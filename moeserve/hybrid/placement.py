@@ -30,12 +30,13 @@ class HybridPlacement:
     bits: int = 16  # the experts' precision: 16 = float, else the store's low-bit copies
     policy: str = "hobbit"  # cache policy (CACHE_POLICIES)
     stream_from: int = STREAM_FROM  # prompt tokens from which experts are streamed to the GPU (0: never)
+    int8: bool = False  # low-bit and MXFP4 CPU experts on int8 activations (the CPU's int8 dots), not exact floats
 
     @classmethod
     def choose(cls, moe_layers: list[int], cpu_moe: bool = False, n_cpu_moe: int | None = None,
                cache_slots: int = 0, threads: int | None = None, mixed: bool = False, bits: int = 16,
                policy: str = "hobbit", num_experts: int | None = None,
-               stream_from: int = STREAM_FROM) -> "HybridPlacement":
+               stream_from: int = STREAM_FROM, int8: bool = False) -> "HybridPlacement":
         """The placement the options ask for; a MoeserveError names the first option that cannot be met."""
         if cpu_moe and n_cpu_moe is not None:
             raise MoeserveError("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe puts every MoE layer's "
@@ -59,7 +60,7 @@ class HybridPlacement:
         cpu_layers = tuple(moe_layers[:n])
         if num_experts is not None:  # no more slots than experts to hold
             cache_slots = min(cache_slots, len(cpu_layers) * num_experts)
-        return cls(tuple(moe_layers), cpu_layers, cache_slots, threads, mixed, bits, policy, stream_from)
+        return cls(tuple(moe_layers), cpu_layers, cache_slots, threads, mixed, bits, policy, stream_from, int8)
 
     @property
     def low(self) -> bool:
@@ -90,6 +91,8 @@ class HybridPlacement:
             parts.append(f"dense part {dense_bits}-bit")
         if self.threads:
             parts.append(f"{self.threads} CPU threads")
+        if self.int8:
+            parts.append("int8 activations on the CPU")
         if device_type == "cuda" and self.cpu_layers:
             parts.append(f"prompts of {self.stream_from}+ tokens stream experts to the GPU" if self.stream_from
                          else "prompts on the CPU")

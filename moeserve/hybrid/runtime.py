@@ -81,7 +81,7 @@ class HybridRuntime:
             self.disk = DiskCache(store, placement.cpu_layers, disk_budget, read_precisions(placement), top_k,
                                   pin=device.type == "cuda")
             stream = False
-        self.host = host or HostExperts(store, dtype, self.disk)
+        self.host = host or HostExperts(store, dtype, self.disk, placement.int8)
         if warm:
             for low in read_precisions(placement):
                 self.host.warm(list(placement.cpu_layers), low)

@@ -24,6 +24,7 @@ import torch
 
 from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel,
                                        moe_layer, pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
+from moeserve.kernels.cpu.machine import check_int8_dots
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
 from moeserve.offload.disk_cache import DiskCache
@@ -54,13 +55,18 @@ class CpuPairs:
 
 
 class HostExperts:
-    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None, disk: DiskCache | None = None):
+    def __init__(self, store: ExpertStore, dtype: torch.dtype | None = None, disk: DiskCache | None = None,
+                 int8: bool = False):
         """dtype: the compute dtype of high-precision experts (the model's); store copies of another dtype are
         converted once, on first use, and kept. disk: the disk tier's RAM cache the experts are read through (a
         store larger than the RAM given to it): then nothing derived from an expert is kept (it would outgrow the
         budget), each expert computes from its cache slot one after another, and the native whole-layer calls and
-        the CPU kernels' kept repacks are off."""
-        self.store, self.dtype, self.disk = store, dtype, disk
+        the CPU kernels' kept repacks are off. int8 (--cpu-int8): the native whole-layer calls and the MXFP4 kernels
+        quantize their inputs to int8 and multiply on the CPU's int8 dots (kernels/cpu/codegen_int8.py; about 1%
+        relative error per expert); a MoeserveError here on a CPU without them."""
+        if int8:
+            check_int8_dots()
+        self.store, self.dtype, self.disk, self.int8 = store, dtype, disk, int8
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
@@ -79,7 +85,13 @@ class HostExperts:
 
     def native_kernel(self, low: bool) -> CpuKernel | None:
         """The generated kernel native layers of this precision run on (None: none builds here)."""
-        return default_kernel(self.store.meta["low_bits"]) if low or self.store.quantized else default_kernel(4, mxfp4=True)
+        if low or self.store.quantized:
+            return default_kernel(self.store.meta["low_bits"], int8=self.int8)
+        return self.mxfp4_kernel()
+
+    def mxfp4_kernel(self) -> CpuKernel | None:
+        """The generated kernel an MXFP4 store's high copies are repacked for and run on (None: none builds here)."""
+        return default_kernel(4, mxfp4=True, int8=self.int8)
 
     def high(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """A float store's (gate_up [2F, D], down [D, F], and the biases gate_up [2F], down [D] of biased experts) in
@@ -97,7 +109,7 @@ class HostExperts:
         do not build on this machine."""
         key = (layer, expert)
         if key not in self._mxfp4:
-            kernel = default_kernel(4, mxfp4=True)
+            kernel = self.mxfp4_kernel()
             if kernel is None or self.disk is not None:
                 return None
             w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
@@ -241,7 +253,7 @@ class HostExperts:
                 out[start:start + n] = w.ffn(x[start:start + n], self.store.act)
                 start += n
             return out
-        kernel, rows = default_kernel(4, mxfp4=True), [n for _, n in groups]
+        kernel, rows = self.mxfp4_kernel(), [n for _, n in groups]
 
         def project(inputs: torch.Tensor, packed: list[PackedForCpu], biases: list) -> torch.Tensor:
             y = kernel.batch(inputs, rows, packed)  # [n, out] float32

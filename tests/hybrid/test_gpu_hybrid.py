@@ -254,3 +254,27 @@ def test_gpu_serving_batch_decodes_hybrid_layers_in_graph_segments(hf_checkpoint
                     batch.add(r)
         outputs.append([r.gen.token_ids for r in requests])
     assert outputs[0] == outputs[1]
+
+
+def test_gpu_linked_int8_activations_follow_the_exact_cpu_experts(hf_checkpoints):
+    """--cpu-int8 over the device link: 4-bit CPU experts on the int8-activation kernels (the link's layer table runs
+    them) give logits within a few percent of the exact kernels' and the same first greedy token (tiny random
+    models have near-ties later). Skipped on a host without AVX512-VNNI."""
+    from moeserve.kernels.cpu.machine import INT8_ISA, cpu_info
+    if not cpu_info().int8_dots:
+        pytest.skip("no AVX512-VNNI on this host")
+    path = hf_checkpoints["qwen3_moe"][1]
+    tokens = torch.randint(3, 97, (2, 7), device="cuda")
+    prompt = torch.randint(3, 97, (6,)).tolist()
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    logits, first = [], []
+    for int8 in (False, True):
+        model, runtime = hybrid_model(path, HybridPlacement.choose(moe_layers(path), cpu_moe=True, bits=4, int8=int8),
+                                      "float32")
+        assert runtime.link is not None
+        assert (runtime.host.native_kernel(True).isa == INT8_ISA) == int8
+        logits.append(model(tokens))  # [2, 7, V]
+        first.append(generate(model, [prompt], params)[0].token_ids[0])
+        runtime.close()
+    assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 0.03
+    assert first[0] == first[1]

@@ -332,6 +332,7 @@ def test_cli_hybrid_errors(expect_cli_error, byte_model_dir, tmp_path, monkeypat
     expect_cli_error(gen + ["--cpu-moe", "--n-cpu-moe", "1"], "cannot be combined")
     expect_cli_error(gen + ["--gpu-cache-experts", "4"], "needs --cpu-moe or --n-cpu-moe")
     expect_cli_error(gen + ["--mixed-precision"], "needs --cpu-moe or --n-cpu-moe")
+    expect_cli_error(gen + ["--cpu-int8"], "needs --cpu-moe or --n-cpu-moe")
     expect_cli_error(gen + ["--cpu-moe", "--high-slots", "2"], "--gpu-cache-experts")
     expect_cli_error(gen + ["--cpu-moe", "--cache-policy", "mru"], "unknown cache policy")
     expect_cli_error(gen + ["--cpu-moe", "--cpu-threads", "0"], "--cpu-threads must be >= 1")
@@ -378,7 +379,7 @@ def test_help_explains_the_flags(capsys):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())
         for flag in ("--cpu-moe", "--n-cpu-moe N", "--gpu-cache-experts S", "--cpu-threads N", "--mixed-precision",
-                     "--experts-bits B", "--cache-policy", "--dense-bits {16,8}"):
+                     "--experts-bits B", "--cache-policy", "--dense-bits {16,8}", "--cpu-int8"):
             assert flag in text, (argv, flag)
 
 
@@ -440,3 +441,29 @@ def test_linked_cache_fills_with_the_most_used_experts_then_swaps(hf_checkpoints
         cache.maintain()
     assert set(cache.pool.slot_of) == {(l0, 5), (l1, 2), (l1, 4)} and cache.admitted == 4
     runtime.close()
+
+
+def test_int8_activations_stay_near_the_exact_cpu_experts(byte_model_dir):
+    """--cpu-int8 (HybridPlacement.int8): 4-bit CPU experts on int8 activations give the exact kernels' greedy tokens
+    and logits within a few percent of their spread; the placement line says so. Skipped without VNNI."""
+    from moeserve.kernels.cpu import gemv, tuning
+    from moeserve.kernels.cpu.machine import INT8_ISA, cpu_info
+
+    if not cpu_info().int8_dots or gemv.default_kernel(4) is None:
+        pytest.skip("no AVX512-VNNI (or no C compiler) here")
+    if tuning.stored_tile(INT8_ISA) is None:
+        tuning.store_tile(INT8_ISA, (4, 2), {})  # a valid tile: no register-tile search inside the tests
+    store = ExpertStore.from_checkpoint(byte_model_dir, low_bits=4, group=32, high=False, progress=False)
+    prompts, tokens = [[72, 65, 77, 80], [75, 73]], torch.tensor([[72, 65, 77, 80, 76, 69, 83]])
+    runs = {}
+    for int8 in (False, True):
+        placement = HybridPlacement.choose([0, 1], cpu_moe=True, bits=4, int8=int8)
+        model, runtime = hybrid_model(byte_model_dir, placement, store)
+        assert runtime.host.native_kernel(True).isa == (INT8_ISA if int8 else cpu_info().isas[0])
+        runs[int8] = greedy(model, prompts), model(tokens)
+        runtime.close()
+    assert runs[True][0] == runs[False][0]
+    exact, int8 = runs[False][1], runs[True][1]  # [1, 7, V]
+    assert float((int8 - exact).norm() / exact.norm()) < 0.02
+    assert "int8 activations on the CPU" in HybridPlacement.choose([0, 1], cpu_moe=True, bits=4,
+                                                                   int8=True).describe("cpu", "float32")

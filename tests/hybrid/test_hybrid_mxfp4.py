@@ -153,3 +153,40 @@ def test_the_placement_line_names_mxfp4_cpu_experts(mxfp4_checkpoint):
     assert "experts on CPU (MXFP4)" in describe_hybrid(run.runtime) and "on CPU (MXFP4)" in run.placement
     run = moeserve.LLM(mxfp4_checkpoint, cpu_moe=True, experts_bits=4)
     assert "experts on CPU (4-bit)" in describe_hybrid(run.runtime)
+
+
+def test_int8_activations_stay_near_the_resident_mxfp4_experts(mxfp4_checkpoint):
+    """--cpu-int8 on GPT-OSS's MXFP4 CPU experts (biases, clamped SwiGLU): the native layer call within a bounded
+    relative error of the resident experts, and the model's greedy tokens and logits near the resident model's.
+    Skipped without VNNI."""
+    from moeserve.kernels.cpu import tuning
+    from moeserve.kernels.cpu.machine import INT8_ISA, cpu_info
+
+    if not cpu_info().int8_dots:
+        pytest.skip("no AVX512-VNNI here")
+    if tuning.stored_tile(INT8_ISA) is None:
+        tuning.store_tile(INT8_ISA, (4, 2), {})  # a valid tile: no register-tile search inside the tests
+    resident = moeserve.load_model(mxfp4_checkpoint, device="cpu")
+    moe = [i for i, m in enumerate(resident.spec.moe.layers) if m]
+    placement = HybridPlacement.choose(moe, cpu_moe=True, int8=True)
+    store = build_store(mxfp4_checkpoint, placement, torch.float32, torch.device("cpu"), progress=False)
+    host, g = HostExperts(store, torch.float32, int8=True), torch.Generator().manual_seed(8)
+    assert host.mxfp4_kernel().isa == INT8_ISA
+    E, k = resident.spec.moe.experts_at(moe[0]), resident.spec.moe.top_k
+    for T in (1, 6):
+        x = torch.randn(T, resident.spec.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+        weights = torch.rand(T, k, generator=g)  # [T, k]
+        got = host.run_layer(moe[0], x, CpuPairs(ids, weights, low=False))  # [T, D]
+        want = resident.model.layers[moe[0]].mlp.experts(x, ids, weights)  # [T, D]
+        assert float((got - want).norm() / want.norm()) < 0.02, T
+    tokens = torch.randint(3, 97, (2, 9), generator=g)
+    prompts = [torch.randint(3, 97, (7,), generator=g).tolist()]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    model, runtime = hybrid_model(mxfp4_checkpoint, placement)
+    with torch.no_grad():
+        want, got = resident(tokens), model(tokens)  # [2, 9, V]
+    assert float((got - want).norm() / want.norm()) < 0.02
+    assert [r.token_ids for r in generate(model, prompts, params)] == [
+        r.token_ids for r in generate(resident, prompts, params)]
+    runtime.close()

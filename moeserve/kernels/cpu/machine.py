@@ -8,12 +8,17 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeserve.errors import MoeserveError
+
 # ISA -> (lanes of float32 per vector, vector registers, compiler flags); best first
 ISAS = {
     "avx512": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma")),
     "avx2": (8, 16, ("-mavx2", "-mfma", "-mf16c")),
     "portable": (8, 16, ()),  # GCC/Clang vector extensions: any CPU, the compiler picks the instructions
+    # int8 activations on VNNI's u8 x s8 dots (codegen_int8.py): an opt-in arithmetic, never chosen by `isas`
+    "avx512_vnni": (16, 32, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma")),
 }
+INT8_ISA = "avx512_vnni"
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,19 @@ class CpuInfo:
         if {"avx2", "fma", "f16c"} <= self.flags:
             out.append("avx2")
         return out + ["portable"]
+
+    @property
+    def int8_dots(self) -> bool:
+        """Whether this CPU runs the int8-activation kernels (INT8_ISA: AVX-512 with VNNI)."""
+        return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= self.flags
+
+
+def check_int8_dots() -> None:
+    """A one-line MoeserveError unless this CPU has the int8 dot instructions of the int8-activation kernels."""
+    info = cpu_info()
+    if not info.int8_dots:
+        raise MoeserveError(f"--cpu-int8 needs a CPU with AVX512-VNNI int8 dots, which {info.model} lacks (leave "
+                            "--cpu-int8 out: the exact float kernels)")
 
 
 def _cache_size(level: int, kind: str, default: int) -> int:

@@ -4,7 +4,8 @@ and the input block from the L1 size.
 
 Register tile (m_u rows x t_u output vectors): m_u broadcasts of x, t_u weight vectors and two
 accumulator sets (per group and total, for the s_g (<x,q> - z <x,1>) factorisation) must fit:
-m_u + 2 m_u t_u + t_u <= vector registers. The non-dominated tiles are timed on 4-bit weights read from
+m_u + 2 m_u t_u + t_u <= vector registers; the int8-activation kernels (INT8_ISA) hold a third set, the int32 dots
+of a unit: m_u + 3 m_u t_u + t_u. The non-dominated tiles are timed on 4-bit weights read from
 DRAM at 1 and 4 rows (hybrid decoding's case) and the fastest is stored in `cache_dir()/tuning.json`
 under the CPU model and ISA.
 
@@ -18,7 +19,7 @@ import json
 import os
 
 from moeserve.kernels.cpu.build import cache_dir
-from moeserve.kernels.cpu.machine import ISAS, cpu_info
+from moeserve.kernels.cpu.machine import INT8_ISA, ISAS, cpu_info
 
 MAX_TILE_VECTORS = 4
 MAX_TILE_ROWS = 8
@@ -27,9 +28,9 @@ TILE_SEARCH = "dram, 1+4 rows"  # what the stored tiles were timed on: other ent
 
 def register_tiles(isa: str) -> list[tuple[int, int]]:
     """Non-dominated (rows, vectors) tiles that fit the register file of `isa`."""
-    regs = ISAS[isa][1]
+    regs, sets = ISAS[isa][1], 3 if isa == INT8_ISA else 2
     fits = [(m, t) for m in range(1, MAX_TILE_ROWS + 1) for t in range(1, MAX_TILE_VECTORS + 1)
-            if m + 2 * m * t + t <= regs]
+            if m + sets * m * t + t <= regs]
     return [(m, t) for m, t in fits if not any(m2 >= m and t2 >= t and (m2, t2) != (m, t) for m2, t2 in fits)]
 
 
