@@ -5,6 +5,8 @@ Residual-MoE or a PR-MoE (DeepSpeed-MoE, Rajbhandari et al. 2022), at the demo's
   pyramid   fewer experts in the early layers, more in the last ones
   residual  every MoE layer adds a dense MLP to one chosen expert, mixed by a learned 2-way softmax
   prmoe     both
+  wide      a standard MoE with Mixtral-like matrices (hidden 1024, expert FFN 2048, 12 layers), over a BPE
+            tokenizer, trained on Python source and Shakespeare (corpus.py)
 
 A standard MoE is written as an HF Mixtral checkpoint (transformers loads it too); the others as moeserve's own
 `PRMoEForCausalLM` (config.json with `num_experts_per_layer` and `residual`; spec.py reads it).
@@ -16,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from moeserve.errors import MoeserveError
 
+QUICK_BPE_VOCAB = 320  # --quick's BPE: the 256 byte symbols, the 2 special tokens and a few merges
 AUX_LOSS_COEF = 0.02  # the load-balancing loss weight the trainer uses (config.json's router_aux_loss_coef)
 
 
@@ -33,6 +36,7 @@ class ArchConfig:
     bos_token_id: int = 256
     eos_token_id: int = 257
     rms_norm_eps: float = 1e-5
+    bpe_vocab: int = 0  # > 0: a BPE tokenizer of this many tokens fitted on the code corpus (corpus.py); 0: bytes
 
     @property
     def standard(self) -> bool:
@@ -50,6 +54,10 @@ class ArchConfig:
         """factor x the hidden size, head size and expert FFN: about factor^2 x the parameters."""
         return replace(self, hidden_size=self.hidden_size * factor, head_dim=self.head_dim * factor,
                        expert_ffn=self.expert_ffn * factor)
+
+    def with_bpe(self) -> "ArchConfig":
+        """The architecture over its BPE tokenizer's ids: BOS 0, EOS 1 (corpus.fit_bpe)."""
+        return replace(self, vocab_size=self.bpe_vocab, bos_token_id=0, eos_token_id=1) if self.bpe_vocab else self
 
     def hf_config(self, context: int) -> dict:
         """The config.json of this architecture with a context of `context` tokens (the training window)."""
@@ -74,6 +82,10 @@ class ArchConfig:
 
 
 DEMO = ArchConfig()  # the demo model: 6 layers of 8 experts, top-2
+# The wide model (bench/quality.py's second model): matrices 1024 and 2048 wide, 12 layers of 8 experts top-2, about
+# 0.65B parameters (0.2B active), trained on code and Shakespeare with an 8192-token BPE (corpus.py).
+WIDE = ArchConfig(experts=(8,) * 12, hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64, expert_ffn=2048,
+                  bpe_vocab=8192)
 # name -> the architecture at the demo's width: the paper's comparisons at the demo model's depth. Residual layers
 # route top-1 (one expert + the MLP: the compute of top-2), as in the paper.
 ARCHITECTURES = {
@@ -82,6 +94,7 @@ ARCHITECTURES = {
     "pyramid": replace(DEMO, experts=(4, 4, 4, 4, 8, 8)),
     "residual": replace(DEMO, top_k=1, residual=True),
     "prmoe": replace(DEMO, experts=(4, 4, 4, 4, 8, 8), top_k=1, residual=True),
+    "wide": WIDE,  # its own width, not the demo's
 }
 SCALES = {"demo": 1, "4x": 2}  # width factor: 2x the width is about 4x the parameters
 
@@ -95,5 +108,6 @@ def architecture(name: str, scale: str = "demo", quick: bool = False) -> ArchCon
     arch = ARCHITECTURES[name].wider(SCALES[scale])
     if quick:
         arch = replace(arch, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, expert_ffn=32,
-                       experts=tuple(max(e // 2, 2) for e in (arch.experts[0], arch.experts[-1])))  # 2 layers
-    return arch
+                       experts=tuple(max(e // 2, 2) for e in (arch.experts[0], arch.experts[-1])),  # 2 layers
+                       bpe_vocab=min(arch.bpe_vocab, QUICK_BPE_VOCAB))
+    return arch.with_bpe()

@@ -9,14 +9,17 @@ and, for a student, a teacher's KD term on the staged schedule of distill.py. He
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.errors import MoeserveError
 from moeserve.evaluate import perplexity
 from moeserve.model.router import TopKRouter
 from moeserve.model.transformer import MoETransformer
@@ -49,10 +52,16 @@ class TrainConfig:
     eval_windows: int = 8  # held-out windows evaluated every eval_every steps
     final_eval_windows: int = 0  # 0 = every window of the held-out text
     seed: int = 0
+    checkpoint_minutes: float = 0.0  # minutes between trainer states written for a resume (0 = only when stopped)
 
 
 QUICK = {"steps": 30, "minutes": 0.0, "batch_size": 8, "seq_len": 64, "warmup": 3, "eval_every": 10,
          "eval_windows": 4, "final_eval_windows": 8}
+# The wide model (arch.WIDE) on one H200: 32 windows of 1024 tokens a step, a peak rate for 0.65B parameters, a
+# bounded held-out evaluation (64 windows, 64K tokens), and a trainer state every 3 minutes (a killed run resumes).
+WIDE = {"steps": 20000, "minutes": 7.0, "batch_size": 32, "seq_len": 1024, "lr": 1e-3, "warmup": 50,
+        "eval_every": 100, "eval_windows": 16, "final_eval_windows": 64, "checkpoint_minutes": 3.0}
+STATE_FILE = "trainer_state.pt"  # in the output directory while a run is unfinished: what --resume reads
 
 
 # ---- model and optimiser ------------------------------------------------------------------
@@ -172,10 +181,34 @@ def fit_steps(steps: int, step: int, elapsed: float, per_step: float, budget: fl
     return min(steps, step + int(0.9 * (budget - elapsed) / per_step))
 
 
+def save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, step: int, steps: int,
+               history: list[dict], seconds: float, settings: dict) -> None:
+    """Everything a resumed run needs (weights, AdamW moments, the batch generator, the schedule's position and the
+    curve so far), written atomically: a kill while writing leaves the previous state."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                "step": step, "steps": steps, "history": history, "seconds": seconds, "settings": settings}, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, settings: dict, device: torch.device) -> dict:
+    """The trainer state at `path`, refused (one line) when it was written by a run of other settings."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["settings"] != settings:
+        differ = sorted(k for k in {**settings, **state["settings"]} if settings.get(k) != state["settings"].get(k))
+        raise MoeserveError(f"{path} is the state of a run with other settings ({', '.join(differ)}); rerun with "
+                            f"those settings to resume it, or delete it to start over")
+    return state
+
+
 def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.Tensor, device: torch.device,
-          distill: DistillConfig | None = None, teacher: MoETransformer | None = None) -> tuple[MoETransformer, dict]:
-    """Train a fresh MoETransformer; returns it (fp32, rounded to bf16 values) and the run's record. distill and
-    teacher (loaded on `device`): a student's KD term and its schedule."""
+          distill: DistillConfig | None = None, teacher: MoETransformer | None = None,
+          state_path: Path | None = None, settings: dict | None = None) -> tuple[MoETransformer, dict]:
+    """Train a fresh MoETransformer, or resume the run whose trainer state is at state_path (written there every
+    cfg.checkpoint_minutes and when --minutes runs out; deleted once the run is complete); returns the model
+    (fp32, rounded to bf16 values) and the run's record. settings: what a state must match to be resumed (the
+    run's architecture and data; cfg is added). distill and teacher (loaded on `device`): a student's KD term and
+    its schedule."""
     model = MoETransformer(spec)
     init_weights(model, cfg.init_std, cfg.seed)
     model.to(device).train()
@@ -186,8 +219,26 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
     autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     steps, budget = cfg.steps, cfg.minutes * 60
     history, recent, recent_kd, stopped_early = [], [], [], False
+    step, seconds_before = 0, 0.0  # a resumed run's steps and training seconds so far
+    settings = {**(settings or {}), "config": {k: v for k, v in asdict(cfg).items()
+                                               if k not in ("minutes", "checkpoint_minutes")}}
+    resumed = state_path is not None and state_path.is_file()
+    if resumed:
+        state = load_state(state_path, settings, device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, steps, history, seconds_before = state["step"], state["steps"], state["history"], state["seconds"]
+        del state
+    tokens_per_step = cfg.batch_size * cfg.seq_len
     if teacher is not None:
         teacher.eval()
+
+    def checkpoint() -> None:
+        if state_path is not None:
+            save_state(state_path, model, opt, gen, step, steps, history,
+                       seconds_before + time.perf_counter() - t0, settings)
+            bar.write(f"step {step}: trainer state written to {state_path}")
 
     def evaluate(step: int) -> None:
         model.eval()
@@ -199,18 +250,23 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
                         "seconds": round(time.perf_counter() - t0, 1)})
         if teacher is not None:
             history[-1]["kd_loss"] = round(sum(recent_kd) / len(recent_kd), 4)  # 0 once staged KD has stopped
-        bar.write(f"step {step}: train loss {history[-1]['train_loss']:.4f} nats, held-out {bpb:.4f} bits/byte")
+        rate = (step - first_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        bar.write(f"step {step}/{steps}: train loss {history[-1]['train_loss']:.4f} nats, held-out {bpb:.4f} "
+                  f"bits/token, {rate:,.0f} tokens/s")
         recent.clear()
         recent_kd.clear()
 
     bar = Progress(steps, "training", "steps")
-    t0 = time.perf_counter()
-    step = 0
+    bar.update(step)
+    if resumed:
+        bar.write(f"resuming {state_path} at step {step} of {steps}")
+    t0 = last_checkpoint = time.perf_counter()
+    first_step = step
     while step < steps:
         elapsed = time.perf_counter() - t0
         if step == FIT_FROM:
             t_fit = elapsed
-        if step == FIT_AT and budget:
+        if step == FIT_AT and budget and not resumed:
             per_step = (elapsed - t_fit) / (FIT_AT - FIT_FROM)
             fitted = fit_steps(steps, step, elapsed, per_step, budget)
             if fitted < steps:
@@ -218,10 +274,14 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
                           f"training {fitted} steps (rerun with --steps {fitted} --minutes 0 to reproduce)")
                 steps = fitted
                 bar.set_total(fitted)
-        if budget and elapsed > budget:
+        if budget and elapsed > budget and step > first_step:  # every call trains at least one step
             bar.write(f"--minutes {cfg.minutes:g} ran out at step {step}; stopping early")
             stopped_early = True
+            checkpoint()
             break
+        if cfg.checkpoint_minutes and time.perf_counter() - last_checkpoint > cfg.checkpoint_minutes * 60:
+            checkpoint()
+            last_checkpoint = time.perf_counter()
         lr = lr_at(step, steps, cfg)
         loss, aux, kd = train_step(model, opt, tap, sample_batch(data, cfg.batch_size, cfg.seq_len, gen), lr, cfg,
                                    autocast, teacher, kd_weight_at(step, distill),
@@ -229,13 +289,16 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
         step += 1
         recent.append(loss)
         recent_kd.append(kd)
-        bar.update(1, note=f"loss {loss:.3f}, aux {aux:.3f}, lr {lr:.1e}")
+        rate = (step - first_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        bar.update(1, note=f"loss {loss:.3f}, aux {aux:.3f}, lr {lr:.1e}, {rate:,.0f} tokens/s")
         if step % cfg.eval_every == 0 or step == steps:
             evaluate(step)
     if recent:
         evaluate(step)
     bar.close()
-    seconds = time.perf_counter() - t0
+    seconds = seconds_before + time.perf_counter() - t0
+    if state_path is not None and not stopped_early and state_path.is_file():
+        state_path.unlink()  # complete: the model files are what remains
 
     model.eval()
     with torch.no_grad():  # evaluate the weights that ship: bf16
@@ -254,7 +317,8 @@ def train(cfg: TrainConfig, spec: ModelSpec, data: torch.Tensor, heldout: torch.
         "heldout_perplexity": round(2 ** final_bpb, 4),  # per byte
         "heldout_windows": final_windows,
         "seconds": round(seconds, 1),
-        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "tokens_seen": step * tokens_per_step,
+        "resumed": resumed,
         "train_tokens": len(data),
         "history": history,
     }

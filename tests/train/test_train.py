@@ -101,7 +101,7 @@ def quick_out(texts, tmp_path) -> Path:
 
 def test_quick_run_writes_a_complete_model(capsys, quick_out):
     err = capsys.readouterr().err  # not a terminal: whole lines, no bar redraws
-    assert "step 30: train loss" in err and "\r" not in err and "it/s" not in err
+    assert "step 30/30: train loss" in err and "\r" not in err and "it/s" not in err
     names = {p.name for p in quick_out.iterdir()}
     assert names == {"config.json", "model.safetensors", "byte_tokenizer.json", "heldout.txt", "training.json"}
     record = json.loads((quick_out / "training.json").read_text())
