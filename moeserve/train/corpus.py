@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from moeserve.errors import MoeserveError
 from moeserve.train.data import load_corpus, read_text
@@ -108,8 +109,6 @@ class BpeTokenizer:
     @classmethod
     def fit(cls, docs: list[str], vocab_size: int) -> "BpeTokenizer":
         """Fitted on docs: any text encodes (byte-level), code's whitespace included."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -121,8 +120,6 @@ class BpeTokenizer:
 
     @classmethod
     def load(cls, path: Path) -> "BpeTokenizer":
-        from tokenizers import Tokenizer
-
         return cls(Tokenizer.from_file(str(path / "tokenizer.json")))
 
     def save(self, path: Path) -> None:
