@@ -294,7 +294,7 @@ def main(argv=None) -> int:
                          "expert_bytes_4bit": store.expert_bytes(True), "rows": rows}
         del store, host
         gc.collect()
-    ppl = mixed_precision_cost(DEMO_DIR, args.ppl_tokens, BITS)
+    ppl = mixed_precision_cost(DEMO_DIR, list((DEMO_DIR / "heldout.txt").read_bytes()[:args.ppl_tokens]), BITS)
     print(f"\nmixed precision on the demo (4-bit experts on the CPU): perplexity {ppl['4bit']:.3f} -> "
           f"{ppl['4bit+mixed']:.3f} ({ppl['mixed_ppl_cost']:+.2%}), {ppl['4bit+mixed_skipped_share']:.1%} skipped")
     record = result_record("hybrid", {"quick": args.quick, "bits": BITS, "group": GROUP, "prompt": args.prompt,

@@ -2,8 +2,7 @@
 bench/quality.py (any model): held-out perplexity with every MoE layer's experts low-bit on the CPU (the hybrid
 backend), without and with HOBBIT's precision rule (the low-weight experts of a token are skipped).
 
-The text is the demo's held-out Hamlet, read as bytes: the trainer (moeserve/train/data.py) holds out the same play
-for every model it trains, and all of them read bytes.
+The text is given as token ids: the caller's held-out text in the model's tokenizer.
 """
 
 from __future__ import annotations
@@ -11,21 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import moeserve
-from moeserve.cli import DEMO_DIR
 from moeserve.evaluate import perplexity
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import build_store, enable_hybrid
 
-HELDOUT = DEMO_DIR / "heldout.txt"
 EXPERT_BITS = 4  # HOBBIT's experts: 4-bit, the mixed rule skips the low-weight ones
 WINDOW = 256  # tokens per perplexity window
 
 
-def mixed_precision_cost(model_dir: Path, tokens: int, bits: int = EXPERT_BITS) -> dict:
-    """Perplexity of the first `tokens` held-out bytes with the experts `bits`-bit on the CPU ("4bit"), and with
-    the mixed rule ("4bit+mixed"), each with the share of expert pairs skipped; "mixed_ppl_cost" is the relative
-    perplexity increase the rule costs."""
-    ids = list(HELDOUT.read_bytes()[:tokens])
+def mixed_precision_cost(model_dir: Path, ids: list[int], bits: int = EXPERT_BITS) -> dict:
+    """Perplexity of `ids` with the experts `bits`-bit on the CPU ("4bit"), and with the mixed rule
+    ("4bit+mixed"), each with the share of expert pairs skipped; "mixed_ppl_cost" is the relative perplexity
+    increase the rule costs."""
     out = {}
     for name, mixed in (("4bit", False), ("4bit+mixed", True)):
         model = moeserve.load_model(model_dir, device="cpu", dtype="float32", routed_experts=False)

@@ -141,15 +141,22 @@ class LayerSource:
 # ---- quantize one tensor ---------------------------------------------------------------------
 
 
-def quantize_tensor(W: torch.Tensor, cfg: QuantConfig, rank: int, bias: torch.Tensor | None) -> QuantizedLinear:
-    """W [out, in] (any float dtype, any device) -> QuantizedLinear on the CPU."""
+def quantize_weight(W: torch.Tensor, cfg: QuantConfig,
+                    rank: int) -> tuple[hqq.QuantizedWeight, dict[str, torch.Tensor] | None]:
+    """W [out, in] (any float dtype) -> its quantized weight and MiLo compensator buffers (None at rank 0), on W's
+    device: what a checkpoint stores for the tensor, before packing."""
     W = W.float()  # the quantizers reject a group size that does not divide the inputs
     if cfg.method == "rtn":
-        qw, comp = hqq.quantize_rtn(W, cfg.bits, cfg.group), None
-    elif cfg.method == "hqq" or rank == 0:
-        qw, comp = hqq.quantize_hqq(W, cfg.bits, cfg.group), None
-    else:
-        qw, comp, _ = milo.fit(W, rank, lambda M: hqq.quantize_hqq(M, cfg.bits, cfg.group), cfg.compensator_bits)
+        return hqq.quantize_rtn(W, cfg.bits, cfg.group), None
+    if cfg.method == "hqq" or rank == 0:
+        return hqq.quantize_hqq(W, cfg.bits, cfg.group), None
+    qw, comp, _ = milo.fit(W, rank, lambda M: hqq.quantize_hqq(M, cfg.bits, cfg.group), cfg.compensator_bits)
+    return qw, comp
+
+
+def quantize_tensor(W: torch.Tensor, cfg: QuantConfig, rank: int, bias: torch.Tensor | None) -> QuantizedLinear:
+    """W [out, in] (any float dtype, any device) -> QuantizedLinear on the CPU."""
+    qw, comp = quantize_weight(W, cfg, rank)
     qw = hqq.QuantizedWeight(codes=qw.codes.cpu(), scale=qw.scale.cpu(), zero=qw.zero.cpu(), bits=qw.bits,
                              group=qw.group, shape=qw.shape)
     comp = {k: v.cpu() for k, v in comp.items()} if comp else None

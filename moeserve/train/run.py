@@ -22,7 +22,7 @@ from moeserve.loader import load_model, resolve_device
 from moeserve.spec import ModelSpec
 from moeserve.tokenizer import ByteTokenizer
 from moeserve.train.arch import ArchConfig, architecture
-from moeserve.train.corpus import BpeTokenizer, encode_with_bpe, load_code_corpus
+from moeserve.train.corpus import BpeTokenizer, default_code_roots, encode_with_bpe, load_code_corpus
 from moeserve.train.data import GET_TEXTS, encode_documents, load_corpus
 from moeserve.train.distill import DistillConfig
 from moeserve.train.loop import QUICK, STATE_FILE, WIDE, TrainConfig, train
@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> dict:
               "active_parameters": counts["active_per_token"],
               "architecture": args.arch, "scale": args.scale, "arch": dataclasses.asdict(arch),
               "distill": dataclasses.asdict(distill) if distill else None, "train_texts": data.train_names,
-              "heldout_texts": data.heldout_names, "token_unit": "BPE token" if arch.bpe_vocab else "byte",
+              "heldout_texts": data.heldout_names,
+              "code_roots": [str(Path(r).resolve()) for r in args.code or default_code_roots()] if arch.bpe_vocab
+              else None, "token_unit": "BPE token" if arch.bpe_vocab else "byte",
               "config": dataclasses.asdict(cfg)}
     save_model(model, hf_config, data.tokenizer, data.heldout_text, record, Path(out))
     print(f"wrote {out}: {record['steps']} steps in {record['seconds']:.0f} s, train loss "
