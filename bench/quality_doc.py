@@ -116,6 +116,12 @@ def row_line(r: dict) -> str:
             f"{r['seconds']:.1f} |")
 
 
+def shown_path(path: Path) -> str:
+    """A path relative to the repository when it is inside it."""
+    repo = Path(__file__).resolve().parent.parent
+    return str(path.resolve().relative_to(repo)) if path.resolve().is_relative_to(repo) else str(path)
+
+
 def page(record: dict, svg: str, result_path: Path) -> list[str]:
     m, c = record["model"], record["config"]
     git = record["git"].get("commit") or "unknown"
@@ -134,7 +140,7 @@ def page(record: dict, svg: str, result_path: Path) -> list[str]:
         f"Measured on {record['device']}, {record['date']}, torch {record['torch']}, commit {git[:8]}; "
         f"{c['eval_tokens']:,} held-out tokens ({held or 'heldout.txt'}) in windows of {c['window']}, evenly "
         f"spread, fp32 compute; calibration: {c['calibration']} ({c['calibration_tokens']:,} tokens). "
-        f"Record: `{result_path.relative_to(result_path.parents[2]) if len(result_path.parents) > 2 else result_path}`.",
+        f"Record: `{shown_path(result_path)}`.",
         "",
         "Reproduce:", "",
         "```",
