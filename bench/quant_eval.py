@@ -272,7 +272,8 @@ class Hobbit:
         held = self.w.total_bytes + low_copies if m.high_bits == 16 else \
             self.w.total_bytes - self.experts_total * (self.expert_bytes[16] - low_b)
         return {"bytes": held, "high_share": counts[HIGH] / pairs, "low_share": counts[LOW] / pairs,
-                "skipped_share": counts[SKIP] / pairs, "expert_bytes_read_vs_bf16": read / (pairs * self.expert_bytes[16])}
+                "skipped_share": counts[SKIP] / pairs,
+                "expert_bytes_read_vs_bf16": read / (pairs * self.expert_bytes[16])}
 
 
 # ---- calibration -----------------------------------------------------------------------------------------------

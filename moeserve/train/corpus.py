@@ -2,17 +2,20 @@
 trainer) and the Shakespeare texts, with held-out FILES the model never trains on, and a byte-level BPE tokenizer
 fitted on the training files alone.
 
-Held-out files are chosen by a hash of their path relative to their root (sha256, HELDOUT_PER_MILLE of every
-thousand), so the split is the same on every machine that has the same files and needs no list; Hamlet (both
+Held-out files are chosen by a hash of their text (sha256, HELDOUT_PER_MILLE of every thousand), so the split is
+the same on every machine that has the same files and needs no list, and a file copied under two paths (a
+vendored module) falls on one side only; later copies of a text already read are left out. Hamlet (both
 spellings) is held out of the Shakespeare texts as for every model (data.py). Files are read in sorted path order,
 as UTF-8 with \\n line endings; files that are not UTF-8, empty, or larger than MAX_FILE_BYTES (generated tables)
-are left out of both sides.
+are left out of both sides. The BPE is fitted on at most BPE_FIT_CHARS of the training text (documents evenly
+spread over it), which keeps fitting under a minute on a large corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ from moeserve.train.data import load_corpus, read_text
 
 HELDOUT_PER_MILLE = 20  # 2% of the code files
 MAX_FILE_BYTES = 1 << 20
+BPE_FIT_CHARS = 48_000_000
 CODE_SUFFIXES = (".py",)
 SKIP_DIRS = ("site-packages", "__pycache__", "dist-packages")
 BOS, EOS = "<s>", "</s>"  # the BPE tokenizer's special tokens, ids 0 and 1
@@ -47,10 +51,14 @@ def default_code_roots() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"])]
 
 
-def is_heldout(relative: str) -> bool:
-    """The deterministic split: a file is held out when its path's sha256 falls in the first HELDOUT_PER_MILLE of
+def text_digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def is_heldout(digest: bytes) -> bool:
+    """The deterministic split: a file is held out when its text's sha256 falls in the first HELDOUT_PER_MILLE of
     1000 buckets."""
-    return int.from_bytes(hashlib.sha256(relative.encode()).digest()[:8], "little") % 1000 < HELDOUT_PER_MILLE
+    return int.from_bytes(digest[:8], "little") % 1000 < HELDOUT_PER_MILLE
 
 
 def code_files(root: Path) -> list[Path]:
@@ -76,15 +84,18 @@ def load_code_corpus(code_roots: list[Path] | None = None, texts: str | Path | N
     texts (data.load_corpus: `texts` or the installed package), split into training and held-out documents."""
     roots = default_code_roots() if code_roots is None else [Path(r) for r in code_roots]
     train, names, heldout, heldout_names = [], [], [], []
+    seen: set[bytes] = set()
     for i, root in enumerate(roots):
         if not root.is_dir():
             raise MoeserveError(f"code directory {str(root)!r} does not exist")
         for path in code_files(root):
             text = read_source(path)
-            if text is None:
+            digest = None if text is None else text_digest(text)
+            if digest is None or digest in seen:
                 continue
+            seen.add(digest)
             relative = path.relative_to(root).as_posix()
-            docs, doc_names = (heldout, heldout_names) if is_heldout(relative) else (train, names)
+            docs, doc_names = (heldout, heldout_names) if is_heldout(digest) else (train, names)
             docs.append(text)
             doc_names.append(f"code/{i}/{relative}")
     if shakespeare:
@@ -108,7 +119,10 @@ class BpeTokenizer:
 
     @classmethod
     def fit(cls, docs: list[str], vocab_size: int) -> "BpeTokenizer":
-        """Fitted on docs: any text encodes (byte-level), code's whitespace included."""
+        """Fitted on docs (at most BPE_FIT_CHARS of them, evenly spread): any text encodes (byte-level), code's
+        whitespace included."""
+        step = max(1, math.ceil(sum(map(len, docs)) / BPE_FIT_CHARS))
+        docs = docs[::step]
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -9,8 +9,9 @@ from moeserve.train.arch import ARCHITECTURES, SCALES
 
 DESCRIPTION = ("Train an MoE language model on the Shakespeare corpus (Hamlet held out): a standard MoE, a "
                "Pyramid-MoE, a Residual-MoE or a PR-MoE, or a Mixture-of-Students student distilled from a "
-               "teacher with staged KD; or the wide model on Python source and Shakespeare (held-out files). Writes a checkpoint every moeserve command loads, with training.json "
-               "(settings and the held-out loss curve).")
+               "teacher with staged KD; or the wide model on Python source and Shakespeare (held-out files). "
+               "Writes a checkpoint every moeserve command loads, with training.json (settings and the held-out "
+               "loss curve).")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +51,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="windows per step (default 64, wide 32 of 1024 tokens)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.003, wide 0.001)")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (default 250, wide 100)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between held-out evaluations (default 250, wide 100)")
     p.add_argument("--seed", type=int, default=None, help="seed of the init and the batches (default 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     p.add_argument("--plot", default=None, metavar="PNG",

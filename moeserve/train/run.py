@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
               "config": dataclasses.asdict(cfg)}
     save_model(model, hf_config, data.tokenizer, data.heldout_text, record, Path(out))
     print(f"wrote {out}: {record['steps']} steps in {record['seconds']:.0f} s, train loss "
-          f"{record['final_train_loss']:.4f}, held-out {record['heldout_bits_per_byte']:.4f} bits/{record['token_unit']}",
+          f"{record['final_train_loss']:.4f}, held-out {record['heldout_bits_per_byte']:.4f} "
+          f"bits/{record['token_unit']}",
           file=sys.stderr)
     if args.plot:
         problem = plot_curves({args.arch: record["history"]}, args.plot, f"{args.arch} ({args.scale})")
