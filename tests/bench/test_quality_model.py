@@ -27,11 +27,11 @@ import quant_eval  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    """A 2-layer wide-architecture model trained 30 steps on 60 generated Python files (no Shakespeare)."""
+    """A 2-layer wide-architecture model trained 30 steps on 150 generated Python files (no Shakespeare)."""
     root = tmp_path_factory.mktemp("quality")
     rng = random.Random(0)
     words = "def return self value None for in if else import class yield lambda with as try".split()
-    for n in range(60):
+    for n in range(150):
         (root / "code").mkdir(exist_ok=True)
         (root / "code" / f"mod{n}.py").write_text("\n".join(
             f"def f{i}(x):\n    return {' '.join(rng.choice(words) for _ in range(8))}\n" for i in range(20)))
