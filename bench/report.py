@@ -236,8 +236,14 @@ def quality_speed_table(rec: dict) -> list[str]:
 
 
 def quality_tables(rec: dict) -> list[str]:
-    """A quality run's tables: its model's methods, and the expert-matrix speed when the run timed it."""
+    """A quality run's tables: its model's methods (a run of today's bench, whose rows score next-token accuracy,
+    writes its own page, docs/quality/<model>.md: a link to it), and the expert-matrix speed when the run timed
+    it."""
     lines = quality_table(rec) if rec.get("rows") else []
+    if rec.get("rows") and "accuracy" in rec["rows"][0]:
+        page = f"quality/{rec['model']['name']}.md"
+        lines = [f"**Quantization quality, {quality_model(rec)}**: every method's perplexity, accuracy and bytes in "
+                 f"[{page}]({page}) ({_source(rec)})", ""]
     return lines + (quality_speed_table(rec) if rec.get("expert_matrix_speed") else [])
 
 

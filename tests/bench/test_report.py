@@ -71,6 +71,14 @@ def test_quality_runs_of_two_models_render_as_two_tables(tmp_path):
     assert text.count("HOBBIT mixed precision") == 1 and "4.2000 -> 4.3000 (+2.38%), 25.0% of the expert" in text
 
 
+def test_a_quality_run_with_accuracy_links_its_own_page(tmp_path):
+    rec = quality_run("2026-01-03T00:00", "wide", False)
+    rec["model"]["name"], rec["rows"][0]["accuracy"] = "wide", 0.5
+    (tmp_path / "quality-0.json").write_text(json.dumps(rec))
+    text = report.report(tmp_path)
+    assert "in [quality/wide.md](quality/wide.md) (GPU X, 2026-01-03" in text and "| milo | 3 |" not in text
+
+
 def test_committed_performance_page_and_readme_table_are_what_the_results_generate():
     """docs/performance.md and README.md's performance table are `python bench/report.py --write`'s output for the
     committed bench/results: a new result, or a hand edit of either page, fails here until the report is rerun."""
