@@ -71,9 +71,9 @@ def curve(history: list[dict], keep: int = 12) -> list[str]:
     if not history:
         return []
     picks = sorted({round(i * (len(history) - 1) / max(keep - 1, 1)) for i in range(min(keep, len(history)))})
-    return ["| step | train loss | held-out loss | held-out bits/token | s |", "|---:|---:|---:|---:|---:|"] + [
-        f"| {h['step']} | {h['train_loss']:.4f} | {h['heldout_loss']:.4f} | {h['heldout_bits_per_byte']:.4f} | "
-        f"{h['seconds']:.0f} |" for h in (history[i] for i in picks)]
+    return ["| step | train loss (nats) | held-out bits/token | s |", "|---:|---:|---:|---:|"] + [
+        f"| {h['step']} | {h['train_loss']:.4f} | {h['heldout_bits_per_byte']:.4f} | {h.get('seconds', 0):.0f} |"
+        for h in (history[i] for i in picks)]
 
 
 def targets(rows: list[dict]) -> list[str]:
