@@ -214,14 +214,21 @@ def quality_rows(w: Weights, model_dir: Path, methods: list[Method], args: argpa
     cal = calibrate(w, methods, calib, args.batch)
     print(f"{model_name(model_dir)}: {len(methods)} rows, {windows[:, 1:].numel():,} held-out tokens in windows of "
           f"{window}; calibration ({source}) {time.perf_counter() - t0:.1f} s", flush=True)
-    hobbit = Hobbit(w) if any(m.kind == "hobbit" for m in methods) else None
+    hobbit = None  # the low copies, made at the first HOBBIT row
     rows = []
     for n, m in enumerate(methods):
         if args.minutes and time.perf_counter() - record["started"] > 60 * args.minutes:
             record["rows_left_out"] = [x.label for x in methods[n:]]
             print(f"--minutes {args.minutes:g} ran out: {len(methods) - n} rows left out", flush=True)
             break
-        row = run_method(w, m, cal, hobbit, windows, args.batch)
+        try:
+            if m.kind == "hobbit" and hobbit is None:
+                hobbit = Hobbit(w)
+            row = run_method(w, m, cal, hobbit, windows, args.batch)
+        except Exception as e:  # noqa: BLE001 - one failed row must not cost the rest of a timed GPU run
+            record.setdefault("rows_failed", []).append({"label": m.label, "error": f"{type(e).__name__}: {e}"})
+            print(f"{m.label:58s} FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
         rows.append(row)
         extra = (f"  read {row['expert_bytes_read_vs_bf16']:.0%} of bf16 expert bytes, skipped "
                  f"{row['skipped_share']:.1%}" if m.kind == "hobbit" else "")

@@ -161,6 +161,8 @@ def page(record: dict, svg: str, result_path: Path) -> list[str]:
         *[row_line(r) for r in record["rows"]], "",
         *([f"Left out when `--minutes` ran out: {', '.join(record['rows_left_out'])}.", ""]
           if record.get("rows_left_out") else []),
+        *([f"Failed: {'; '.join(f['label'] + ' (' + f['error'] + ')' for f in record['rows_failed'])}.", ""]
+          if record.get("rows_failed") else []),
         f"The whole run took {record.get('seconds', 0) / 60:.1f} min.", "",
         *(["## Training curve", "", *curve(m.get("history", [])), ""] if m.get("history") else []),
     ]

@@ -321,13 +321,17 @@ def calibrate(w: Weights, methods: list[Method], windows: torch.Tensor | None, b
     windows for frequency policies, Hessians for GPTQ (windows None: those rows cannot run)."""
     cal = Calibration()
     policies = " ".join(m.ranks for m in methods if m.kind == "milo")
-    if "kurtosis" in policies:
-        cal.kurtosis = {t.name: weight_kurtosis(w.view(t)) for t in w.tensors}
-    if windows is not None and "frequency" in policies:
-        ids = windows.flatten().tolist()
-        cal.frequency = expert_frequency(w.model, ids, windows.shape[1])
-    if windows is not None and any(m.kind == "gptq" for m in methods):
-        cal.hessians = hessians(w, windows, batch)
+    parts = {"kurtosis": lambda: {t.name: weight_kurtosis(w.view(t)) for t in w.tensors}
+             if "kurtosis" in policies else None,
+             "frequency": lambda: expert_frequency(w.model, windows.flatten().tolist(), windows.shape[1])
+             if windows is not None and "frequency" in policies else None,
+             "hessians": lambda: hessians(w, windows, batch)
+             if windows is not None and any(m.kind == "gptq" for m in methods) else None}
+    for name, compute in parts.items():
+        try:
+            setattr(cal, name, compute())
+        except Exception as e:  # noqa: BLE001 - the rows that need it fail one by one; the others still run
+            print(f"calibration: {name} failed: {type(e).__name__}: {e}", flush=True)
     return cal
 
 
@@ -373,14 +377,16 @@ def run_method(w: Weights, m: Method, cal: Calibration, hobbit: Hobbit | None, w
             hobbit.leave()
         row.update(compensator_bytes=0, quantize_seconds=0.0)
     else:
-        if m.kind != "bf16":
-            row["bytes"], row["compensator_bytes"] = APPLY[m.kind](w, m, cal)
-        else:
-            row["bytes"], row["compensator_bytes"] = w.total_bytes, 0
-        if w.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        row["quantize_seconds"] = round(time.perf_counter() - t0, 2)
-        row.update(score(w.model, windows, batch))
-        w.restore()
+        try:
+            if m.kind != "bf16":
+                row["bytes"], row["compensator_bytes"] = APPLY[m.kind](w, m, cal)
+            else:
+                row["bytes"], row["compensator_bytes"] = w.total_bytes, 0
+            if w.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            row["quantize_seconds"] = round(time.perf_counter() - t0, 2)
+            row.update(score(w.model, windows, batch))
+        finally:
+            w.restore()
     row["seconds"] = round(time.perf_counter() - t0, 2)
     return row
