@@ -1,0 +1,139 @@
+"""The one-token MoE layer in three launches (kernels/triton/one_token.py) against float64 experts and against the
+multi-launch path (router, lowbit_experts, gather_combine): 4-bit, 3-bit with compensators, GPT-OSS's biases and
+clamped SwiGLU with its router bias; CUDA-core and TMA kernels, split K, partial output blocks. On a CPU in the
+Triton interpreter (tests/conftest.py) at tiny sizes; the CUDA-graph test needs a GPU."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from checks import DEVICE, quantized_experts, quantized_experts_as_float64  # noqa: E402
+from moeserve.kernels.triton.configs import ExpertsConfig, LowbitConfig  # noqa: E402
+
+E, K_TOP, D, F = 4, 2, 64, 96
+
+
+def router_of(bias: bool, normalize: bool, dim: int, dtype=torch.float32):
+    from moeserve.kernels.triton.topk_router import SoftmaxTopK
+
+    w = torch.randn(E, dim, device=DEVICE, dtype=dtype)
+    b = torch.randn(E, device=DEVICE, dtype=dtype) if bias else None
+    return SoftmaxTopK(w, b, K_TOP, normalize, torch.float32)
+
+
+def reference_route(x: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopKRouter's torch path in float64: (ids [1, k], weights [1, k])."""
+    from moeserve.model.router import softmax_topk
+
+    logits = torch.nn.functional.linear(x.double(), router.weight.double(),
+                                        None if router.bias is None else router.bias.double())
+    ids, weights = softmax_topk(logits, router.k, router.normalize)
+    return ids, weights.double()
+
+
+def experts_with(bits: int, ranks: list[int], gptoss: bool):
+    ex = quantized_experts(E, D, F, bits, ranks)
+    if gptoss:
+        from moeserve.spec import ClampedSwiGLU
+
+        ex.act = ClampedSwiGLU(alpha=1.702, limit=0.4)
+        for m in (*ex.gate_up, *ex.down):
+            m.bias = torch.nn.Parameter(torch.randn(m.out_features, device=DEVICE) * 0.5, requires_grad=False)
+    return ex
+
+
+CASES = {  # name: (bits, ranks, GPT-OSS, gate_up config, down config)
+    "4bit": (4, [0] * E, False, dict(BLOCK_N=32, BLOCK_K=64, SUB=2), dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
+    "4bit_wide_blocks": (4, [0] * E, False, dict(BLOCK_N=64, BLOCK_K=32), dict(BLOCK_N=32, BLOCK_K=32)),
+    "3bit_lr": (3, [8, 0, 20, 4], False, dict(BLOCK_N=64, BLOCK_K=64, PAIRED=1, SUB=2),
+                dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=3)),
+    "4bit_gptoss": (4, [0, 8, 0, 0], True, dict(BLOCK_N=32, BLOCK_K=64), dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_token_layer_matches_float64_and_the_multi_launch_path(poisoned_outputs, case):
+    """Fresh random weights, token and router; every buffer the kernels write starts as NaN (check_layer). Partial
+    output blocks (F = 96), gate_up blocks narrower than down's steps (counted arrivals) and wider (whole steps)."""
+    bits, ranks, gptoss, gu, dn = CASES[case]
+    check_layer(experts_with(bits, ranks, gptoss), router_of(gptoss, normalize=gptoss or case == "3bit_lr", dim=D),
+                ExpertsConfig(LowbitConfig(**{"num_warps": 4, **gu}), LowbitConfig(**{"num_warps": 4, **dn})),
+                torch.randn(1, D, device=DEVICE))
+
+
+@pytest.mark.parametrize("bits,rank,ffn", [(4, 0, 1024), (3, 16, 512)])
+def test_one_token_layer_by_tma(poisoned_outputs, bits, rank, ffn):
+    """Experts of group 64 with TMA configs (the GPU's one-token kernels): gate_up by TMA prepares h for down by TMA,
+    down's partial sums (two K slices at ffn = 1024) combined by the last program of each output block."""
+    from checks import quantized
+    from moeserve.kernels.triton.lowbit.launch import tma_one_token
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    dim = 512
+    ranks = (rank, 0, rank // 2, rank)
+    ex = QuantizedExperts([quantized(2 * ffn, dim, bits, 64, r) for r in ranks],
+                          [quantized(dim, ffn, bits, 64, r) for r in ranks])
+    tma = dict(BLOCK_N=128, BLOCK_K=512, num_warps=4, num_stages=2, TMA=1)
+    config = ExpertsConfig(LowbitConfig(**tma), LowbitConfig(**{**tma, "SPLIT_K": 2}))
+    ids = torch.tensor([[0, 1]], device=DEVICE)
+    assert tma_one_token(config.gate_up, ex.stacked(torch.float32)[0], ids, torch.device(DEVICE))
+    assert tma_one_token(config.down, ex.stacked(torch.float32)[1], ids, torch.device(DEVICE))
+    check_layer(ex, router_of(False, True, dim=dim), config, torch.randn(1, dim, device=DEVICE))
+
+
+def check_layer(ex, router, config: ExpertsConfig, x: torch.Tensor) -> None:
+    """The layer's output equals float64 experts combined with float64 router weights, and the multi-launch path's
+    output; a second call gives the same (the arrival counters were left zero)."""
+    from moeserve.kernels.triton.lowbit import lowbit_experts
+    from moeserve.kernels.triton.one_token import lowbit_one_token
+    from moeserve.kernels.triton.routing_table import gather_combine
+
+    stacks = ex.stacked(x.dtype)
+    out, ids, weights = lowbit_one_token(x, router, *stacks, act=ex.act, config=config)
+    ref_ids, ref_w = reference_route(x, router)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.double(), ref_w, atol=1e-5, rtol=1e-5)
+    dense = quantized_experts_as_float64(ex)
+    rows = torch.stack([dense.expert_ffn(int(e), x.double())[0] for e in ref_ids[0]])  # [k, D]
+    ref = (ref_w[0][:, None] * rows).sum(0, keepdim=True)  # [1, D]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    y = lowbit_experts(x, *stacks, ids, config, act=ex.act)  # the multi-launch path, slot order [k, D]
+    multi = gather_combine(y, None, weights, K_TOP, x.dtype)
+    torch.testing.assert_close(out, multi, atol=1e-5, rtol=1e-5)
+    again, _, _ = lowbit_one_token(x, router, *stacks, act=ex.act, config=config)  # the counters were left zero
+    assert torch.equal(again, out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("bits,ranks", [(4, [0] * 8), (3, [32] * 8)])
+def test_one_token_layer_replays_in_a_cuda_graph(bits, ranks):
+    """Mixtral-like experts (bf16, group 64 as the GPU configs take them) with their stored or default configs:
+    replayed in a CUDA graph on fresh tokens the layer matches the multi-launch path, replay after replay
+    (the arrival counters go back to zero), and is deterministic."""
+    from checks import quantized
+    from moeserve.kernels.triton.lowbit import lowbit_experts
+    from moeserve.kernels.triton.one_token import lowbit_one_token
+    from moeserve.kernels.triton.routing_table import gather_combine
+    from moeserve.kernels.triton.topk_router import SoftmaxTopK
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    e, dim, ffn = 8, 1024, 2048
+    ex = QuantizedExperts([quantized(2 * ffn, dim, bits, 64, r) for r in ranks],
+                          [quantized(dim, ffn, bits, 64, r) for r in ranks])
+    stacks = ex.stacked(torch.bfloat16)
+    router = SoftmaxTopK(torch.randn(e, dim, device="cuda", dtype=torch.bfloat16) / 32, None, 2, True, torch.bfloat16)
+    x = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)
+    lowbit_one_token(x, router, *stacks)  # compile, tune
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, ids, weights = lowbit_one_token(x, router, *stacks)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        assert torch.equal(out, first)
+        multi = gather_combine(lowbit_experts(x, *stacks, ids), None, weights, 2, x.dtype)
+        torch.testing.assert_close(out.float(), multi.float(), atol=2e-2, rtol=2e-2)
