@@ -184,3 +184,39 @@ def test_one_token_mxfp4_layer_matches_float64_and_the_multi_launch_path(poisone
     torch.testing.assert_close(out.float(), multi.float(), atol=tol * multi.abs().max().item(), rtol=tol)
     again, _, _ = mxfp4_one_token(x, router, gate_up, down, act, cfg)
     assert torch.equal(again, out)
+
+
+def test_one_token_path_turns_off_by_env(monkeypatch):
+    from moeserve.kernels.triton.one_token import ONE_TOKEN_ENV, one_token_enabled
+
+    assert one_token_enabled()
+    monkeypatch.setenv(ONE_TOKEN_ENV, "0")
+    assert not one_token_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the model's one-token path runs on CUDA")
+@pytest.mark.parametrize("bias", [False, True])
+def test_model_one_token_path_matches_route_then_experts(monkeypatch, bias):
+    """The MoE block's hooks on a GPU: TopKRouter.one_token_router + QuantizedExperts.one_token equal the router
+    followed by the experts' forward (the multi-launch path), and the env switch turns the hook off."""
+    from checks import quantized
+    from moeserve.kernels.triton.one_token import ONE_TOKEN_ENV
+    from moeserve.model.router import TopKRouter
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    e, dim, ffn = 8, 1024, 2048
+    ex = QuantizedExperts([quantized(2 * ffn, dim, 4, 64, 0) for _ in range(e)],
+                          [quantized(dim, ffn, 4, 64, 0) for _ in range(e)])
+    router = TopKRouter(dim, e, 2, True, False, bias=bias).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, dim ** -0.5)
+        if bias:
+            router.bias.normal_()
+        x = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)
+        spec = router.one_token_router(x)
+        assert spec is not None and (spec.bias is not None) == bias
+        got = ex.one_token(x, spec)
+        ids, weights, _ = router(x)
+        torch.testing.assert_close(got.float(), ex(x, ids, weights).float(), atol=2e-2, rtol=2e-2)
+        monkeypatch.setenv(ONE_TOKEN_ENV, "0")
+        assert router.one_token_router(x) is None
