@@ -147,6 +147,7 @@ def gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv
     PAIRS); HAS_LR: the compensator terms, computed before the weight stream; PREP_H: h also prepared for down
     (gate_up_kernel's)."""
     after_previous(PDL)
+    VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column (PREP_H)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     e = tl.load(ids_ptr + slot).to(tl.int32)
@@ -161,7 +162,6 @@ def gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv
                     G, True, HALF, STAGES, INTERPRET)
     tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
     if PREP_H:
-        VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
         prepare_when_stored(h_ptr + slot * F, hw_ptr, slot, count_ptr, n0, F, h_steps, BLOCK_N, BITS, VPC, H_CPS,
                             H_HALF, H_LOG2_LIMIT)
 
