@@ -51,9 +51,10 @@ class TopKRouter(nn.Module):
 
     def one_token_router(self, x: torch.Tensor):
         """This router as the one-token layer path takes it (kernels/triton/topk_router.SoftmaxTopK: bias included)
-        for one token x [1, D] on CUDA in the gate's dtype, with no autograd and the path on (one_token.ONE_TOKEN_ENV),
-        else None."""
-        if x.shape[0] != 1 or not triton_serves(x, self.weight) or x.dtype != self.weight.dtype:
+        for one token x [1, D] on CUDA in the gate's dtype, with no autograd, no hooks on this router (the path never
+        calls its forward) and the path on (one_token.ONE_TOKEN_ENV), else None."""
+        if (x.shape[0] != 1 or not triton_serves(x, self.weight) or x.dtype != self.weight.dtype
+                or self._forward_hooks or self._forward_pre_hooks):
             return None
         from moeserve.kernels.triton.one_token import one_token_enabled
         from moeserve.kernels.triton.topk_router import SoftmaxTopK
