@@ -40,10 +40,11 @@ def _router_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, weights_ptr, xw_ptr
                    K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREP: tl.constexpr,
                    BITS: tl.constexpr, VPC: tl.constexpr, CPS: tl.constexpr, HALF: tl.constexpr,
-                   LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
+                   LOG2_LIMIT: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """Programs 0..T-1 route token t = program id (_route_token). PREP: programs T.. prepare x for the experts'
     CUDA-core kernels in the same launch, step (block) q % steps of token q // steps, q = program id - T: PREP_LOWBIT
-    lowbit.prepare_step into xw, PREP_MXFP4 mxfp4's prepare_groups (HALF: fp16 pairs) into xw and xr."""
+    lowbit.prepare_step into xw, PREP_MXFP4 mxfp4's prepare_groups (BLOCK_G groups a step; HALF: fp16 pairs) into xw
+    and xr."""
     after_previous(PDL)
     pid = tl.program_id(0)
     if PREP != 0 and pid >= T:
@@ -53,8 +54,7 @@ def _router_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, weights_ptr, xw_ptr
             prepare_step(x_ptr + m.to(tl.int64) * D, xw_ptr, m, steps, q % steps, D // VPC, BITS, VPC, CPS, HALF,
                          LOG2_LIMIT)
         else:
-            prepare_groups(x_ptr + m.to(tl.int64) * D, xw_ptr, xr_ptr, m.to(tl.int64), q % steps, D, HALF,
-                           PREPARE_GROUPS)
+            prepare_groups(x_ptr + m.to(tl.int64) * D, xw_ptr, xr_ptr, m.to(tl.int64), q % steps, D, HALF, BLOCK_G)
     else:
         _route_token(x_ptr, w_ptr, b_ptr, logits_ptr, ids_ptr, weights_ptr, pid.to(tl.int64), D, E, K, NORMALIZE,
                      HAS_BIAS, BLOCK_E, BLOCK_D, BLOCK_K, STAGES)
@@ -147,5 +147,6 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     _router_kernel[(T + T * steps,)](x, weight, weight if bias is None else bias, logits, ids, weights, xw, xr, T, D,
                                      E, steps, K=k, NORMALIZE=normalize, HAS_BIAS=bias is not None,
                                      BLOCK_E=block_e, BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(k), STAGES=4,
-                                     PREP=mode, **constexprs, num_warps=4, **dependent_launch(x.device))
+                                     PREP=mode, **constexprs, BLOCK_G=PREPARE_GROUPS, num_warps=4,
+                                     **dependent_launch(x.device))
     return ids, weights, logits

@@ -277,7 +277,7 @@ def gate_up_gemv_kernel(xp_ptr, xr_ptr, w_ptr, s_ptr, bias_ptr, hp_ptr, hr_ptr, 
     for row0 in range(start, end, BLOCK_M):
         rows = row_tuple(row0, end, BLOCK_M)
         if SLOTS:
-            x_rows = row_tuple(0, 1, BLOCK_M)  # the token
+            x_rows = row_tuple(row0 * 0, 1, BLOCK_M)  # the token's row 0 (row0 * 0: an int tensor, as the rows are)
         else:
             x_rows = rows
         sums = gemv(xp_ptr, xr_ptr, x_rows, w_ptr, s_ptr, (gate * GPR, (gate + F) * GPR), GPR, HALF, BLOCK_M, 2,
