@@ -6,7 +6,9 @@ program has written its own. Here each program stores its part, counts its arriv
 acq_rel atomic at GPU scope, after a barrier so every thread's stores come first), and the program that arrives
 last reads the others' parts (past L1) and finishes the piece, then puts the counter back to zero for the next
 launch (a CUDA graph replays the same counters). The order of a last program's sums is fixed, so the output does not
-depend on which program arrives last. arrival_counters are the zeroed counters a launch passes in.
+depend on which program arrives last. arrival_counters are the zeroed counters a launch passes in: one set per
+device, so launches that count arrivals must not be in flight on two streams of one device at once (decode runs one
+stream per device).
 """
 
 from __future__ import annotations
