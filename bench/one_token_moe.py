@@ -126,7 +126,7 @@ def tune_rows(kinds: list[str], full_budget: float) -> list[dict]:
     from moeserve.kernels.triton.lowbit import ops as lowbit_ops
 
     rows = []
-    hidden = configs.CONFIG_DIR
+    hidden, cache_env = configs.CONFIG_DIR, os.environ.get("MOESERVE_CACHE")
     for kind in kinds:
         bits, rank = KINDS[kind]
         block = lowbit_block(bits, rank, torch.device("cuda"))
@@ -141,6 +141,10 @@ def tune_rows(kinds: list[str], full_budget: float) -> list[dict]:
             out[mode] = {"seconds": res.seconds, "ms": res.ms, "default_ms": res.default_ms, "timed": res.timed,
                          "complete": res.complete, "config": res.config.as_dict()}
         configs.CONFIG_DIR = hidden
+        if cache_env is None:
+            os.environ.pop("MOESERVE_CACHE", None)
+        else:
+            os.environ["MOESERVE_CACHE"] = cache_env
         autotune.forget()
         out["quick_over_full"] = out["quick"]["ms"] / out["full"]["ms"]
         rows.append(out)
