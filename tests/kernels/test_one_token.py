@@ -254,6 +254,7 @@ def test_model_one_token_path_matches_route_then_experts(monkeypatch, bias):
         assert spec is not None and (spec.bias is not None) == bias
         got = ex.one_token(x, spec)
         ids, weights, _ = router(x)
-        torch.testing.assert_close(got.float(), ex(x, ids, weights).float(), atol=2e-2, rtol=2e-2)
+        ref = ex(x, ids, weights).float()
+        torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
         monkeypatch.setenv(ONE_TOKEN_ENV, "0")
         assert router.one_token_router(x) is None
