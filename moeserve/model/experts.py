@@ -70,6 +70,12 @@ class ExpertBackend(nn.Module):
         prepare). See QuantizedExperts."""
         return None
 
+    def one_token(self, x: torch.Tensor, router) -> torch.Tensor | None:
+        """One token x [1, D] routed by `router` (kernels/triton/topk_router.SoftmaxTopK) through these experts and
+        combined, [1, D], where this backend has a one-token layer path (kernels/triton/one_token.py: router, experts
+        and combine in three launches), else None (the block routes and calls forward)."""
+        return None
+
 
 class LoopedExperts(ExpertBackend):
     """Dispatch through the routing table, one FFN call per active expert, weighted combine.

@@ -60,14 +60,9 @@ class MoEBlock(nn.Module):
             self._log_path(x)
         if self.shared_expert is not None and self.experts.overlaps_dense:
             return self.finish(x, *self.route(x)).reshape(shape)
-        prepared = self._prepared_input(x)
-        if prepared is None:
-            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
-            routed_x, expert_weights = self._routed_input(x, expert_weights)
-            out = self.experts(routed_x, expert_ids, expert_weights)  # [T, D]
-        else:
-            expert_ids, expert_weights, _ = self.gate(x, prepared)
-            out = self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
+        out = self._one_token(x)  # [1, D] routed and combined, or None
+        if out is None:
+            out = self._routed(x)  # [T, D]
         mix = self._mix(x)
         if mix is not None:
             out = out * mix[:, :1]
@@ -107,6 +102,26 @@ class MoEBlock(nn.Module):
     def _mix(self, x: torch.Tensor) -> torch.Tensor | None:
         """PR-MoE's [routed, shared] mix of x [T, D] -> [T, 2], or None."""
         return torch.softmax(self.coefficient(x), dim=-1) if self.coefficient is not None else None
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> the routed experts' combined output [T, D]: the router, then the experts (x prepared by the
+        router's launch where _prepared_input says so)."""
+        prepared = self._prepared_input(x)
+        if prepared is None:
+            expert_ids, expert_weights, _ = self.gate(x)  # [T, k] x2
+            routed_x, expert_weights = self._routed_input(x, expert_weights)
+            return self.experts(routed_x, expert_ids, expert_weights)
+        expert_ids, expert_weights, _ = self.gate(x, prepared)
+        return self.experts(x, expert_ids, expert_weights, prepared_x=prepared[1])
+
+    def _one_token(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' output [1, D] for one token by the experts' one-token layer path (the router, the
+        experts and the combine in three launches: ExpertBackend.one_token), where the router (a softmax top-k,
+        TopKRouter.one_token_router) and the experts take it, else None. Llama-4's scaled input routes first."""
+        if x.shape[0] != 1 or self.scales_input or not isinstance(self.gate, TopKRouter):
+            return None
+        router = self.gate.one_token_router(x)
+        return None if router is None else self.experts.one_token(x, router)
 
     def _prepared_input(self, x: torch.Tensor):
         """(Preparation, its empty buffer) where the experts read x prepared (ExpertBackend.x_preparation) and the

@@ -49,6 +49,21 @@ class TopKRouter(nn.Module):
             weights = weights.to(x.dtype)
         return ids, weights, logits
 
+    def one_token_router(self, x: torch.Tensor):
+        """This router as the one-token layer path takes it (kernels/triton/topk_router.SoftmaxTopK: bias included)
+        for one token x [1, D] on CUDA in the gate's dtype, with no autograd, no hooks on this router (the path never
+        calls its forward) and the path on (one_token.ONE_TOKEN_ENV), else None."""
+        if (x.shape[0] != 1 or not triton_serves(x, self.weight) or x.dtype != self.weight.dtype
+                or self._forward_hooks or self._forward_pre_hooks):
+            return None
+        from moeserve.kernels.triton.one_token import one_token_enabled
+        from moeserve.kernels.triton.topk_router import SoftmaxTopK
+
+        if not one_token_enabled():
+            return None
+        return SoftmaxTopK(self.weight, self.bias, self.top_k, self.normalize,
+                           torch.float32 if self.weights_fp32 else x.dtype)
+
     def kernel_path(self, x: torch.Tensor) -> str:
         """The path of a call on x [T, D] (names in model/paths.py ROUTER_PATHS): "triton_topk", one launch instead of
         eight (decode-sized batches on CUDA, no autograd: it has no backward, no bias: it adds none), else "torch"."""

@@ -125,6 +125,19 @@ class Mxfp4Experts(LoopedExperts):
         """"mxfp4_triton" (CUDA, no autograd: the kernels have no backward) or "mxfp4_loop" (model/paths.py)."""
         return "mxfp4_triton" if triton_serves(x) and x.dtype in TRITON_DTYPES else "mxfp4_loop"
 
+    def one_token(self, x: torch.Tensor, router) -> torch.Tensor | None:
+        """The one-token layer path (kernels/triton/one_token.mxfp4_one_token) where a call takes "mxfp4_triton" and
+        the config is a CUDA-core one."""
+        if self.kernel_path(x, 1) != "mxfp4_triton" or (self.kernel_config is not None
+                                                        and self.kernel_config.use_dot(x.dtype)):
+            return None
+        from moeserve.kernels.triton.mxfp4 import Mxfp4Weights
+        from moeserve.kernels.triton.one_token import mxfp4_one_token
+
+        gate_up = Mxfp4Weights(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
+        down = Mxfp4Weights(self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
+        return mxfp4_one_token(x, router, gate_up, down, self.act, self.kernel_config)[0]
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         """The looped path's forward, except on the Triton path: its kernels read each sorted row's token from x
         themselves (no gather launch)."""

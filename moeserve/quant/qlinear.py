@@ -192,6 +192,14 @@ class QuantizedExperts(LoopedExperts):
 
         return x_preparation(x, *self.stacked(x.dtype), top_k)
 
+    def one_token(self, x: torch.Tensor, router) -> torch.Tensor | None:
+        """The one-token layer path (kernels/triton/one_token.lowbit_one_token) where a call takes "lowbit_slots"."""
+        if self.kernel_path(x, 1) != "lowbit_slots":
+            return None
+        from moeserve.kernels.triton.one_token import lowbit_one_token
+
+        return lowbit_one_token(x, router, *self.stacked(x.dtype), act=self.act)[0]
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 prepared_x: torch.Tensor | None = None) -> torch.Tensor:
         """As kernel_path says; in slot order the kernels find each routed expert's slots among the ids.

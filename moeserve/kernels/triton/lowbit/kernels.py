@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeserve.kernels.triton.lowbit.prepare import prepare_step
+from moeserve.kernels.triton.last_arrival import combine_partials
+from moeserve.kernels.triton.lowbit.prepare import prepare_step, prepare_when_stored
 from moeserve.kernels.triton.lowbit.tiles import low_rank_tile, tile_product
 from moeserve.kernels.triton.lowbit.tma import one_row_low_rank, tma_gemv
 from moeserve.kernels.triton.pdl import after_previous
@@ -27,16 +28,18 @@ from moeserve.kernels.triton.swiglu import activation, bias_row, silu_mul
 
 
 @triton.jit
-def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b,
-                  M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
+def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b, out_ptr, gw_ptr,
+                  count_ptr, M, N, K, R, xv_stride, words_per_row, groups_per_row, steps_per_split, exp_bits,
                   BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
                   USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                  PRECISION: tl.constexpr,
+                  COMBINE: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   AHEAD: tl.constexpr, SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr,
                   INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """y[rows, N] (+)= x[rows, K] dequant(W[e])^T (+ low rank) (+ bias[e], HAS_BIAS: stacked [E, N], added by the
-    first K slice), over (N block, K slice, row block | expert)."""
+    first K slice), over (N block, K slice, row block | expert). COMBINE (one token, slot order): y is the partial
+    sums [K slices, M, N] and the last program of each N block writes out[n] = sum_j gw[j] y[.., j, n]
+    (last_arrival.combine_partials: the weighted combine in this launch)."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column: a 3-bit unit or a word
     C: tl.constexpr = BLOCK_K // VPC
@@ -59,27 +62,35 @@ def lowbit_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, u_ptr, xv_ptr, bias_ptr, ro
                            z_ptr + e * N * groups_per_row, tl.program_id(0) * BLOCK_N, N, step0, step1, K,
                            words_per_row, groups_per_row, exp_bits, BITS, GROUP, USE_DOT, PRECISION, BLOCK_N, BLOCK_M,
                            C, VPC, AHEAD, SUB, PIPE, HALF, INTERPRET) + lr
+        if COMBINE:  # this K slice's partial sums
+            rows = rows + tl.program_id(1) * M
         y = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
         mask = n_mask[:, None] & r_mask[None, :]
         if ATOMIC:
             tl.atomic_add(y, acc, mask=mask, sem="relaxed")
         else:
             tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if COMBINE:
+        combine_partials(y_ptr, out_ptr, gw_ptr, count_ptr + tl.program_id(0), offs_n, n_mask, M, tl.num_programs(1),
+                         N)
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b,
-                   M, F, K, R, xv_stride, words_per_row, groups_per_row, exp_bits, top_k, alpha, limit,
+def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, bias_ptr, route_a, route_b, hw_ptr, count_ptr,
+                   M, F, K, R, xv_stride, words_per_row, groups_per_row, exp_bits, top_k, alpha, limit, h_steps,
                    BITS: tl.constexpr, GROUP: tl.constexpr, ROUTE: tl.constexpr, NSLOTS: tl.constexpr,
                    USE_DOT: tl.constexpr, HAS_LR: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, AHEAD: tl.constexpr,
                    SUB: tl.constexpr, PIPE: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr,
-                   PAIRED: tl.constexpr, PDL: tl.constexpr):
+                   PAIRED: tl.constexpr, PREP_H: tl.constexpr, H_CPS: tl.constexpr, H_HALF: tl.constexpr,
+                   H_LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
     """h[rows, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), over (output block, 1, expert |
     slot); weights stacked [E, 2F, ..] (an expert's gate rows, then its up rows). PAIRED: the gate rows and their up
     rows stream through one load pipeline (a tile of 2 BLOCK_N rows); else the gate rows, then the up rows.
-    HAS_BIAS: each expert's biases [E, 2F] join the sums; CLAMPED: GPT-OSS's clamped SwiGLU (alpha, limit)."""
+    HAS_BIAS: each expert's biases [E, 2F] join the sums; CLAMPED: GPT-OSS's clamped SwiGLU (alpha, limit).
+    PREP_H (one row per program: one token): h is also prepared for down's CUDA-core GEMV into hw_ptr [rows, h_steps,
+    .., H_CPS] (prepare_when_stored), by the program that stores a step's last outputs."""
     after_previous(PDL)
     VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS
     C: tl.constexpr = BLOCK_K // VPC
@@ -119,17 +130,24 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, xv_ptr, bias_ptr, r
         h = activation(g + lr_g, u + lr_u, alpha, limit, CLAMPED)  # [BLOCK_N, BLOCK_M]
         tl.store(h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
+        if PREP_H:
+            m = tl.max(rows, axis=0)  # the one row
+            prepare_when_stored(h_ptr + m.to(tl.int64) * F, hw_ptr, m, count_ptr, n0, F, h_steps, BLOCK_N, BITS, VPC,
+                                H_CPS, H_HALF, H_LOG2_LIMIT)
 
 
 @triton.jit
-def gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, F, steps, plane, R,
-                       xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                       HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_LR: tl.constexpr,
-                       BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv_ptr, hw_ptr, count_ptr, F, steps,
+                       plane, R, xv_stride, exp_bits, h_steps, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       G: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+                       HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PREP_H: tl.constexpr, H_CPS: tl.constexpr,
+                       H_HALF: tl.constexpr, H_LOG2_LIMIT: tl.constexpr, PDL: tl.constexpr):
     """One token: h[slot, n0 : n0 + BLOCK_N] = silu(x Wg[e]^T + lr_g) * (x Wu[e]^T + lr_u), e = ids[slot] (grid axis
     2: the k slots, distinct experts); the gate rows and their up rows come in the same TMA blocks (_tma_block
-    PAIRS); HAS_LR: the compensator terms, computed before the weight stream."""
+    PAIRS); HAS_LR: the compensator terms, computed before the weight stream; PREP_H: h also prepared for down
+    (gate_up_kernel's)."""
     after_previous(PDL)
+    VPC: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # values per column (PREP_H)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * BLOCK_N
     e = tl.load(ids_ptr + slot).to(tl.int32)
@@ -143,16 +161,21 @@ def gate_up_tma_kernel(xw_ptr, w_desc, s_desc, z_desc, ids_ptr, h_ptr, u_ptr, xv
     g, u = tma_gemv(xw_ptr, 0, steps, w_desc, s_desc, z_desc, 2 * e, n0, 0, steps, plane, exp_bits, BITS, BLOCK_N,
                     G, True, HALF, STAGES, INTERPRET)
     tl.store(h_ptr + slot * F + offs, silu_mul(g + lr_g, u + lr_u).to(h_ptr.dtype.element_ty), mask=offs < F)
+    if PREP_H:
+        prepare_when_stored(h_ptr + slot * F, hw_ptr, slot, count_ptr, n0, F, h_steps, BLOCK_N, BITS, VPC, H_CPS,
+                            H_HALF, H_LOG2_LIMIT)
 
 
 @triton.jit
-def down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_ptr, D, steps, per_split, plane, R,
-                    xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                    HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC: tl.constexpr,
-                    HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_ptr, out_ptr, gw_ptr, count_ptr, D,
+                    steps, per_split, plane, R, xv_stride, exp_bits, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    G: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+                    ATOMIC: tl.constexpr, COMBINE: tl.constexpr, HAS_LR: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PDL: tl.constexpr):
     """One token: y[slot, n0 : n0 + 2 BLOCK_N] (+)= h[slot] Wd[e]^T (+ lr) over K slice pid 1, e = ids[slot]; ATOMIC
     (split K): fp32 atomics into y that prepare_x zeroed; HAS_LR: the compensator term, added by the first K slice and
-    computed before the weight stream."""
+    computed before the weight stream. COMBINE: y is the partial sums [K slices, k, D] and the last program of each
+    output block writes the weighted combine into out (lowbit_kernel's)."""
     after_previous(PDL)
     slot = tl.program_id(2)
     n0 = tl.program_id(0) * 2 * BLOCK_N
@@ -170,12 +193,17 @@ def down_tma_kernel(hw_ptr, w_desc, s_desc, z_desc, ids_ptr, y_ptr, u_ptr, xv_pt
     parts = tma_gemv(hw_ptr, slot, steps, w_desc, s_desc, z_desc, e * D + n0, 0, step0,
                      tl.minimum(step0 + per_split, steps), plane, exp_bits, BITS, BLOCK_N, G, False, HALF, STAGES,
                      INTERPRET)
+    row = slot + tl.program_id(1) * tl.num_programs(2) if COMBINE else slot  # COMBINE: this K slice's partials
     for j in tl.static_range(2):
         offs = n0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
         if ATOMIC:
-            tl.atomic_add(y_ptr + slot * D + offs, parts[j] + lr[j], mask=offs < D, sem="relaxed")
+            tl.atomic_add(y_ptr + row * D + offs, parts[j] + lr[j], mask=offs < D, sem="relaxed")
         else:
-            tl.store(y_ptr + slot * D + offs, parts[j] + lr[j], mask=offs < D)
+            tl.store(y_ptr + row * D + offs, parts[j] + lr[j], mask=offs < D)
+    if COMBINE:
+        offs = n0 + tl.arange(0, 2 * BLOCK_N)
+        combine_partials(y_ptr, out_ptr, gw_ptr, count_ptr + tl.program_id(0), offs, offs < D, tl.num_programs(2),
+                         tl.num_programs(1), D)
 
 
 @triton.jit

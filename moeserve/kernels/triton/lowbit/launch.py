@@ -172,6 +172,51 @@ def kernel_inputs(x: torch.Tensor, tile: Tile, fill: torch.Tensor | None = None,
     return prepared, exponent_bits(bits, tile.HALF)
 
 
+# ---- one token: h prepared and the combine by the launches themselves (last_arrival.py) --------------------
+
+
+@dataclass(frozen=True)
+class PreparedH:
+    """gate_up's epilogue at one token: h also prepared for down's CUDA-core GEMV (as `prep` says) into `buffer`
+    [k, steps, .., CPS], counting arrivals on `counters` (zeroed, >= k * steps): no prepare_x launch before down."""
+
+    prep: Preparation
+    buffer: torch.Tensor
+    counters: torch.Tensor
+
+    def args(self) -> tuple:
+        """(hw_ptr, count_ptr) and h_steps of the gate/up kernels."""
+        return self.buffer, self.counters, self.buffer.shape[1]
+
+    def constexprs(self) -> dict:
+        c = self.prep.constexprs()
+        return dict(PREP_H=True, H_CPS=c["CPS"], H_HALF=c["HALF"], H_LOG2_LIMIT=c["LOG2_LIMIT"])
+
+
+def k_slices(cfg: LowbitConfig, tile: Tile, K: int, tma: bool) -> tuple[int, int]:
+    """(K slices, steps per slice) a projection's launch splits its K inputs into: cfg SPLIT_K, fewer where the steps
+    are fewer; steps of BLOCK_K inputs, the config's by TMA, else the Tile's."""
+    steps = triton.cdiv(K, cfg.BLOCK_K if tma else tile.BLOCK_K)
+    per_split = triton.cdiv(steps, min(cfg.SPLIT_K, steps))
+    return triton.cdiv(steps, per_split), per_split
+
+
+def no_prepared_h(placeholder: torch.Tensor) -> tuple[tuple, dict]:
+    """The gate/up kernels' PreparedH arguments and constexprs when h is not prepared by them."""
+    return (placeholder, placeholder, 0), dict(PREP_H=False, H_CPS=1, H_HALF=False, H_LOG2_LIMIT=0)
+
+
+@dataclass(frozen=True)
+class SlotCombine:
+    """down's epilogue at one token: out [1, N] = sum_j weights[j] y_j in out's dtype, written by the last program of
+    each output block (counting on `counters`, zeroed, >= the output blocks): no combine launch after down. The
+    kernels' y is then their partial sums [K slices, k, N] fp32."""
+
+    out: torch.Tensor
+    weights: torch.Tensor  # [k] the token's gate weights
+    counters: torch.Tensor
+
+
 # ---- rows and compensators --------------------------------------------------------------------------------
 
 
@@ -213,40 +258,49 @@ def low_rank_args(lowrank: tuple[torch.Tensor, torch.Tensor] | None, placeholder
 def launch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, y: torch.Tensor,
            bits: int, group: int, K: int, cfg: LowbitConfig, rows_per_block: int, grid_z: int, *,
            lowrank: tuple[torch.Tensor, torch.Tensor] | None = None, routing=None,
-           bias: torch.Tensor | None = None) -> None:
+           bias: torch.Tensor | None = None, combine: SlotCombine | None = None,
+           prepared: torch.Tensor | None = None) -> None:
     """lowbit_kernel: x [rows, K] -> y [rows, N] (fp32 when cfg SPLIT_K > 1: then zeroed here, with prepare_x).
 
     routing (grid_z = the experts, weights stacked [E, N, ...]): a RoutingTable (x and y expert-sorted) or the
     expert ids [T, k] (x and y in slot order, [T*k, ...]; see route_args). Without it, grid axis 2 walks
-    blocks of rows_per_block rows of a dense matmul. bias: the experts' biases [E, N], with routing only."""
+    blocks of rows_per_block rows of a dense matmul. bias: the experts' biases [E, N], with routing only.
+    combine (one token in slot order): y is the partial sums [K slices, k, N] fp32 and the launch writes combine.out;
+    prepared: x prepared already (a PreparedH buffer)."""
     if bias is not None and routing is None:
         raise ValueError("lowbit_kernel adds stacked expert biases [E, N]: a dense call adds its own")
     N = qweight.shape[-2]
     tile = tile_constexprs(cfg, bits, group, rows_per_block, x.dtype, lowrank is not None)
-    steps = triton.cdiv(K, tile.BLOCK_K)
-    split = min(cfg.SPLIT_K, steps)
-    per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per_split)
-    if split > 1 and y.dtype != torch.float32:
+    split, per_split = k_slices(cfg, tile, K, False)
+    atomic = split > 1 and combine is None
+    if atomic and y.dtype != torch.float32:
         raise ValueError("split-K accumulates with fp32 atomics: the output must be float32")
+    if combine is not None and tuple(y.shape) != (split, x.shape[0], N):
+        raise ValueError(f"the combine's partial sums are [{split}, {x.shape[0]}, {N}], got {tuple(y.shape)}")
     u, xv, R = low_rank_args(lowrank, y)
     route = route_args(routing, x.shape[0], y, grid_z)
     grid = (triton.cdiv(N, cfg.BLOCK_N), split, route.pop("programs"))
-    xk, exp = kernel_inputs(x, tile, y if split > 1 else None)
+    xk, exp = kernel_inputs(x, tile, y if atomic else None, prepared)
+    out, gw, counters = (y, y, y) if combine is None else (combine.out, combine.weights, combine.counters)
     lowbit_kernel[grid](
-        xk, qweight, scale, zero, y, u, xv, y if bias is None else bias, route.pop("a"), route.pop("b"),
-        route.pop("rows"), N, K, R, xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp,
-        HAS_BIAS=bias is not None, ATOMIC=split > 1, **route, **tile.kwargs, **dependent_launch(x.device))
+        xk, qweight, scale, zero, y, u, xv, y if bias is None else bias, route.pop("a"), route.pop("b"), out, gw,
+        counters, route.pop("rows"), N, K, R, xv.stride(0), qweight.shape[-1], scale.shape[-1], per_split, exp,
+        HAS_BIAS=bias is not None, ATOMIC=atomic, COMBINE=combine is not None, **route, **tile.kwargs,
+        **dependent_launch(x.device))
 
 
 def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, cfg: LowbitConfig,
-                   prepared: torch.Tensor | None = None, act: ClampedSwiGLU | None = None) -> None:
+                   prepared: torch.Tensor | None = None, act: ClampedSwiGLU | None = None,
+                   prep_h: PreparedH | None = None) -> None:
     """h = silu(x Wg^T) * (x Wu^T) per expert row: routing a RoutingTable (x and h expert-sorted) or the expert ids
     [T, k] (x the T tokens, h [T*k, F] in slot order); prepared: x prepared already (x_preparation); with p.bias
-    and act (GPT-OSS) act(x Wg^T + b_g, x Wu^T + b_u). One token by TMA where tma_one_token says so."""
+    and act (GPT-OSS) act(x Wg^T + b_g, x Wu^T + b_u). One token by TMA where tma_one_token says so. prep_h (one
+    token): h also prepared for down by this launch."""
     if tma_one_token(cfg, p, routing, x.device) and act is None:
-        launch_gate_up_tma(x, p, h, routing, cfg, prepared)
+        launch_gate_up_tma(x, p, h, routing, cfg, prepared, prep_h)
         return
+    if prep_h is not None and routed_tokens(routing) != 1:
+        raise ValueError("gate_up prepares h for down at one token only")
     E, two_f, _ = p.qweight.shape
     F = two_f // 2
     lr = p.low_rank_inputs(x)
@@ -255,11 +309,13 @@ def launch_gate_up(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, routing, 
     T = routed_tokens(routing)
     tile = tile_constexprs(cfg, p.bits, p.group, T, x.dtype, lr is not None)
     xk, exp = kernel_inputs(x, tile, prepared=prepared)
+    (hw, counters, h_steps), prep_consts = no_prepared_h(h) if prep_h is None else (prep_h.args(), prep_h.constexprs())
     gate_up_kernel[(triton.cdiv(F, cfg.BLOCK_N), 1, route.pop("programs"))](
-        xk, p.qweight, p.scale, p.zero, h, u, xv, h if p.bias is None else p.bias, route.pop("a"), route.pop("b"),
-        route.pop("rows"), F, p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
-        exp, h.shape[0] // T, *act_args(act), HAS_BIAS=p.bias is not None, CLAMPED=act is not None,
-        PAIRED=bool(cfg.PAIRED), **route, **tile.kwargs, **dependent_launch(x.device))  # h [T*k, F]: top_k
+        xk, p.qweight, p.scale, p.zero, h, u, xv, h if p.bias is None else p.bias, route.pop("a"), route.pop("b"), hw,
+        counters, route.pop("rows"), F, p.in_features, R, xv.stride(0), p.qweight.shape[-1], p.scale.shape[-1],
+        exp, h.shape[0] // T, *act_args(act), h_steps, HAS_BIAS=p.bias is not None, CLAMPED=act is not None,
+        PAIRED=bool(cfg.PAIRED), **prep_consts, **route, **tile.kwargs,
+        **dependent_launch(x.device))  # h [T*k, F]: top_k
 
 
 # ---- one token by TMA (tma.py) ------------------------------------------------------------------------------
@@ -310,30 +366,38 @@ def tma_constexprs(p: StackedLowbit, cfg: LowbitConfig, tile: Tile, has_lr: bool
 
 
 def launch_gate_up_tma(x: torch.Tensor, p: StackedLowbit, h: torch.Tensor, ids: torch.Tensor, cfg: LowbitConfig,
-                       prepared: torch.Tensor | None = None) -> None:
+                       prepared: torch.Tensor | None = None, prep_h: PreparedH | None = None) -> None:
     """gate_up_tma_kernel for one token x [1, D] -> h [k, F] (tma_one_token said yes); prepared: x prepared already
-    (x_preparation)."""
+    (x_preparation); prep_h: h also prepared for down."""
     F = p.qweight.shape[1] // 2
     tile = tile_constexprs(cfg, p.bits, p.group, 1, x.dtype, False)
     xw, exp = kernel_inputs(x, tile, prepared=prepared)
     lr = p.low_rank_inputs(x, ids)
     u, xv, R = low_rank_args(lr, h)
+    (hw, counters, h_steps), prep_consts = no_prepared_h(h) if prep_h is None else (prep_h.args(), prep_h.constexprs())
     gate_up_tma_kernel[(triton.cdiv(F, cfg.BLOCK_N), 1, ids.numel())](
-        xw, *tma_descriptors(p, cfg, pairs=True), ids, h, u, xv, F, triton.cdiv(p.in_features, cfg.BLOCK_K),
-        p.planes(), R, xv.stride(0), exp, **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(x.device))
+        xw, *tma_descriptors(p, cfg, pairs=True), ids, h, u, xv, hw, counters, F,
+        triton.cdiv(p.in_features, cfg.BLOCK_K), p.planes(), R, xv.stride(0), exp, h_steps, **prep_consts,
+        **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(x.device))
 
 
-def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: LowbitConfig) -> None:
+def launch_down_tma(h: torch.Tensor, p: StackedLowbit, y: torch.Tensor, ids: torch.Tensor, cfg: LowbitConfig,
+                    combine: SlotCombine | None = None, prepared: torch.Tensor | None = None) -> None:
     """down_tma_kernel for one token's h [k, F] -> y [k, D] fp32 (tma_one_token said yes); cfg SPLIT_K slices of
-    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows."""
+    the F steps (fp32 atomics into y, zeroed by prepare_x), programs of 2 BLOCK_N rows. combine: y is the partial
+    sums [K slices, k, D] and the launch writes combine.out; prepared: h prepared already (PreparedH)."""
     D = p.qweight.shape[1]
     tile = tile_constexprs(cfg, p.bits, p.group, 1, h.dtype, False)
     steps = triton.cdiv(p.in_features, cfg.BLOCK_K)
-    per_split = triton.cdiv(steps, min(cfg.SPLIT_K, steps))
-    split = triton.cdiv(steps, per_split)
-    hw, exp = kernel_inputs(h, tile, y if split > 1 else None)
+    split, per_split = k_slices(cfg, tile, p.in_features, True)
+    atomic = split > 1 and combine is None
+    if combine is not None and tuple(y.shape) != (split, ids.numel(), D):
+        raise ValueError(f"the combine's partial sums are [{split}, {ids.numel()}, {D}], got {tuple(y.shape)}")
+    hw, exp = kernel_inputs(h, tile, y if atomic else None, prepared)
     lr = p.low_rank_inputs(h, ids)
     u, xv, R = low_rank_args(lr, y)
+    out, gw, counters = (y, y, y) if combine is None else (combine.out, combine.weights, combine.counters)
     down_tma_kernel[(triton.cdiv(D, 2 * cfg.BLOCK_N), split, ids.numel())](
-        hw, *tma_descriptors(p, cfg, pairs=False), ids, y, u, xv, D, steps, per_split, p.planes(), R, xv.stride(0),
-        exp, ATOMIC=split > 1, **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(h.device))
+        hw, *tma_descriptors(p, cfg, pairs=False), ids, y, u, xv, out, gw, counters, D, steps, per_split, p.planes(),
+        R, xv.stride(0), exp, ATOMIC=atomic, COMBINE=combine is not None,
+        **tma_constexprs(p, cfg, tile, lr is not None), **dependent_launch(h.device))

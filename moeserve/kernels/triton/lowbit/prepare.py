@@ -1,12 +1,13 @@
 """x prepared for the CUDA-core GEMV, one step of one row at a time (jit code only): prepare_step is called by the
-prepare_x kernel (kernels.py) and by the router's launch (kernels/triton/topk_router.py), which prepares x for the
-experts in the same launch."""
+prepare_x kernel (kernels.py), by the router's launch (kernels/triton/topk_router.py), which prepares x for the
+experts in the same launch, and (prepare_when_stored) by the one-token gate/up launch, which prepares h for down."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton.last_arrival import arrive
 from moeserve.kernels.triton.lowbit.codes import slot_offsets
 
 
@@ -57,3 +58,23 @@ def prepare_step(x_row, xw_ptr, m, steps, t, cols, BITS: tl.constexpr, VPC: tl.c
             tl.store(out + j * CPS, vals[j])
             total += vals[j]
         tl.store(out + VPC * CPS, total)
+
+
+@triton.jit
+def prepare_when_stored(h_row, hw_ptr, m, count_ptr, n0, N, steps, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                        VPC: tl.constexpr, CPS: tl.constexpr, HALF: tl.constexpr, LOG2_LIMIT: tl.constexpr):
+    """Outputs [n0, n0 + BLOCK_N) of row m (h_row: its N values) are stored: each prepared step (CPS * VPC values) is
+    prepared (prepare_step into hw_ptr [rows, steps, ..]) by the program that stores its last outputs, found by
+    counting arrivals per (row, step) at count_ptr [rows * steps] (last_arrival.arrive), so the next launch reads h
+    prepared with no prepare_x launch between."""
+    STEP: tl.constexpr = CPS * VPC
+    if BLOCK_N >= STEP:  # this program stores whole steps
+        tl.debug_barrier()  # the other threads' stores first
+        for i in tl.static_range(BLOCK_N // STEP):
+            t = n0 // STEP + i
+            if t < steps:
+                prepare_step(h_row, hw_ptr, m, steps, t, N // VPC, BITS, VPC, CPS, HALF, LOG2_LIMIT)
+    else:
+        t = n0 // STEP
+        if arrive(count_ptr + m * steps + t, tl.minimum(STEP // BLOCK_N, tl.cdiv(N - t * STEP, BLOCK_N))):
+            prepare_step(h_row, hw_ptr, m, steps, t, N // VPC, BITS, VPC, CPS, HALF, LOG2_LIMIT)

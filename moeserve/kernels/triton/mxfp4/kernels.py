@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton.last_arrival import combine_partials
 from moeserve.kernels.triton.lowbit.codes import hfma2, interleave, pair_sum
 from moeserve.kernels.triton.mxfp4.codes import (BF16_BIAS_PAIR, DECODE_SCALE, FP16_BIAS_PAIR, e2m1_pairs,
                                                  group_scales, mul_pairs, pack_pair, pair_halves, pow2_range, split4)
@@ -71,11 +72,18 @@ def source_rows(ids_ptr, rows, GATHER: tl.constexpr):
 
 
 @triton.jit
-def output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+def output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 SLOTS: tl.constexpr = False):
     """A program's part of an expert call: its output block pid 0 of N outputs (offs [BLOCK_N], n_ok) and the
-    expert-sorted rows [start, end) of the pid 1-th expert hit, e (rows.hit_rows)."""
+    expert-sorted rows [start, end) of the pid 1-th expert hit, e (rows.hit_rows). SLOTS (one token): row pid 1 is
+    slot pid 1 of the token's distinct experts, offsets_ptr its expert ids [k]."""
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
+    if SLOTS:
+        start = tl.program_id(1)
+        end = start + 1
+        e = tl.load(offsets_ptr + start).to(tl.int32)
+    else:
+        start, end, e = hit_rows(tl.program_id(1), offsets_ptr, counts_ptr, E, BLOCK_E)
     return offs, offs < N, start, end, e
 
 
@@ -230,30 +238,37 @@ def row_tuple(row0, end, M: tl.constexpr):
 
 
 @triton.jit
+def prepare_groups(src, xp_ptr, xr_ptr, row, block, K, HALF: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Groups [block * BLOCK_G, + BLOCK_G) of the K inputs at src -> row `row` of the prepared x (store_prepared).
+    prepare_kernel's programs, and the router's launch (kernels/triton/topk_router.py) at one token."""
+    GPR = K // 32
+    g = block * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = g < GPR
+    vals = tl.load(src + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0)
+    store_prepared(vals.to(tl.float32), xp_ptr, xr_ptr, row, g, GPR, ok, HALF)
+
+
+@triton.jit
 def prepare_kernel(x_ptr, ids_ptr, xp_ptr, xr_ptr, K, HALF: tl.constexpr, GATHER: tl.constexpr,
                    BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """Groups [pid 1 * BLOCK_G, + BLOCK_G) of expert-sorted row pid 0 (source_rows of x [.., K]) -> the prepared x
-    (store_prepared)."""
+    (prepare_groups)."""
     after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    GPR = K // 32
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    ok = g < GPR
-    src = x_ptr + source_rows(ids_ptr, row, GATHER) * K
-    vals = tl.load(src + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0)
-    store_prepared(vals.to(tl.float32), xp_ptr, xr_ptr, row, g, GPR, ok, HALF)
+    prepare_groups(x_ptr + source_rows(ids_ptr, row, GATHER) * K, xp_ptr, xr_ptr, row, tl.program_id(1), K, HALF,
+                   BLOCK_G)
 
 
 @triton.jit
 def gate_up_gemv_kernel(xp_ptr, xr_ptr, w_ptr, s_ptr, bias_ptr, hp_ptr, hr_ptr, offsets_ptr, counts_ptr, E, F, K,
                         alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr,
-                        STAGES: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                        STAGES: tl.constexpr, INTERPRET: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
     """h = act(x Wg[e]^T + bg[e], x Wu[e]^T + bu[e]) for output block pid 0 (BLOCK_N of F, a multiple of 32) of the
     pid 1-th expert hit, on CUDA cores; weights [E, 2F, ..] (gate rows, then up rows), x prepared, h written prepared
-    (store_prepared) for down."""
+    (store_prepared) for down. SLOTS (one token, output_block's): h row j is slot j's, x is the token's row 0."""
     after_previous(PDL)
-    offs, n_ok, start, end, e = output_block(F, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(F, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E, SLOTS)
     GPR = K // 32
     gate = tl.minimum(offs, F - 1).to(tl.int64) + e.to(tl.int64) * 2 * F  # [BLOCK_N] gate rows of expert e
     bias_g = bias_row(bias_ptr + e.to(tl.int64) * 2 * F, offs, n_ok, HAS_BIAS)
@@ -261,7 +276,11 @@ def gate_up_gemv_kernel(xp_ptr, xr_ptr, w_ptr, s_ptr, bias_ptr, hp_ptr, hr_ptr, 
     groups = tl.program_id(0) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)  # h's groups this block writes
     for row0 in range(start, end, BLOCK_M):
         rows = row_tuple(row0, end, BLOCK_M)
-        sums = gemv(xp_ptr, xr_ptr, rows, w_ptr, s_ptr, (gate * GPR, (gate + F) * GPR), GPR, HALF, BLOCK_M, 2,
+        if SLOTS:
+            x_rows = row_tuple(row0 * 0, 1, BLOCK_M)  # the token's row 0 (row0 * 0: an int tensor, as the rows are)
+        else:
+            x_rows = rows
+        sums = gemv(xp_ptr, xr_ptr, x_rows, w_ptr, s_ptr, (gate * GPR, (gate + F) * GPR), GPR, HALF, BLOCK_M, 2,
                     BLOCK_N, G, STAGES, INTERPRET)
         for m in tl.static_range(BLOCK_M):
             h = activation(sums[m] + bias_g, sums[BLOCK_M + m] + bias_u, alpha, limit, CLAMPED)  # [BLOCK_N]
@@ -270,14 +289,15 @@ def gate_up_gemv_kernel(xp_ptr, xr_ptr, w_ptr, s_ptr, bias_ptr, hp_ptr, hr_ptr, 
 
 
 @triton.jit
-def down_gemv_kernel(hp_ptr, hr_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, offsets_ptr, counts_ptr, E, N, K,
-                     HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     G: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-                     PDL: tl.constexpr):
+def down_gemv_kernel(hp_ptr, hr_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, offsets_ptr, counts_ptr, out_ptr, gw_ptr,
+                     count_ptr, E, N, K, HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
+                     INTERPRET: tl.constexpr, SLOTS: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr):
     """y[rows, n block] = h Wd[e]^T + bd[e] (float32) for output block pid 0 of the pid 1-th expert hit, on CUDA
-    cores; weights [E, N, ..], h prepared."""
+    cores; weights [E, N, ..], h prepared. SLOTS (one token): output_block's; COMBINE (with SLOTS): the last program
+    of each output block writes out[n] = sum_j gw[j] y[j, n] in out's dtype (last_arrival.combine_partials)."""
     after_previous(PDL)
-    offs, n_ok, start, end, e = output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E)
+    offs, n_ok, start, end, e = output_block(N, offsets_ptr, counts_ptr, E, BLOCK_N, BLOCK_E, SLOTS)
     GPR = K // 32
     w_rows, bias = down_rows(offs, n_ok, e, N, GPR, bias_ptr, HAS_BIAS)
     for row0 in range(start, end, BLOCK_M):
@@ -286,6 +306,8 @@ def down_gemv_kernel(hp_ptr, hr_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, offsets_ptr,
                     INTERPRET)
         for m in tl.static_range(BLOCK_M):
             tl.store(y_ptr + rows[m] * N + offs, sums[m] + bias, mask=n_ok)
+    if COMBINE:
+        combine_partials(y_ptr, out_ptr, gw_ptr, count_ptr + tl.program_id(0), offs, n_ok, tl.num_programs(1), 1, N)
 
 
 # ---- tensor cores ------------------------------------------------------------------------------------------

@@ -182,10 +182,10 @@ def gemv_experts(x: torch.Tensor, rows: Rows, gate_up: Mxfp4Weights, down: Mxfp4
     gate_up_gemv_kernel[grid(F, cfg, rows.count, E)](
         xp, xr, gate_up.words(), gate_up.scales, gate_up.bias if gate_up.bias is not None else xr, hp, hr,
         table.offsets, table.counts, E, F, D, *act_args(act), HAS_BIAS=gate_up.bias is not None,
-        CLAMPED=act is not None, **common)
+        CLAMPED=act is not None, SLOTS=False, **common)
     down_gemv_kernel[grid(D, cfg, rows.count, E)](
         hp, hr, down.words(), down.scales, down.bias if down.bias is not None else hr, y, table.offsets,
-        table.counts, E, D, F, HAS_BIAS=down.bias is not None, **common)
+        table.counts, y, y, y, E, D, F, HAS_BIAS=down.bias is not None, SLOTS=False, COMBINE=False, **common)
 
 
 def dot_experts(x: torch.Tensor, rows: Rows, gate_up: Mxfp4Weights, down: Mxfp4Weights, table: RoutingTable,
