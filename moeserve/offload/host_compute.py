@@ -70,7 +70,7 @@ class HostExperts:
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
-        self._mxfp4: dict[tuple[int, int], CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked
+        self._mxfp4: dict[int, CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked, by blocks address
 
     def native(self, low: bool) -> bool:
         """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
@@ -105,14 +105,16 @@ class HostExperts:
         return self._high[key]
 
     def mxfp4_expert(self, layer: int, expert: int) -> CpuMxfp4Expert | None:
-        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once, then kept), or None where they
-        do not build on this machine."""
-        key = (layer, expert)
+        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once per copy in RAM, then kept: layers
+        that share one, as a bench's store does, share the repack), or None where they do not build on this
+        machine."""
+        kernel = self.mxfp4_kernel()
+        if kernel is None or self.disk is not None:
+            return None
+        parts = self.store.host_parts(layer, expert, low=False)
+        key = parts[0].data_ptr()
         if key not in self._mxfp4:
-            kernel = self.mxfp4_kernel()
-            if kernel is None or self.disk is not None:
-                return None
-            w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
+            w = Mxfp4Expert.of_parts(parts)
             self._mxfp4[key] = CpuMxfp4Expert(
                 pack_mxfp4_for_cpu(w.gate_up_blocks, w.gate_up_scales, kernel),
                 pack_mxfp4_for_cpu(w.down_blocks, w.down_scales, kernel),
