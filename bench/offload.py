@@ -141,7 +141,8 @@ def random_resident_mxfp4(model: MoETransformer, layers: list[int], device, dtyp
     spec = model.spec
     for i in layers:
         experts = random_mxfp4_experts(spec, torch.Generator(device).manual_seed(2000 + i), device, dtype)
-        module = stored_experts(spec, spec.moe.experts_at(i)).to(device)
+        with torch.device(device):
+            module = stored_experts(spec, spec.moe.experts_at(i))
         for name, t in zip(("gate_up_proj", "down_proj"), (experts.gate_up, experts.down)):
             getattr(module, f"{name}_blocks").copy_(t[0])
             getattr(module, f"{name}_scales").copy_(t[1])
