@@ -94,7 +94,7 @@ def device_key(path: str | Path) -> str:
 
 def cache_path(store_dir: str | Path) -> Path:
     """Where the bandwidth of the store's device is cached."""
-    from moeserve.kernels.cpu.build import cache_dir
+    from moeserve.kernels.cpu.build import cache_dir  # inside: it loads torch, which the planner does without
 
     return cache_dir().parent / "hardware" / f"disk-{device_key(store_dir)}.json"
 
