@@ -86,7 +86,7 @@ from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.hybrid.memory import ring_slots  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
-from moeserve.kernels.cpu.machine import physical_cores  # noqa: E402
+from moeserve.kernels.cpu.machine import expert_cores, physical_cores  # noqa: E402
 from moeserve.offload.host_compute import HostExperts  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
 from moeserve.plan.footprint import (WORKSPACE_SHARE, Precision, dense_bytes, expert_bytes,  # noqa: E402
@@ -457,7 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-tokens", type=int, default=32, help="timed decode steps of hobbit-offload")
     ap.add_argument("--no-cuda-graph", action="store_true",
                     help="decode eagerly (default: the GPU work between the CPU layers as CUDA graphs)")
-    ap.add_argument("--cpu-threads", type=int, default=len(physical_cores()), help="threads for the CPU experts")
+    ap.add_argument("--cpu-threads", type=int, default=len(expert_cores().cpus),
+                    help="threads for the CPU experts (default: the physical cores, of one NUMA node on a multi-socket "
+                         "host)")
     ap.add_argument("--distinct-layers", type=int, default=4, help="layers of distinct random experts in the store")
     ap.add_argument("--dense-bits", type=int, default=16, choices=(16, 8),
                     help="the dense part's linear layers: 16 (the compute dtype) or 8 (HQQ copies, --dense-bits 8)")
