@@ -213,11 +213,13 @@ SCALED = ("tg_tokens_per_s", "pp_tokens_per_s", "floor_tokens_per_s", "pp_floor_
 
 def scale_row(row: dict, layers: int, full: int) -> dict:
     """A row of a run of `layers` of `full` layers with its rates also at full depth (`<rate>_full_depth`): a
-    token's time per layer as measured, times the full depth; the measured rates stay beside them."""
+    token's time per layer as measured (`tg_ms_per_layer`), times the full depth; the measured rates stay beside
+    them."""
     label = depth_label(layers, full)
     if label is None:
         return row
     scaled = {f"{k}_full_depth": row[k] * layers / full for k in SCALED if row.get(k)}
+    scaled["tg_ms_per_layer"] = 1e3 / (row["tg_tokens_per_s"] * layers)  # the per-layer figure scaled
     return {**row, **scaled, "depth": label}
 
 

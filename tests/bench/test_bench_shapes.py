@@ -201,6 +201,7 @@ def test_scaled_rows_say_so():
     assert scaled["tg_tokens_per_s_full_depth"] == pytest.approx(40 * 8 / 61)
     assert scaled["pp_tokens_per_s_full_depth"] == pytest.approx(500 * 8 / 61)
     assert scaled["tg_tokens_per_s"] == 40.0 and "pp_floor_tokens_per_s_full_depth" not in scaled
+    assert scaled["tg_ms_per_layer"] == pytest.approx(1e3 / 40 / 8)
 
 
 def test_preflight_on_the_h200_host():
