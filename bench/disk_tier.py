@@ -36,7 +36,6 @@ from moeserve.engine.generate import iterate  # noqa: E402
 from moeserve.engine.params import SamplingParams  # noqa: E402
 from moeserve.hybrid.placement import HybridPlacement  # noqa: E402
 from moeserve.hybrid.setup import enable_hybrid  # noqa: E402
-from moeserve.offload.disk_cache import slot_bytes  # noqa: E402
 from moeserve.offload.store import ExpertStore, SourceExperts, layer_tensors, store_meta  # noqa: E402
 
 RAM_SHARE = 1 / 1.5  # the cap: the store is 1.5x the RAM given to its experts
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         store = write_store(spec, Path(tmp) / "store", bits, device)
         low = bits < 16
-        store_bytes = slot_bytes(store, (low,)) * spec.moe.num_experts * len(store.meta["layers"])
+        store_bytes = store.expert_bytes(low) * spec.moe.num_experts * len(store.meta["layers"])  # as on disk
         budget = int(store_bytes * RAM_SHARE)
         ram = run_column(spec, store, placement, device, dtype, args, None)
         disk = run_column(spec, store, placement, device, dtype, args, budget)

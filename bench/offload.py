@@ -32,12 +32,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # bench/, repo
 from common import add_run_args, result_record, run_device, sync, write_result  # noqa: E402
+from random_checkpoint import MXFP4_SCALE  # noqa: E402
 
 from moeserve.engine.cuda_graph import host_layers  # noqa: E402
 from moeserve.engine.generate import iterate  # noqa: E402
@@ -49,7 +49,8 @@ from moeserve.offload.setup import enable_offload  # noqa: E402
 from moeserve.plan.footprint import dense_bytes, plan_slots, resident_layout  # noqa: E402
 from moeserve.offload.store import ExpertStore, SourceExperts, layer_tensors, store_meta  # noqa: E402
 from moeserve.offload.transfer import measure_h2d_bandwidth  # noqa: E402
-from moeserve.spec import MLASpec, ModelSpec, RopeSpec, RouterSpec  # noqa: E402
+from moeserve.quant.mxfp4 import stored_experts  # noqa: E402
+from moeserve.spec import ClampedSwiGLU, MLASpec, ModelSpec, RopeSpec, RouterSpec  # noqa: E402
 GiB = 1 << 30
 
 DEMO_DIR = Path(__import__("moeserve").__file__).resolve().parent / "demo"
@@ -65,16 +66,22 @@ METHODS = {  # name -> enable_offload options (slots come from the budget)
     "hobbit+cpu": dict(policy="hobbit", mixed=True, prefetch_layers=1, cooperative=True),
 }
 STD = 0.02
-NESTED = {"mla": MLASpec, "router": RouterSpec, "rope": RopeSpec}  # shape fields given as dicts of their fields
+NESTED = {"mla": MLASpec, "router": RouterSpec, "rope": RopeSpec,  # shape fields given as dicts of their fields
+          "expert_act": ClampedSwiGLU}
+PER_LAYER = ("dense_layers", "sliding_window")  # shape keys model_spec expands to one value per layer
 
 
 def model_spec(shape: dict) -> ModelSpec:
     """The ModelSpec of a bench shape. A shape is plain data, as the results record it: ModelSpec's fields over
-    Mixtral's defaults, the nested dataclasses (NESTED) as dicts of their fields, and `dense_layers`: that many
-    first layers have a dense FFN of dense_ffn instead of experts (DeepSeek's first_k_dense_replace; default 0)."""
-    fields = {k: NESTED[k](**v) if k in NESTED else v for k, v in shape.items() if k != "dense_layers"}
-    dense = shape.get("dense_layers", 0)
-    moe_layers = tuple(i >= dense for i in range(shape["num_layers"]))
+    Mixtral's defaults, the nested dataclasses (NESTED) as dicts of their fields, `dense_layers`: that many first
+    layers have a dense FFN of dense_ffn instead of experts (DeepSeek's first_k_dense_replace; default 0), and
+    `sliding_window`: even layers attend within that window, odd ones to everything (GPT-OSS's pattern)."""
+    fields = {k: NESTED[k](**v) if k in NESTED else v for k, v in shape.items() if k not in PER_LAYER}
+    dense, window = shape.get("dense_layers", 0), shape.get("sliding_window")
+    layers = range(shape["num_layers"])
+    moe_layers = tuple(i >= dense for i in layers)
+    if window is not None:
+        fields["sliding_windows"] = tuple(window if i % 2 == 0 else None for i in layers)
     return ModelSpec.of(**{"family": "mixtral", "max_position_embeddings": 4096, "norm_topk_prob": True,
                         "router_weights_fp32": True, "moe_layers": moe_layers, **fields})
 
@@ -94,18 +101,54 @@ def dense_model(spec: ModelSpec, device, dtype) -> MoETransformer:
     return model.eval()
 
 
-def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64) -> ExpertStore:
+def random_store(spec: ModelSpec, distinct: int, device, dtype, low_bits: int = 4, group: int = 64,
+                 high: bool = True) -> ExpertStore:
     """Random experts of every MoE layer (quantized on `device`), `distinct` layers of them pinned, layer i reads
-    i mod distinct."""
+    i mod distinct; high=False leaves out the float copies (a run that computes the low-bit ones only). A spec with
+    MXFP4 experts (GPT-OSS) gets MXFP4 high copies as shipped (random codes, every block's scale MXFP4_SCALE, biases
+    N(0, STD^2)) and no low-bit ones."""
     E, D, F = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn
+    mxfp4 = spec.moe.experts_mxfp4
     layers = []
     for i in range(distinct):
         g = torch.Generator(device).manual_seed(1000 + i)
-        gate_up = torch.randn(E, 2 * F, D, device=device, dtype=dtype, generator=g) * STD
-        down = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD
-        t = layer_tensors(SourceExperts(gate_up, down), low_bits, group)
+        experts = random_mxfp4_experts(spec, g, device, dtype) if mxfp4 else SourceExperts(
+            torch.randn(E, 2 * F, D, device=device, dtype=dtype, generator=g) * STD,
+            torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * STD)
+        t = layer_tensors(experts, 0 if mxfp4 else low_bits, group, high=high or mxfp4, mxfp4=mxfp4)
         layers.append({k: v.pin_memory() if torch.cuda.is_available() else v for k, v in t.items()})
-    return ExpertStore(store_meta(spec, spec.moe.layer_indices(), low_bits, group), lambda i: layers[i % distinct])
+    meta = store_meta(spec, spec.moe.layer_indices(), 0 if mxfp4 else low_bits, group)
+    return ExpertStore({**meta, "high_mxfp4": True} if mxfp4 else meta, lambda i: layers[i % distinct])
+
+
+def random_mxfp4_experts(spec: ModelSpec, g: torch.Generator, device, dtype) -> SourceExperts:
+    """A layer of random MXFP4 experts as GPT-OSS ships them: blocks [E, N, K/32, 16] of random E2M1 codes, scales
+    [E, N, K/32] MXFP4_SCALE, biases gate_up [E, 2F] and down [E, D] in dtype (spec.moe.expert_bias)."""
+    E, D, F = spec.moe.num_experts, spec.hidden_size, spec.moe.expert_ffn
+
+    def matrix(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (E, n, k // 32, 16), device=device, dtype=torch.uint8, generator=g)
+        return blocks, torch.full((E, n, k // 32), MXFP4_SCALE, device=device, dtype=torch.uint8)
+
+    biases = ((torch.randn(E, 2 * F, device=device, dtype=dtype, generator=g) * STD,
+               torch.randn(E, D, device=device, dtype=dtype, generator=g) * STD) if spec.moe.expert_bias else ())
+    return SourceExperts(matrix(2 * F, D), matrix(D, F), *biases)
+
+
+def random_resident_mxfp4(model: MoETransformer, layers: list[int], device, dtype) -> None:
+    """Give `layers` of a dense_model random MXFP4 experts resident on `device` (the layers a hybrid run keeps on the
+    GPU; the store holds the others), drawn as random_mxfp4_experts draws them."""
+    spec = model.spec
+    for i in layers:
+        experts = random_mxfp4_experts(spec, torch.Generator(device).manual_seed(2000 + i), device, dtype)
+        with torch.device(device):
+            module = stored_experts(spec, spec.moe.experts_at(i))
+        for name, t in zip(("gate_up_proj", "down_proj"), (experts.gate_up, experts.down)):
+            getattr(module, f"{name}_blocks").copy_(t[0])
+            getattr(module, f"{name}_scales").copy_(t[1])
+            if experts.bias is not None:
+                getattr(module, f"{name}_bias").data = experts.bias[name == "down_proj"].to(dtype)
+        model.model.layers[i].mlp.experts = module
 
 
 class DemoRouting:

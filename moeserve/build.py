@@ -22,6 +22,7 @@ from moeserve.checkpoint import CheckpointReader
 from moeserve.config import check_cache_slots
 from moeserve.errors import MoeserveError
 from moeserve.factory import check_layers
+from moeserve.kernels.cpu.machine import expert_cores
 from moeserve.loader import meta_model, read_model, resolve_device, resolve_dtype, unread_layers
 from moeserve.offload.setup import offload_cache, place_offloaded
 from moeserve.offload.slot_cache import SlotCache
@@ -51,8 +52,8 @@ class Runtime:
         if p.plan_line:
             return p.plan_line.removeprefix("[plan: ").split(";")[0] + f"{dense} ({model.device.type}, {dtype})"
         if p.hybrid is not None:
-            return p.hybrid.describe(model.device.type, host_experts_format(p, dtype),
-                                     dense_bits=p.dense_bits).removeprefix("[placement: ").removesuffix("]")
+            return p.hybrid.describe(model.device.type, host_experts_format(p, dtype), dense_bits=p.dense_bits,
+                                     cores=expert_cores().describe()).removeprefix("[placement: ").removesuffix("]")
         if p.config.offload:
             c = p.config.cache
             return f"offload ({p.config.gpu_memory or f'{c.high_slots}+{c.low_slots} slots'}, {dtype})"
@@ -142,7 +143,7 @@ def describe_hybrid(runtime: Runtime) -> str | None:
     if p.hybrid is None or p.plan_line:
         return None
     return p.hybrid.describe(model.device.type, host_experts_format(p, str(model.dtype).removeprefix("torch.")),
-                             p.low_bits, p.dense_bits)
+                             p.low_bits, p.dense_bits, expert_cores().describe())
 
 
 def host_experts_format(plan: RunPlan, dtype: str) -> str:

@@ -19,7 +19,7 @@ from moeserve.engine.batching import DEFAULT_PREFILL_TOKENS
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.memory import check_host_ram, read_precisions, store_precision
 from moeserve.hybrid.placement import STREAM_FROM, HybridPlacement
-from moeserve.kernels.cpu.machine import physical_cores
+from moeserve.kernels.cpu.machine import expert_cores
 from moeserve.loader import resolve_device, resolve_dtype
 from moeserve.offload.budget import available_ram, check_budget
 from moeserve.offload.disk_cache import check_disk_budget
@@ -104,7 +104,7 @@ def hybrid_placement(config: RunConfig, spec: ModelSpec, every: bool | None = No
     stream_from = h.stream_from if stream_from is None else stream_from
     return HybridPlacement.choose(
         spec.moe.layer_indices(), every, n, slots or 0,
-        len(physical_cores()) if h.cpu_threads is None else h.cpu_threads, h.mixed_precision,
+        len(expert_cores().cpus) if h.cpu_threads is None else h.cpu_threads, h.mixed_precision,
         16 if bits is None else bits, h.cache_policy, spec.moe.num_experts, STREAM_FROM if stream_from is None
         else stream_from, h.cpu_int8)
 

@@ -57,11 +57,14 @@ class Dims:
     yarn_orig_ctx: int = 0  # rope.scaling.original_context_length
 
 
-SHAPES = {  # bench/hybrid.py's mixtral and qwen3 shapes (tests/bench/test_peer_gguf.py checks they agree; its
-    # deepseek shape has no GGUF here), GPT-OSS-20B (openai/gpt-oss-20b's config.json, MXFP4 experts as shipped) and
-    # tiny local ones
+SHAPES = {  # bench/hybrid.py's mixtral, qwen3, qwen3-235b and gpt-oss-120b shapes (tests/bench/test_peer_gguf.py
+    # checks they agree; its deepseek and deepseek-v3 shapes have no GGUF here: llama.cpp's deepseek2 arch, MLA, is not
+    # written), GPT-OSS-20B (openai/gpt-oss-20b's config.json, MXFP4 experts as shipped) and tiny local ones
     "mixtral": Dims("llama", 32, 4096, 32, 8, 128, 14336, 8, 2, 32000, 32768, 1e6, 1e-5, 14336),
     "qwen3": Dims("qwen3moe", 48, 2048, 32, 4, 128, 768, 128, 8, 151936, 40960, 1e6, 1e-6, 6144),
+    "qwen3-235b": Dims("qwen3moe", 94, 4096, 64, 4, 128, 1536, 128, 8, 151936, 40960, 1e6, 1e-6, 12288),
+    "gpt-oss-120b": Dims("gpt-oss", 36, 2880, 64, 8, 64, 2880, 128, 4, 201088, 131072, 150000.0, 1e-5, 2880,
+                         experts_type="mxfp4", sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     "gpt-oss-20b": Dims("gpt-oss", 24, 2880, 64, 8, 64, 2880, 32, 4, 201088, 131072, 150000.0, 1e-5, 2880,
                         experts_type="mxfp4", sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     "tiny-mixtral": Dims("llama", 2, 256, 4, 2, 64, 512, 8, 2, 1000, 4096, 1e6, 1e-5, 512),

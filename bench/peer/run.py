@@ -1,7 +1,8 @@
 """llama.cpp's hybrid CPU/GPU experts beside bench/hybrid.py, in one command on the GPU machine.
 
-It builds llama-bench from .peer/llama.cpp (CUDA, sm_90, llama-bench target only), writes random full-depth GGUFs of
-bench/hybrid.py's shapes with Q4_0 experts, and on request (PEER_SHAPES=gpt-oss-20b) GPT-OSS-20B as shipped (arch
+It builds llama-bench from .peer/llama.cpp (CUDA, sm_90, llama-bench target only), writes random GGUFs of
+bench/hybrid.py's shapes (full depth, or PEER_LAYERS' first N layers) with Q4_0 experts (gpt-oss-120b: MXFP4 as
+shipped; no GGUF of its deepseek shapes), and on request (PEER_SHAPES=gpt-oss-20b) GPT-OSS-20B as shipped (arch
 gpt-oss, MXFP4 experts) (bench/peer/make_gguf.py; in the background while the build runs) and runs tg and pp at
 batch 1 per shape, llama-bench -ngl 99 -t <physical cores> -r <reps>, in the columns of bench/hybrid.py:
   hybrid           --n-cpu-moe N: the first N layers' experts on the CPU, N the fewest such that the dense part, the KV
@@ -9,10 +10,13 @@ batch 1 per shape, llama-bench -ngl 99 -t <physical cores> -r <reps>, in the col
                    in llama.cpp's bytes (the GGUF's Q8_0/F32 dense tensors and Q4_0/MXFP4 experts, f16 KV); the
                    budget is bench/hybrid.py's, or PEER_BUDGETS' for a shape it lacks (gpt-oss-20b: 8 GiB)
   hybrid-moeserve  --n-cpu-moe N with N of bench/hybrid.py's hybrid column (moeserve's bf16 dense part and KV, 4-bit
-                   experts: the same layers on the CPU as moeserve); run when it differs from the one above, and only
+                   or MXFP4 experts: the same layers on the CPU as moeserve); run when it differs from the one above, and only
                    for shapes bench/hybrid.py has (for gpt-oss-20b, until it has one, PEER_N_CPU_MOE=gpt-oss-20b=N
                    runs the hybrid column at moeserve's N)
   cpu              -ot exps=CPU: every layer's experts on the CPU
+PEER_LAYERS=shape=N (as bench/hybrid.py --layers N): the GGUF holds the shape's first N layers, the budget is
+bench/hybrid.py's at that depth (budget_at: the same share of MoE layers resident), and each row also reports its
+tok/s scaled to full depth, "scaled from N of L layers" (a token's time per layer as measured, times L).
 summary.md/summary.json (with the GPU's peak memory per run, the GPU, the CPU, both commits and the newest moeserve
 hybrid result beside) and env.txt go to $OUT; each run's llama-bench JSON, log and memory samples and the build logs
 are packed into $OUT/details.tar.gz.
@@ -22,9 +26,11 @@ the build and skips finished runs when the same command runs again on the same m
 
     MOESERVE_GIT_COMMIT=<commit> python bench/peer/run.py                       # GPU machine, results in $OUT
     MOESERVE_GIT_COMMIT=<commit> PEER_SHAPES=gpt-oss-20b python bench/peer/run.py  # GPT-OSS-20B, MXFP4 experts
+    MOESERVE_GIT_COMMIT=<commit> PEER_SHAPES=qwen3-235b PEER_LAYERS=qwen3-235b=8 python bench/peer/run.py
     PEER_CPU_ONLY=1 PEER_SHAPES=tiny-qwen3,tiny-mixtral,tiny-gpt-oss python bench/peer/run.py  # CPU build, tiny
 
-Knobs (environment): PEER_SHAPES (mixtral,qwen3; also gpt-oss-20b and the tiny-* ones), PEER_REPS (3), PEER_TG
+Knobs (environment): PEER_SHAPES (mixtral,qwen3; also qwen3-235b, gpt-oss-120b, gpt-oss-20b and the tiny-* ones),
+PEER_LAYERS (shape=N,...: the first N layers), PEER_REPS (3), PEER_TG
 (128), PEER_PP (512), PEER_THREADS (physical cores), PEER_WORK (/tmp/peer), PEER_JOBS (CPUs), PEER_BUDGET_S (570: the
 whole call), PEER_BUILD_MAX_S (420: this call's build slice), PEER_N_CPU_MOE (override, e.g. mixtral=21,qwen3=35 or
 gpt-oss-20b=<moeserve's N>), PEER_CUDA_FA (ON), PEER_CPU_ONLY (0), PEER_LLAMA_SRC (.peer/llama.cpp), OUT (<work
@@ -52,8 +58,7 @@ import make_gguf  # noqa: E402
 from common import cpu_name, git_state  # noqa: E402
 from offload import model_spec  # noqa: E402
 
-from moeserve.plan.footprint import (WORKSPACE_SHARE, dense_bytes, expert_bytes, expert_precision,  # noqa: E402
-                                     kv_cache_bytes)
+from moeserve.plan.footprint import WORKSPACE_SHARE, dense_bytes, expert_bytes, kv_cache_bytes  # noqa: E402
 
 GiB = 1 << 30
 T0 = time.time()
@@ -91,6 +96,7 @@ class Config:
     budget_s: float
     build_max_s: float
     n_cpu_moe: dict[str, int]
+    layers: dict[str, int]  # shape -> its first N layers (PEER_LAYERS; default every layer)
     cuda_fa: str
     cpu_only: bool
     llama_src: Path
@@ -100,14 +106,20 @@ class Config:
         e = os.environ.get
         work = Path(e("PEER_WORK", "/tmp/peer"))
         overrides = dict(kv.split("=") for kv in e("PEER_N_CPU_MOE", "").split(",") if kv)
+        layers = dict(kv.split("=") for kv in e("PEER_LAYERS", "").split(",") if kv)
         return cls(shapes=e("PEER_SHAPES", "mixtral,qwen3").split(","), reps=int(e("PEER_REPS", "3")),
                    tg=int(e("PEER_TG", "128")), pp=int(e("PEER_PP", "512")),
                    threads=int(e("PEER_THREADS", str(physical_cores))), work=work,
                    out=Path(e("OUT") or work / "out"), jobs=int(e("PEER_JOBS", str(os.cpu_count() or 1))),
                    budget_s=float(e("PEER_BUDGET_S", "570")), build_max_s=float(e("PEER_BUILD_MAX_S", "420")),
-                   n_cpu_moe={k: int(v) for k, v in overrides.items()}, cuda_fa=e("PEER_CUDA_FA", "ON"),
+                   n_cpu_moe={k: int(v) for k, v in overrides.items()},
+                   layers={k: int(v) for k, v in layers.items()}, cuda_fa=e("PEER_CUDA_FA", "ON"),
                    cpu_only=e("PEER_CPU_ONLY", "0") == "1",
                    llama_src=Path(e("PEER_LLAMA_SRC", str(REPO / ".peer" / "llama.cpp"))))
+
+    def depth(self, shape: str) -> int:
+        """The layers of the shape's GGUF: PEER_LAYERS' N, else its full depth."""
+        return self.layers.get(shape, make_gguf.SHAPES[shape].layers)
 
     def left(self) -> float:
         return self.budget_s - (time.time() - T0)
@@ -259,14 +271,16 @@ def build(cfg: Config) -> Path:
 
 
 def gguf_path(cfg: Config, shape: str) -> Path:
-    return cfg.work / f"{shape}-{make_gguf.SHAPES[shape].experts_type}.gguf"
+    d = make_gguf.SHAPES[shape]
+    depth = "" if cfg.depth(shape) == d.layers else f"-{cfg.depth(shape)}L"
+    return cfg.work / f"{shape}{depth}-{d.experts_type}.gguf"
 
 
 def start_ggufs(cfg: Config) -> dict[str, subprocess.Popen]:
     """Writers (background, niced) of the GGUFs that are missing or of another size; checks the disk first."""
     todo = {}
     for shape in cfg.shapes:
-        path, size = gguf_path(cfg, shape), make_gguf.file_size(*make_gguf.plan(shape))
+        path, size = gguf_path(cfg, shape), make_gguf.file_size(*make_gguf.plan(shape, cfg.depth(shape)))
         if path.exists() and path.stat().st_size == size:
             log(f"{path.name}: reused ({size / GiB:.2f} GiB)")
         else:
@@ -278,7 +292,8 @@ def start_ggufs(cfg: Config) -> dict[str, subprocess.Popen]:
     procs = {}
     for shape, size in todo.items():
         log(f"writing {gguf_path(cfg, shape).name} ({size / GiB:.2f} GiB) in the background")
-        cmd = ["nice", sys.executable, str(HERE / "make_gguf.py"), "--dims", shape, "-o", str(gguf_path(cfg, shape))]
+        cmd = ["nice", sys.executable, str(HERE / "make_gguf.py"), "--dims", shape, "--layers", str(cfg.depth(shape)),
+               "-o", str(gguf_path(cfg, shape))]
         procs[shape] = subprocess.Popen(cmd, stdout=open(cfg.out / f"make_gguf-{shape}.log", "w"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
     return procs
@@ -311,29 +326,43 @@ def fewest_cpu_layers(budget: int, fixed: int, layer_experts: int, layers: int, 
 def llama_cpu_layers(cfg: Config, shape: str, budget: int, share: float) -> tuple[int, str]:
     """N and its derivation in llama.cpp's bytes: the GGUF's non-expert tensors, f16 KV for pp+tg tokens, a layer's
     expert tensors."""
-    d = make_gguf.SHAPES[shape]
-    specs = make_gguf.plan(shape)[1]
+    d, layers = make_gguf.SHAPES[shape], cfg.depth(shape)
+    specs = make_gguf.plan(shape, layers)[1]
     dense = sum(t.nbytes for t in specs if not make_gguf.is_expert(t.name))
     layer = sum(t.nbytes for t in specs if t.name.startswith("blk.0.") and make_gguf.is_expert(t.name))
-    kv = 2 * d.layers * d.kv_heads * d.head_dim * 2 * (cfg.pp + cfg.tg)  # every layer full (an upper bound for SWA)
-    n = fewest_cpu_layers(budget, dense + kv, layer, d.layers, share)
+    kv = 2 * layers * d.kv_heads * d.head_dim * 2 * (cfg.pp + cfg.tg)  # every layer full (an upper bound for SWA)
+    n = fewest_cpu_layers(budget, dense + kv, layer, layers, share)
     return n, (f"{budget / GiB:.2f} GiB x {1 - share:.2f} - dense {dense / GiB:.2f} GiB (Q8_0/F32) - KV "
                f"{kv / GiB:.3f} GiB (f16, {cfg.pp + cfg.tg} tokens) = {(budget * (1 - share) - dense - kv) / GiB:.2f} "
-               f"GiB for experts at {layer / GiB:.3f} GiB a layer ({d.experts_type.upper()}): {d.layers - n} "
+               f"GiB for experts at {layer / GiB:.3f} GiB a layer ({d.experts_type.upper()}): {layers - n} "
                f"resident, N = {n}")
+
+
+def hybrid_budget(cfg: Config, hybrid, shape: str) -> int:
+    """bench/hybrid.py's GPU budget of the shape at the GGUF's depth (budget_at: the same share of MoE layers
+    resident as at full depth)."""
+    full, budget = hybrid.SHAPES[shape][0], hybrid.SHAPES[shape][1]
+    if cfg.depth(shape) == full["num_layers"]:
+        return budget
+    spec = model_spec(hybrid.shape_at(full, cfg.depth(shape)))
+    return hybrid.budget_at(model_spec(full), spec, budget, cfg.pp + cfg.tg, 2)
 
 
 def moeserve_cpu_layers(cfg: Config, hybrid, shape: str) -> tuple[int, str]:
     """N of bench/hybrid.py's hybrid column (its own functions, moeserve's bytes) and its derivation."""
-    spec, budget = model_spec(hybrid.SHAPES[shape][0]), hybrid.SHAPES[shape][1]
+    spec = model_spec(hybrid.shape_at(hybrid.SHAPES[shape][0], cfg.depth(shape)))
+    budget = hybrid_budget(cfg, hybrid, shape)
     dense, kv = dense_bytes(spec, 2), kv_cache_bytes(spec, 1, cfg.pp + cfg.tg, 2)
-    experts = expert_bytes(spec, expert_precision(hybrid.BITS, 2, hybrid.GROUP))
+    precision = hybrid.expert_precision_of(spec)
+    experts = expert_bytes(spec, precision)
     room = int(budget * (1 - WORKSPACE_SHARE)) - dense - kv
-    n = len(hybrid.placement_of("hybrid", spec, room, experts, cfg.threads).cpu_layers)
+    bits = 16 if precision.kind == "mxfp4" else hybrid.BITS
+    n = len(hybrid.placement_of("hybrid", spec, room, experts, cfg.threads, bits=bits).cpu_layers)
+    what = "MXFP4" if bits == 16 else f"{hybrid.BITS}-bit, group {hybrid.GROUP}"
     return n, (f"{budget / GiB:.2f} GiB x {1 - WORKSPACE_SHARE:.2f} - dense {dense / GiB:.2f} GiB (bf16) - KV "
                f"{kv / GiB:.3f} GiB (bf16) = {room / GiB:.2f} GiB for experts at "
-               f"{spec.moe.num_experts * experts / GiB:.3f} GiB a layer ({hybrid.BITS}-bit, group {hybrid.GROUP}): "
-               f"{spec.num_layers - n} resident, N = {n}")
+               f"{spec.moe.num_experts * experts / GiB:.3f} GiB a layer ({what}): "
+               f"{len(spec.moe.layer_indices()) - n} resident, N = {n}")
 
 
 def placements(cfg: Config, hybrid, shape: str) -> dict[str, tuple[int, str]]:
@@ -346,7 +375,7 @@ def placements(cfg: Config, hybrid, shape: str) -> dict[str, tuple[int, str]]:
         return {"hybrid": (n, why)}
     if shape not in hybrid.SHAPES:
         return {"hybrid": (make_gguf.SHAPES[shape].layers // 2, TINY_BUDGET)}
-    out = {"hybrid": llama_cpu_layers(cfg, shape, hybrid.SHAPES[shape][1], WORKSPACE_SHARE)}
+    out = {"hybrid": llama_cpu_layers(cfg, shape, hybrid_budget(cfg, hybrid, shape), WORKSPACE_SHARE)}
     ours = moeserve_cpu_layers(cfg, hybrid, shape)
     if ours[0] != out["hybrid"][0]:
         out["hybrid-moeserve"] = ours
@@ -389,7 +418,8 @@ def run_bench(cfg: Config, lb: Path, shape: str, column: str, args: list[str]) -
     """One llama-bench call, pp and tg on one model load (reused when a previous call finished it): its JSON rows,
     tagged and also written to $OUT/<run>.json, and "ran", "reused", "failed" or "skipped" (out of time)."""
     tag = "".join(args).strip("-").replace("=", "-")
-    name = f"{shape}_{column}_{tag}_pp{cfg.pp}_tg{cfg.tg}_t{cfg.threads}_r{cfg.reps}"
+    layers, full = cfg.depth(shape), make_gguf.SHAPES[shape].layers
+    name = f"{shape}{'' if layers == full else f'-{layers}L'}_{column}_{tag}_pp{cfg.pp}_tg{cfg.tg}_t{cfg.threads}_r{cfg.reps}"
     done = cfg.results_dir / f"{name}.json"
     if done.exists():
         log(f"{name}: done before, reused")
@@ -416,7 +446,11 @@ def run_bench(cfg: Config, lb: Path, shape: str, column: str, args: list[str]) -
         log(f"{name}: FAILED (exit {rc}), see {cfg.out / (name + '.log')}")
         return [], "failed"
     for r in rows:
-        r.update(peer_shape=shape, peer_column=column, peer_gpu_mem_peak_mib=mem.peak(), peer_seconds=round(dt, 1))
+        r.update(peer_shape=shape, peer_column=column, peer_gpu_mem_peak_mib=mem.peak(), peer_seconds=round(dt, 1),
+                 peer_layers=layers, peer_full_layers=full)
+        if layers != full:  # bench/hybrid.py's scaling: a token's time per layer as measured, times the full depth
+            r.update(peer_depth=f"scaled from {layers} of {full} layers",
+                     peer_avg_ts_full_depth=r["avg_ts"] * layers / full)
     done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(rows, indent=1))
     shutil.copyfile(done, cfg.out / done.name)
@@ -455,16 +489,18 @@ def moeserve_result(hybrid_results: Path) -> tuple[str, dict] | None:
 def summarize(cfg: Config, info: dict, columns: dict, results: list[dict]) -> str:
     """summary.md (table, placements, machine) and summary.json in $OUT; returns the markdown."""
     ours = moeserve_result(REPO / "bench" / "results")
-    lines = ["| shape | column | --n-cpu-moe | test | tok/s | +/- | reps | GPU peak MiB | moeserve tok/s (its N) |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | column | --n-cpu-moe | test | tok/s | +/- | reps | GPU peak MiB | moeserve tok/s (its N) | "
+             "full-depth tok/s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: (cfg.shapes.index(r["peer_shape"]), r["n_prompt"] > 0)):  # tg, then pp
         test = label_of(r)
         n = "all" if r["peer_column"] == "cpu" else r["n_cpu_moe"]
         theirs = ours[1].get(r["peer_shape"], {}).get(r["peer_column"].replace("-moeserve", "")) if ours else None
         key = "tg_tokens_per_s" if test.startswith("tg") else "pp_tokens_per_s"
         ref = f"{theirs[key]:.2f} ({theirs['cpu_layers']})" if theirs and key in theirs else "-"
+        full = (f"{r['peer_avg_ts_full_depth']:.2f} ({r['peer_depth']})" if r.get("peer_depth") else "-")
         lines.append(f"| {r['peer_shape']} | {r['peer_column']} | {n} | {test} | {r['avg_ts']:.2f} | "
-                     f"{r['stddev_ts']:.2f} | {len(r['samples_ts'])} | {r['peer_gpu_mem_peak_mib'] or '-'} | {ref} |")
+                     f"{r['stddev_ts']:.2f} | {len(r['samples_ts'])} | {r['peer_gpu_mem_peak_mib'] or '-'} | {ref} | "
+                     f"{full} |")
     lines += ["", "--n-cpu-moe N per shape (budget x (1 - workspace share) - dense - KV, then whole layers' experts):"]
     lines += [f"- {s} {c}: {why}" for s, cols in columns.items() for c, (_, why) in cols.items()]
     first = results[0] if results else {}

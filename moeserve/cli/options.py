@@ -131,7 +131,8 @@ def hybrid_args(p: argparse.ArgumentParser, store_option: bool) -> None:
                         "multiply on the CPU's AVX512-VNNI int8 dots: faster, about 1%% relative error per expert "
                         "(default: exact float kernels; float and 3-bit experts stay exact)")
     h.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores)")
+                   help="CPU threads computing the experts, pinned where the OS allows (default: the physical cores; "
+                        "of one NUMA node on a multi-socket host)")
     h.add_argument("--experts-bits", type=int, default=None, metavar="B",
                    help="precision of the routed experts: 16 (the checkpoint's float weights, default; with "
                         "--gpu-memory: the plan's) or 8, 4, 3, 2 "

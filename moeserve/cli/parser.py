@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU memory budget, e.g. 16GiB (default: 90%% of the profile's GPU memory)")
     pl.add_argument("--cpu-memory", default=None, metavar="SIZE",
                     help="host memory budget, e.g. 100GiB (default: 90%% of the profile's RAM)")
+    pl.add_argument("--offload", default=None, metavar="STORE",
+                    help="with --for decode: an expert store on disk (`moeserve offload-prepare`): placements whose "
+                         "CPU experts exceed --cpu-memory are rated with the disk tier, their misses read at the "
+                         "store's disk bandwidth (measured once per device and cached)")
+    pl.add_argument("--disk-bandwidth", default=None, metavar="SIZE",
+                    help="with --for decode: the disk tier's read speed per second, e.g. 3GB (instead of measuring "
+                         "--offload STORE's device; alone: rate the disk tier for a store not written yet)")
     pl.add_argument("--prompt-len", type=int, default=None,
                     help="prompt tokens per sequence (default 512, or what the model's context leaves after --gen-len)")
     pl.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (default 128)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from moeserve.cli.common import json_ready, print_table
 from moeserve.cli.options import DEFAULT_PLAN_PROMPT
 from moeserve.errors import MoeserveError
+from moeserve.plan.disk import store_read_bandwidth
 from moeserve.plan.hardware import HardwareProfile, load_or_measure
 from moeserve.plan.placement import PlanRequest, check_dense_budget, rate_placements
 from moeserve.plan.roofline import Workload, operator_table, plot_roofline, turning_points
@@ -46,10 +47,26 @@ def _workload_lengths(prompt_len: int | None, gen_len: int, context: int) -> tup
 def run(args) -> int:
     if args.plan_for == "decode":
         return _plan_decode(args)
-    for flag, value in (("--experts-bits", args.experts_bits), ("--dense-bits", args.dense_bits)):
+    for flag, value in (("--experts-bits", args.experts_bits), ("--dense-bits", args.dense_bits),
+                        ("--offload", args.offload), ("--disk-bandwidth", args.disk_bandwidth)):
         if value is not None:
             raise MoeserveError(f"{flag} rates placements: give it with --for decode")
     return _plan_batch(args)
+
+
+def _disk_bandwidth(args) -> tuple[float | None, str]:
+    """(the disk tier's read bytes per second, where the figure comes from): --disk-bandwidth, else measured on
+    --offload STORE's device (cached); (None, "") with neither."""
+    if args.disk_bandwidth is not None:
+        rate = parse_bytes(args.disk_bandwidth)
+        if not rate:
+            raise MoeserveError(f"--disk-bandwidth {args.disk_bandwidth!r} is not a size per second like 3GB")
+        return float(rate), "--disk-bandwidth"
+    if args.offload is not None:
+        if not Path(args.offload).is_dir():
+            raise MoeserveError(f"--offload {args.offload}: no such expert store directory")
+        return store_read_bandwidth(args.offload), f"measured on {args.offload}'s device"
+    return None, ""
 
 
 def _plan_decode(args) -> int:
@@ -63,9 +80,10 @@ def _plan_decode(args) -> int:
     gpu = _budget(args.gpu_memory, "--gpu-memory", hw.gpu_memory_bytes, "GPU memory") if hw.has_gpu else None
     host = _budget(args.cpu_memory, "--cpu-memory", hw.ram_bytes, "host memory")
     dtype_bytes = 2 if gpu is not None else 4  # bf16 on a GPU, fp32 on a CPU (the commands' auto dtype)
+    disk, disk_source = _disk_bandwidth(args)
     req = PlanRequest(None if gpu is None else int(gpu), int(host), dtype_bytes,
                       "bfloat16" if dtype_bytes == 2 else "float32", 1, prompt_len + gen_len, prompt_len, gen_len,
-                      bits=args.experts_bits, dense_bits=args.dense_bits)
+                      bits=args.experts_bits, dense_bits=args.dense_bits, disk_bandwidth=disk)
     check_dense_budget(spec, req, req.least_dense_bits)
     plan = rate_placements(spec, hw, req)
     cands, chosen = plan.candidates, plan.chosen
@@ -73,7 +91,8 @@ def _plan_decode(args) -> int:
         print(json.dumps(json_ready({
             "model": args.model, "device": hw.gpu_name or hw.cpu_name, "gpu_budget": req.budget, "host_budget": req.host_ram,
             "prompt_len": prompt_len, "gen_len": gen_len, "candidates": [c.as_dict() for c in cands],
-            "chosen": None if chosen is None else cands.index(chosen), "dense_reason": plan.dense_reason}), indent=2,
+            "chosen": None if chosen is None else cands.index(chosen), "dense_reason": plan.dense_reason,
+            "disk_bandwidth": disk, "disk_bandwidth_source": disk_source or None}), indent=2,
             allow_nan=False))
         return 0
     budgets = (f"GPU budget {format_bytes(req.budget)}, " if req.budget is not None else "no GPU, ") + \
@@ -84,15 +103,22 @@ def _plan_decode(args) -> int:
     header = ("", "where the experts live", "dense", "GPU", "host", f"tg{gen_len} t/s", f"pp{prompt_len} t/s", "fits")
     rows = [("*" if c is chosen else "", c.where(), c.dense_precision, format_bytes(c.gpu_bytes),
              format_bytes(c.host_bytes), f"{c.decode_tok_s:,.1f}", f"{c.prefill_tok_s:,.0f}",
-             ("yes" if c.fits else f"no: {c.problem}") + (" (needs --offload STORE)" if c.kind == "offload" else ""))
+             ("yes" if c.fits else f"no: {c.problem}") + (" (needs --offload STORE)" if c.kind == "offload" else "")
+             + (f" (disk tier: {format_bytes(c.disk_bytes)} read a token)" if c.disk_cache else ""))
             for c in cands]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for r in (header, *rows):
         print("  ".join(c.rjust(w) if 3 <= i <= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    if disk is not None:
+        print(f"\ndisk tier: the store read at {format_bytes(disk)}/s ({disk_source}); where the CPU layers' experts "
+              f"exceed the host budget they stay on disk, the budget's rest a RAM cache (hit rate cache / store), "
+              f"and each token's misses add their bytes over that speed to tg (the rows that say so)")
     if chosen is None:
         print("\nno placement fits; give more --gpu-memory or --cpu-memory")
     else:
-        print("\n*: what generate|eval ppl|serve|bench --gpu-memory SIZE runs"
+        runs = ("the disk tier's fastest placement: generate|eval ppl|serve|bench run it with the flags below"
+                if chosen.disk_cache else "what generate|eval ppl|serve|bench --gpu-memory SIZE runs")
+        print(f"\n*: {runs}"
               + (f" (dense part 8-bit, {plan.dense_reason})" if plan.dense_reason else "")
               + f"; by hand: {' '.join(chosen.flags()) or 'no placement flags'}")
         print_footprint(chosen.footprint)

@@ -72,9 +72,12 @@ class HybridPlacement:
         """The store must hold low-bit copies: low-bit experts, or mixed precision's low choice."""
         return self.low or self.mixed
 
-    def describe(self, device_type: str, dtype_name: str, low_bits: int | None = None, dense_bits: int = 16) -> str:
+    def describe(self, device_type: str, dtype_name: str, low_bits: int | None = None, dense_bits: int = 16,
+                 cores: str | None = None) -> str:
         """One line: `[placement: hybrid, 24/32 MoE layers' experts on CPU (bf16), 16 GPU cache slots, ...]`;
-        dense_bits: the dense part's linear layers (named when they are not in the compute dtype)."""
+        dense_bits: the dense part's linear layers (named when they are not in the compute dtype); cores: where the
+        CPU threads run when that is worth saying (kernels/cpu/machine.py ExpertCores.describe: `NUMA node 0 of
+        2`)."""
         precision = f"{self.bits}-bit" if self.low else dtype_name
         if self.mixed:
             precision += (f", mixed precision: {low_bits}-bit or skipped by gate weight" if not self.low
@@ -90,7 +93,7 @@ class HybridPlacement:
         if dense_bits != 16:
             parts.append(f"dense part {dense_bits}-bit")
         if self.threads:
-            parts.append(f"{self.threads} CPU threads")
+            parts.append(f"{self.threads} CPU threads" + (f" on {cores}" if cores else ""))
         if self.int8:
             parts.append("int8 activations on the CPU")
         if device_type == "cuda" and self.cpu_layers:

@@ -16,7 +16,7 @@ from moeserve.hybrid.memory import read_precisions, ring_slots
 from moeserve.hybrid.stream import ExpertStreamer
 from moeserve.hybrid.worker import CpuWorker
 from moeserve.kernels.cpu import pool
-from moeserve.kernels.cpu.machine import physical_cores
+from moeserve.kernels.cpu.machine import expert_cores
 from moeserve.offload.disk_cache import DiskCache
 from moeserve.offload.host_compute import CpuPairs, HostExperts
 from moeserve.offload.policies import CachePolicy
@@ -66,7 +66,7 @@ class HybridRuntime:
         self.placement, self.t1, self.t2 = placement, t1, t2
         threaded = device.type == "cuda" if threaded is None else threaded
         self.worker = CpuWorker(placement.threads, inline=not threaded)
-        cores = physical_cores()
+        cores = list(expert_cores().cpus)  # one NUMA node's physical cores on a multi-socket host
         threads = placement.threads or len(cores)
         # a layer that is one native call runs on the pool's helpers while this thread enqueues the GPU's work; they
         # leave one core to this thread

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from moeserve.kernels.cpu.machine import physical_cores
+from moeserve.kernels.cpu.machine import expert_cores
 
 
 def _grad_modes(fn):
@@ -47,7 +47,7 @@ class CpuWorker:
     def __init__(self, threads: int | None = None, inline: bool = False, pin: bool = True):
         """threads: intra-op threads for the experts (None: torch's setting). inline: run each job on the caller."""
         self.threads, self.inline = threads, inline
-        self.cpus = physical_cores()[:threads] if pin and threads else []
+        self.cpus = list(expert_cores().cpus)[:threads] if pin and threads else []
         if inline and threads:
             torch.set_num_threads(threads)  # the caller's own pool computes the experts
         self._pool = None if inline else ThreadPoolExecutor(

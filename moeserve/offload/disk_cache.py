@@ -8,6 +8,14 @@ filesystem takes it (through a small page-aligned bounce buffer: the tensors in 
 else buffered reads followed by posix_fadvise(DONTNEED), so neither the store's mapping nor the page cache grows past
 the budget. Replacement is least recently used. A slot's tensors stay valid until the next miss: HostExperts computes
 one expert at a time from them.
+
+Low-bit experts are kept in the form the CPU kernels read (kernel_form): a miss reads the expert's parts into its
+slot, repacks each projection for the kernel (pack_for_cpu) and writes the repacked words, scales and zeros over them
+in the slot, so a hit computes at once, with no repack; a slot is sized for the larger of the two forms. Readers that
+need the parts as stored (a prompt's dequantized matmul, mixed precision's float path reads the high copies as
+stored anyway) get them back from the kernel form, a permutation (unpacked_for_cpu). Stores whose low-bit experts
+the kernels do not read here (a layout or group they lack, no compiler, a quantized checkpoint's compensators) keep
+the parts as stored, and each use goes through QuantizedLinear as it would in RAM.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import mmap
 import os
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +32,8 @@ import torch
 
 from moeserve.checkpoint import SAFETENSORS_DTYPES, validate_safetensors
 from moeserve.errors import MoeserveError
+from moeserve.kernels.cpu.gemv import (CpuKernel, PackedForCpu, default_kernel, pack_for_cpu, packed_sizes, supports,
+                                       unpacked_for_cpu)
 from moeserve.offload.store import UNITS_LAYOUT, ExpertStore, read_provenance
 from moeserve.units import format_bytes
 
@@ -70,12 +80,57 @@ def layer_extents(path: Path) -> dict[str, Extent]:
             for name, v in header.items() if name != "__metadata__"}
 
 
+@dataclass(frozen=True)
+class KernelExpert:
+    """A low-bit expert in a slot as the CPU kernels read it: (gate_up, down) repacked for the kernel, and the
+    biases (gate_up [2F], down [D]) of biased experts."""
+
+    gate_up: PackedForCpu
+    down: PackedForCpu
+    biases: tuple[torch.Tensor, torch.Tensor] | None
+
+    def stored_parts(self) -> list[torch.Tensor]:
+        """The expert's parts as the store holds them (ExpertStore.part_names order), unpacked from the kernel form
+        (new tensors)."""
+        return [*unpacked_for_cpu(self.gate_up), *unpacked_for_cpu(self.down), *(self.biases or ())]
+
+
+def kernel_form(store: ExpertStore) -> CpuKernel | None:
+    """The kernel the disk tier keeps the store's low-bit experts repacked for, or None: no low-bit copies, a layout
+    or group the kernels do not read, no kernel builds here, or a quantized checkpoint's store (its compensators are
+    added in torch from the parts as stored)."""
+    bits, group = store.meta["low_bits"], store.meta["group"]
+    if not bits or store.quantized or not all(supports(n, group, bits) for n in (store.meta["hidden"],
+                                                                                 store.meta["ffn"])):
+        return None
+    parts = store.host_parts(store.meta["layers"][0], 0, True)
+    if any(parts[i].dtype != torch.float16 for i in (1, 2, 4, 5)):  # the kernels' scales and zeros: float16
+        return None
+    return default_kernel(bits)
+
+
+def _kernel_form_bytes(store: ExpertStore, kernel: CpuKernel, extents: dict[str, Extent]) -> int:
+    """Bytes of a slot holding a low-bit expert in the kernel's form: each projection's words, scale and zero, then
+    the biases, each part PART_ALIGN-aligned."""
+    D, F, bits, group = store.meta["hidden"], store.meta["ffn"], store.meta["low_bits"], store.meta["group"]
+    packed = [*packed_sizes(2 * F, D, bits, group, kernel), *packed_sizes(D, F, bits, group, kernel)]
+    biases = [extents[n].nbytes for n in store.part_names(0, True)[6:]]
+    return sum(_aligned(n, PART_ALIGN) for n in packed + biases)
+
+
 def slot_bytes(store: ExpertStore, precisions: tuple[bool, ...]) -> int:
     """Bytes of one cache slot: the largest expert among `precisions` (False: high copy, True: low-bit copy), each
-    part starting PART_ALIGN-aligned."""
+    part starting PART_ALIGN-aligned; a low-bit expert kept in the kernels' form (kernel_form) takes the larger of
+    its parts as stored (read first) and that form."""
     layer = store.meta["layers"][0]
     extents = layer_extents(store.layer_file(layer))
-    return max(sum(_aligned(extents[n].nbytes, PART_ALIGN) for n in store.part_names(0, low)) for low in precisions)
+    kernel = kernel_form(store) if True in precisions else None
+
+    def size(low: bool) -> int:
+        stored = sum(_aligned(extents[n].nbytes, PART_ALIGN) for n in store.part_names(0, low))
+        return max(stored, _kernel_form_bytes(store, kernel, extents)) if low and kernel is not None else stored
+
+    return max(size(low) for low in precisions)
 
 
 def minimum_budget(store: ExpertStore, precisions: tuple[bool, ...], top_k: int) -> int:
@@ -121,11 +176,14 @@ class DiskCache:
                                     f"tier does not convert; build the store again with `moeserve offload-prepare`")
             self.extents[layer] = layer_extents(f)
         self.slot_size = slot_bytes(store, precisions)
+        self.kernel = kernel_form(store) if True in precisions else None  # low-bit experts kept repacked for it
         self.slots = budget // self.slot_size
         self.arena = _arena(self.slots * self.slot_size, pin)  # [slots * slot_size <= budget] bytes
         self._arena_np = self.arena.numpy()
         self._free = list(range(self.slots - 1, -1, -1))
-        self._where: OrderedDict[tuple[int, int, bool], tuple[int, list[torch.Tensor], int]] = OrderedDict()
+        # (layer, expert, low) -> (slot, its parts as stored or its KernelExpert, bytes held)
+        self._where: OrderedDict[tuple[int, int, bool], tuple[int, list[torch.Tensor] | KernelExpert, int]] = \
+            OrderedDict()
         self.held_bytes = 0  # bytes of the experts the slots hold now
         self.stats = DiskStats()
         largest = max(e.nbytes for extents in self.extents.values() for e in extents.values())
@@ -156,7 +214,19 @@ class DiskCache:
     # ---- lookups ---------------------------------------------------------------------------------------
     def parts(self, layer: int, expert: int, low: bool) -> list[torch.Tensor]:
         """One expert's parts (ExpertStore.part_names order) in a RAM slot, read from disk on a miss; valid until the
-        next miss evicts the least recently used expert."""
+        next miss evicts the least recently used expert. A low-bit expert kept in the kernels' form: its parts
+        unpacked from that form (new tensors)."""
+        held = self._lookup(layer, expert, low)
+        return held.stored_parts() if isinstance(held, KernelExpert) else held
+
+    def kernel_expert(self, layer: int, expert: int) -> KernelExpert:
+        """A low-bit expert as the CPU kernels read it, in its slot (repacked once, at the miss that read it); valid
+        until the next miss. Only where the store has a kernel form (self.kernel)."""
+        held = self._lookup(layer, expert, True)
+        assert isinstance(held, KernelExpert), "kernel_expert needs a store with a kernel form (DiskCache.kernel)"
+        return held
+
+    def _lookup(self, layer: int, expert: int, low: bool) -> list[torch.Tensor] | KernelExpert:
         key = (layer, expert, low)
         if key in self._where:
             self._where.move_to_end(key)
@@ -175,9 +245,29 @@ class DiskCache:
             tensors.append(self.arena[start:start + e.nbytes].view(e.dtype).view(e.shape))
             start += _aligned(e.nbytes, PART_ALIGN)
             held += e.nbytes
-        self._where[key] = (slot, tensors, held)
+        value = tensors
+        if low and self.kernel is not None:
+            value, held = self._repack(slot, tensors)
+        self._where[key] = (slot, value, held)
         self.held_bytes += held
-        return tensors
+        return value
+
+    def _repack(self, slot: int, parts: list[torch.Tensor]) -> tuple[KernelExpert, int]:
+        """The low-bit expert whose stored parts are in `slot`, repacked for self.kernel and written over them in the
+        slot: (its KernelExpert, the bytes it holds)."""
+        bits, group = self.store.meta["low_bits"], self.store.meta["group"]
+        packed = [pack_for_cpu(*parts[i:i + 3], bits, group, self.kernel, packed_words=True) for i in (0, 3)]
+        biases = [b.clone() for b in parts[6:]]  # copied before the packed parts overwrite them
+        start, held, views = slot * self.slot_size, 0, []
+        for t in [t for p in packed for t in (p.words, p.scale, p.zero)] + biases:
+            n = t.numel() * t.element_size()
+            views.append(self.arena[start:start + n].view(t.dtype).view(t.shape))
+            views[-1].copy_(t)
+            start += _aligned(n, PART_ALIGN)
+            held += n
+        kept = [replace(p, words=views[3 * i], scale=views[3 * i + 1], zero=views[3 * i + 2])
+                for i, p in enumerate(packed)]
+        return KernelExpert(kept[0], kept[1], tuple(views[6:]) if biases else None), held
 
     def _read(self, fd: int, offset: int, out: np.ndarray) -> None:
         """out[:] = the file's bytes at offset (out: a uint8 view of a slot)."""

@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moeserve.kernels.cpu.gemv import (CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies, default_kernel,
-                                       moe_layer, pack_mxfp4_for_cpu, packed_weight, quantized_linear_batch)
+from moeserve.kernels.cpu.gemv import (MAX_ROWS, CpuKernel, LayerExperts, PackedForCpu, PendingLayer, applies,
+                                       default_kernel, moe_layer, pack_mxfp4_for_cpu, packed_weight,
+                                       quantized_linear_batch)
 from moeserve.kernels.cpu.machine import check_int8_dots
 from moeserve.kernels.routing import combine, sorted_table
 from moeserve.model.experts import gated_ffn, glu
@@ -59,18 +60,19 @@ class HostExperts:
                  int8: bool = False):
         """dtype: the compute dtype of high-precision experts (the model's); store copies of another dtype are
         converted once, on first use, and kept. disk: the disk tier's RAM cache the experts are read through (a
-        store larger than the RAM given to it): then nothing derived from an expert is kept (it would outgrow the
-        budget), each expert computes from its cache slot one after another, and the native whole-layer calls and
-        the CPU kernels' kept repacks are off. int8 (--cpu-int8): the native whole-layer calls and the MXFP4 kernels
-        quantize their inputs to int8 and multiply on the CPU's int8 dots (kernels/cpu/codegen_int8.py; about 1%
-        relative error per expert); a MoeserveError here on a CPU without them."""
+        store larger than the RAM given to it): then nothing derived from an expert is kept here (it would outgrow
+        the budget), each expert computes from its cache slot one after another (a low-bit one, at decode, from the
+        slot's kernel form where the cache keeps one: repacked once, at the miss that read it), and the native
+        whole-layer calls are off. int8 (--cpu-int8): the native whole-layer calls and the MXFP4 kernels quantize
+        their inputs to int8 and multiply on the CPU's int8 dots (kernels/cpu/codegen_int8.py; about 1% relative
+        error per expert); a MoeserveError here on a CPU without them."""
         if int8:
             check_int8_dots()
         self.store, self.dtype, self.disk, self.int8 = store, dtype, disk, int8
         self._high: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._low: dict[int, tuple] = {}  # low experts as CPU QuantizedLinear pairs, by weight address
         self._layers: dict[tuple[int, bool], LayerExperts | None] = {}  # (layer, low) -> moe_layer's experts
-        self._mxfp4: dict[tuple[int, int], CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked
+        self._mxfp4: dict[int, CpuMxfp4Expert] = {}  # an MXFP4 store's high copies, repacked, by blocks address
 
     def native(self, low: bool) -> bool:
         """Whether a layer whose every pair reads the low-bit copies (low) or the high ones can be one native call:
@@ -105,14 +107,16 @@ class HostExperts:
         return self._high[key]
 
     def mxfp4_expert(self, layer: int, expert: int) -> CpuMxfp4Expert | None:
-        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once, then kept), or None where they
-        do not build on this machine."""
-        key = (layer, expert)
+        """An MXFP4 store's high copy repacked for the generated MXFP4 kernels (once per copy in RAM, then kept: layers
+        that share one, as a bench's store does, share the repack), or None where they do not build on this
+        machine."""
+        kernel = self.mxfp4_kernel()
+        if kernel is None or self.disk is not None:
+            return None
+        parts = self.store.host_parts(layer, expert, low=False)
+        key = parts[0].data_ptr()
         if key not in self._mxfp4:
-            kernel = self.mxfp4_kernel()
-            if kernel is None or self.disk is not None:
-                return None
-            w = Mxfp4Expert.of_parts(self.store.host_parts(layer, expert, low=False))
+            w = Mxfp4Expert.of_parts(parts)
             self._mxfp4[key] = CpuMxfp4Expert(
                 pack_mxfp4_for_cpu(w.gate_up_blocks, w.gate_up_scales, kernel),
                 pack_mxfp4_for_cpu(w.down_blocks, w.down_scales, kernel),
@@ -121,7 +125,8 @@ class HostExperts:
 
     def low(self, layer: int, expert: int) -> tuple:
         """(gate_up, down) QuantizedLinear over the store's low-bit copy (the CPU kernels repack it once; through the
-        disk tier, at each call)."""
+        disk tier, over the parts its cache gives: decode rows of a kept kernel form go through run_kept instead,
+        other stores' experts are repacked at each call)."""
         if self.disk is not None:
             return self.store.quantized_modules(self.parts(layer, expert, low=True),
                                                 self.store.expert_ranks(layer, expert))
@@ -160,6 +165,8 @@ class HostExperts:
     def run(self, layer: int, expert: int, low: bool, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, D] on the CPU -> expert output [n, D] in rows' dtype."""
         low = low or self.store.quantized
+        if low and self.disk is not None and self.disk.kernel is not None and rows.shape[0] <= MAX_ROWS:
+            return self.run_kept(layer, expert, rows)
         if not low and self.store.mxfp4:
             return self.run_mxfp4(layer, [(expert, rows.shape[0])], rows)
         if not low:
@@ -169,6 +176,20 @@ class HostExperts:
             return y if y.dtype == rows.dtype else y.to(rows.dtype)
         gate_up, down = self.low(layer, expert)
         return down(glu(gate_up(rows.float()), self.store.act)).to(rows.dtype)
+
+    def run_kept(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n <= MAX_ROWS, D] through a low-bit expert the disk tier keeps in the CPU kernel's form -> [n, D] in
+        rows' dtype: each projection one kernel call on the slot's repacked weight, as QuantizedLinear computes it
+        (float32 in, its bias added), the activation between them."""
+        kept, kernel = self.disk.kernel_expert(layer, expert), self.disk.kernel
+        bias = kept.biases or (None, None)
+
+        def project(x: torch.Tensor, packed: PackedForCpu, b: torch.Tensor | None) -> torch.Tensor:
+            y = kernel(x, packed)  # [n, out] float32
+            return y if b is None else y + b.to(y.dtype)
+
+        h = project(rows.float(), kept.gate_up, bias[0])  # [n, 2F]
+        return project(glu(h, self.store.act), kept.down, bias[1]).to(rows.dtype)  # [n, D]
 
     def native_layer(self, layer: int, x: torch.Tensor, low: bool = True) -> LayerExperts | None:
         """Every expert of the layer at a precision (low-bit copies, or MXFP4 high copies) repacked for the native

@@ -23,6 +23,12 @@ Estimates, per token at batch 1 (a roofline with fixed host costs, `Costs`):
            slower of its compute (FLOP/s x share) and memory roofs, plus copied bytes over the link
 A cache of S slots over N layers of E experts is counted at hit rate S / (N E) (uniform routing: real routing is
 skewed, so real caches do better); offload copies its misses at full precision.
+Disk tier (a request with disk_bandwidth: `moeserve plan --offload STORE` measures it on the store's device,
+plan/disk.py, or --disk-bandwidth gives it): a hybrid or CPU candidate whose CPU layers' experts do not fit the host
+RAM runs with them in a store on disk and a RAM cache of what the RAM leaves (offload/disk_cache.py; no GPU cache
+slots beside it), at hit rate cache / store bytes (uniform routing, as above); each token's misses are read from
+disk before the CPU computes them, so decode adds their bytes / disk_bandwidth, and prefill the misses of the
+experts its prompt touches.
 
 Choice: a resident placement at the checkpoint's precision when it fits (the output is unchanged and nothing is
 much faster); else, going down the precisions, the fastest fitting candidate of each, where a lower precision
@@ -97,6 +103,7 @@ class PlanRequest:
     dense_bits: int | None = None  # --dense-bits (16 or 8); None: not given (the module docstring's dense rule)
     pass_tokens: int | None = None  # tokens of the run's largest forward pass (the workspace); None: prompt_len
     blas_workspaces: int = 2  # cuBLAS workspaces the GPU holds (footprint.RunLayout): 2 with CUDA graphs, 0 no GPU
+    disk_bandwidth: float | None = None  # B/s read from an expert store on disk (the disk tier); None: no store
 
     @property
     def rated_dense_bits(self) -> int:
@@ -127,6 +134,8 @@ class Candidate:
     streams: bool = False  # prompts stream the CPU layers' experts to the GPU (the budget holds the ring)
     dense_bits: int = 16  # the dense part's linear layers: 16 = the compute dtype's float, 8 = HQQ copies
     footprint: Footprint = field(default_factory=Footprint, compare=False)  # its bytes per device and part
+    disk_cache: int = 0  # the disk tier's RAM cache of the CPU layers' experts (0: they all lie in RAM)
+    disk_bytes: float = 0.0  # bytes a decode token reads from disk (the disk tier's misses)
 
     @property
     def fits(self) -> bool:
@@ -156,7 +165,8 @@ class Candidate:
         if self.kind == "offload":
             return f"offload: experts in a store, {self.cache_slots} GPU cache slots"
         slots = f", {self.cache_slots} GPU cache slots" if self.cache_slots else ""
-        return f"{self.cpu_layers}/{self.moe_layers} MoE layers' experts on the CPU ({self.precision}){slots}"
+        disk = f", read from disk into a {format_bytes(self.disk_cache)} RAM cache" if self.disk_cache else ""
+        return f"{self.cpu_layers}/{self.moe_layers} MoE layers' experts on the CPU ({self.precision}){slots}{disk}"
 
     def flags(self) -> list[str]:
         """The command-line options that ask for this placement by hand."""
@@ -169,6 +179,8 @@ class Candidate:
             out += ["--experts-bits", str(self.bits)] if self.bits != 16 else []
             out += ["--gpu-cache-experts", str(self.cache_slots)] if self.cache_slots else []
             out += ["--stream-from", "0"] if self.kind == "hybrid" and self.cpu_layers and not self.streams else []
+            out += ["--offload", "STORE", "--cpu-memory", format_bytes(self.disk_cache).replace(" ", "")] \
+                if self.disk_cache else []
         out += ["--dense-bits", str(self.dense_bits)] if self.dense_bits != 16 else []
         return out
 
@@ -177,7 +189,8 @@ class Candidate:
                 "cache_slots": self.cache_slots, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
                 "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s, "fits": self.fits,
                 "problem": self.problem, "streams": self.streams, "dense_bits": self.dense_bits,
-                "flags": self.flags(), "footprint": {"gpu": self.footprint.gpu, "host": self.footprint.host}}
+                "flags": self.flags(), "footprint": {"gpu": self.footprint.gpu, "host": self.footprint.host},
+                "disk_cache": self.disk_cache, "disk_bytes_per_token": self.disk_bytes}
 
 
 @dataclass(frozen=True)
@@ -243,6 +256,7 @@ class Work:
     cpu_calls: float = 0.0  # expert calls the CPU makes (Costs.cpu_call_s)
     host_layers: int = 0  # layers whose experts wait on the host (CPU or offloaded)
     linked_layers: int = 0  # layers whose CPU experts the GPU asks for over the device link (Costs.link_layer_s)
+    disk_bytes: float = 0.0  # read from the store on disk first (the disk tier's misses)
 
 
 def _dense_work(spec: ModelSpec, dtype_bytes: int, tokens: int, context: float,
@@ -301,10 +315,11 @@ def rates(spec: ModelSpec, hw: HardwareProfile, req: PlanRequest, decode: Work, 
                           prefill.gpu_bytes / hw.hbm_bandwidth)
     fixed = spec.num_layers * (costs.graph_layer_s if graph else costs.eager_layer_s)
     fixed += decode.host_layers * costs.host_layer_s + decode.linked_layers * costs.link_layer_s
+    disk = req.disk_bandwidth or float("inf")
     decode_s = (max(gpu_decode, decode.cpu_bytes / cpu_bw, decode.link_bytes / link) + fixed
-                + decode.cpu_calls * costs.cpu_call_s)
+                + decode.cpu_calls * costs.cpu_call_s + decode.disk_bytes / disk)
     prefill_s = (gpu_prefill + max(prefill.cpu_flops / cpu_flops, prefill.cpu_bytes / cpu_bw)
-                 + prefill.link_bytes / link + fixed + prefill.cpu_calls * costs.cpu_call_s)
+                 + prefill.link_bytes / link + fixed + prefill.cpu_calls * costs.cpu_call_s + prefill.disk_bytes / disk)
     return 1 / decode_s, req.prompt_len / prefill_s
 
 
@@ -365,6 +380,32 @@ def _candidate(spec, hw, req, costs, kind, bits, cpu_layers, slots, layout, deco
                      need)
 
 
+def _disk_tier(spec, hw, req, costs, c: Candidate, layout: RunLayout, decode: Work, prefill: Work,
+               expert: int) -> Candidate | None:
+    """The candidate `c` (no GPU cache slots) with its CPU layers' experts (`expert` bytes each, as they run) in a
+    store on disk and a RAM cache of what the host RAM leaves beside the rest of its host bytes (the in-RAM store's
+    copies and repacks gone: the cache holds the experts as the CPU kernels read them), when the request has a
+    disk bandwidth, c does not fit, and so it fits: the GPU holds it and the cache a token's experts of a layer
+    (top_k); else None. Misses (hit rate cache / store, the module docstring) are read from disk: decode and prefill
+    add their bytes over disk_bandwidth."""
+    if req.disk_bandwidth is None or not c.cpu_layers or c.cache_slots or c.fits:
+        return None
+    host = {k: v for k, v in c.footprint.host.items() if k != "expert store"}
+    store = c.cpu_layers * spec.moe.num_experts * expert
+    cache = req.host_ram - sum(host.values())
+    if store <= cache or cache < spec.moe.top_k * expert:
+        return None
+    miss = 1 - cache / store
+    decode = replace(decode, disk_bytes=decode.cpu_bytes * miss)
+    prefill = replace(prefill, disk_bytes=(prefill.cpu_bytes + prefill.link_bytes) * miss)
+    tg, pp = rates(spec, hw, req, decode, prefill, graph=c.kind != "cpu" and not decode.host_layers, costs=costs)
+    need = Footprint(c.footprint.gpu, {**host, "disk tier RAM cache": cache})
+    if _problem(spec, req, layout, need) is not None:
+        return None
+    return replace(c, host_bytes=need.host_total, decode_tok_s=tg, prefill_tok_s=pp, problem=None, footprint=need,
+                   disk_cache=cache, disk_bytes=decode.disk_bytes)
+
+
 def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
     M, E = moe_layer_count(spec), spec.moe.num_experts
     base = _sized(dense_layout(spec, req, req.rated_dense_bits, req.budget), req)
@@ -393,6 +434,13 @@ def _gpu_candidates(spec, hw, req, costs) -> list[Candidate]:
             out.append(_candidate(spec, hw, req, costs, "resident" if n == 0 else "hybrid", bits, n, slots,
                                   _hybrid(spec, req, "cuda", bits, group, n, slots, streams), decode, prefill,
                                   streams=streams))
+            if n and req.disk_bandwidth is not None and not out[-1].fits and not req.cache_slots:
+                layout = _hybrid(spec, req, "cuda", bits, group, n, 0, streams)  # the disk tier: no GPU cache slots
+                decode, prefill = _layer_work(spec, req, M - n, n, 0, eb, host_layers=0 if linked else n,
+                                              stream=streams, linked_layers=n if linked else 0)
+                c = _candidate(spec, hw, req, costs, "hybrid", bits, n, 0, layout, decode, prefill, streams=streams)
+                disk = _disk_tier(spec, hw, req, costs, c, layout, decode, prefill, eb)
+                out += [disk] if disk is not None else []
     if req.bits is None and req.cpu_layers is None:
         out.append(_offload_candidate(spec, hw, req, costs, base))
     return out
@@ -433,6 +481,8 @@ def _cpu_candidates(spec, hw, req, costs) -> list[Candidate]:
                   else _hybrid(spec, req, "cpu", bits, group, n))
         decode, prefill = _layer_work(spec, req, 0, M, 0, eb, host_layers=0, cpu_dense=True)
         out.append(_candidate(spec, hw, req, costs, "cpu", bits, n, 0, layout, decode, prefill))
+        disk = _disk_tier(spec, hw, req, costs, out[-1], layout, decode, prefill, eb)
+        out += [disk] if disk is not None else []
     return out
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 COMMON_FIELDS = ("name", "date", "git", "device", "device_type", "threads", "torch", "triton", "transformers", "config")
 
@@ -104,12 +106,15 @@ def test_bench_quick_runs_write_json(tmp_path):
         assert r["expert_bytes_mxfp4"] < r["expert_bytes_bf16"] / 3
 
 
-def quick_json(script: str, tmp_path) -> dict:
-    """Run one bench script with --quick on one thread; its result JSON, with the common fields checked."""
+def quick_json(script: str, tmp_path, *args: str, stdout: list | None = None) -> dict:
+    """Run one bench script with --quick on one thread (and `args`); its result JSON, with the common fields
+    checked; stdout: a list the printed output is appended to."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(BENCH / f"{script}.py"), "--quick", "--threads", "1", "--out", str(tmp_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     (path,) = tmp_path.glob(f"{script}-*.json")
     result = json.loads(path.read_text())
     for f in COMMON_FIELDS:
@@ -161,6 +166,28 @@ def test_hybrid_bench_quick(tmp_path):
     latent = mla["shape"]["mla"]["kv_lora_rank"] + mla["shape"]["mla"]["qk_rope_head_dim"]
     assert mla["kv_bytes"] == tokens * mla["shape"]["num_layers"] * latent * 4  # fp32 on the CPU
     assert result["demo_mixed_precision"]["4bit"] > 1 and result["rates"]["dram_read_bytes_per_s"] > 0
+
+
+def test_hybrid_bench_big_shape_stand_ins(tmp_path):
+    """The big shapes' tiny stand-ins, 2 of their layers: figures measured and scaled to full depth, labelled so in
+    the JSON and the printed table; GPT-OSS's MXFP4 experts skip the low-bit columns."""
+    printed = []
+    result = quick_json("hybrid", tmp_path, "--shapes", "deepseek-v3,qwen3-235b,gpt-oss-120b", "--layers", "2",
+                        "--columns", "cpu,hybrid,hybrid+mixed", "--ppl-tokens", "64", stdout=printed)
+    for name, full in (("deepseek-v3", 61), ("qwen3-235b", 94), ("gpt-oss-120b", 36)):
+        shape = result["shapes"][name]
+        assert (shape["layers"], shape["full_layers"]) == (2, full)
+        assert shape["depth"] == f"scaled from 2 of {full} layers"
+        assert f"{name}: batch 1, {shape['expert_precision']} experts; full-depth columns scaled from 2 of {full} " \
+               "layers" in printed[0]
+        rows = shape["rows"]
+        assert [r["column"] for r in rows] == (["cpu", "hybrid"] if name == "gpt-oss-120b" else
+                                               ["cpu", "hybrid", "hybrid+mixed"])
+        for r in rows:
+            assert r["depth"] == shape["depth"]
+            assert r["tg_tokens_per_s_full_depth"] == pytest.approx(r["tg_tokens_per_s"] * 2 / full)
+    assert result["shapes"]["gpt-oss-120b"]["expert_precision"] == "MXFP4"
+    assert "hybrid+mixed: skipped (MXFP4" in printed[0]
 
 
 def test_gptoss_sweep_quick(tmp_path):

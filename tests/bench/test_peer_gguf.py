@@ -208,12 +208,13 @@ def test_gpt_oss_20b_is_the_shipped_shape():
 
 
 def test_benchmark_shapes_are_bench_hybrid_shapes():
-    """The side-by-side covers bench/hybrid.py's mixtral and qwen3 shapes (not its deepseek one), with their dims (and
-    gpt-oss-20b's, should bench/hybrid.py get a shape of that name)."""
+    """The side-by-side covers bench/hybrid.py's mixtral, qwen3, qwen3-235b and gpt-oss-120b shapes (not its deepseek
+    ones), with their dims (and gpt-oss-20b's, should bench/hybrid.py get a shape of that name)."""
     import hybrid
 
     peer = [name for name in make_gguf.SHAPES if name in hybrid.SHAPES]
-    assert peer[:2] == ["mixtral", "qwen3"] and set(peer) <= {"mixtral", "qwen3", "gpt-oss-20b"}
+    assert peer[:4] == ["mixtral", "qwen3", "qwen3-235b", "gpt-oss-120b"]
+    assert set(peer) <= {"mixtral", "qwen3", "qwen3-235b", "gpt-oss-120b", "gpt-oss-20b"}
     for name in peer:
         shape, d = hybrid.SHAPES[name][0], make_gguf.SHAPES[name]
         assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.expert_ffn, d.experts, d.top_k, d.vocab) == (
@@ -237,3 +238,24 @@ def test_llama_cpp_budget_rule_matches_recorded_placements():
         cfg.n_cpu_moe = {"gpt-oss-20b": 14}
         assert run.placements(cfg, hybrid, "gpt-oss-20b") == {"hybrid": (14, "PEER_N_CPU_MOE")}
     assert run.gguf_path(cfg, "gpt-oss-20b").name == "gpt-oss-20b-mxfp4.gguf"
+
+
+def test_fewer_layers_of_a_big_shape(monkeypatch):
+    """PEER_LAYERS=shape=N: the GGUF of the first N layers (its own file name), both N at bench/hybrid.py's budget
+    for that depth (GPT-OSS-120B's experts MXFP4 in both)."""
+    import run
+
+    monkeypatch.setenv("PEER_LAYERS", "qwen3-235b=8,gpt-oss-120b=8")
+    cfg = run.Config.from_env(16)
+    cfg.n_cpu_moe, cfg.pp, cfg.tg = {}, 512, 128
+    hybrid = run.import_hybrid()
+    assert run.gguf_path(cfg, "qwen3-235b").name == "qwen3-235b-8L-q4_0.gguf"
+    assert run.gguf_path(cfg, "qwen3").name == "qwen3-q4_0.gguf"
+    kv, specs = make_gguf.plan("qwen3-235b", cfg.depth("qwen3-235b"))
+    assert len({t.name.split(".")[1] for t in specs if t.name.startswith("blk.")}) == 8
+    full = hybrid.SHAPES["qwen3-235b"]
+    spec, whole = (hybrid.model_spec(s) for s in (hybrid.shape_at(full[0], 8), full[0]))
+    assert run.hybrid_budget(cfg, hybrid, "qwen3-235b") == hybrid.budget_at(whole, spec, full[1], 640, 2) < full[1]
+    got = {s: {c: n for c, (n, _) in run.placements(cfg, hybrid, s).items()} for s in ("qwen3-235b", "gpt-oss-120b")}
+    assert got == {"qwen3-235b": {"hybrid": 4, "hybrid-moeserve": 6}, "gpt-oss-120b": {"hybrid": 4, "hybrid-moeserve": 5}}
+    assert "MXFP4" in run.placements(cfg, hybrid, "gpt-oss-120b")["hybrid-moeserve"][1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeserve.kernels.cpu import build, codegen, gemv, tuning
-from moeserve.kernels.cpu.gemv import CpuKernel, pack_for_cpu
+from moeserve.kernels.cpu.gemv import CpuKernel, pack_for_cpu, packed_sizes, unpacked_for_cpu
 from moeserve.kernels.cpu.machine import ISAS, cpu_info
 from moeserve.quant import hqq
 from moeserve.quant.qlinear import QuantizedLinear
@@ -44,6 +44,19 @@ def test_every_variant_matches_float64(kernels, isa, bits):
             assert y.shape == (rows, out_features)
             err = (y.double() - ref).abs().max() / ref.abs().max()
             assert err < 1e-5, (isa, bits, group, rows, float(err))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_unpacking_the_kernel_layout_gives_the_stored_weight_back(kernels, bits):
+    """unpacked_for_cpu inverts pack_for_cpu (the disk tier keeps experts in the kernel's layout and unpacks them for a
+    prompt's matmul): the packed words, scales and zeros of a QuantizedLinear, bit for bit, at packed_sizes' bytes."""
+    kernel = kernels[(ISAS_HERE[0], bits)]
+    q = QuantizedLinear.from_quantized(hqq.quantize_hqq(torch.randn(100, 192), bits, 64))  # 100: padded rows
+    packed = pack_for_cpu(q.qweight, q.scale, q.zero, bits, 64, kernel, packed_words=True)
+    for got, want in zip(unpacked_for_cpu(packed), (q.qweight, q.scale, q.zero), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert packed_sizes(100, 192, bits, 64, kernel) == tuple(t.numel() * t.element_size()
+                                                              for t in (packed.words, packed.scale, packed.zero))
 
 
 def test_threads_do_not_change_the_result(kernels):

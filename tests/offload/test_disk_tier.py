@@ -19,6 +19,8 @@ from moeserve.engine.params import SamplingParams
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import HybridPlacement
 from moeserve.hybrid.setup import enable_hybrid, store_layers
+from moeserve.kernels.cpu import gemv
+from moeserve.offload import disk_cache
 from moeserve.offload.disk_cache import DiskCache, minimum_budget, slot_bytes
 from moeserve.offload.store import ExpertStore
 
@@ -95,6 +97,33 @@ def test_capped_run_equals_the_uncapped_and_resident(byte_model_dir, store_dir, 
     st = runtime.summary()
     assert st["disk_bytes_read"] > 0 and st["disk_misses"] > 0 and 0 < st["disk_hit_rate"] < 1
     assert st["disk_bytes_per_token"] > 0 and runtime.stats.tokens > 0
+    assert runtime.disk.held_bytes <= cap and runtime.disk.arena.numel() <= cap
+    runtime.close()
+
+
+def test_low_bit_experts_are_kept_repacked_in_the_cache(byte_model_dir, store_dir, monkeypatch):
+    """A 4-bit run through the disk tier keeps each low-bit expert in the CPU kernel's form: repacked once, at the miss
+    that read it (gate_up and down: two repacks a miss), never at a hit nor by QuantizedLinear; greedy tokens equal
+    the all-in-RAM run's, and so do the logits of a prompt long enough for the dequantized path (more than MAX_ROWS
+    rows an expert: the parts unpacked from the kernel form); the slots hold that form within the cap."""
+    store = ExpertStore.open(store_dir)
+    placement = HybridPlacement.choose(store.meta["layers"], cpu_moe=True, bits=4, num_experts=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (9,), generator=g).tolist(), torch.randint(3, 250, (4,), generator=g).tolist()]
+    long = torch.randint(3, 250, (1, 4 * gemv.MAX_ROWS), generator=g)
+    model, _ = hybrid_run(byte_model_dir, store, placement)
+    expected, logits = greedy(model, prompts), model(long)
+    repacks = []
+    pack = disk_cache.pack_for_cpu
+    monkeypatch.setattr(disk_cache, "pack_for_cpu", lambda *a, **k: repacks.append(a[3]) or pack(*a, **k))
+    monkeypatch.setattr(gemv, "pack_for_cpu", lambda *a, **k: pytest.fail("an expert repacked outside the cache"))
+    cap = expert_total(store, True) * 2 // 3
+    capped, runtime = hybrid_run(byte_model_dir, store, placement, disk_budget=cap)
+    assert runtime.disk.kernel is not None and runtime.disk.slot_size == slot_bytes(store, (True,))
+    assert greedy(capped, prompts) == expected
+    st = runtime.disk.stats
+    assert st.hits > 0 and st.misses > 0 and len(repacks) == 2 * st.misses and set(repacks) == {4}
+    torch.testing.assert_close(capped(long), logits, atol=1e-5, rtol=1e-5)
     assert runtime.disk.held_bytes <= cap and runtime.disk.arena.numel() <= cap
     runtime.close()
 

@@ -26,7 +26,7 @@ from moeserve.kernels.cpu import build, codegen, pool, tuning
 from moeserve.kernels.cpu.codegen_int8 import INT8_BITS
 from moeserve.kernels.cpu.machine import INT8_ISA, ISAS, check_int8_dots, cpu_info, physical_cores
 from moeserve.kernels.mxfp4_format import BLOCK
-from moeserve.kernels.pack import pack, units_from_planar
+from moeserve.kernels.pack import pack, planar_from_units, units_from_planar
 from moeserve.spec import ClampedSwiGLU
 
 MAX_ROWS = 16  # more rows than this go to dequantize + BLAS matmul (compute bound by then)
@@ -213,6 +213,24 @@ def pack_for_cpu(codes_or_words: torch.Tensor, scale: torch.Tensor, zero: torch.
 
     return PackedForCpu(words=interleave(words), scale=interleave(scale.half()), zero=interleave(zero.half()),
                         out_features=out, in_features=in_features, bits=bits, group=group)
+
+
+def packed_sizes(out_features: int, in_features: int, bits: int, group: int, kernel: CpuKernel) -> tuple[int, int, int]:
+    """Bytes of the words, scale and zero pack_for_cpu makes of an [out, in] weight (rows padded to the kernel's
+    output tile)."""
+    rows = out_features + (-out_features % kernel.tile_outputs)
+    groups = in_features // group
+    return rows * (in_features * bits // 32) * 4, rows * groups * 2, rows * groups * 2
+
+
+def unpacked_for_cpu(p: PackedForCpu) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_for_cpu's inverse for affine codes: (pack.py words [out, in*bits/32] int32 (3-bit: word-planar), scale,
+    zero [out, groups] float16): the weight as a store holds it, from the kernel's layout (a permutation)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [out_pad / V, n, V] -> [out, n]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:p.out_features].contiguous()
+
+    words = rows(p.words)
+    return (planar_from_units(words) if p.bits == 3 else words), rows(p.scale), rows(p.zero)
 
 
 def pack_mxfp4_for_cpu(blocks: torch.Tensor, scales: torch.Tensor, kernel: CpuKernel) -> PackedForCpu:
