@@ -1,5 +1,6 @@
 """One-token MoE layer: the three-launch path (kernels/triton/one_token.py: router + x prepared, gate/up + h prepared,
-down + combine) vs the multi-launch path it replaces (MOESERVE_ONE_TOKEN_MOE=0), and the quick tune vs the full one.
+down + combine; opt-in, MOESERVE_ONE_TOKEN_MOE=1, which the bench sets for it) vs the multi-launch path, and the
+quick tune vs the full one.
 
 --part block: the MoE block (router and routed experts, as the model runs it) at 1 token, replayed in a CUDA graph
 over rotating inputs, with each path, next to the byte floor: the k experts hit (packed weights, scales, biases), the
@@ -109,7 +110,7 @@ def block_rows(device, bw: float) -> list[dict]:
             new = block(xs[0])
             os.environ[ONE_TOKEN_ENV] = "0"
             old = block(xs[0])
-            os.environ[ONE_TOKEN_ENV] = "1"
+            os.environ.pop(ONE_TOKEN_ENV)
         err = ((new.float() - old.float()).norm() / old.float().norm()).item()
         rows.append({"block": name, "tokens": 1, **{f"{p}_ms": v for p, v in times.items()}, "floor_ms": floor,
                      "floor_bytes": floor_bytes, "rel_diff": err})

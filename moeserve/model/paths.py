@@ -23,13 +23,15 @@ EXPERT_PATHS = {
     "grouped_mm": "two torch grouped GEMMs over expert-sorted rows (CUDA sm90+, bf16)",
     "tiles": "Triton row-tile kernels with default configs (GPUs without grouped GEMMs)",
     "lowbit_slots": "Triton low-bit fused MoE, one token in slot order (no routing table, no gather); behind a softmax "
-                    "top-k router on CUDA the whole layer in three launches (kernels/triton/one_token.py)",
+                    "top-k router on CUDA, with MOESERVE_ONE_TOKEN_MOE=1, the whole layer in three launches "
+                    "(kernels/triton/one_token.py)",
     "lowbit_sorted": "Triton low-bit fused MoE over expert-sorted rows",
     "cpu_lowbit": "per-expert loop; an expert's rows run through the generated low-bit CPU kernels when they are "
                   "few (decode), else dequantize + matmul",
     "loop": "per-expert loop in PyTorch (reads the expert counts on the host)",
     "mxfp4_triton": "Triton MXFP4 fused MoE over expert-sorted rows, E2M1 decoded in registers (GPT-OSS's experts); "
-                    "one token behind a softmax top-k router: the whole layer in three launches (one_token.py)",
+                    "one token behind a softmax top-k router, with MOESERVE_ONE_TOKEN_MOE=1: the whole layer in three "
+                    "launches (one_token.py)",
     "mxfp4_loop": "per-expert loop; each expert's MXFP4 weights dequantized by table lookup, then matmuls",
     "offload": "expert cache: hits run on GPU slots, misses are copied in or run on the CPU",
     "hybrid": "experts computed where they lie: those cached on the model device in one routed pass there, the "

@@ -223,12 +223,13 @@ def test_one_token_layer_replays_in_a_cuda_graph(kind):
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
-def test_one_token_path_turns_off_by_env(monkeypatch):
+def test_one_token_path_is_opt_in(monkeypatch):
     from moeserve.kernels.triton.one_token import ONE_TOKEN_ENV, one_token_enabled
 
-    assert one_token_enabled()
-    monkeypatch.setenv(ONE_TOKEN_ENV, "0")
+    monkeypatch.delenv(ONE_TOKEN_ENV, raising=False)
     assert not one_token_enabled()
+    monkeypatch.setenv(ONE_TOKEN_ENV, "1")
+    assert one_token_enabled()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the model's one-token path runs on CUDA")
@@ -241,6 +242,7 @@ def test_model_one_token_path_matches_route_then_experts(monkeypatch, bias):
     from moeserve.model.router import TopKRouter
     from moeserve.quant.qlinear import QuantizedExperts
 
+    monkeypatch.setenv(ONE_TOKEN_ENV, "1")
     e, dim, ffn = 8, 1024, 2048
     ex = QuantizedExperts([quantized(2 * ffn, dim, 4, 64, 0) for _ in range(e)],
                           [quantized(dim, ffn, 4, 64, 0) for _ in range(e)])

@@ -6,7 +6,7 @@ last_arrival.py says how a launch finishes what needs all of its programs. The c
 so the output is deterministic. Compensators (3-bit + MiLo) keep their x V^T and h V^T launches (skinny.py).
 
 Routers: softmax top-k with or without renormalisation and GPT-OSS's top-k then softmax with its bias (topk_router
-covers these); other routers take the multi-launch path. ONE_TOKEN_ENV=0 turns the path off (A/B benchmarks).
+covers these); other routers take the multi-launch path. It is opt-in (ONE_TOKEN_ENV=1): on an H200 it measured no faster than the multi-launch path (bench/one_token_moe.py).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from moeserve.kernels.triton.topk_router import SoftmaxTopK, fused_router
 from moeserve.kernels.triton.swiglu import act_args
 from moeserve.spec import ClampedSwiGLU
 
-ONE_TOKEN_ENV = "MOESERVE_ONE_TOKEN_MOE"  # "0": one token takes the multi-launch path
+ONE_TOKEN_ENV = "MOESERVE_ONE_TOKEN_MOE"  # "1": one token takes the three-launch layer path
 
 
 def one_token_enabled() -> bool:
-    """Whether the one-token layer path may run (ONE_TOKEN_ENV is not "0")."""
-    return os.environ.get(ONE_TOKEN_ENV, "1").strip() != "0"
+    """Whether the one-token layer path may run (ONE_TOKEN_ENV is "1")."""
+    return os.environ.get(ONE_TOKEN_ENV, "0").strip() == "1"
 
 
 def lowbit_one_token(x: torch.Tensor, router: SoftmaxTopK, gate_up: StackedLowbit, down: StackedLowbit,
