@@ -377,6 +377,18 @@ def lowbit_decode_table(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def mma_moe_table(rec: dict) -> list[str]:
+    c = rec["config"]
+    lines = [f"**4-bit MoE experts by token count, {c['shape']}** (MMA kernels beside the Triton low-bit tiles and the "
+             f"bf16 fused MoE; floor = packed bytes of the experts hit / copy bandwidth; {_source(rec)})", "",
+             "| tokens | MMA ms | Triton ms | bf16 ms | floor ms | MMA share of floor | Triton share |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rec["rows"]:
+        lines.append(f"| {r['tokens']} | {r['mma_ms']:.3f} | {r['triton_ms']:.3f} | {r['bf16_ms']:.3f} | "
+                     f"{r['floor_ms']:.3f} | {r['mma_floor_share']:.0%} | {r['triton_floor_share']:.0%} |")
+    return lines + [""]
+
+
 def parallel_tables(rec: dict) -> list[str]:
     c = rec["config"]
     shapes = "; ".join(f"{n} E={v['E']} k={v['k']} D={v['D']} F={v['F']}" for n, v in c["shapes"].items())
@@ -474,7 +486,8 @@ def hybrid_tables(rec: dict) -> list[str]:
 TABLES = {"moe_block": moe_block_tables, "decode": decode_table, "quality": quality_tables,
           "cpu_kernels": cpu_kernel_tables, "kernels": kernel_tables, "offload": offload_table,
           "throughput": throughput_table, "lowbit_decode": lowbit_decode_table, "parallel": parallel_tables,
-          "serve": serve_table, "batching": batching_table, "serve_soak": serve_soak_table, "hybrid": hybrid_tables}
+          "serve": serve_table, "batching": batching_table, "serve_soak": serve_soak_table, "hybrid": hybrid_tables,
+          "mma_moe": mma_moe_table}
 
 
 def _when(rec: dict) -> str:
