@@ -113,8 +113,9 @@ def hobbit_rows() -> list[Method]:
 
 
 def table_methods(spec: ModelSpec, total: int, quick: bool) -> list[Method]:
-    """The rows to run (see the module docstring), the cheap ones first and MiLo's slow ones last (3-bit at +5%
-    leading them), so that a --minutes budget cuts the least; --quick: one row of each kind."""
+    """The rows to run (see the module docstring), the cheap ones first, then what the 3-bit comparison needs (MiLo
+    3-bit at +5%, GPTQ 3-bit), then the other MiLo and GPTQ rows, so that a --minutes budget cuts the least;
+    --quick: one row of each kind."""
     groups = groups_of(spec)
     g = groups[0]
     bf16 = Method("bf16", "bf16")
@@ -130,8 +131,9 @@ def table_methods(spec: ModelSpec, total: int, quick: bool) -> list[Method]:
              for kind in ("rtn", "hqq")]
     gptq = [Method(f"gptq-{bits} g{group}", "gptq", bits, group) for bits in GPTQ_BITS for group in groups]
     milo = sorted(milo_rows(spec, total, g), key=lambda m: (m.bits != 3, "+5%" not in m.label))  # 3-bit +5% first
+    first = [m for m in milo if m.bits == 3 and "+5%" in m.label] + [m for m in gptq if m.bits == 3]
     return [bf16, *plain, Method("experts mxfp4", "mxfp4", 4), Method("dense 8-bit (--dense-bits 8)", "dense8", 8),
-            *hobbit_rows(), *gptq, *milo]
+            *hobbit_rows(), *first, *[m for m in milo + gptq if m not in first]]
 
 
 def is_demo(model_dir: Path) -> bool:

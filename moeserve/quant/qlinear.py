@@ -223,9 +223,10 @@ class QuantizedExperts(LoopedExperts):
                 and 2 <= num_tokens <= w4_moe.MAX_ROWS and not needs_grad(x)):
             return None
         gate_up, down = self.stacked(x.dtype)
-        if not (w4_moe.applies(gate_up.bits, gate_up.group, tuple(gate_up.qweight.shape[1:2]) + (down.qweight.shape[1],),
-                               gate_up.in_features, gate_up.bias is not None or down.bias is not None,
-                               gate_up.u is not None or down.u is not None)
+        shape = (gate_up.qweight.shape[1], down.qweight.shape[1])  # (2F, D)
+        biased = gate_up.bias is not None or down.bias is not None
+        lowrank = gate_up.u is not None or down.u is not None
+        if not (w4_moe.applies(gate_up.bits, gate_up.group, shape, gate_up.in_features, biased, lowrank)
                 and w4_moe.usable(x.device.index or 0)):
             return None
         key = (gate_up.qweight.data_ptr(), down.qweight.data_ptr())

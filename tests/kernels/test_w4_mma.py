@@ -83,3 +83,26 @@ def test_gpu_w4_experts_match_float64(E, D, F, group, T, k, dtype):
         y = w4_experts(x, experts, table.offsets, T, k, split=split).double()
         assert not y.isnan().any()
         torch.testing.assert_close(y, ref, rtol=0, atol=2e-3 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not GPU, reason="needs an Ampere or later GPU")
+def test_gpu_quantized_experts_take_the_mma_kernels(monkeypatch):
+    """MOESERVE_MMA_MOE=1: QuantizedExperts runs 2..64 tokens on the MMA kernels, equal to the Triton path."""
+    from checks import quantized
+    from moeserve.kernels.cuda import w4_moe
+    from moeserve.kernels.routing import build_routing_table
+    from moeserve.quant.qlinear import QuantizedExperts
+
+    e, dim, ffn, T, k = 8, 512, 1024, 24, 2
+    ex = QuantizedExperts([quantized(2 * ffn, dim, 4, 64, 0) for _ in range(e)],
+                          [quantized(dim, ffn, 4, 64, 0) for _ in range(e)]).cuda()
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(T)])
+    table = build_routing_table(ids, torch.rand(T, k, device="cuda"), e)
+    x = torch.randn(T * k, dim, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.delenv(w4_moe.ENV, raising=False)
+    ref = ex.run_sorted(x, table)
+    assert ex.mma_experts(x, T) is None
+    monkeypatch.setenv(w4_moe.ENV, "1")
+    assert ex.mma_experts(x, T) is not None
+    got = ex.run_sorted(x, table)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
