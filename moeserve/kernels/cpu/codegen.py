@@ -21,6 +21,7 @@ and row chunks of `rows`. The batched driver makes every output tile of every pr
 from __future__ import annotations
 
 from moeserve.kernels.cpu import codegen_int8
+from moeserve.kernels.cpu.codegen_epilogue import group_epilogue
 from moeserve.kernels.cpu.machine import INT8_ISA, ISAS
 from moeserve.kernels.mxfp4_format import E2M1_VALUES
 
@@ -210,18 +211,7 @@ def _tile_function(isa: str, bits: int, rows: int, vectors: int, lanes: int, mxf
             L += [f"        ga{r}_{t} = FMA(xb{r}, w{t}, ga{r}_{t});" for t in T]
         L.append("      }")
     L.append("    }")
-    for t in T:
-        if mxfp4:  # one E8M0 exponent per block: the scale, no zero point
-            L.append(f"    {{ const VF sv = LOADE8(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});")
-            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});" for r in R]
-            L.append("    }")
-            continue
-        L += [f"    {{ const VF sv = LOADH(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});",
-              f"      const VF zv = MUL(sv, LOADH(z + ((size_t)(ob + {t}) * n_groups + g) * {lanes}));"]
-        for r in R:
-            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});",
-                  f"      acc{r}_{t} = FNMA(zv, SET1F(xsum[{r} * n_groups + g]), acc{r}_{t}); "]
-        L.append("    }")
+    L += group_epilogue(R, T, lanes, mxfp4, "n_groups")  # MXFP4: one E8M0 exponent per block, no zero point
     L.append("  }")
     L += [f"  STOREF(y + {r} * ldy + (ob + {t}) * {lanes}, acc{r}_{t});" for r in R for t in T]
     L.append("}")

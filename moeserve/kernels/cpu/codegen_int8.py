@@ -26,6 +26,7 @@ Dots of a block fit int32 with room to spare (at most 32 * 255 * 127).
 
 from __future__ import annotations
 
+from moeserve.kernels.cpu.codegen_epilogue import group_epilogue
 from moeserve.kernels.mxfp4_format import E2M1_VALUES
 
 INT8_BITS = (2, 4, 8)  # widths whose codes lie whole in bytes
@@ -161,19 +162,8 @@ def tile_function(bits: int, rows: int, vectors: int, lanes: int, mxfp4: bool) -
             L += [f"        ga{r}_{t} = FMA(dv{r}, CVT({dots[t]}), ga{r}_{t});" for t in T]
         L.append("      }")
     L.append("    }")
-    for t in T:
-        if mxfp4:  # 2^(e - 127) from the exponent byte, halved: the dots are of 2 v
-            L.append(f"    {{ const VF sv = MUL(SET1F(0.5f), LOADE8(s + ((size_t)(ob + {t}) * n_groups + g) * "
-                     f"{lanes}));")
-            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});" for r in R]
-            L.append("    }")
-            continue
-        L += [f"    {{ const VF sv = LOADH(s + ((size_t)(ob + {t}) * n_groups + g) * {lanes});",
-              f"      const VF zv = MUL(sv, LOADH(z + ((size_t)(ob + {t}) * n_groups + g) * {lanes}));"]
-        for r in R:
-            L += [f"      acc{r}_{t} = FMA(sv, ga{r}_{t}, acc{r}_{t});",
-                  f"      acc{r}_{t} = FNMA(zv, SET1F(xsum[{r} * stride + g]), acc{r}_{t});"]
-        L.append("    }")
+    # MXFP4: 2^(e - 127) from the exponent byte, halved: the dots are of 2 v
+    L += group_epilogue(R, T, lanes, mxfp4, "stride", "SET1F(0.5f)")
     L.append("  }")
     L += [f"  STOREF(y + {r} * ldy + (ob + {t}) * {lanes}, acc{r}_{t});" for r in R for t in T]
     L.append("}")
