@@ -6,7 +6,8 @@ last_arrival.py says how a launch finishes what needs all of its programs. The c
 so the output is deterministic. Compensators (3-bit + MiLo) keep their x V^T and h V^T launches (skinny.py).
 
 Routers: softmax top-k with or without renormalisation and GPT-OSS's top-k then softmax with its bias (topk_router
-covers these); other routers take the multi-launch path. It is opt-in (ONE_TOKEN_ENV=1) until bench/one_token_moe.py shows it faster on a GPU.
+covers these); other routers take the multi-launch path. It is opt-in (ONE_TOKEN_ENV=1) until
+bench/one_token_moe.py shows it faster on a GPU.
 """
 
 from __future__ import annotations
