@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, fields
 from moeserve.demo import DEMO_MODEL
 from moeserve.errors import MoeserveError
 from moeserve.hybrid.placement import CACHE_POLICIES, EXPERT_BITS, STREAM_FROM
-from moeserve.kernels.cpu.machine import check_int8_dots
 from moeserve.parallel.defaults import COLLECTIVE_TIMEOUT_S, STATIC_MAX_TOKENS
 from moeserve.quant.defaults import DENSE_BITS
 from moeserve.units import parse_bytes
@@ -221,6 +220,7 @@ class RunConfig:
         if h.experts_bits is not None and h.experts_bits not in EXPERT_BITS:
             raise MoeserveError(f"--experts-bits {h.experts_bits} is not one of {', '.join(map(str, EXPERT_BITS))}")
         if h.cpu_int8:
+            from moeserve.kernels.cpu.machine import check_int8_dots  # moeserve.kernels imports torch: not at CLI parse
             check_int8_dots()
         if h.cpu_memory is not None and h.gpu_cache_experts:
             raise MoeserveError("--cpu-memory (experts read from disk) does not combine with --gpu-cache-experts: "
