@@ -232,6 +232,8 @@ def quality_rows(w: Weights, model_dir: Path, methods: list[Method], args: argpa
             print(f"{m.label:58s} FAILED: {type(e).__name__}: {e}", flush=True)
             continue
         rows.append(row)
+        record["rows"], record["partial"] = rows, True
+        write_result(record, args.out)  # rewritten after every row: a run killed by its call's limit keeps its rows
         extra = (f"  read {row['expert_bytes_read_vs_bf16']:.0%} of bf16 expert bytes, skipped "
                  f"{row['skipped_share']:.1%}" if m.kind == "hobbit" else "")
         print(f"{m.label:58s} ppl {row['perplexity']:9.4f} ({row['perplexity'] / rows[0]['perplexity'] - 1:+7.2%})  "
@@ -358,6 +360,7 @@ def main() -> None:
     if args.part in ("speed", "all") and not args.quick:
         add_speed(record, device)
     record["seconds"] = round(time.perf_counter() - record.pop("started"), 1)
+    record.pop("partial", None)
     path = write_result(record, args.out)
     print(f"wrote {path}")
     if record.get("rows"):
