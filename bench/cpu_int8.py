@@ -49,12 +49,7 @@ def layers(form: str, hidden: int, ffn: int, kernel: gemv.CpuKernel, g: torch.Ge
     nbytes = sum(p.nbytes for p in first.gate_up + first.down)
     out = [first]
     for _ in range(max(2, -(-ROTATE_BYTES // nbytes)) - 1):
-        out.append(gemv.LayerExperts.of([gemv.PackedForCpu(p.words.clone(), p.scale.clone(),
-                                                           None if p.zero is None else p.zero.clone(), p.out_features,
-                                                           p.in_features, p.bits, p.group) for p in first.gate_up],
-                                        [gemv.PackedForCpu(p.words.clone(), p.scale.clone(),
-                                                           None if p.zero is None else p.zero.clone(), p.out_features,
-                                                           p.in_features, p.bits, p.group) for p in first.down]))
+        out.append(gemv.LayerExperts.of([p.clone() for p in first.gate_up], [p.clone() for p in first.down]))
     return out
 
 

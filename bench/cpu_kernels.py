@@ -11,7 +11,6 @@ PyTorch path of QuantizedLinear.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import tempfile
 import time
@@ -47,9 +46,7 @@ def random_quantized(out_f: int, in_f: int, bits: int, group: int = 64) -> Quant
 def copies(item, nbytes_each: int, max_copies: int = 64) -> list:
     """`item` and clones of it (same values, other memory) totalling ROTATE_BYTES."""
     n = max(2, min(max_copies, -(-ROTATE_BYTES // nbytes_each)))
-    clone = (lambda t: t.clone()) if isinstance(item, torch.Tensor) else (
-        lambda p: dataclasses.replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone()))
-    return [item] + [clone(item) for _ in range(n - 1)]
+    return [item] + [item.clone() for _ in range(n - 1)]  # a tensor or a gemv.PackedForCpu
 
 
 def gemv_rows(shapes, rows_list, bits_list, dram: float, reps: int) -> list[dict]:

@@ -59,6 +59,11 @@ class PackedForCpu:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.zero) if t is not None)
 
+    def clone(self) -> PackedForCpu:
+        """The same weight in other memory (benches rotate copies so the last-level cache holds none of them)."""
+        return replace(self, words=self.words.clone(), scale=self.scale.clone(),
+                       zero=None if self.zero is None else self.zero.clone())
+
 
 class CpuKernel:
     """One compiled kernel: an ISA, a bit width and a register tile, for affine codes or (mxfp4) MXFP4 weights. The
@@ -274,9 +279,6 @@ def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
         return (torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8),
                 torch.rand(out_f, in_f // 64, generator=g) * 0.01, torch.rand(out_f, in_f // 64, generator=g) * 15)
 
-    def copy(p: PackedForCpu) -> PackedForCpu:
-        return replace(p, words=p.words.clone(), scale=p.scale.clone(), zero=p.zero.clone())
-
     cores = physical_cores()
     pool.configure(cores)  # helpers started from here on: pinned, as HybridRuntime pins them
     candidates = {tile: CpuKernel(isa, 4, *tile) for tile in tuning.register_tiles(isa)}
@@ -285,7 +287,7 @@ def search_tile(isa: str, rounds: int = 5, repeats: int = 6) -> tuple[int, int]:
     down = [pack_for_cpu(*weight(hidden, ffn), 4, 64, first) for _ in range(experts)]
     n = max(2, TILE_SEARCH_BYTES // sum(p.nbytes for p in gate_up + down))
     layers = [LayerExperts.of(gate_up, down)] + [
-        LayerExperts.of([copy(p) for p in gate_up], [copy(p) for p in down]) for _ in range(n - 1)]
+        LayerExperts.of([p.clone() for p in gate_up], [p.clone() for p in down]) for _ in range(n - 1)]
     inputs = {m: (torch.randn(m, hidden, generator=g), torch.arange(experts).repeat(m, 1),  # [m, D], [m, E], [m, E]
                   torch.rand(m, experts, generator=g)) for m in (1, 4)}  # every expert on every row
     times, calls = {(tile, m): [] for tile in candidates for m in inputs}, 0
