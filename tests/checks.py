@@ -119,3 +119,18 @@ def slot_decode(model, make_decoder, prompts: list[list[int]], steps: torch.Tens
             logits = decoder([step[b] for b in rows], [len(prompts[b]) + i for b in rows], rows)  # [len(rows), V]
             out[i, rows] = logits.float().cpu()
     return out
+
+
+def assert_logits_match_transformers(model_dir, vocab: int, seed: int | None = None) -> None:
+    """A trained checkpoint: moeserve's float32 logits equal transformers' on random tokens [2, 48] < vocab."""
+    import pytest
+
+    import moeserve
+
+    transformers = pytest.importorskip("transformers")
+    ours = moeserve.load_model(model_dir, device="cpu", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2, 48), generator=gen)
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4

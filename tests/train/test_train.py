@@ -8,6 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from checks import assert_logits_match_transformers
+
 import moeserve
 from moeserve.errors import MoeserveError
 from moeserve.spec import ModelSpec
@@ -116,12 +118,7 @@ def test_quick_run_writes_a_complete_model(capsys, quick_out):
 
 
 def test_quick_model_loads_in_moeserve_and_transformers_alike(quick_out):
-    transformers = pytest.importorskip("transformers")
-    ours = moeserve.load_model(quick_out, device="cpu", dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(quick_out, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 258, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4
+    assert_logits_match_transformers(quick_out, 258, seed=0)
 
 
 def test_same_seed_same_weights_and_existing_files_kept(texts, quick_out, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import moeserve
+from checks import assert_logits_match_transformers
 from moeserve.tokenizer import load_tokenizer
 from moeserve.train.corpus import is_heldout, load_code_corpus, text_digest
 from moeserve.train.run import main
@@ -72,7 +72,7 @@ def test_heldout_files_are_never_trained_on(corpus_dirs):
 
 
 def test_wide_quick_model_loads_in_transformers_with_our_logits(wide_model):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     record = json.loads((wide_model / "training.json").read_text())
     assert record["architecture"] == "wide" and record["token_unit"] == "BPE token" and record["steps"] == 30
     assert record["history"][-1]["heldout_loss"] < record["history"][0]["heldout_loss"]
@@ -80,11 +80,7 @@ def test_wide_quick_model_loads_in_transformers_with_our_logits(wide_model):
     tok = load_tokenizer(wide_model)
     ids = tok.encode("def f(x):\n    return x\n")
     assert ids[0] == 0 and tok.decode(ids) == "def f(x):\n    return x\n" and max(ids) < 320
-    ours = moeserve.load_model(wide_model, device="cpu", dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4
+    assert_logits_match_transformers(wide_model, 320, seed=1)
 
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_weights(corpus_dirs, wide_model, tmp_path):
